@@ -1,0 +1,1 @@
+"""Tokenizer, corpus and the global-position loader."""

@@ -1,0 +1,68 @@
+"""A loader whose state is a position in the global token stream, so it does not depend on the layout.
+
+The corpus is one stream of tokens. Optimizer step k reads ``global_batch`` consecutive windows of
+``seq_len + 1`` tokens starting at the stream position; window j starts ``j * seq_len`` tokens after it.
+Data-parallel rank r of D takes windows ``[r * G/D, (r+1) * G/D)`` of that global batch, split into
+micro-batches for gradient accumulation. After the step the position advances by ``G * seq_len`` tokens
+on every rank, whatever D is.
+
+So two runs with different data-parallel degrees see the same global batches in the same order, and a
+checkpoint that stores ``tokens_consumed`` resumes the same stream under any other layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from config import ConfigError
+
+
+class GlobalBatchLoader:
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        *,
+        seq_len: int,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+    ):
+        if tokens.numel() < seq_len + 2:
+            raise ConfigError(
+                f"the corpus has {tokens.numel()} tokens, fewer than training.seq_len + 2 = {seq_len + 2}; "
+                "use a larger data.source or a smaller training.seq_len."
+            )
+        if global_batch % dp_size:
+            raise ConfigError(f"training.global_batch={global_batch} is not divisible by the dp degree {dp_size}.")
+        self.local_batch = global_batch // dp_size
+        if micro_batch <= 0 or self.local_batch % micro_batch:
+            raise ConfigError(
+                f"training.micro_batch={micro_batch} must divide the local batch {self.local_batch} "
+                f"(global_batch {global_batch} / dp {dp_size})."
+            )
+        self.tokens = tokens
+        self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.tokens_consumed = 0  # position in the global stream, identical on every rank
+
+    def window_starts(self, position: int) -> torch.Tensor:
+        """Start offsets of this rank's windows in the global batch that begins at ``position``."""
+        first = self.dp_rank * self.local_batch
+        offsets = position + (first + torch.arange(self.local_batch, dtype=torch.int64)) * self.seq_len
+        # Wrap around at the end of the corpus so that every window has seq_len + 1 tokens.
+        return offsets % (self.tokens.numel() - self.seq_len)
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (inputs, targets) micro-batches for one optimizer step; advances the position."""
+        starts = self.window_starts(self.tokens_consumed)
+        windows = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
+        self.tokens_consumed += self.global_batch * self.seq_len
+        inputs, targets = windows[:, :-1], windows[:, 1:]
+        return list(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch), strict=True))
+
+    def state_dict(self) -> dict:
+        return {"tokens_consumed": self.tokens_consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tokens_consumed = int(state["tokens_consumed"])

@@ -1,0 +1,1 @@
+"""Everything that maps the model onto ranks; the only package that communicates."""

@@ -1,0 +1,74 @@
+"""Data parallelism with FSDP2 (``fully_shard``): ZeRO-3 style sharding, or HSDP on a 2-D mesh.
+
+``apply_fsdp`` does, in order:
+
+1. Wrap each transformer block in its own FSDP unit, then the root (embedding, final norm, head). A unit's
+   parameters are all-gathered just before its forward (and again before its backward when it resharded
+   after forward), and its gradients are reduce-scattered right after its backward: only one or two
+   blocks are ever unsharded at a time.
+2. On a 1-D mesh (dp_shard) every rank holds 1/dp_shard of each parameter, gradient and optimizer state.
+   On a 2-D mesh (dp_replicate, dp_shard) that is HSDP: shard inside a group (a node), replicate across
+   groups; a gradient is reduce-scattered inside the group, then all-reduced across the replicas.
+3. Mixed precision: with ``training.mixed_precision = bf16`` the all-gathered parameters and the compute are
+   bf16, while gradients are reduced in fp32 and the sharded master weights and Adam states stay fp32.
+4. Gradients are *summed*, not averaged, across data-parallel ranks. The loss each rank backpropagates is
+   already its share of the global mean (its token-loss sum divided by the global token count), so the sum
+   of the ranks' gradients is exactly the gradient of the global mean: the scaling happens once, in the
+   loss. (FSDP's default would divide by the dp size a second time.)
+5. Prefetch: each block asks FSDP to start all-gathering the next block during its own forward, so the
+   communication overlaps compute on GPUs. Backward prefetching of the previous block is FSDP2's default.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from mesh.dims import Meshes
+
+
+def reshard_after_forward_policy(policy: str, is_last_block: bool) -> bool:
+    """``default``: free gathered weights after forward, except the last block, whose backward comes next."""
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    return not is_last_block
+
+
+def sum_gradients_across_replicas(module: FSDPModule) -> None:
+    """Make FSDP reduce gradients with a plain SUM (no division by the data-parallel size)."""
+    module.set_gradient_divide_factor(1.0)
+    # A divide factor alone maps to PREMUL_SUM, which gloo lacks; forcing SUM comms keeps it portable.
+    module.set_force_sum_reduction_for_comms(True)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    meshes: Meshes,
+    *,
+    mixed_precision: str = "fp32",
+    reshard_after_forward: str = "default",
+) -> nn.Module:
+    """Shard ``model`` over ``meshes.fsdp`` (see the module docstring for the steps)."""
+    fsdp_mesh = meshes.fsdp
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if mixed_precision == "bf16" else None,
+        reduce_dtype=torch.float32,
+    )
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        fully_shard(
+            block,
+            mesh=fsdp_mesh,
+            mp_policy=policy,
+            reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, i == len(blocks) - 1),
+        )
+    # The root holds the embedding, final norm and head; gathered at the start, needed again at the end.
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
+    for module in [*blocks, model]:
+        sum_gradients_across_replicas(module)
+    for block, next_block in zip(blocks, blocks[1:], strict=False):
+        block.set_modules_to_forward_prefetch([next_block])
+    return model

@@ -1,0 +1,51 @@
+"""Gradient clipping by the true global norm, across every shard and every mesh dim.
+
+A gradient may be a plain tensor (one process), an FSDP shard, a TP shard, or a 2-D (dp, tp) DTensor;
+pipeline stages each hold only their own layers. The global norm is sqrt(sum over all gradients of
+||g||^2), counted once per element of the full model:
+
+1. Group the gradients by (mesh, placements), so one fused norm call covers each group.
+2. For a DTensor group, ``get_total_norm`` returns a DTensor whose ``full_tensor()`` reduces the partial
+   squared sums over the sharded mesh dims (and does not double count replicated ones).
+3. Add the groups' squared norms; with pipeline parallelism, all-reduce that sum over the pp dim, since
+   each stage only saw its own layers.
+4. Scale every gradient by min(1, max_norm / norm).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+@torch.no_grad()
+def global_grad_norm(params: list[nn.Parameter], pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """The L2 norm of all gradients of the whole model (a 0-dim fp32 tensor, same on every rank)."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups[key].append(p.grad)
+    squared = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squared += norm.float() ** 2
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        dist.all_reduce(squared, group=pp_mesh.get_group())
+    return squared.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """Clip to ``max_norm`` (if > 0) by the global norm; returns the norm measured before clipping."""
+    norm = global_grad_norm(params, pp_mesh)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm

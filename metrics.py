@@ -1,0 +1,70 @@
+"""Run outputs on rank 0: a console line per step, ``metrics.jsonl`` and TensorBoard events in ``tb/``."""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import torch
+
+from config import ConfigError
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated GPU memory on CUDA; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def check_run_dir(run_dir: str, overwrite: bool) -> None:
+    """Refuse to append a new run to an old run's metrics (checked on every rank before any collective)."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.exists() and not overwrite:
+        raise ConfigError(
+            f"run.dir={run_dir!r} already holds {metrics.name} from an earlier run; pass a new --run.dir, "
+            "or --run.overwrite true to replace it."
+        )
+
+
+class MetricsWriter:
+    """Writes one JSON object per logged step; a no-op on ranks other than 0."""
+
+    def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.file = None
+        self.tb = None
+        if not enabled:
+            return
+        root = Path(run_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        self.file = open(root / "metrics.jsonl", "w")  # noqa: SIM115 - closed in close()
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imported lazily: it is slow to import
+
+            self.tb = SummaryWriter(str(root / "tb"))
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(f"train/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def format_step(record: dict) -> str:
+    return (
+        f"step {record['step']:>5} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
+        f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
+        f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB"
+    )

@@ -1,0 +1,1 @@
+"""Single-device model definitions. Nothing in this package imports torch.distributed."""

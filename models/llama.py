@@ -1,0 +1,220 @@
+"""A Llama-style decoder in single-device PyTorch (no torch.distributed here, ever).
+
+Token embedding -> n_layers x [RMSNorm -> grouped-query attention with rotary embeddings -> residual,
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output head.
+
+Three choices make the model easy to parallelize without changing it:
+
+1. Layers live in an ``nn.ModuleDict`` keyed by layer index ("0", "1", ...). A pipeline stage deletes the
+   layers it does not own, and every parameter keeps its original name (``layers.5.attention.wq.weight``),
+   so checkpoints and initial weights do not depend on the pipeline split.
+2. Attention reshapes with ``-1`` heads, so after tensor parallelism has split wq/wk/wv by columns the
+   same code runs on the local heads (n_heads/tp and n_kv_heads/tp).
+3. The model is built on the meta device and initialised by ``init_weights()``. Each parameter's initial
+   value is a function of (seed, parameter name) only (``initial_value``), never of the layout or of the
+   order in which parameters are created, so every parallel layout starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    vocab_size: int = 256
+    ffn_dim: int = 0  # 0: derived from dim by Llama's 8/3 rule
+    multiple_of: int = 64
+    ffn_dim_multiplier: float = 1.0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """The SwiGLU hidden size: Llama's 2/3 * 4 * dim, scaled, rounded up to multiple_of."""
+        if self.ffn_dim:
+            return self.ffn_dim
+        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def num_params(self) -> int:
+        """Parameter count, computed from the shapes (used for planning tables without building the model)."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        mlp = 3 * self.dim * self.hidden_dim
+        per_layer = attn + mlp + 2 * self.dim
+        return 2 * self.vocab_size * self.dim + self.n_layers * per_layer + self.dim
+
+
+# Llama-3-shaped presets, for planning (memory tables, layouts). Values follow Meta's published configs.
+PRESETS: dict[str, ModelArgs] = {
+    "llama3-1b": ModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256,
+        ffn_dim_multiplier=1.5, rope_theta=500000.0, max_seq_len=8192,
+    ),
+    "llama3-8b": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
+        ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192,
+    ),
+    "llama3-70b": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
+        ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192,
+    ),
+}  # fmt: skip
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 for stability."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, ...]:
+    """cos and sin tables of shape (max_seq_len, head_dim) for the half-rotation form of RoPE."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x_i, x_{i+d/2}) pair by its position's angle. x: (batch, seq, heads, head_dim)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.n_kv_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 heads: under tensor parallelism these are the local heads of this rank.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Each key/value head serves n_rep consecutive query heads.
+        k = k.repeat_interleave(self.n_rep, dim=2)
+        v = v.repeat_interleave(self.n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder. Pipeline stages set tok_embeddings / norm / output to None where they do not own them."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Rotary tables are derived state: not saved in checkpoints, rebuilt by reset_buffers().
+        cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab); a later pipeline stage takes hidden states."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seqlen = h.shape[1]
+        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    # ---- initialisation -------------------------------------------------------------------------------
+    def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+        """The full initial value of parameter ``name``: a function of (seed, name) alone.
+
+        Norm weights start at one; the embedding at N(0, 1); linear layers at N(0, 0.02), with the two
+        projections that write into the residual stream (wo, w2) scaled by 1/sqrt(2 * n_layers) as in
+        GPT-2, and the output head at N(0, dim^-0.5) so initial logits have unit scale.
+        """
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if name == "tok_embeddings.weight":
+            std = 1.0
+        elif name == "output.weight":
+            std = self.args.dim**-0.5
+        elif name.endswith(("wo.weight", "w2.weight")):
+            std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        else:
+            std = 0.02
+        return torch.randn(shape, generator=gen) * std
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        cos, sin = rotary_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, device: torch.device | str = "cpu") -> Transformer:
+        """Materialise a meta-device model on ``device`` (single device) and set the initial values."""
+        self.to_empty(device=device)
+        for name, param in self.named_parameters():
+            param.copy_(self.initial_value(name, param.shape, seed))
+        self.reset_buffers(device)
+        return self

@@ -1,0 +1,184 @@
+"""Train a Llama-style model on any parallel layout: config -> mesh -> model -> parallelize -> data -> steps.
+
+    python train.py                                   # the embedded default, one process
+    torchrun --standalone --nproc-per-node 4 train.py --config configs/debug.toml --parallel.dp_shard 4
+
+Every layout trains the same model as one process: the initial weights are a function of (seed, name),
+each data-parallel rank reads its slice of the same global batches, and the loss is the sum of token
+losses over the global batch divided by the global token count.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from config import Config, ConfigError, load_config
+from data.corpus import load_corpus
+from data.loader import GlobalBatchLoader
+from mesh.activation_checkpoint import apply_activation_checkpointing
+from mesh.data_parallel import apply_fsdp
+from mesh.dims import Meshes, ParallelDims, build_mesh, mesh_banner, validate_layout
+from mesh.grad_clip import clip_grad_norm
+from mesh.materialize import materialize_weights
+from mesh.runtime import destroy_process_group, init_process_group, select_device, world_size_from_env
+from metrics import MetricsWriter, check_run_dir, format_step, peak_memory_bytes
+from models.llama import ModelArgs, Transformer
+
+
+def model_args(cfg: Config) -> ModelArgs:
+    m = cfg.model
+    return ModelArgs(
+        dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
+        ffn_dim=m.ffn_dim, multiple_of=m.multiple_of, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+        max_seq_len=m.max_seq_len,
+    )  # fmt: skip
+
+
+def check_config(cfg: Config, world_size: int) -> tuple[ParallelDims, ModelArgs]:
+    """Every check that needs no process group; raises the same ConfigError on every rank."""
+    dims = ParallelDims.resolve(cfg, world_size)
+    args = model_args(cfg)
+    validate_layout(dims, cfg, args)
+    if cfg.training.steps < 1:
+        raise ConfigError(f"training.steps={cfg.training.steps} must be >= 1.")
+    if cfg.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is below 256, which the byte tokenizer needs.")
+    check_run_dir(cfg.run.dir, cfg.run.overwrite)
+    return dims, args
+
+
+def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, meshes: Meshes, device: torch.device) -> Transformer:
+    """Meta-device model -> activation checkpointing -> compile -> FSDP -> layout-independent weights."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_activation_checkpointing(model, cfg.training.activation_checkpoint)
+    if cfg.training.compile:
+        for block in model.layers.values():
+            block.compile()
+    # FSDP whenever there is data parallelism, and also for bf16 on one rank: its MixedPrecisionPolicy is
+    # where bf16 compute with fp32 master weights and fp32 gradient reduction lives.
+    if dims.dp > 1 or cfg.training.mixed_precision == "bf16":
+        apply_fsdp(
+            model, meshes,
+            mixed_precision=cfg.training.mixed_precision,
+            reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+        )  # fmt: skip
+    materialize_weights(model, device, cfg.training.seed)
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config):
+    """AdamW (no weight decay on norm weights) with linear warmup, then cosine decay to lr * min_lr_ratio."""
+    t = cfg.training
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr, betas=(t.beta1, t.beta2), foreach=True,
+    )  # fmt: skip
+
+    def lr_factor(step: int) -> float:  # step counts optimizer steps already taken
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+def train(cfg: Config) -> list[dict]:
+    """Run ``cfg`` on the current world (process group optional); returns the per-step records on every rank."""
+    dims, args = check_config(cfg, world_size_from_env() if not dist.is_initialized() else dist.get_world_size())
+    device = select_device(cfg.training.device)
+    init_process_group(device, cfg.parallel.collective_timeout_s)
+    torch.manual_seed(cfg.training.seed)
+    meshes = build_mesh(dims, device.type)
+    rank = dist.get_rank()
+    is_logger = rank == 0
+
+    model = build_model(cfg, args, dims, meshes, device)
+    optimizer, scheduler = build_optimizer(model, cfg)
+    params = list(model.parameters())
+
+    t = cfg.training
+    dp_mesh = meshes.dp
+    micro_batch = t.micro_batch or t.global_batch // dims.dp
+    loader = GlobalBatchLoader(
+        load_corpus(cfg.data.source, cfg.data.max_bytes),
+        seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=micro_batch,
+        dp_rank=dp_mesh.get_local_rank(), dp_size=dims.dp,
+    )  # fmt: skip
+    global_tokens = t.global_batch * t.seq_len
+
+    local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+    if is_logger:
+        print(
+            f"meshloom | world {dims.world_size} | {dims.describe()} | device {device} | {t.mixed_precision}\n"
+            f"{mesh_banner(meshes.world)}\n"
+            f"  parameters    {args.num_params():,} total, {local_params:,} on rank 0\n"
+            f"  batch         global {t.global_batch} = micro {micro_batch} x dp {dims.dp} x accumulation "
+            f"{loader.local_batch // micro_batch}; seq_len {t.seq_len}; {global_tokens:,} tokens/step",
+            flush=True,
+        )
+    writer = MetricsWriter(cfg.run.dir, enabled=is_logger, tensorboard=cfg.run.tensorboard)
+    records = []
+    try:
+        for step in range(1, t.steps + 1):
+            start = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            for inputs, targets in loader.next_batch():
+                logits = model(inputs.to(device))
+                token_losses = F.cross_entropy(
+                    logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum"
+                )
+                # Normalise by the *global* token count: each rank's gradient is its share of the global
+                # mean, so FSDP sums (never averages) gradients across ranks and the scale is right once.
+                (token_losses / global_tokens).backward()
+                loss_sum += token_losses.detach()
+            grad_norm = clip_grad_norm(params, t.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            # The logged loss is the global mean: sum the per-rank token-loss sums over the dp ranks.
+            dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+            loss = (loss_sum / global_tokens).item()
+            elapsed = time.perf_counter() - start
+            record = {
+                "step": step, "loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
+                "tokens_per_s": global_tokens / elapsed, "peak_mem_bytes": peak_memory_bytes(device),
+                "tokens_consumed": loader.tokens_consumed,
+            }  # fmt: skip
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss} at step {step}; lower training.lr or enable grad_clip.")
+            records.append(record)
+            if step % cfg.run.log_every == 0 or step == t.steps:
+                writer.log(record)
+                if is_logger:
+                    print(format_step(record), flush=True)
+    finally:
+        writer.close()
+    return records
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = load_config(argv)
+        train(cfg)
+    except ConfigError as exc:
+        # Printed by every rank: with torchrun each rank's stderr is prefixed by its rank.
+        print(f"meshloom: configuration error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
