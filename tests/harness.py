@@ -1,0 +1,98 @@
+"""Run a function on N gloo ranks (CPU processes) and collect every rank's result or error.
+
+``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes, joins them into one gloo process
+group, calls ``fn(*args)`` on each and returns the list of per-rank return values. If any rank raises, the
+test fails with that rank's traceback (the first failing rank's is the root cause; the others usually show
+"Connection closed by peer"). If the ranks do not finish within ``timeout`` seconds, all are killed and
+the test fails: a hang becomes a failure, never a stuck CI job.
+
+Processes come from a *forkserver* that has already imported torch and meshloom, so a rank starts in a
+fraction of a second instead of paying torch's ~2 s import each time. ``fn`` must be a module-level
+function (it is pickled by name) and its result must be picklable by ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+PRELOAD = ["torch", "torch.distributed", "train", "tests.harness"]
+_CONTEXT = None
+
+
+def _context():
+    global _CONTEXT
+    if _CONTEXT is None:
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the forkserver and so by every rank
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(PRELOAD)
+    return _CONTEXT
+
+
+def _rank_main(fn, args, kwargs, rank: int, world_size: int, workdir: str, timeout: float) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    out = Path(workdir) / f"rank{rank}.pt"
+    try:
+        store = dist.FileStore(str(Path(workdir) / "store"), world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+        )
+        result = fn(*args, **kwargs)
+        torch.save({"ok": True, "result": result}, out)
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results in rank order."""
+    import torch
+
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="meshloom-ranks-") as workdir:
+        procs = [
+            ctx.Process(target=_rank_main, args=(fn, args, kwargs, r, world_size, workdir, timeout), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        outcomes = []
+        for r in range(world_size):
+            path = Path(workdir) / f"rank{r}.pt"
+            if path.exists():
+                outcomes.append(torch.load(path, weights_only=False))
+            else:
+                code = procs[r].exitcode
+                outcomes.append({"ok": False, "error": f"rank {r} produced no result (exit code {code})"})
+    errors = [(r, o["error"]) for r, o in enumerate(outcomes) if not o["ok"]]
+    if hung or errors:
+        lines = [f"{fn.__name__} on {world_size} ranks failed"]
+        if hung:
+            lines.append(f"ranks {hung} still running after {timeout:.0f} s (killed): a hang or a too-slow test")
+        lines += [f"--- rank {r} ---\n{err}" for r, err in errors]
+        raise RankFailure("\n".join(lines))
+    return [o["result"] for o in outcomes]

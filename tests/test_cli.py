@@ -1,0 +1,57 @@
+"""The user-facing commands: `python train.py` and `torchrun ... train.py`, compared through metrics.jsonl."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, assert_same_curve
+
+
+def launch(tmp_path, name: str, nproc: int, *args: str) -> list[dict]:
+    run_dir = tmp_path / name
+    prefix = [sys.executable, "train.py"]
+    if nproc > 1:
+        prefix = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "train.py",
+        ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [*prefix, *args, "--training.steps", str(PARITY_STEPS), "--run.dir", str(run_dir)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step " in proc.stdout and "tok/s" in proc.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "peak_mem_bytes"):
+        assert key in records[0], key
+    assert (run_dir / "tb").is_dir() and any((run_dir / "tb").iterdir()), "no TensorBoard events"
+    return records
+
+
+@pytest.fixture(scope="module")
+def embedded_default(tmp_path_factory):
+    """`python train.py` with no --config: the embedded default (the same model as configs/debug.toml)."""
+    return launch(tmp_path_factory.mktemp("cli"), "one", 1)
+
+
+def test_embedded_default_trains(embedded_default):
+    assert embedded_default[-1]["loss"] < embedded_default[0]["loss"] - 0.5
+
+
+def test_torchrun_fsdp4_matches_one_process(embedded_default, tmp_path):
+    run = launch(tmp_path, "fsdp4", 4, "--config", DEBUG_CONFIG, "--parallel.dp_shard", "4")
+    assert_same_curve(run, embedded_default)
+
+
+@pytest.mark.slow
+def test_torchrun_hsdp_matches_one_process(embedded_default, tmp_path):
+    run = launch(
+        tmp_path, "hsdp", 4, "--config", DEBUG_CONFIG, "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"
+    )
+    assert_same_curve(run, embedded_default)
