@@ -27,6 +27,7 @@ from mesh.dims import Meshes, ParallelDims, build_mesh, mesh_banner, validate_la
 from mesh.grad_clip import clip_grad_norm
 from mesh.materialize import materialize_weights
 from mesh.runtime import destroy_process_group, init_process_group, select_device, world_size_from_env
+from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value
 from metrics import MetricsWriter, check_run_dir, format_step, peak_memory_bytes
 from models.llama import ModelArgs, Transformer
 
@@ -54,9 +55,11 @@ def check_config(cfg: Config, world_size: int) -> tuple[ParallelDims, ModelArgs]
 
 
 def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, meshes: Meshes, device: torch.device) -> Transformer:
-    """Meta-device model -> activation checkpointing -> compile -> FSDP -> layout-independent weights."""
+    """Meta-device model -> TP -> activation checkpointing -> compile -> FSDP -> layout-independent weights."""
     with torch.device("meta"):
         model = Transformer(args)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel)
     apply_activation_checkpointing(model, cfg.training.activation_checkpoint)
     if cfg.training.compile:
         for block in model.layers.values():
@@ -133,14 +136,15 @@ def train(cfg: Config) -> list[dict]:
             start = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             for inputs, targets in loader.next_batch():
-                logits = model(inputs.to(device))
-                token_losses = F.cross_entropy(
-                    logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum"
-                )
-                # Normalise by the *global* token count: each rank's gradient is its share of the global
-                # mean, so FSDP sums (never averages) gradients across ranks and the scale is right once.
-                (token_losses / global_tokens).backward()
-                loss_sum += token_losses.detach()
+                with loss_context(dims.tp > 1):  # vocab-sharded cross-entropy under TP (forward and backward)
+                    logits = model(inputs.to(device))
+                    token_losses = F.cross_entropy(
+                        logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum"
+                    )
+                    # Normalise by the *global* token count: each rank's gradient is its share of the global
+                    # mean, so FSDP sums (never averages) gradients across ranks and the scale is right once.
+                    (token_losses / global_tokens).backward()
+                loss_sum += loss_value(token_losses.detach())
             grad_norm = clip_grad_norm(params, t.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

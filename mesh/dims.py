@@ -73,7 +73,7 @@ class ParallelDims:
 
 
 # Features whose mesh code has not landed yet: a clear refusal beats a silently wrong run.
-NOT_YET_SUPPORTED = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "ep": "expert parallelism"}
+NOT_YET_SUPPORTED = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
 
 
 def validate_layout(dims: ParallelDims, cfg: Config, model: ModelArgs) -> None:

@@ -9,7 +9,8 @@ pipeline stages each hold only their own layers. The global norm is sqrt(sum ove
    squared sums over the sharded mesh dims (and does not double count replicated ones).
 3. Add the groups' squared norms; with pipeline parallelism, all-reduce that sum over the pp dim, since
    each stage only saw its own layers.
-4. Scale every gradient by min(1, max_norm / norm).
+4. Scale every gradient by min(1, max_norm / norm), one group at a time (a fused foreach kernel cannot
+   mix DTensors that live on different meshes, e.g. dense and expert weights).
 """
 
 from __future__ import annotations
@@ -23,17 +24,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 
-@torch.no_grad()
-def global_grad_norm(params: list[nn.Parameter], pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
-    """The L2 norm of all gradients of the whole model (a 0-dim fp32 tensor, same on every rank)."""
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+def group_by_placement(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters that have a gradient, grouped by their gradient's (mesh, placements)."""
+    groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups[key].append(p.grad)
+            groups[key].append(p)
+    return list(groups.values())
+
+
+@torch.no_grad()
+def global_grad_norm(params: list[nn.Parameter], pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """The L2 norm of all gradients of the whole model (a 0-dim fp32 tensor, same on every rank)."""
     squared = torch.zeros((), dtype=torch.float32, device=params[0].device)
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    for group in group_by_placement(params):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squared += norm.float() ** 2
@@ -47,5 +53,6 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_mesh: DeviceM
     """Clip to ``max_norm`` (if > 0) by the global norm; returns the norm measured before clipping."""
     norm = global_grad_norm(params, pp_mesh)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in group_by_placement(params):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

@@ -122,6 +122,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
+        cos, sin = cos[:seqlen], sin[:seqlen]  # seqlen of the full sequence, even if the caller holds a shard
         # -1 heads: under tensor parallelism these are the local heads of this rank.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
@@ -178,10 +179,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab); a later pipeline stage takes hidden states."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = h.shape[1]
-        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, self.rope_cos, self.rope_sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -55,3 +55,9 @@ def test_torchrun_hsdp_matches_one_process(embedded_default, tmp_path):
         tmp_path, "hsdp", 4, "--config", DEBUG_CONFIG, "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"
     )
     assert_same_curve(run, embedded_default)
+
+
+@pytest.mark.slow
+def test_torchrun_fsdp2_x_tp2_matches_one_process(embedded_default, tmp_path):
+    run = launch(tmp_path, "fsdp2xtp2", 4, "--config", DEBUG_CONFIG, "--parallel.dp_shard", "2", "--parallel.tp", "2")
+    assert_same_curve(run, embedded_default)

@@ -1,0 +1,127 @@
+"""Tensor parallelism (Megatron-style) and sequence parallelism for the Llama model, via parallelize_module.
+
+Tensor parallelism (TP) splits each block's matmuls across the ``tp`` ranks of a node:
+
+1. MLP: Y = silu(X W1) * (X W3) is *column*-parallel (each rank holds a slice of W1's and W3's output
+   columns and computes its slice of Y with no communication); Z = Y W2 is *row*-parallel (each rank holds
+   the matching rows of W2 and produces a partial Z). One reduction over tp sums the partial Zs.
+2. Attention: wq, wk, wv are column-parallel, i.e. split by heads (each rank runs n_heads/tp query heads and
+   n_kv_heads/tp key/value heads); wo is row-parallel; again one reduction per attention.
+3. Backward mirrors forward: the block input was used by every rank's slice, so its gradient is the sum of
+   the ranks' partial gradients: one reduction per attention and per MLP.
+
+Sequence parallelism (SP, ``parallel.sequence_parallel``) also shards what lies *between* the matmuls (the
+RMSNorms, the residual stream) along the sequence dim, so those activations are 1/tp per rank. Each
+all-reduce above then becomes a reduce-scatter (partial sums -> sequence shards) and the matching
+all-gather (sequence shards -> full sequence before the next column-parallel matmul): the same bytes on the
+wire, since all-reduce = reduce-scatter + all-gather, but no rank ever stores the full residual stream.
+
+The embedding is row-parallel over the vocabulary, and the output head column-parallel over it: the logits
+stay sharded on the vocab dim and ``loss_parallel`` computes the cross-entropy from the shards, so the full
+(batch, seq, vocab) logits never exist on one rank.
+
+Apply order (see train.build_model): TP -> activation checkpointing -> compile -> FSDP on the data-parallel
+dims of the same world mesh (2-D layouts dp_shard x tp and dp_replicate x tp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+
+class ReplicateParallel(ParallelStyle):
+    """Run a module unsplit on the replicated input, its parameters held as Replicate DTensors over tp.
+
+    Without SP the norms do identical work on every tp rank. Their weights still become DTensors so that,
+    once FSDP adds the dp dims, every parameter of the model lives on the same (dp, tp) mesh: the foreach
+    kernels of AdamW and of clipping cannot mix DTensors from different meshes.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(_module, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
+
+        def to_local(_module, output, _mesh):
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def block_plan(sequence_parallel: bool) -> dict:
+    """The TP plan of one TransformerBlock (keys are submodule paths inside the block).
+
+    Without SP the residual stream is replicated; ``PrepareModuleInput`` still turns each sub-layer's input
+    into one Replicate DTensor, so wq/wk/wv (and w1/w3) share it and backward sums their input gradients
+    before a *single* all-reduce, as in Megatron's "f" operator.
+    """
+    # Between sub-layers, activations are sequence shards (SP) or replicated (no SP).
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "attention": PrepareModuleInput(
+            input_layouts=(between, None, None),  # (x, rope cos, rope sin): cos/sin stay plain tensors
+            desired_input_layouts=(Replicate(), None, None),  # SP: all-gather the sequence here
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=between),  # all-reduce, or reduce-scatter with SP
+        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+    }
+    norm_style = SequenceParallel if sequence_parallel else ReplicateParallel
+    plan["attention_norm"] = norm_style()
+    plan["ffn_norm"] = norm_style()
+    return plan
+
+
+def model_plan(sequence_parallel: bool) -> dict:
+    """The TP plan of the embedding, final norm and output head."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        # Vocab rows are split: each rank looks up the tokens it owns, the partial embeddings are summed
+        # (all-reduce), or reduce-scattered straight into sequence shards with SP.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        # Vocab columns are split; keep the logits as a vocab-sharded DTensor for loss_parallel.
+        "output": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
+    }
+    plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+    """Shard ``model``'s blocks, embedding and head over ``tp_mesh`` (a 1-D mesh, one node's GPUs)."""
+    parallelize_module(model, tp_mesh, model_plan(sequence_parallel))
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+    return model
+
+
+def loss_context(tp_enabled: bool):
+    """Cross-entropy on vocab-sharded logits (forward *and* backward must run inside it)."""
+    return loss_parallel() if tp_enabled else contextlib.nullcontext()
+
+
+def loss_value(loss: torch.Tensor) -> torch.Tensor:
+    """The plain value of a loss; under loss_parallel it is a DTensor replicated over tp."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
