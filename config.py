@@ -43,7 +43,9 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     pp_schedule: str = "1F1B"
-    pp_microbatches: int = 0  # 0: one microbatch per pipeline stage
+    pp_microbatches: int = 0  # 0: one micro-batch per pipeline stage
+    pp_stages_per_rank: int = 0  # 0: derived from the schedule (1; 2 for looped and V-shaped schedules)
+    pp_split: str = "params"  # params | flops | explicit layers per stage, e.g. "3,5"
     sequence_parallel: bool = True
     fsdp_reshard_after_forward: str = "default"  # default | always | never
     collective_timeout_s: int = 300

@@ -17,15 +17,23 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from config import Config, ConfigError, load_config
 from data.corpus import load_corpus
 from data.loader import GlobalBatchLoader
 from mesh.activation_checkpoint import apply_activation_checkpointing
 from mesh.data_parallel import apply_fsdp
-from mesh.dims import Meshes, ParallelDims, build_mesh, mesh_banner, validate_layout
+from mesh.dims import Meshes, ParallelDims, build_mesh, mesh_banner, pipeline_microbatches, validate_layout
 from mesh.grad_clip import clip_grad_norm
 from mesh.materialize import materialize_weights
+from mesh.pipeline import (
+    build_pipeline_schedule,
+    build_stage_module,
+    split_layers,
+    stage_ids_of_rank,
+    stages_per_rank,
+)
 from mesh.runtime import destroy_process_group, init_process_group, select_device, world_size_from_env
 from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value
 from metrics import MetricsWriter, check_run_dir, format_step, peak_memory_bytes
@@ -54,10 +62,8 @@ def check_config(cfg: Config, world_size: int) -> tuple[ParallelDims, ModelArgs]
     return dims, args
 
 
-def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, meshes: Meshes, device: torch.device) -> Transformer:
-    """Meta-device model -> TP -> activation checkpointing -> compile -> FSDP -> layout-independent weights."""
-    with torch.device("meta"):
-        model = Transformer(args)
+def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device) -> nn.Module:
+    """The fixed order: TP -> activation checkpointing -> compile -> FSDP -> layout-independent weights."""
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel)
     apply_activation_checkpointing(model, cfg.training.activation_checkpoint)
@@ -71,16 +77,41 @@ def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, meshes: Meshes
             model, meshes,
             mixed_precision=cfg.training.mixed_precision,
             reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+            pipelined=dims.pp > 1,
         )  # fmt: skip
     materialize_weights(model, device, cfg.training.seed)
     return model
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config):
+def build_model(cfg: Config, args: ModelArgs, dims: ParallelDims, meshes: Meshes, device: torch.device) -> Transformer:
+    """The whole model, parallelized (no pipeline)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return parallelize(model, cfg, dims, meshes, device)
+
+
+def build_model_parts(cfg: Config, args: ModelArgs, dims: ParallelDims, meshes: Meshes, device: torch.device):
+    """This rank's model parts: the whole model, or its pipeline stages. Returns (parts, stage ids, n stages)."""
+    if dims.pp == 1:
+        return [build_model(cfg, args, dims, meshes, device)], [0], 1
+    p = cfg.parallel
+    n_local = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+    n_stages = dims.pp * n_local
+    layers = split_layers(args, n_stages, p.pp_split, cfg.training.seq_len)
+    stage_ids = stage_ids_of_rank(meshes.pp.get_local_rank(), dims.pp, n_local, p.pp_schedule)
+    parts = [
+        parallelize(build_stage_module(args, layers[s], s == 0, s == n_stages - 1), cfg, dims, meshes, device)
+        for s in stage_ids
+    ]
+    return parts, stage_ids, n_stages
+
+
+def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config):
     """AdamW (no weight decay on norm weights) with linear warmup, then cosine decay to lr * min_lr_ratio."""
     t = cfg.training
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    params = [p for part in (model if isinstance(model, list) else [model]) for p in part.parameters()]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=t.lr, betas=(t.beta1, t.beta2), foreach=True,
@@ -95,6 +126,34 @@ def build_optimizer(model: torch.nn.Module, cfg: Config):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the token cross-entropies, in fp32 (under TP, on vocab-sharded logits via loss_parallel)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+def forward_backward(parts, schedule, stage_ids, n_stages, inputs, targets, global_tokens, tp_enabled):
+    """One micro-batch's forward and backward; returns this rank's token-loss sum (0 off the last stage).
+
+    The loss that is backpropagated is the token-loss sum divided by the *global* token count: each rank's
+    gradient is then its exact share of the global mean, so data-parallel ranks sum (never average) their
+    gradients, and the scale is applied once whatever dp, accumulation or pipeline micro-batching is.
+    """
+    with loss_context(tp_enabled):  # vocab-sharded cross-entropy under TP: forward *and* backward inside
+        if schedule is None:
+            loss = token_loss_sum(parts[0](inputs), targets)
+            (loss / global_tokens).backward()
+            return loss_value(loss.detach())
+        losses: list[torch.Tensor] = []
+        is_first, is_last = 0 in stage_ids, n_stages - 1 in stage_ids
+        schedule.step(
+            *((inputs,) if is_first else ()),
+            **({"target": targets, "losses": losses} if is_last else {}),
+        )
+        if not is_last:
+            return torch.zeros((), device=inputs.device)
+        return sum(loss_value(loss.detach()) for loss in losses) * global_tokens
+
+
 def train(cfg: Config) -> list[dict]:
     """Run ``cfg`` on the current world (process group optional); returns the per-step records on every rank."""
     dims, args = check_config(cfg, world_size_from_env() if not dist.is_initialized() else dist.get_world_size())
@@ -102,29 +161,35 @@ def train(cfg: Config) -> list[dict]:
     init_process_group(device, cfg.parallel.collective_timeout_s)
     torch.manual_seed(cfg.training.seed)
     meshes = build_mesh(dims, device.type)
-    rank = dist.get_rank()
-    is_logger = rank == 0
-
-    model = build_model(cfg, args, dims, meshes, device)
-    optimizer, scheduler = build_optimizer(model, cfg)
-    params = list(model.parameters())
-
+    is_logger = dist.get_rank() == 0
     t = cfg.training
-    dp_mesh = meshes.dp
     micro_batch = t.micro_batch or t.global_batch // dims.dp
+    global_tokens = t.global_batch * t.seq_len
+
+    parts, stage_ids, n_stages = build_model_parts(cfg, args, dims, meshes, device)
+    schedule = None
+    if dims.pp > 1:
+        schedule, _ = build_pipeline_schedule(
+            parts, stage_ids, n_stages,
+            schedule=cfg.parallel.pp_schedule, microbatches=pipeline_microbatches(cfg, dims),
+            pp_group=meshes.pp.get_group(), device=device,
+            loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / global_tokens,
+        )  # fmt: skip
+    optimizer, scheduler = build_optimizer(parts, cfg)
+    params = [p for part in parts for p in part.parameters()]
     loader = GlobalBatchLoader(
         load_corpus(cfg.data.source, cfg.data.max_bytes),
         seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=micro_batch,
-        dp_rank=dp_mesh.get_local_rank(), dp_size=dims.dp,
+        dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp,
     )  # fmt: skip
-    global_tokens = t.global_batch * t.seq_len
 
     local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
     if is_logger:
+        stages = f"; pipeline stages {stage_ids} of {n_stages} on rank 0" if dims.pp > 1 else ""
         print(
             f"meshloom | world {dims.world_size} | {dims.describe()} | device {device} | {t.mixed_precision}\n"
             f"{mesh_banner(meshes.world)}\n"
-            f"  parameters    {args.num_params():,} total, {local_params:,} on rank 0\n"
+            f"  parameters    {args.num_params():,} total, {local_params:,} on rank 0{stages}\n"
             f"  batch         global {t.global_batch} = micro {micro_batch} x dp {dims.dp} x accumulation "
             f"{loader.local_batch // micro_batch}; seq_len {t.seq_len}; {global_tokens:,} tokens/step",
             flush=True,
@@ -136,22 +201,18 @@ def train(cfg: Config) -> list[dict]:
             start = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             for inputs, targets in loader.next_batch():
-                with loss_context(dims.tp > 1):  # vocab-sharded cross-entropy under TP (forward and backward)
-                    logits = model(inputs.to(device))
-                    token_losses = F.cross_entropy(
-                        logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum"
-                    )
-                    # Normalise by the *global* token count: each rank's gradient is its share of the global
-                    # mean, so FSDP sums (never averages) gradients across ranks and the scale is right once.
-                    (token_losses / global_tokens).backward()
-                loss_sum += loss_value(token_losses.detach())
-            grad_norm = clip_grad_norm(params, t.grad_clip)
+                loss_sum += forward_backward(
+                    parts, schedule, stage_ids, n_stages, inputs.to(device), targets.to(device),
+                    global_tokens, dims.tp > 1,
+                )  # fmt: skip
+            grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            # The logged loss is the global mean: sum the per-rank token-loss sums over the dp ranks.
-            dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+            # The logged loss is the global mean: sum the token-loss sums over the dp ranks and the pp stages
+            # (only last-stage ranks hold a non-zero sum).
+            dist.all_reduce(loss_sum, group=meshes.loss.get_group())
             loss = (loss_sum / global_tokens).item()
             elapsed = time.perf_counter() - start
             record = {

@@ -28,11 +28,15 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from mesh.dims import Meshes
 
 
-def reshard_after_forward_policy(policy: str, is_last_block: bool) -> bool:
-    """``default``: free gathered weights after forward, except the last block, whose backward comes next."""
+def reshard_after_forward_policy(policy: str, is_last_block: bool, pipelined: bool) -> bool:
+    """``default``: free gathered weights after forward, except the last block, whose backward comes next.
+
+    Under pipeline parallelism the default keeps them gathered: a stage runs several micro-batches' forwards
+    before their backwards, and resharding would all-gather the same weights again for each one.
+    """
     if policy == "always":
         return True
-    if policy == "never":
+    if policy == "never" or pipelined:
         return False
     return not is_last_block
 
@@ -50,6 +54,7 @@ def apply_fsdp(
     *,
     mixed_precision: str = "fp32",
     reshard_after_forward: str = "default",
+    pipelined: bool = False,
 ) -> nn.Module:
     """Shard ``model`` over ``meshes.fsdp`` (see the module docstring for the steps)."""
     fsdp_mesh = meshes.fsdp
@@ -63,10 +68,12 @@ def apply_fsdp(
             block,
             mesh=fsdp_mesh,
             mp_policy=policy,
-            reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, i == len(blocks) - 1),
+            reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, i == len(blocks) - 1, pipelined),
         )
-    # The root holds the embedding, final norm and head; gathered at the start, needed again at the end.
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
+    # The root holds the embedding, final norm and head: used at the start of forward and again at the end
+    # (the head), then first in backward, so by default it stays gathered like the last block.
+    root_reshard = reshard_after_forward_policy(reshard_after_forward, True, pipelined)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=root_reshard)
     for module in [*blocks, model]:
         sum_gradients_across_replicas(module)
     for block, next_block in zip(blocks, blocks[1:], strict=False):

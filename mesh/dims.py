@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from config import Config, ConfigError
+from mesh.pipeline import default_microbatches, pipeline_errors, stages_per_rank
 from models.llama import ModelArgs
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -73,12 +74,13 @@ class ParallelDims:
 
 
 # Features whose mesh code has not landed yet: a clear refusal beats a silently wrong run.
-NOT_YET_SUPPORTED = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
+NOT_YET_SUPPORTED = {"ep": "expert parallelism"}
 
 
 def validate_layout(dims: ParallelDims, cfg: Config, model: ModelArgs) -> None:
     """Raise one ConfigError listing every rule the layout breaks (identical on every rank)."""
     errors: list[str] = []
+    t = cfg.training
     product = dims.pp * dims.dp_replicate * dims.dp_shard * dims.tp
     if product != dims.world_size:
         errors.append(
@@ -115,8 +117,13 @@ def validate_layout(dims: ParallelDims, cfg: Config, model: ModelArgs) -> None:
         )
 
     # Pipeline and expert degrees against the model.
-    if dims.pp > model.n_layers:
-        errors.append(f"parallel.pp={dims.pp} exceeds model.n_layers={model.n_layers}; use pp <= n_layers.")
+    if dims.pp > 1 and not t.global_batch % dims.dp:
+        p = cfg.parallel
+        n_local = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+        errors += pipeline_errors(
+            dims.pp, p.pp_schedule, n_local, pipeline_microbatches(cfg, dims),
+            t.micro_batch or t.global_batch // dims.dp, p.pp_split, model.n_layers,
+        )  # fmt: skip
     if dims.ep > 1:
         if cfg.model.n_experts == 0:
             errors.append(f"parallel.ep={dims.ep} needs an MoE model; set model.n_experts or parallel.ep=1.")
@@ -129,7 +136,6 @@ def validate_layout(dims: ParallelDims, cfg: Config, model: ModelArgs) -> None:
             )
 
     # The batch must split evenly: global = micro x dp x accumulation.
-    t = cfg.training
     if t.global_batch % dims.dp:
         errors.append(
             f"training.global_batch={t.global_batch} is not divisible by the data-parallel degree "
@@ -146,6 +152,12 @@ def validate_layout(dims: ParallelDims, cfg: Config, model: ModelArgs) -> None:
         errors.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={model.max_seq_len}.")
     if errors:
         raise ConfigError(f"the parallel layout ({dims.describe()}) does not fit:\n  - " + "\n  - ".join(errors))
+
+
+def pipeline_microbatches(cfg: Config, dims: ParallelDims) -> int:
+    """``parallel.pp_microbatches``, or one per pipeline stage when it is 0."""
+    p = cfg.parallel
+    return p.pp_microbatches or default_microbatches(dims.pp * stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
 
 
 def flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
@@ -165,6 +177,7 @@ class Meshes:
     fsdp: DeviceMesh  # what FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, else (dp_shard,)
     tp: DeviceMesh
     pp: DeviceMesh
+    loss: DeviceMesh  # flattened (pp, dp_replicate, dp_shard): where the logged loss sum is reduced
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
@@ -178,6 +191,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
         fsdp=world[dims.fsdp_dims],
         tp=world["tp"],
         pp=world["pp"],
+        loss=flatten(world, ("pp", "dp_replicate", "dp_shard"), "pp_dp"),
     )
 
 

@@ -110,8 +110,12 @@ def model_plan(sequence_parallel: bool) -> dict:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
-    """Shard ``model``'s blocks, embedding and head over ``tp_mesh`` (a 1-D mesh, one node's GPUs)."""
-    parallelize_module(model, tp_mesh, model_plan(sequence_parallel))
+    """Shard ``model``'s blocks, embedding and head over ``tp_mesh`` (a 1-D mesh, one node's GPUs).
+
+    A pipeline stage may lack the embedding or the head (they are None): their plan entries are skipped.
+    """
+    plan = {name: style for name, style in model_plan(sequence_parallel).items() if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
     return model

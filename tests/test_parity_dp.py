@@ -28,8 +28,9 @@ def test_one_process_matches_a_plain_training_loop(one_process):
         {"parallel.dp_shard": 2},
         {"parallel.dp_shard": 4},
         {"parallel.dp_replicate": 2, "parallel.dp_shard": 2},
+        {"parallel.dp_replicate": 2, "parallel.dp_shard": 1},
     ],
-    ids=["fsdp2", "fsdp4", "hsdp2x2"],
+    ids=["fsdp2", "fsdp4", "hsdp2x2", "replicate2"],
 )
 def test_data_parallel_matches_one_process(layout, one_process, tmp_path):
     world = layout.get("parallel.dp_replicate", 1) * layout["parallel.dp_shard"]

@@ -1,0 +1,1 @@
+"""Benchmarks and measurements that print their results side by side with the formula they check."""

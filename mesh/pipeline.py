@@ -1,0 +1,200 @@
+"""Pipeline parallelism with torch.distributed.pipelining: split the model into stages, run a schedule.
+
+1. **Split.** The layers are cut into ``S = pp x stages_per_rank`` contiguous stages; the embedding goes
+   with the first stage, the final norm and head with the last. ``parallel.pp_split`` picks the cut:
+   ``params`` balances parameter counts (memory), ``flops`` balances per-token FLOPs (the embedding lookup
+   is free, the head is a big matmul, attention adds its seq_len term), or an explicit list of layers per
+   stage such as ``"3,5"``. Each stage is the original ``Transformer`` with the other layers deleted, so
+   every parameter keeps its original name.
+2. **Place.** Stage s lives on pp rank ``s % pp`` for looped schedules (Interleaved1F1B, LoopedBFS,
+   InterleavedZeroBubble: rank r holds stages r, r+pp, ...), and on ranks 0, 1, ..., pp-1, pp-1, ..., 0 for
+   the V-shaped ones (ZBVZeroBubble, DualPipeV: rank r holds stages r and 2pp-1-r, so the first and the
+   last stage share rank 0). GPipe and 1F1B have one stage per rank.
+3. **Parallelize.** Each stage module is then parallelized like a whole model: TP over ``tp``, FSDP over
+   the data-parallel dims (train.build_model_parts), giving the 3-D layout pp x dp x tp.
+4. **Schedule.** ``PipelineStage`` wraps each stage with the pp process group; the schedule splits each
+   local batch into ``pp_microbatches`` micro-batches and orders their forward (F), backward (B, or I and
+   W when zero-bubble schedules split it into input- and weight-gradient halves) and point-to-point
+   sends. The loss function returns each micro-batch's token-loss sum divided by the *global* token count,
+   and ``scale_grads=False`` stops the schedule from dividing by the micro-batch count again.
+
+Everything a schedule needs is validated first (``pipeline_errors``), so a misfit fails before any send.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from models.llama import ModelArgs, Transformer
+
+SINGLE_STAGE = ("GPipe", "1F1B")
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+
+
+def stages_per_rank(schedule: str, requested: int) -> int:
+    """1 for GPipe/1F1B, exactly 2 for V schedules, ``requested`` (default 2) for looped schedules."""
+    if schedule in V_SHAPED:
+        return 2
+    if schedule in LOOPED:
+        return requested or 2
+    return requested or 1
+
+
+def stage_ids_of_rank(pp_rank: int, pp: int, n_local: int, schedule: str) -> list[int]:
+    """The global stage indices that pp rank ``pp_rank`` runs (see step 2 of the module docstring)."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(n_local)]
+
+
+def default_microbatches(n_stages: int) -> int:
+    """One micro-batch per stage: the fewest that every schedule accepts."""
+    return n_stages
+
+
+def layer_costs(args: ModelArgs, policy: str, seq_len: int) -> tuple[list[float], float, float]:
+    """Cost of each layer, plus the extra cost of the first stage (embedding) and the last (norm + head)."""
+    layer_params = (args.num_params() - 2 * args.vocab_size * args.dim - args.dim) / args.n_layers
+    if policy == "params":
+        return [layer_params] * args.n_layers, args.vocab_size * args.dim, args.vocab_size * args.dim + args.dim
+    # flops per token, forward: 2 x params for the matmuls, plus 2 x 2 x seq_len x dim for QK^T and AV.
+    layer_flops = 2 * layer_params + 4 * seq_len * args.dim
+    return [layer_flops] * args.n_layers, 0.0, 2.0 * args.vocab_size * args.dim
+
+
+def balanced_split(costs: list[float], first_extra: float, last_extra: float, n_stages: int) -> list[int]:
+    """Layers per stage, contiguous, >= 1 each, minimising the most expensive stage (exact DP)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(s: int, i: int, j: int) -> float:  # stage s holds layers i..j-1
+        extra = (first_extra if s == 0 else 0.0) + (last_extra if s == n_stages - 1 else 0.0)
+        return prefix[j] - prefix[i] + extra
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for j in range(s, n + 1):
+            for i in range(s - 1, j):
+                value = max(best[s - 1][i], stage_cost(s - 1, i, j))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    sizes, j = [], n
+    for s in range(n_stages, 0, -1):
+        sizes.append(j - cut[s][j])
+        j = cut[s][j]
+    return sizes[::-1]
+
+
+def split_layers(args: ModelArgs, n_stages: int, policy: str, seq_len: int) -> list[list[int]]:
+    """Layer indices of each stage under ``policy`` (params | flops | "n0,n1,...")."""
+    if policy in ("params", "flops"):
+        sizes = balanced_split(*layer_costs(args, policy, seq_len), n_stages)
+    else:
+        sizes = [int(x) for x in policy.split(",")]
+    bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(len(sizes))]
+
+
+def pipeline_errors(
+    pp: int, schedule: str, n_local: int, microbatches: int, local_batch: int, split: str, n_layers: int
+) -> list[str]:
+    """Every rule a pipeline layout must satisfy, as messages naming the field and the fix."""
+    if schedule not in SCHEDULES:
+        return [f"parallel.pp_schedule={schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}."]
+    errors = []
+    if schedule in V_SHAPED and n_local != 2:
+        errors.append(
+            f"parallel.pp_stages_per_rank={n_local} but {schedule} is V-shaped and needs exactly 2 stages per "
+            "rank; set parallel.pp_stages_per_rank=2 (or 0 to derive it)."
+        )
+    if schedule in SINGLE_STAGE and n_local != 1:
+        errors.append(
+            f"parallel.pp_stages_per_rank={n_local} but {schedule} runs one stage per rank; use a looped schedule "
+            "(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) for several, or set it to 1."
+        )
+    n_stages = pp * n_local
+    if n_stages > n_layers:
+        errors.append(
+            f"parallel.pp={pp} x {n_local} stages per rank = {n_stages} stages, more than model.n_layers={n_layers}; "
+            "lower parallel.pp or parallel.pp_stages_per_rank, or add layers."
+        )
+    if split not in ("params", "flops"):
+        try:
+            sizes = [int(x) for x in split.split(",")]
+        except ValueError:
+            sizes = []
+        if len(sizes) != n_stages or sum(sizes) != n_layers or min(sizes, default=0) < 1:
+            errors.append(
+                f"parallel.pp_split={split!r} must be 'params', 'flops' or {n_stages} positive layer counts "
+                f"summing to model.n_layers={n_layers}, e.g. "
+                f"{','.join([str(n_layers // n_stages)] * (n_stages - 1) + [str(n_layers - n_layers // n_stages * (n_stages - 1))])}."
+            )
+    if microbatches < 1 or local_batch % microbatches:
+        errors.append(
+            f"parallel.pp_microbatches={microbatches} must divide the per-rank batch {local_batch} (training.micro_batch, "
+            "or global_batch / dp); choose a divisor."
+        )
+    if schedule == "1F1B" and microbatches < pp:
+        errors.append(f"parallel.pp_microbatches={microbatches} < pp={pp}: 1F1B needs at least one per stage.")
+    if schedule == "DualPipeV" and microbatches < n_stages:
+        errors.append(
+            f"parallel.pp_microbatches={microbatches} < {n_stages} stages: DualPipeV needs at least one per stage."
+        )
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            errors.append(
+                f"parallel.pp_microbatches={microbatches} is not a multiple of its {rounds} rounds (m // pp) that "
+                f"{schedule} needs; use a multiple of pp={pp}."
+            )
+    return errors
+
+
+def build_stage_module(args: ModelArgs, layers: list[int], is_first: bool, is_last: bool) -> Transformer:
+    """A meta-device Transformer holding only ``layers`` (and the embedding / head where it owns them)."""
+    with torch.device("meta"):
+        stage = Transformer(args)
+    for key in list(stage.layers.keys()):
+        if int(key) not in layers:
+            del stage.layers[key]
+    if not is_first:
+        stage.tok_embeddings = None
+    if not is_last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def build_pipeline_schedule(
+    stage_modules: list[nn.Module],
+    stage_ids: list[int],
+    n_stages: int,
+    *,
+    schedule: str,
+    microbatches: int,
+    pp_group,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):
+    """Wrap each local stage in a PipelineStage and build ``schedule`` over them."""
+    stages = [
+        PipelineStage(module, stage_id, n_stages, device, group=pp_group)
+        for module, stage_id in zip(stage_modules, stage_ids, strict=True)
+    ]
+    schedule_class = get_schedule_class(schedule)
+    # scale_grads=False: loss_fn already divides by the global token count (see the module docstring).
+    if schedule in SINGLE_STAGE:
+        return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False), stages
+    return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False), stages
