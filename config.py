@@ -83,6 +83,7 @@ class RunConfig:
     log_every: int = 1
     tensorboard: bool = True
     overwrite: bool = False  # allow replacing the metrics of an earlier run in the same run.dir
+    pp_timeline: bool = False  # pipeline runs: time F/B/W per rank on the last step, write the bubble + SVG
 
 
 @dataclass

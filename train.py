@@ -10,9 +10,11 @@ losses over the global batch divided by the global token count.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,7 @@ from mesh.pipeline import (
     stage_ids_of_rank,
     stages_per_rank,
 )
+from mesh.pipeline_timeline import PipelineTimeline, bubble_report, predicted_bubble, timeline_svg
 from mesh.runtime import destroy_process_group, init_process_group, select_device, world_size_from_env
 from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value
 from metrics import MetricsWriter, check_run_dir, format_step, peak_memory_bytes
@@ -167,14 +170,18 @@ def train(cfg: Config) -> list[dict]:
     global_tokens = t.global_batch * t.seq_len
 
     parts, stage_ids, n_stages = build_model_parts(cfg, args, dims, meshes, device)
-    schedule = None
+    schedule, timeline = None, None
     if dims.pp > 1:
-        schedule, _ = build_pipeline_schedule(
+        schedule, stages = build_pipeline_schedule(
             parts, stage_ids, n_stages,
             schedule=cfg.parallel.pp_schedule, microbatches=pipeline_microbatches(cfg, dims),
             pp_group=meshes.pp.get_group(), device=device,
             loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / global_tokens,
         )  # fmt: skip
+        if cfg.run.pp_timeline:
+            timeline = PipelineTimeline(meshes.pp.get_local_rank())
+            for stage in stages:
+                timeline.instrument(stage)
     optimizer, scheduler = build_optimizer(parts, cfg)
     params = [p for part in parts for p in part.parameters()]
     loader = GlobalBatchLoader(
@@ -194,17 +201,23 @@ def train(cfg: Config) -> list[dict]:
             f"{loader.local_batch // micro_batch}; seq_len {t.seq_len}; {global_tokens:,} tokens/step",
             flush=True,
         )
+    # Every rank checked run.dir in check_config; wait for all of them before rank 0 creates files in it.
+    dist.barrier()
     writer = MetricsWriter(cfg.run.dir, enabled=is_logger, tensorboard=cfg.run.tensorboard)
     records = []
     try:
         for step in range(1, t.steps + 1):
             start = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
+            if timeline is not None:
+                timeline.begin_step()
             for inputs, targets in loader.next_batch():
                 loss_sum += forward_backward(
                     parts, schedule, stage_ids, n_stages, inputs.to(device), targets.to(device),
                     global_tokens, dims.tp > 1,
                 )  # fmt: skip
+            if timeline is not None:
+                timeline.end_step()
             grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -227,9 +240,36 @@ def train(cfg: Config) -> list[dict]:
                 writer.log(record)
                 if is_logger:
                     print(format_step(record), flush=True)
+        if timeline is not None:
+            write_pipeline_timeline(cfg, dims, meshes, timeline, is_logger)
     finally:
         writer.close()
     return records
+
+
+def write_pipeline_timeline(cfg: Config, dims: ParallelDims, meshes: Meshes, timeline, is_logger: bool) -> None:
+    """The last step's pipeline timeline: bubble table on the console and in JSON, picture as SVG."""
+    events, windows = timeline.gather(meshes.pp.get_group())
+    if not is_logger:
+        return
+    p = cfg.parallel
+    n_local = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+    microbatches = pipeline_microbatches(cfg, dims)
+    rows = bubble_report(events, windows)
+    predicted = predicted_bubble(p.pp_schedule, dims.pp, microbatches, n_local)
+    measured = sum(r["idle_fraction"] for r in rows) / len(rows)
+    title = f"{p.pp_schedule}: pp={dims.pp}, {n_local} stage(s)/rank, m={microbatches}"
+    out = Path(cfg.run.dir)
+    (out / "pipeline_timeline.svg").write_text(timeline_svg(events, windows, title))
+    summary = {"schedule": p.pp_schedule, "pp": dims.pp, "stages_per_rank": n_local, "microbatches": microbatches,
+               "measured_idle_fraction": measured, "predicted_idle_fraction": predicted, "ranks": rows}  # fmt: skip
+    (out / "pipeline_bubble.json").write_text(json.dumps(summary, indent=1))
+    print(f"pipeline timeline ({title}) -> {out / 'pipeline_timeline.svg'}")
+    for r in rows:
+        busy = " ".join(f"{k} {r[k] * 1000:7.1f} ms" for k in ("F", "B", "I", "W"))
+        print(f"  pp rank {r['rank']}: {busy}  idle {r['idle'] * 1000:7.1f} ms ({r['idle_fraction']:.1%})")
+    shown = "n/a" if predicted is None else f"{predicted:.1%}"
+    print(f"  bubble: measured {measured:.1%} (mean over ranks) vs predicted {shown}", flush=True)
 
 
 def main(argv: list[str]) -> int:

@@ -39,12 +39,10 @@ SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
 
 
 def stages_per_rank(schedule: str, requested: int) -> int:
-    """1 for GPipe/1F1B, exactly 2 for V schedules, ``requested`` (default 2) for looped schedules."""
-    if schedule in V_SHAPED:
-        return 2
-    if schedule in LOOPED:
-        return requested or 2
-    return requested or 1
+    """``requested``, or when it is 0 the schedule's natural count: 1 for GPipe/1F1B, 2 for looped and V."""
+    if requested:
+        return requested  # pipeline_errors checks it against the schedule
+    return 2 if schedule in LOOPED + V_SHAPED else 1
 
 
 def stage_ids_of_rank(pp_rank: int, pp: int, n_local: int, schedule: str) -> list[int]:

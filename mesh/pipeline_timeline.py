@@ -1,0 +1,148 @@
+"""Measure a pipeline schedule: per-rank F / B / I / W / idle time for one step, the bubble, and a picture.
+
+1. ``PipelineTimeline.instrument`` wraps each local ``PipelineStage``'s ``forward_one_chunk`` (F),
+   ``backward_one_chunk`` (B for a full backward, I for the input-gradient half in zero-bubble schedules)
+   and ``backward_weight_one_chunk`` (W) to record (start, end) wall-clock times per micro-batch.
+2. ``begin_step`` / ``end_step`` mark the step's window on each rank. Everything in the window that is
+   not F/B/I/W is idle: waiting for a neighbour's activation or gradient (the bubble), plus the sends and
+   receives themselves.
+3. ``gather`` collects every rank's events on every pp rank (an all_gather_object over the pp group),
+   ``bubble_report`` compares each rank's measured idle fraction with the schedule's textbook prediction,
+   and ``timeline_svg`` draws one row per rank with a box per F/B/I/W, labelled by micro-batch.
+
+Clocks: ``time.time()`` is shared by the processes of one machine; across machines the rows would be only
+as aligned as the machines' clocks. On a CPU with fewer cores than ranks, ranks also wait for a core, which
+shows up as longer boxes, not as idle time.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+from mesh.pipeline import LOOPED, SINGLE_STAGE, V_SHAPED
+
+COLOURS = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b"}
+
+
+@dataclass
+class Event:
+    rank: int
+    stage: int
+    kind: str  # F | B | I | W
+    microbatch: int
+    start: float
+    end: float
+
+
+class PipelineTimeline:
+    def __init__(self, pp_rank: int):
+        self.pp_rank = pp_rank
+        self.events: list[Event] = []
+        self.window = (0.0, 0.0)
+
+    def instrument(self, stage) -> None:
+        """Record every forward, backward and weight-gradient chunk that ``stage`` runs."""
+
+        def timed(method, kind_of):
+            @functools.wraps(method)
+            def wrapper(chunk_id, *args, **kwargs):
+                start = time.time()
+                result = method(chunk_id, *args, **kwargs)
+                kind = kind_of(kwargs)
+                self.events.append(Event(self.pp_rank, stage.stage_index, kind, chunk_id, start, time.time()))
+                return result
+
+            return wrapper
+
+        stage.forward_one_chunk = timed(stage.forward_one_chunk, lambda kw: "F")
+        stage.backward_one_chunk = timed(
+            stage.backward_one_chunk, lambda kw: "B" if kw.get("full_backward", True) else "I"
+        )
+        stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, lambda kw: "W")
+
+    def begin_step(self) -> None:
+        self.events = []
+        self.window = (time.time(), 0.0)
+
+    def end_step(self) -> None:
+        self.window = (self.window[0], time.time())
+
+    def gather(self, pp_group) -> tuple[list[Event], list[tuple[float, float]]]:
+        """All pp ranks' events and step windows (collective over ``pp_group``)."""
+        mine = ([asdict(e) for e in self.events], self.window)
+        everyone: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(everyone, mine, group=pp_group)
+        events = [Event(**e) for evs, _ in everyone for e in evs]
+        return events, [w for _, w in everyone]
+
+
+def predicted_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> float | None:
+    """The textbook idle fraction, assuming equal stages and no communication cost.
+
+    GPipe and 1F1B: (p-1)/(m+p-1). Interleaved 1F1B and breadth-first looping with v stages per rank
+    shrink the warm-up/drain by v: (p-1)/(v*m+p-1). Zero-bubble schedules (ZB-V, DualPipeV, interleaved ZB)
+    fill the bubble with deferred weight-gradient work: ~0 when F, I and W take equal time. None if unknown.
+    """
+    p, m, v = pp, microbatches, stages_per_rank
+    if schedule in SINGLE_STAGE:
+        return (p - 1) / (m + p - 1)
+    if schedule in ("Interleaved1F1B", "LoopedBFS"):
+        return (p - 1) / (v * m + p - 1)
+    if schedule in V_SHAPED or schedule in LOOPED:
+        return 0.0
+    return None
+
+
+def bubble_report(events: list[Event], windows: list[tuple[float, float]]) -> list[dict]:
+    """Per rank: seconds of F, B, I, W and idle in the common step window, and the idle fraction."""
+    start = min(w[0] for w in windows)
+    end = max(w[1] for w in windows)
+    rows = []
+    for rank in range(len(windows)):
+        busy = {k: sum(e.end - e.start for e in events if e.rank == rank and e.kind == k) for k in COLOURS}
+        total = end - start
+        idle = total - sum(busy.values())
+        rows.append({"rank": rank, **{k: round(v, 4) for k, v in busy.items()}, "idle": round(idle, 4),
+                     "idle_fraction": idle / total})  # fmt: skip
+    return rows
+
+
+def timeline_svg(events: list[Event], windows: list[tuple[float, float]], title: str) -> str:
+    """An SVG picture: one row per pp rank, a box per F/B/I/W labelled by micro-batch (and stage)."""
+    start = min(w[0] for w in windows)
+    span = max(w[1] for w in windows) - start
+    width, row_h, left, top = 1000, 34, 70, 40
+    n_ranks = len(windows)
+    multi_stage = len({(e.rank, e.stage) for e in events}) > n_ranks
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" height="{top + n_ranks * row_h + 50}" '
+        'font-family="monospace" font-size="11">',
+        f'<text x="{left}" y="20" font-size="13">{title}</text>',
+    ]
+    for rank in range(n_ranks):
+        y = top + rank * row_h
+        parts.append(f'<text x="5" y="{y + row_h / 2 + 4}">rank {rank}</text>')
+        parts.append(f'<rect x="{left}" y="{y}" width="{width}" height="{row_h - 6}" fill="#eeeeee"/>')
+    for e in events:
+        x = left + (e.start - start) / span * width
+        w = max(1.0, (e.end - e.start) / span * width)
+        y = top + e.rank * row_h
+        label = f"{e.kind}{e.microbatch}" + (f"s{e.stage}" if multi_stage else "")
+        parts.append(
+            f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row_h - 6}" fill="{COLOURS[e.kind]}" '
+            f'stroke="white" stroke-width="0.5"><title>{label}: {1000 * (e.end - e.start):.1f} ms</title></rect>'
+        )
+        if w > 7 * len(label):
+            parts.append(f'<text x="{x + 2:.1f}" y="{y + row_h / 2 + 1}" fill="white">{label}</text>')
+    legend_y = top + n_ranks * row_h + 25
+    for i, (kind, colour) in enumerate(COLOURS.items()):
+        parts.append(f'<rect x="{left + i * 110}" y="{legend_y - 10}" width="12" height="12" fill="{colour}"/>')
+        name = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}[kind]
+        parts.append(f'<text x="{left + i * 110 + 16}" y="{legend_y}">{kind} {name}</text>')
+    parts.append(f'<text x="{left + 460}" y="{legend_y}">grey: idle   ({span * 1000:.0f} ms shown)</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)

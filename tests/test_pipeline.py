@@ -1,0 +1,104 @@
+"""Pipeline parallelism: every schedule trains the same model as one process; misfits fail before any send."""
+
+import json
+
+import pytest
+
+from config import ConfigError, load_config
+from mesh.pipeline import balanced_split, split_layers, stage_ids_of_rank
+from models.llama import ModelArgs
+from tests.training_runs import DEBUG_CONFIG, assert_same_curve, train_on
+from train import check_config
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return train_on(1, {}, tmp_path_factory.mktemp("one"))
+
+
+# ---- parity ----------------------------------------------------------------------------------------------
+
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_matches_one_process(schedule, one_process, tmp_path):
+    # pp=2 with 4 micro-batches; looped and V-shaped schedules run 2 stages per rank (4 stages, 1 layer each).
+    layout = {"parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.pp_microbatches": 4}
+    assert_same_curve(train_on(2, layout, tmp_path), one_process)
+
+
+def test_pipeline_with_fsdp_matches_one_process(one_process, tmp_path):
+    layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.pp_schedule": "1F1B"}
+    assert_same_curve(train_on(4, layout, tmp_path), one_process)
+
+
+def test_3d_pipeline_fsdp_tensor_parallel_matches_one_process(one_process, tmp_path):
+    layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.pp_schedule": "Interleaved1F1B"}
+    assert_same_curve(train_on(8, layout, tmp_path, timeout=400), one_process)
+
+
+def test_timeline_and_bubble_are_written(tmp_path):
+    layout = {"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "parallel.pp_microbatches": 4}
+    train_on(2, {**layout, "run.pp_timeline": True, "training.steps": 2}, tmp_path)
+    summary = json.loads((tmp_path / "pipeline_bubble.json").read_text())
+    assert summary["predicted_idle_fraction"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1) with p=2, m=4
+    assert 0.0 < summary["measured_idle_fraction"] < 1.0
+    for row in summary["ranks"]:
+        assert row["F"] > 0 and row["B"] > 0
+    svg = (tmp_path / "pipeline_timeline.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<title>F") == 2 * 4 and svg.count("<title>B") == 2 * 4
+
+
+# ---- splits and placement --------------------------------------------------------------------------------
+
+
+def test_balanced_split_minimises_the_largest_stage():
+    assert balanced_split([1.0] * 8, 0.0, 0.0, 4) == [2, 2, 2, 2]
+    # A heavy head (last stage) pushes layers towards the first stages.
+    assert balanced_split([1.0] * 8, 0.0, 4.0, 2) == [6, 2]
+    assert balanced_split([1.0] * 3, 0.0, 0.0, 3) == [1, 1, 1]
+
+
+def test_split_policies_and_explicit_lists():
+    big_vocab = ModelArgs(dim=64, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=32768, multiple_of=32)
+    by_params = split_layers(big_vocab, 2, "params", seq_len=128)
+    assert sum(map(len, by_params)) == 8 and by_params[0][0] == 0 and by_params[-1][-1] == 7
+    # By FLOPs the embedding lookup is free, so the first stage takes more layers than by parameters.
+    assert len(split_layers(big_vocab, 2, "flops", seq_len=128)[0]) > len(by_params[0])
+    assert split_layers(big_vocab, 2, "3,5", seq_len=128) == [[0, 1, 2], [3, 4, 5, 6, 7]]
+
+
+def test_stage_placement_looped_and_v_shaped():
+    assert [stage_ids_of_rank(r, 2, 2, "Interleaved1F1B") for r in range(2)] == [[0, 2], [1, 3]]
+    assert [stage_ids_of_rank(r, 2, 2, "ZBVZeroBubble") for r in range(2)] == [[0, 3], [1, 2]]
+    assert stage_ids_of_rank(1, 4, 1, "1F1B") == [1]
+
+
+# ---- misfits fail before any send/recv (check_config needs no process group) ----------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, world, expected",
+    [
+        ({"parallel.pp": 8}, 8, "8 stages, more than model.n_layers=4"),
+        ({"parallel.pp": 2, "parallel.pp_schedule": "Interleaved1F1B", "parallel.pp_stages_per_rank": 3}, 2,
+         "6 stages, more than model.n_layers=4"),
+        ({"parallel.pp": 2, "parallel.pp_microbatches": 3}, 2, "parallel.pp_microbatches=3 must divide the per-rank batch 8"),
+        ({"parallel.pp": 2, "parallel.pp_schedule": "ZBVZeroBubble", "parallel.pp_stages_per_rank": 1}, 2,
+         "ZBVZeroBubble is V-shaped and needs exactly 2 stages per rank"),
+        ({"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "parallel.pp_stages_per_rank": 2}, 2,
+         "1F1B runs one stage per rank"),
+        ({"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "parallel.pp_microbatches": 1}, 2,
+         "1F1B needs at least one per stage"),
+        ({"parallel.pp": 2, "parallel.pp_schedule": "DualPipeV", "parallel.pp_microbatches": 2}, 2,
+         "DualPipeV needs at least one per stage"),
+        ({"parallel.pp": 2, "parallel.pp_schedule": "Zero"}, 2, "parallel.pp_schedule='Zero' is unknown"),
+        ({"parallel.pp": 2, "parallel.pp_split": "1,2"}, 2, "parallel.pp_split='1,2' must be"),
+    ],
+)  # fmt: skip
+def test_a_misfit_pipeline_is_refused_before_any_send(overrides, world, expected):
+    cfg = load_config(path=DEBUG_CONFIG, overrides={"parallel.dp_shard": 1, **overrides})
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg, world)
+    assert expected in str(err.value)
