@@ -41,6 +41,7 @@ from mesh.runtime import destroy_process_group, init_process_group, select_devic
 from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value
 from metrics import MetricsWriter, check_run_dir, format_step, peak_memory_bytes
 from models.llama import ModelArgs, Transformer
+from optim import Optimizers
 
 
 def model_args(cfg: Config) -> ModelArgs:
@@ -109,26 +110,6 @@ def build_model_parts(cfg: Config, args: ModelArgs, dims: ParallelDims, meshes: 
     return parts, stage_ids, n_stages
 
 
-def build_optimizer(model: nn.Module | list[nn.Module], cfg: Config):
-    """AdamW (no weight decay on norm weights) with linear warmup, then cosine decay to lr * min_lr_ratio."""
-    t = cfg.training
-    params = [p for part in (model if isinstance(model, list) else [model]) for p in part.parameters()]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=t.lr, betas=(t.beta1, t.beta2), foreach=True,
-    )  # fmt: skip
-
-    def lr_factor(step: int) -> float:  # step counts optimizer steps already taken
-        if step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-
-
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of the token cross-entropies, in fp32 (under TP, on vocab-sharded logits via loss_parallel)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
@@ -182,7 +163,7 @@ def train(cfg: Config) -> list[dict]:
             timeline = PipelineTimeline(meshes.pp.get_local_rank())
             for stage in stages:
                 timeline.instrument(stage)
-    optimizer, scheduler = build_optimizer(parts, cfg)
+    optimizers = Optimizers(parts, cfg)
     params = [p for part in parts for p in part.parameters()]
     loader = GlobalBatchLoader(
         load_corpus(cfg.data.source, cfg.data.max_bytes),
@@ -219,10 +200,8 @@ def train(cfg: Config) -> list[dict]:
             if timeline is not None:
                 timeline.end_step()
             grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
+            lr = optimizers.lr
+            optimizers.step()
             # The logged loss is the global mean: sum the token-loss sums over the dp ranks and the pp stages
             # (only last-stage ranks hold a non-zero sum).
             dist.all_reduce(loss_sum, group=meshes.loss.get_group())

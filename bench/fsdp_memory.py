@@ -41,7 +41,8 @@ def measure(config: str = CONFIG) -> dict[str, int]:
     """Rank body: build the FSDP2 model over dp_shard = world, take one AdamW step, count local bytes."""
     from config import load_config
     from mesh.dims import ParallelDims, build_mesh
-    from train import build_model, build_optimizer, model_args
+    from optim import Optimizers
+    from train import build_model, model_args
 
     world = dist.get_world_size()
     cfg = load_config(path=config, overrides={"parallel.dp_shard": world})
@@ -49,7 +50,8 @@ def measure(config: str = CONFIG) -> dict[str, int]:
     meshes = build_mesh(dims, "cpu")
     args = model_args(cfg)
     model = build_model(cfg, args, dims, meshes, torch.device("cpu"))
-    optimizer, _ = build_optimizer(model, cfg)
+    optimizers = Optimizers([model], cfg)
+    optimizer = optimizers.optimizers[0]
 
     # One step on a small batch; each rank takes its rows, the loss is scaled by the global token count.
     tokens = torch.randint(0, args.vocab_size, (2 * world, 33), generator=torch.Generator().manual_seed(0))

@@ -1,0 +1,60 @@
+"""AdamW with linear warmup then cosine decay, one optimizer per model part.
+
+A rank may hold several model parts (two pipeline stages under a V schedule). Each part gets its own AdamW
+and LR schedule, so that its optimizer state can be saved and loaded under the part's own parameter names
+(checkpoint/), whatever the pipeline split. Within a part, parameters are grouped by (weight decay, mesh):
+fused foreach kernels cannot mix DTensors that live on different meshes (dense vs expert weights).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from config import Config
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr after ``step`` optimizer steps: linear warmup, then cosine to min_lr_ratio."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def param_groups(part: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on 1-D parameters (norm weights); one group per (decay, mesh)."""
+    groups: dict[tuple, list] = defaultdict(list)
+    for p in part.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        groups[(p.ndim >= 2, id(mesh) if mesh is not None else None)].append(p)
+    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0} for (decay, _), ps in groups.items()]
+
+
+class Optimizers:
+    """One AdamW + LambdaLR per model part, stepped together."""
+
+    def __init__(self, parts: list[nn.Module], cfg: Config):
+        t = cfg.training
+        self.parts = parts
+        self.optimizers = [
+            torch.optim.AdamW(param_groups(part, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+            for part in parts
+        ]
+        schedule = lambda step: lr_factor(step, t.warmup_steps, t.steps, t.min_lr_ratio)  # noqa: E731
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, schedule) for opt in self.optimizers]
+
+    @property
+    def lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    def step(self) -> None:
+        """Apply the gradients, clear them, and advance the LR schedule."""
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for sched in self.schedulers:
+            sched.step()
