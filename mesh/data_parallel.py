@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from mesh.dims import Meshes
+from models.moe import MoE
 
 
 def reshard_after_forward_policy(policy: str, is_last_block: bool, pipelined: bool) -> bool:
@@ -63,6 +64,16 @@ def apply_fsdp(
         reduce_dtype=torch.float32,
     )
     blocks = list(model.layers.values())
+    expert_units = []
+    if meshes.expert_fsdp is not None:
+        # Expert weights are already sharded over ep; FSDP shards them further over the rest of dp_shard
+        # (efsdp) in units of their own, inside their block's unit.
+        for block in blocks:
+            for module in block.modules():
+                if isinstance(module, MoE):
+                    fully_shard(module.experts, mesh=meshes.expert_fsdp, mp_policy=policy,
+                                reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, False, pipelined))  # fmt: skip
+                    expert_units.append(module.experts)
     for i, block in enumerate(blocks):
         fully_shard(
             block,
@@ -74,7 +85,7 @@ def apply_fsdp(
     # (the head), then first in backward, so by default it stays gathered like the last block.
     root_reshard = reshard_after_forward_policy(reshard_after_forward, True, pipelined)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=root_reshard)
-    for module in [*blocks, model]:
+    for module in [*expert_units, *blocks, model]:
         sum_gradients_across_replicas(module)
     for block, next_block in zip(blocks, blocks[1:], strict=False):
         block.set_modules_to_forward_prefetch([next_block])

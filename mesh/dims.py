@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from config import Config, ConfigError
+from mesh.expert_parallel import build_expert_mesh
 from mesh.pipeline import default_microbatches, pipeline_errors, stages_per_rank
 from models.llama import ModelArgs
 
@@ -73,10 +74,6 @@ class ParallelDims:
         return f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} ep={self.ep}"
 
 
-# Features whose mesh code has not landed yet: a clear refusal beats a silently wrong run.
-NOT_YET_SUPPORTED = {"ep": "expert parallelism"}
-
-
 def validate_layout(dims: ParallelDims, cfg: Config, model: ModelArgs) -> None:
     """Raise one ConfigError listing every rule the layout breaks (identical on every rank)."""
     errors: list[str] = []
@@ -88,11 +85,6 @@ def validate_layout(dims: ParallelDims, cfg: Config, model: ModelArgs) -> None:
             f"but WORLD_SIZE={dims.world_size}; make the product equal the number of processes "
             f"(or set parallel.dp_shard=-1 to take the rest)."
         )
-    for name in NOT_YET_SUPPORTED:
-        if getattr(dims, name) > 1:
-            errors.append(
-                f"parallel.{name}={getattr(dims, name)}: {NOT_YET_SUPPORTED[name]} is not implemented yet; set parallel.{name}=1."
-            )
 
     # The model must split evenly across tensor-parallel ranks.
     if model.dim % model.n_heads:
@@ -124,6 +116,11 @@ def validate_layout(dims: ParallelDims, cfg: Config, model: ModelArgs) -> None:
             dims.pp, p.pp_schedule, n_local, pipeline_microbatches(cfg, dims),
             t.micro_batch or t.global_batch // dims.dp, p.pp_split, model.n_layers,
         )  # fmt: skip
+    m = cfg.model
+    if m.n_experts and not 1 <= m.top_k <= m.n_experts:
+        errors.append(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}.")
+    if m.moe_every < 1:
+        errors.append(f"model.moe_every={m.moe_every} must be >= 1 (1: every layer is MoE).")
     if dims.ep > 1:
         if cfg.model.n_experts == 0:
             errors.append(f"parallel.ep={dims.ep} needs an MoE model; set model.n_experts or parallel.ep=1.")
@@ -178,13 +175,22 @@ class Meshes:
     tp: DeviceMesh
     pp: DeviceMesh
     loss: DeviceMesh  # flattened (pp, dp_replicate, dp_shard): where the logged loss sum is reduced
+    ep: DeviceMesh | None = None  # MoE with ep > 1: the expert-parallel ranks (carved from dp_shard)
+    expert_fsdp: DeviceMesh | None = None  # ... and what FSDP shards expert weights over: (dp_replicate, efsdp)
 
 
-def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
-    """The world mesh with named dims (pp, dp_replicate, dp_shard, tp), and its named views."""
+def build_mesh(dims: ParallelDims, device_type: str, has_experts: bool = False) -> Meshes:
+    """The world mesh with named dims (pp, dp_replicate, dp_shard, tp), and its named views.
+
+    With expert parallelism a second mesh over the same ranks splits dp_shard into (efsdp, ep), keeping the
+    rank order (mesh/expert_parallel.build_expert_mesh); its ep and efsdp views are added here.
+    """
     world = init_device_mesh(
         device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=MESH_DIMS
     )
+    ep = expert_fsdp = None
+    if has_experts and dims.ep > 1:
+        ep, expert_fsdp = build_expert_mesh(device_type, dims.pp, dims.dp_replicate, dims.dp_shard, dims.ep, dims.tp)
     return Meshes(
         world=world,
         dp=flatten(world, ("dp_replicate", "dp_shard"), "dp"),
@@ -192,6 +198,8 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Meshes:
         tp=world["tp"],
         pp=world["pp"],
         loss=flatten(world, ("pp", "dp_replicate", "dp_shard"), "pp_dp"),
+        ep=ep,
+        expert_fsdp=expert_fsdp,
     )
 
 

@@ -20,7 +20,7 @@ The embedding is row-parallel over the vocabulary, and the output head column-pa
 stay sharded on the vocab dim and ``loss_parallel`` computes the cross-entropy from the shards, so the full
 (batch, seq, vocab) logits never exist on one rank.
 
-Apply order (see train.build_model): TP -> activation checkpointing -> compile -> FSDP on the data-parallel
+Apply order (see train.parallelize): TP -> EP -> activation checkpointing -> compile -> FSDP on the data-parallel
 dims of the same world mesh (2-D layouts dp_shard x tp and dp_replicate x tp).
 """
 
@@ -36,11 +36,14 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
+
+from models.moe import MoE
 
 
 class ReplicateParallel(ParallelStyle):
@@ -64,6 +67,26 @@ class ReplicateParallel(ParallelStyle):
             return output.to_local()
 
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def moe_plan(sequence_parallel: bool, has_shared_expert: bool) -> dict:
+    """The feed-forward part of the plan for an MoE block: the block runs replicated on the full sequence.
+
+    Its input is gathered (SP: all-gather over the sequence) and its output re-sliced to the sequence
+    shard; the router and shared expert keep Replicate weights. Experts are *not* split by tp: expert
+    parallelism shards them (mesh/expert_parallel.py), identically on every tp rank.
+    """
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(between,), use_local_output=True,
+        ),
+        "feed_forward.router.gate": ReplicateParallel(),
+    }  # fmt: skip
+    if has_shared_expert:
+        plan["feed_forward.shared_expert"] = ReplicateParallel()
+    return plan
 
 
 def block_plan(sequence_parallel: bool) -> dict:
@@ -117,7 +140,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     plan = {name: style for name, style in model_plan(sequence_parallel).items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+        plan = block_plan(sequence_parallel)
+        if isinstance(block.feed_forward, MoE):
+            plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
+            plan.update(moe_plan(sequence_parallel, block.feed_forward.shared_expert is not None))
+        parallelize_module(block, tp_mesh, plan)
     return model
 
 

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.moe import MoE, MoEArgs
+
 
 @dataclass
 class ModelArgs:
@@ -39,6 +41,11 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
+    moe: MoEArgs | None = None  # None: a dense model
+    moe_every: int = 1  # with moe: layers i where (i + 1) % moe_every == 0 are MoE, the others dense
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and (layer_id + 1) % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -56,9 +63,16 @@ class ModelArgs:
         """Parameter count, computed from the shapes (used for planning tables without building the model)."""
         kv_dim = self.n_kv_heads * self.head_dim
         attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
-        mlp = 3 * self.dim * self.hidden_dim
-        per_layer = attn + mlp + 2 * self.dim
-        return 2 * self.vocab_size * self.dim + self.n_layers * per_layer + self.dim
+        dense_mlp = 3 * self.dim * self.hidden_dim
+        total = 2 * self.vocab_size * self.dim + self.dim
+        for layer_id in range(self.n_layers):
+            mlp = dense_mlp
+            if self.is_moe_layer(layer_id):
+                m = self.moe
+                mlp = m.n_experts * 3 * self.dim * m.hidden_dim + self.dim * m.n_experts
+                mlp += dense_mlp if m.n_shared_experts else 0
+            total += attn + mlp + 2 * self.dim
+        return total
 
 
 # Llama-3-shaped presets, for planning (memory tables, layouts). Values follow Meta's published configs.
@@ -149,12 +163,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        if args.is_moe_layer(layer_id):
+            self.feed_forward = MoE(args.dim, args.moe, shared_hidden_dim=args.hidden_dim)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -168,7 +185,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Rotary tables are derived state: not saved in checkpoints, rebuilt by reset_buffers().
@@ -199,7 +216,7 @@ class Transformer(nn.Module):
             std = 1.0
         elif name == "output.weight":
             std = self.args.dim**-0.5
-        elif name.endswith(("wo.weight", "w2.weight")):
+        elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             std = 0.02 / math.sqrt(2 * self.args.n_layers)
         else:
             std = 0.02
@@ -208,6 +225,9 @@ class Transformer(nn.Module):
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         cos, sin = rotary_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device)
         self.rope_cos, self.rope_sin = cos, sin
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_buffers()
 
     @torch.no_grad()
     def init_weights(self, seed: int, device: torch.device | str = "cpu") -> Transformer:

@@ -26,9 +26,11 @@ def run_training(overrides: dict, run_dir: str, config: str = DEBUG_CONFIG) -> l
     return train(load_config(path=config, overrides={**base, **overrides}))
 
 
-def train_on(world_size: int, overrides: dict, run_dir, timeout: float = 180.0) -> list[dict]:
+def train_on(
+    world_size: int, overrides: dict, run_dir, timeout: float = 180.0, config: str = DEBUG_CONFIG
+) -> list[dict]:
     """Rank 0's records of a run on ``world_size`` ranks (every rank's loss is checked equal too)."""
-    results = run_on_ranks(run_training, world_size, overrides, str(run_dir), timeout=timeout)
+    results = run_on_ranks(run_training, world_size, overrides, str(run_dir), config, timeout=timeout)
     for rank, records in enumerate(results[1:], start=1):
         assert [r["loss"] for r in records] == [r["loss"] for r in results[0]], f"rank {rank} logged another loss"
     return results[0]

@@ -1,0 +1,187 @@
+"""Activation memory of one TransformerBlock per rank, under TP and SP, next to the formula derived from the code.
+
+    .venv/bin/python -m bench.activation_memory        # from the repository root
+
+"Activation memory" here is what autograd keeps from a block's forward for its backward. It is measured,
+not estimated: ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor an op saves, and
+``SavedBytes`` adds up their storages:
+
+- a tensor saved several times, or through views of one storage, counts once (keyed by the storage's
+  data_ptr) and with its whole storage, since that is what stays alive;
+- a DTensor counts by its local tensor (this rank's bytes);
+- parameters and buffers (weights saved for the input gradient, the rotary tables) are model state, not
+  activations: their storages are left out.
+
+Layouts: one process, tp=2 without SP, tp=2 with SP, tp=4 with SP. The block is built as the TP tests build
+it (meta ``Transformer`` -> ``apply_tensor_parallel`` -> ``materialize_weights``); its input is this rank's
+(b, s/tp, h) sequence shard with SP and the full (b, s, h) without.
+
+The formula (``formula_bytes``) lists what models/llama.py's block saves, in elements, for batch b, sequence
+s, model dim h, SwiGLU hidden size H and a query heads, on the SDPA path that CPU takes for fp32 causal
+attention (``_scaled_dot_product_flash_attention_for_cpu``, which keeps a logsumexp, not the s x s scores):
+
+    each RMSNorm            x (bsh), rsqrt(mean x^2) (bs), x * rsqrt (bsh)                  x 2 norms
+    wq/wk/wv (shared) input norm output (bsh)                  <- gathered in full under SP
+    SDPA                    q, k, v after rotary/repeat_interleave (3 bsh: k and v at a heads,
+                            not kv heads), output (bsh; wo's input is a view of it), logsumexp (abs)
+    w1/w3 (shared) input    norm output (bsh)                  <- gathered in full under SP
+    SwiGLU                  w1 out (bsH), silu(w1 out) (bsH), w3 out (bsH), product = w2 input (bsH)
+
+    one process:   10 bsh + 4 bsH + 2 bs + abs
+    TP, no SP:      6 bsh + 2 bs + (4 bsh + 4 bsH + abs) / t          norms and residual replicated
+    TP + SP:        2 bsh + (8 bsh + 4 bsH + 2 bs + abs) / t          only the two gathered inputs replicated
+
+times 4 bytes in fp32. Megatron-LM's sequence parallelism keeps the *sharded* input of the first
+column-parallel matmul and all-gathers it again in backward, so there everything is divided by t (the
+"all / t" column). DTensor's ColwiseParallel saves the all-gathered input it multiplied, so here 2 bsh stays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.llama import ModelArgs
+
+# Big enough that the (b, s, h) terms dominate the small ones: 2 x 256 tokens of width 256.
+BENCH_ARGS = ModelArgs(dim=256, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64)
+BATCH, SEQ = 2, 256
+LAYOUTS = (("one process", 1, False), ("tp=2, no SP", 2, False), ("tp=2, SP", 2, True), ("tp=4, SP", 4, True))
+
+
+class SavedBytes:
+    """Count the bytes of the distinct storages that autograd saves inside the ``with`` block."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude = exclude  # storage data_ptrs of parameters and buffers
+        self.storages: dict[int, tuple[tuple[int, ...], int]] = {}  # data_ptr -> (shape first seen, nbytes)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # to_local() outside autograd: no graph node, nothing saved
+            local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.exclude and ptr not in self.storages:
+            self.storages[ptr] = (tuple(local.shape), storage.nbytes())
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(nbytes for _, nbytes in self.storages.values())
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()
+
+
+def measure_block(args: ModelArgs, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False) -> dict:
+    """Bytes autograd saves in one block's forward on this rank (tp > 1: inside a process group of tp ranks)."""
+    from mesh.materialize import materialize_weights
+    from models.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from mesh.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(
+            model, init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)), sequence_parallel=sequence_parallel
+        )
+    materialize_weights(model, torch.device("cpu"), seed=0)
+    block = model.layers["0"]
+    local_seq = seq // tp if sequence_parallel else seq  # with SP the block receives this rank's sequence shard
+    # The block's input comes from the previous layer, so it requires grad like any activation.
+    x = torch.randn(batch, local_seq, args.dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    state = {storage_ptr(t) for t in (*model.parameters(), *model.buffers())}
+    with SavedBytes(exclude=state) as saved:
+        out = block(x, model.rope_cos, model.rope_sin)
+    out.sum().backward()  # the saved tensors really were enough for backward
+    return {"bytes": saved.total, "shapes": [shape for shape, _ in saved.storages.values()]}
+
+
+def measure_on_ranks(args: ModelArgs, batch: int, seq: int, sequence_parallel: bool) -> dict:
+    """Rank body: ``measure_block`` with tp = the world size."""
+    import torch.distributed as dist
+
+    return measure_block(args, batch, seq, dist.get_world_size(), sequence_parallel)
+
+
+def formula_terms(args: ModelArgs, batch: int, seq: int, tp: int, sequence_parallel: bool) -> dict[str, float]:
+    """Elements saved per rank, split by what divides them (see the module docstring for the list)."""
+    b, s, h, hidden, a = batch, seq, args.dim, args.hidden_dim, args.n_heads
+    t = tp
+    norms = 4 * b * s * h + 2 * b * s  # 2 x (input, rsqrt, normalised input)
+    gathered = 2 * b * s * h  # the inputs of wq/wk/wv and of w1/w3
+    inner = 4 * b * s * h + a * b * s + 4 * b * s * hidden  # q, k, v, attention out, logsumexp, SwiGLU
+    return {
+        "norms": norms / t if sequence_parallel else norms,
+        "gathered": gathered,
+        "inner": inner / t,
+    }
+
+
+def formula_bytes(
+    args: ModelArgs, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4
+) -> float:
+    return dtype_bytes * sum(formula_terms(args, batch, seq, tp, sequence_parallel).values())
+
+
+def table(args: ModelArgs = BENCH_ARGS, batch: int = BATCH, seq: int = SEQ, layouts=LAYOUTS) -> list[dict]:
+    from tests.harness import run_on_ranks
+
+    rows = []
+    for name, tp, sp in layouts:
+        if tp == 1:
+            result = measure_block(args, batch, seq)
+        else:
+            per_rank = run_on_ranks(measure_on_ranks, tp, args, batch, seq, sp, timeout=300)
+            assert all(r["bytes"] == per_rank[0]["bytes"] for r in per_rank), "ranks saved different amounts"
+            result = per_rank[0]
+        rows.append({"layout": name, "tp": tp, "sp": sp, **result, "formula": formula_bytes(args, batch, seq, tp, sp)})
+    return rows
+
+
+def main() -> None:
+    args = BENCH_ARGS
+    b, s, h, hidden, a = BATCH, SEQ, args.dim, args.hidden_dim, args.n_heads
+    rows = table()
+    one = rows[0]["bytes"]
+    print(
+        f"one TransformerBlock forward, fp32: b={b} s={s} h={h} H={hidden} heads={a} kv_heads={args.n_kv_heads}; "
+        f"bsh = {b * s * h:,} elements = {4 * b * s * h:,} bytes"
+    )
+    print("bytes autograd saves per rank (parameters and buffers excluded)")
+    print(f"{'layout':<13} {'measured':>11} {'/ 1 proc':>9} {'formula':>11} {'meas/form':>10} {'all / t':>8}")
+    for r in rows:
+        print(
+            f"{r['layout']:<13} {r['bytes']:>11,} {r['bytes'] / one:>9.4f} {r['formula']:>11,.0f} "
+            f"{r['bytes'] / r['formula']:>10.4f} {1 / r['tp']:>8.4f}"
+        )
+    print("formula, in elements (x 4 bytes):")
+    print("  one process  10bsh + 4bsH + 2bs + abs")
+    print("  TP, no SP    6bsh + 2bs + (4bsh + 4bsH + abs)/t")
+    print("  TP + SP      2bsh + (8bsh + 4bsH + 2bs + abs)/t")
+    print("'all / t': Megatron-LM's SP, which keeps the sharded, not the gathered, input of the first matmuls")
+    for r in rows:
+        counts: dict[tuple, int] = {}
+        for shape in r["shapes"]:
+            counts[shape] = counts.get(shape, 0) + 1
+        listing = ", ".join(f"{n} x {tuple(shape)}" if n > 1 else str(tuple(shape)) for shape, n in counts.items())
+        print(f"saved on rank 0, {r['layout']}: {listing}")
+
+
+if __name__ == "__main__":
+    # Run as `python -m bench.activation_memory`: hand the ranks the function under its importable name, since
+    # a forkserver child cannot look anything up in this `__main__`.
+    from bench import activation_memory
+
+    activation_memory.main()

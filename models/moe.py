@@ -1,0 +1,183 @@
+"""A Mixture-of-Experts feed-forward block in single-device PyTorch (no torch.distributed here).
+
+``MoE.forward`` on x of shape (batch, seq, dim):
+
+1. **Route.** The router scores every token against every expert (softmax or sigmoid of a linear map) and
+   each token picks its top-k experts. Selection uses ``scores + expert_bias``; the gates that weight the
+   experts' outputs use the unbiased scores, renormalised over the chosen k when ``route_norm``.
+2. **Capacity** (optional). With ``capacity_factor > 0`` each expert accepts at most
+   ceil(capacity_factor * seq * k / n_experts) tokens *per sequence*, in token order; the rest of its
+   assignments are dropped (those tokens keep only their residual for that slot). Counting per sequence,
+   not per batch, keeps the result independent of how the batch is split across ranks. Default: dropless.
+3. **Dispatch.** Sort the (token, slot) assignments by expert id and count the tokens per expert.
+4. **Experts.** ``GroupedExperts(x_sorted, counts)`` runs expert e on its contiguous run of tokens. This is
+   the seam that expert parallelism wraps (mesh/expert_parallel.py): it moves the runs to the ranks that
+   own the experts and back, and the block does not know.
+5. **Combine.** Scatter-add each output, weighted by its gate, back to its token; add the shared expert.
+
+Load balancing, both optional:
+
+- **Auxiliary loss** (Switch Transformer style, per sequence): aux = coef * E * sum_i f_i * P_i, with f_i
+  the fraction of the sequence's assignments that went to expert i and P_i the mean router probability of
+  expert i. It is added to the training objective through ``AddAuxLoss`` (identity forward; backward feeds
+  the aux gradient), summed over sequences and divided by ``aux_loss_scale``'s global sequence count.
+- **Aux-loss-free bias** (DeepSeek-V3 style): ``expert_bias`` shifts only the *selection*. After each
+  optimizer step the trainer nudges it by ``bias_update_rate * sign(mean_load - load_i)`` from the measured
+  global load (mesh/expert_parallel.update_expert_bias), outside autograd.
+
+The block accumulates the per-expert token counts, dropped assignments and aux loss of a step in buffers
+that the trainer reads and resets for metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class MoEArgs:
+    n_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 256  # each routed expert's SwiGLU hidden size
+    n_shared_experts: int = 0  # 0 or 1: a dense SwiGLU that every token also goes through
+    score_func: str = "softmax"  # softmax | sigmoid
+    route_norm: bool = True  # renormalise the k gates of a token to sum to 1
+    aux_loss_coef: float = 0.0  # 0: no auxiliary loss
+    aux_loss_scale: float = 1.0  # 1 / (sequences per optimizer step, whole world): set by the trainer
+    bias_update_rate: float = 0.0  # 0: no aux-loss-free bias updates
+    capacity_factor: float = 0.0  # 0: dropless
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's local data. Under expert parallelism the weights are sharded DTensors; duck typing keeps
+    this file free of torch.distributed."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU MLPs stored as batched weights: w1, w3 (E, dim, hidden) and w2 (E, hidden, dim)."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: tokens sorted by expert, ``counts[e]`` of them for local expert e (zero is fine)."""
+        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
+        outputs = [
+            (F.silu(chunk @ w1[e]) * (chunk @ w3[e])) @ w2[e] for e, chunk in enumerate(torch.split(x, counts.tolist()))
+        ]
+        return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[-1])
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, n_experts: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor, score_func: str) -> torch.Tensor:
+        logits = self.gate(x).float()
+        return logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+
+
+class AddAuxLoss(torch.autograd.Function):
+    """Returns ``x`` unchanged; in backward, also sends gradient 1 into ``aux_loss``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.dtype, ctx.device = aux_loss.dtype, aux_loss.device
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=ctx.dtype, device=ctx.device)
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, args: MoEArgs, shared_hidden_dim: int):
+        super().__init__()
+        from models.llama import FeedForward  # the dense SwiGLU, reused as the shared expert
+
+        self.args = args
+        self.router = Router(dim, args.n_experts)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.n_experts)
+        self.shared_expert = FeedForward(dim, shared_hidden_dim) if args.n_shared_experts else None
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
+        # Step statistics for metrics and bias updates (not checkpointed).
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
+        self.register_buffer("dropped_assignments", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+
+    def reset_buffers(self) -> None:
+        self.expert_bias.zero_()
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.dropped_assignments.zero_()
+        self.aux_loss_sum.zero_()
+
+    def capacity(self, seqlen: int) -> int:
+        a = self.args
+        return math.ceil(a.capacity_factor * seqlen * a.top_k / a.n_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        bsz, seqlen, dim = x.shape
+        # 1. Route: choose with the biased scores, weight with the unbiased ones.
+        scores = self.router(x, a.score_func)  # (b, s, E) fp32
+        _, chosen = torch.topk(scores + self.expert_bias, a.top_k, dim=-1)  # (b, s, k)
+        gates = scores.gather(-1, chosen)
+        if a.route_norm:
+            gates = gates / gates.sum(-1, keepdim=True)
+        assigned = F.one_hot(chosen, a.n_experts).sum(2)  # (b, s, E): 1 where token chose expert
+
+        # 2. Capacity: an assignment is kept if fewer than `capacity` earlier tokens of its sequence chose
+        #    the same expert.
+        keep = torch.ones_like(chosen, dtype=torch.bool)
+        if a.capacity_factor > 0:
+            rank_in_expert = (assigned.cumsum(1) - 1).gather(-1, chosen)  # (b, s, k)
+            keep = rank_in_expert < self.capacity(seqlen)
+
+        # 3. Dispatch: kept (token, slot) assignments sorted by expert.
+        flat_expert = chosen.flatten()
+        flat_token = torch.arange(bsz * seqlen, device=x.device).repeat_interleave(a.top_k)
+        flat_gate = gates.flatten()
+        kept = keep.flatten().nonzero().squeeze(1)
+        order = kept[torch.argsort(flat_expert[kept], stable=True)]
+        counts = torch.bincount(flat_expert[kept], minlength=a.n_experts)
+        tokens = x.reshape(-1, dim)
+
+        # 4. Experts (wrapped by expert parallelism when ep > 1).
+        expert_out = self.experts(tokens[flat_token[order]], counts)
+
+        # 5. Combine: weight by the gate, add back to the token's row.
+        weighted = expert_out * flat_gate[order].unsqueeze(1).to(expert_out.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, flat_token[order], weighted.to(tokens.dtype))
+        out = out.view(bsz, seqlen, dim)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+
+        with torch.no_grad():
+            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+            self.dropped_assignments += flat_expert.numel() - kept.numel()
+        if a.aux_loss_coef > 0 and self.training:
+            aux = self.aux_loss(scores, assigned)
+            self.aux_loss_sum += aux.detach()
+            out = AddAuxLoss.apply(out, aux)
+        return out
+
+    def aux_loss(self, scores: torch.Tensor, assigned: torch.Tensor) -> torch.Tensor:
+        """Per-sequence Switch loss E * sum_i f_i P_i, summed over sequences, times coef * aux_loss_scale."""
+        a = self.args
+        probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores do not sum to 1 on their own
+        f = assigned.float().mean(1) / a.top_k  # (b, E): fraction of the sequence's assignments
+        p = probs.mean(1)  # (b, E): mean routing probability
+        return a.aux_loss_coef * a.aux_loss_scale * a.n_experts * (f * p).sum()
