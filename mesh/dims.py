@@ -109,12 +109,14 @@ def validate_layout(dims: ParallelDims, cfg: Config, model: ModelArgs) -> None:
         )
 
     # Pipeline and expert degrees against the model.
-    if dims.pp > 1 and not t.global_batch % dims.dp:
+    if dims.pp > 1:
         p = cfg.parallel
         n_local = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+        # The per-rank batch is unknown while global_batch % dp is broken (reported below); check the rest.
+        local_batch = None if t.global_batch % dims.dp else (t.micro_batch or t.global_batch // dims.dp)
         errors += pipeline_errors(
             dims.pp, p.pp_schedule, n_local, pipeline_microbatches(cfg, dims),
-            t.micro_batch or t.global_batch // dims.dp, p.pp_split, model.n_layers,
+            local_batch, p.pp_split, model.n_layers, compiled=t.compile,
         )  # fmt: skip
     m = cfg.model
     if m.n_experts and not 1 <= m.top_k <= m.n_experts:

@@ -105,8 +105,18 @@ def split_layers(args: ModelArgs, n_stages: int, policy: str, seq_len: int) -> l
     return [list(range(bounds[k], bounds[k + 1])) for k in range(len(sizes))]
 
 
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
 def pipeline_errors(
-    pp: int, schedule: str, n_local: int, microbatches: int, local_batch: int, split: str, n_layers: int
+    pp: int,
+    schedule: str,
+    n_local: int,
+    microbatches: int,
+    local_batch: int | None,
+    split: str,
+    n_layers: int,
+    compiled: bool = False,
 ) -> list[str]:
     """Every rule a pipeline layout must satisfy, as messages naming the field and the fix."""
     if schedule not in SCHEDULES:
@@ -139,7 +149,13 @@ def pipeline_errors(
                 f"summing to model.n_layers={n_layers}, e.g. "
                 f"{','.join([str(n_layers // n_stages)] * (n_stages - 1) + [str(n_layers - n_layers // n_stages * (n_stages - 1))])}."
             )
-    if microbatches < 1 or local_batch % microbatches:
+    if compiled and schedule in ZERO_BUBBLE:
+        errors.append(
+            f"training.compile=true with parallel.pp_schedule={schedule}: zero-bubble schedules split backward into "
+            "input- and weight-gradient halves, which compiled stages do not support; turn compile off or pick "
+            "GPipe/1F1B/Interleaved1F1B/LoopedBFS."
+        )
+    if microbatches < 1 or (local_batch is not None and local_batch % microbatches):
         errors.append(
             f"parallel.pp_microbatches={microbatches} must divide the per-rank batch {local_batch} (training.micro_batch, "
             "or global_batch / dp); choose a divisor."
@@ -154,8 +170,8 @@ def pipeline_errors(
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
             errors.append(
-                f"parallel.pp_microbatches={microbatches} is not a multiple of its {rounds} rounds (m // pp) that "
-                f"{schedule} needs; use a multiple of pp={pp}."
+                f"parallel.pp_microbatches={microbatches} is not a multiple of max(1, m // pp) = {rounds}, which "
+                f"{schedule} needs; a multiple of pp={pp} always works."
             )
     return errors
 

@@ -3,9 +3,10 @@
 1. ``PipelineTimeline.instrument`` wraps each local ``PipelineStage``'s ``forward_one_chunk`` (F),
    ``backward_one_chunk`` (B for a full backward, I for the input-gradient half in zero-bubble schedules)
    and ``backward_weight_one_chunk`` (W) to record (start, end) wall-clock times per micro-batch.
-2. ``begin_step`` / ``end_step`` mark the step's window on each rank. Everything in the window that is
-   not F/B/I/W is idle: waiting for a neighbour's activation or gradient (the bubble), plus the sends and
-   receives themselves.
+2. ``begin_step`` / ``end_step`` mark the step's window on each rank (after data loading, before the
+   gradient clipping). Everything in the window that is not F/B/I/W is idle: waiting for a neighbour's
+   activation or gradient (the bubble), the point-to-point sends and receives themselves (torch issues
+   them outside the timed chunks), and the last stage's loss computation.
 3. ``gather`` collects every rank's events on every pp rank (an all_gather_object over the pp group),
    ``bubble_report`` compares each rank's measured idle fraction with the schedule's textbook prediction,
    and ``timeline_svg`` draws one row per rank with a box per F/B/I/W, labelled by micro-batch.
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-from mesh.pipeline import LOOPED, SINGLE_STAGE, V_SHAPED
+from mesh.pipeline import SINGLE_STAGE, V_SHAPED
 
 COLOURS = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b"}
 
@@ -84,15 +85,19 @@ def predicted_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank:
     """The textbook idle fraction, assuming equal stages and no communication cost.
 
     GPipe and 1F1B: (p-1)/(m+p-1). Interleaved 1F1B and breadth-first looping with v stages per rank
-    shrink the warm-up/drain by v: (p-1)/(v*m+p-1). Zero-bubble schedules (ZB-V, DualPipeV, interleaved ZB)
-    fill the bubble with deferred weight-gradient work: ~0 when F, I and W take equal time. None if unknown.
+    shrink the warm-up/drain by v: (p-1)/(v*m+p-1) (for m >= p). Interleaved zero bubble (ZB-1P style)
+    keeps 1F1B's memory but fills the drain with deferred weight-gradient work: with F = I = W each a third
+    of a micro-batch's work, a third of the interleaved bubble remains, (p-1)/(3*v*m+p-1). ZB-V and
+    DualPipeV aim at zero: 0. All of them assume equal stages and free communication.
     """
     p, m, v = pp, microbatches, stages_per_rank
     if schedule in SINGLE_STAGE:
         return (p - 1) / (m + p - 1)
     if schedule in ("Interleaved1F1B", "LoopedBFS"):
         return (p - 1) / (v * m + p - 1)
-    if schedule in V_SHAPED or schedule in LOOPED:
+    if schedule == "InterleavedZeroBubble":
+        return (p - 1) / (3 * v * m + p - 1)
+    if schedule in V_SHAPED:
         return 0.0
     return None
 

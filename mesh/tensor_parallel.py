@@ -153,6 +153,21 @@ def loss_context(tp_enabled: bool):
     return loss_parallel() if tp_enabled else contextlib.nullcontext()
 
 
+@torch.no_grad()
+def reduce_partial_gradients(params: list[torch.Tensor]) -> None:
+    """All-reduce, once, the gradients that backward left as Partial sums (SP norm weights under TP alone).
+
+    A sequence-parallel norm sees only this rank's tokens, so its replicated weight gets a Partial gradient.
+    DTensor would reduce it lazily on *every* use (the clipping norm, then each AdamW update), repeating the
+    same all-reduce; doing it here once gives every later use a Replicate gradient. Under FSDP the gradient
+    reduction already did this, and nothing is Partial.
+    """
+    for p in params:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            p.grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements])
+
+
 def loss_value(loss: torch.Tensor) -> torch.Tensor:
     """The plain value of a loss; under loss_parallel it is a DTensor replicated over tp."""
     return loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -95,6 +95,8 @@ def test_stage_placement_looped_and_v_shaped():
          "DualPipeV needs at least one per stage"),
         ({"parallel.pp": 2, "parallel.pp_schedule": "Zero"}, 2, "parallel.pp_schedule='Zero' is unknown"),
         ({"parallel.pp": 2, "parallel.pp_split": "1,2"}, 2, "parallel.pp_split='1,2' must be"),
+        ({"parallel.pp": 2, "parallel.pp_schedule": "ZBVZeroBubble", "training.compile": True}, 2,
+         "zero-bubble schedules split backward"),
     ],
 )  # fmt: skip
 def test_a_misfit_pipeline_is_refused_before_any_send(overrides, world, expected):

@@ -85,7 +85,8 @@ def test_sequence_parallel_block_replaces_all_reduce_with_reduce_scatter_and_all
     assert counts["forward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
     assert counts["backward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
     assert counts["local_out_shape"] == (2, 8, TINY.dim)  # the residual stream stays sequence-sharded
-    # The norm saw only this rank's tokens: its weight gradient is a partial sum, reduced when first used.
+    # The norm saw only this rank's tokens: its weight gradient is a partial sum (train.py reduces it once,
+    # mesh/tensor_parallel.reduce_partial_gradients; under FSDP the gradient reduce-scatter does).
     assert counts["norm_grad_placements"] == (Partial(),)
 
 
