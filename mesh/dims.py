@@ -127,7 +127,10 @@ def validate_layout(dims: ParallelDims, cfg: Config, model: ModelArgs) -> None:
         if cfg.model.n_experts == 0:
             errors.append(f"parallel.ep={dims.ep} needs an MoE model; set model.n_experts or parallel.ep=1.")
         elif cfg.model.n_experts % dims.ep:
-            errors.append(f"parallel.ep={dims.ep} does not divide model.n_experts={cfg.model.n_experts}.")
+            errors.append(
+                f"parallel.ep={dims.ep} does not divide model.n_experts={cfg.model.n_experts}; each ep rank must own "
+                "the same number of experts: choose an ep that divides n_experts."
+            )
         if dims.dp_shard % dims.ep:
             errors.append(
                 f"parallel.ep={dims.ep} must divide parallel.dp_shard={dims.dp_shard}: expert-parallel ranks are "

@@ -149,7 +149,13 @@ def step_expert_load(parts: list[nn.Module], dp_mesh: DeviceMesh, pp_mesh: Devic
 
 
 def load_metrics(load: dict) -> dict:
-    """Flat metrics from step_expert_load: per-layer tokens per expert, max/mean, CV, drops, aux loss."""
+    """Metrics from step_expert_load.
+
+    ``expert_load``: tokens per expert, per layer; ``expert_load_max_over_mean``: the worst layer's busiest
+    expert over its mean (1 = perfectly even, E/k = everything on k experts); ``expert_load_cv``: the mean over
+    layers of the load's coefficient of variation; ``dropped_assignments``: (token, expert) assignments that
+    exceeded capacity, summed over layers; ``aux_loss``: the auxiliary loss summed over layers.
+    """
     if not load:
         return {}
     layers = sorted(load, key=int)
@@ -163,6 +169,6 @@ def load_metrics(load: dict) -> dict:
         "expert_load": {layer: [int(t) for t in load[layer]["tokens"]] for layer in layers},
         "expert_load_max_over_mean": max(ratios),
         "expert_load_cv": sum(cvs) / len(cvs),
-        "dropped_tokens": sum(load[layer]["dropped"] for layer in layers),
+        "dropped_assignments": sum(load[layer]["dropped"] for layer in layers),
         "aux_loss": sum(load[layer]["aux_loss"] for layer in layers),
     }

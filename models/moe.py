@@ -23,7 +23,7 @@ Load balancing, both optional:
   the aux gradient), summed over sequences and divided by ``aux_loss_scale``'s global sequence count.
 - **Aux-loss-free bias** (DeepSeek-V3 style): ``expert_bias`` shifts only the *selection*. After each
   optimizer step the trainer nudges it by ``bias_update_rate * sign(mean_load - load_i)`` from the measured
-  global load (mesh/expert_parallel.update_expert_bias), outside autograd.
+  global load (mesh/expert_parallel.step_expert_load), outside autograd.
 
 The block accumulates the per-expert token counts, dropped assignments and aux loss of a step in buffers
 that the trainer reads and resets for metrics.
