@@ -31,8 +31,16 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
-    n_experts: int = 0  # 0: dense model (MoE arrives with expert parallelism)
+    n_experts: int = 0  # 0: a dense model; > 0: MoE feed-forward layers (see models/moe.py)
     top_k: int = 2
+    moe_every: int = 1  # layer i is MoE when (i + 1) % moe_every == 0
+    moe_ffn_dim: int = 0  # each expert's hidden size; 0: the dense FFN's hidden size / top_k
+    moe_shared_experts: int = 0  # 0 or 1
+    moe_score_func: str = "softmax"  # softmax | sigmoid
+    moe_route_norm: bool = True
+    moe_aux_loss_coef: float = 0.0  # Switch-style load-balancing loss coefficient (0: off)
+    moe_bias_update_rate: float = 0.0  # aux-loss-free expert-bias step (0: off)
+    moe_capacity_factor: float = 0.0  # 0: dropless; > 0: per-sequence capacity with token dropping
 
 
 @dataclass
@@ -87,12 +95,23 @@ class RunConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    folder: str = ""  # "": <run.dir>/checkpoints; holds step-N/ folders (see checkpoint/manager.py)
+    interval: int = 0  # save every `interval` steps and at the last step; 0: never save
+    resume: str = "none"  # auto (the newest complete checkpoint, if any) | none | a step number
+    async_: bool = False  # TOML/CLI key `checkpoint.async` (a Python keyword): save in a thread while training
+    keep_last: int = 3  # published checkpoints to keep, newest first; 0: keep all
+    init_from: str = ""  # a Hugging Face-named model.safetensors (or its folder): initial weights of a fresh run
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -102,6 +121,7 @@ CHOICES = {
     "training.mixed_precision": ("fp32", "bf16"),
     "training.activation_checkpoint": ("none", "full", "selective"),
     "training.device": ("auto", "cpu", "cuda"),
+    "model.moe_score_func": ("softmax", "sigmoid"),
     "parallel.fsdp_reshard_after_forward": ("default", "always", "never"),
 }
 
@@ -139,7 +159,12 @@ def _convert(key: str, raw: object, typ: type) -> object:
     raise ConfigError(f"{key}={raw!r} is not a valid {typ.__name__}; set it to a {typ.__name__} value.")
 
 
+# Keys whose field name differs from the user-facing name (a Python keyword cannot be a field name).
+KEY_ALIASES = {"checkpoint.async": "checkpoint.async_"}
+
+
 def _set(cfg: Config, key: str, raw: object) -> None:
+    key = KEY_ALIASES.get(key, key)
     sections = _sections(cfg)
     parts = key.split(".")
     if len(parts) != 2 or parts[0] not in sections:

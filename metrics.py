@@ -18,20 +18,23 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def check_run_dir(run_dir: str, overwrite: bool) -> None:
-    """Refuse to append a new run to an old run's metrics (checked on every rank before any collective)."""
+def check_run_dir(run_dir: str, overwrite: bool, resuming: bool = False) -> None:
+    """Refuse to append a new run to an old run's metrics (checked on every rank before any collective).
+
+    A run that resumes from a checkpoint continues its metrics instead (see MetricsWriter).
+    """
     metrics = Path(run_dir) / "metrics.jsonl"
-    if metrics.exists() and not overwrite:
+    if metrics.exists() and not (overwrite or resuming):
         raise ConfigError(
             f"run.dir={run_dir!r} already holds {metrics.name} from an earlier run; pass a new --run.dir, "
-            "or --run.overwrite true to replace it."
+            "--run.overwrite true to replace it, or --checkpoint.resume auto to continue it from its checkpoint."
         )
 
 
 class MetricsWriter:
     """Writes one JSON object per logged step; a no-op on ranks other than 0."""
 
-    def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool, resume_step: int | None = None):
         self.enabled = enabled
         self.file = None
         self.tb = None
@@ -39,7 +42,15 @@ class MetricsWriter:
             return
         root = Path(run_dir)
         root.mkdir(parents=True, exist_ok=True)
-        self.file = open(root / "metrics.jsonl", "w")  # noqa: SIM115 - closed in close()
+        path = root / "metrics.jsonl"
+        if resume_step is not None and path.exists():
+            # Resumed after `resume_step`: keep the records up to it and append. Later records came from
+            # steps that are about to run again (the earlier run went on past its last checkpoint).
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+            self.file = open(path, "a")  # noqa: SIM115 - closed in close()
+        else:
+            self.file = open(path, "w")  # noqa: SIM115 - closed in close()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported lazily: it is slow to import
 

@@ -21,12 +21,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from checkpoint.manager import CheckpointManager, find_resume
 from config import Config, ConfigError, load_config
 from data.corpus import load_corpus
 from data.loader import GlobalBatchLoader
 from mesh.activation_checkpoint import apply_activation_checkpointing
 from mesh.data_parallel import apply_fsdp
 from mesh.dims import Meshes, ParallelDims, build_mesh, mesh_banner, pipeline_microbatches, validate_layout
+from mesh.expert_parallel import apply_expert_parallel, load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
 from mesh.materialize import materialize_weights
 from mesh.pipeline import (
@@ -38,19 +40,30 @@ from mesh.pipeline import (
 )
 from mesh.pipeline_timeline import PipelineTimeline, bubble_report, predicted_bubble, timeline_svg
 from mesh.runtime import destroy_process_group, init_process_group, select_device, world_size_from_env
-from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value
+from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value, reduce_partial_gradients
 from metrics import MetricsWriter, check_run_dir, format_step, peak_memory_bytes
 from models.llama import ModelArgs, Transformer
+from models.moe import MoEArgs
 from optim import Optimizers
 
 
 def model_args(cfg: Config) -> ModelArgs:
     m = cfg.model
-    return ModelArgs(
+    args = ModelArgs(
         dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
         ffn_dim=m.ffn_dim, multiple_of=m.multiple_of, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-        max_seq_len=m.max_seq_len,
+        max_seq_len=m.max_seq_len, moe_every=m.moe_every,
     )  # fmt: skip
+    if m.n_experts:
+        args.moe = MoEArgs(
+            n_experts=m.n_experts, top_k=m.top_k, hidden_dim=m.moe_ffn_dim or max(1, args.hidden_dim // m.top_k),
+            n_shared_experts=m.moe_shared_experts, score_func=m.moe_score_func, route_norm=m.moe_route_norm,
+            aux_loss_coef=m.moe_aux_loss_coef, bias_update_rate=m.moe_bias_update_rate,
+            capacity_factor=m.moe_capacity_factor,
+            # the aux loss is summed per sequence and averaged over the global batch, whatever the layout
+            aux_loss_scale=1.0 / cfg.training.global_batch,
+        )  # fmt: skip
+    return args
 
 
 def check_config(cfg: Config, world_size: int) -> tuple[ParallelDims, ModelArgs]:
@@ -62,14 +75,17 @@ def check_config(cfg: Config, world_size: int) -> tuple[ParallelDims, ModelArgs]
         raise ConfigError(f"training.steps={cfg.training.steps} must be >= 1.")
     if cfg.model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is below 256, which the byte tokenizer needs.")
-    check_run_dir(cfg.run.dir, cfg.run.overwrite)
+    # A run that resumes from a checkpoint continues the metrics of run.dir instead of refusing them.
+    check_run_dir(cfg.run.dir, cfg.run.overwrite, resuming=find_resume(cfg, args) is not None)
     return dims, args
 
 
 def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device) -> nn.Module:
-    """The fixed order: TP -> activation checkpointing -> compile -> FSDP -> layout-independent weights."""
+    """The fixed order: TP -> EP -> activation checkpointing -> compile -> FSDP -> layout-independent weights."""
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    if dims.ep > 1:
+        apply_expert_parallel(model, meshes.ep)
     apply_activation_checkpointing(model, cfg.training.activation_checkpoint)
     if cfg.training.compile:
         for block in model.layers.values():
@@ -141,10 +157,11 @@ def forward_backward(parts, schedule, stage_ids, n_stages, inputs, targets, glob
 def train(cfg: Config) -> list[dict]:
     """Run ``cfg`` on the current world (process group optional); returns the per-step records on every rank."""
     dims, args = check_config(cfg, world_size_from_env() if not dist.is_initialized() else dist.get_world_size())
+    checkpoints = CheckpointManager(cfg, dims, args)  # finds and validates the checkpoint to resume from
     device = select_device(cfg.training.device)
     init_process_group(device, cfg.parallel.collective_timeout_s)
     torch.manual_seed(cfg.training.seed)
-    meshes = build_mesh(dims, device.type)
+    meshes = build_mesh(dims, device.type, has_experts=args.moe is not None)
     is_logger = dist.get_rank() == 0
     t = cfg.training
     micro_batch = t.micro_batch or t.global_batch // dims.dp
@@ -170,6 +187,8 @@ def train(cfg: Config) -> list[dict]:
         seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=micro_batch,
         dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp,
     )  # fmt: skip
+    # Weights, optimizer, LR schedule, data position and RNG from the checkpoint (or init_from weights).
+    start_step = checkpoints.restore(parts, optimizers, loader)
 
     local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
     if is_logger:
@@ -184,24 +203,31 @@ def train(cfg: Config) -> list[dict]:
         )
     # Every rank checked run.dir in check_config; wait for all of them before rank 0 creates files in it.
     dist.barrier()
-    writer = MetricsWriter(cfg.run.dir, enabled=is_logger, tensorboard=cfg.run.tensorboard)
+    writer = MetricsWriter(
+        cfg.run.dir, enabled=is_logger, tensorboard=cfg.run.tensorboard, resume_step=checkpoints.resumed_step
+    )
     records = []
     try:
-        for step in range(1, t.steps + 1):
+        for step in range(start_step + 1, t.steps + 1):
             start = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
+            batch = loader.next_batch()
             if timeline is not None:
-                timeline.begin_step()
-            for inputs, targets in loader.next_batch():
+                timeline.begin_step()  # after data loading: the window holds only the pipeline's work
+            for inputs, targets in batch:
                 loss_sum += forward_backward(
                     parts, schedule, stage_ids, n_stages, inputs.to(device), targets.to(device),
                     global_tokens, dims.tp > 1,
                 )  # fmt: skip
             if timeline is not None:
                 timeline.end_step()
+            if dims.tp > 1:
+                reduce_partial_gradients(params)
             grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp)
             lr = optimizers.lr
             optimizers.step()
+            # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
+            moe_load = step_expert_load(parts, meshes.dp, meshes.pp) if args.moe is not None else {}
             # The logged loss is the global mean: sum the token-loss sums over the dp ranks and the pp stages
             # (only last-stage ranks hold a non-zero sum).
             dist.all_reduce(loss_sum, group=meshes.loss.get_group())
@@ -210,7 +236,7 @@ def train(cfg: Config) -> list[dict]:
             record = {
                 "step": step, "loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
                 "tokens_per_s": global_tokens / elapsed, "peak_mem_bytes": peak_memory_bytes(device),
-                "tokens_consumed": loader.tokens_consumed,
+                "tokens_consumed": loader.tokens_consumed, **load_metrics(moe_load),
             }  # fmt: skip
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at step {step}; lower training.lr or enable grad_clip.")
@@ -219,6 +245,8 @@ def train(cfg: Config) -> list[dict]:
                 writer.log(record)
                 if is_logger:
                     print(format_step(record), flush=True)
+            checkpoints.maybe_save(step, parts, optimizers, loader)
+        checkpoints.finish()
         if timeline is not None:
             write_pipeline_timeline(cfg, dims, meshes, timeline, is_logger)
     finally:
@@ -256,7 +284,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv)
         train(cfg)
     except ConfigError as exc:
-        # Printed by every rank: with torchrun each rank's stderr is prefixed by its rank.
+        # Printed by every rank (the same text): whichever rank's output the user reads shows the fix.
         print(f"meshloom: configuration error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:

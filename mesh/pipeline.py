@@ -191,6 +191,25 @@ def build_stage_module(args: ModelArgs, layers: list[int], is_first: bool, is_la
     return stage
 
 
+def forget_metadata_inference_statistics(stage: PipelineStage) -> None:
+    """Reset the MoE load counters after torch's metadata inference, so they count real micro-batches only.
+
+    In torch 2.13 a stage built without example inputs infers shapes on the first step by running one real
+    forward and backward. Its routing would otherwise be counted in that step's expert load (and in the
+    bias update). ``_post_metadata_inference_cleanup`` is private but the only point that marks the end of
+    the inference; this is the one place meshloom hooks it.
+    """
+    cleanup = stage._post_metadata_inference_cleanup
+
+    def cleanup_then_reset() -> None:
+        cleanup()
+        for module in stage.submod.modules():
+            if hasattr(module, "reset_stats"):
+                module.reset_stats()
+
+    stage._post_metadata_inference_cleanup = cleanup_then_reset
+
+
 def build_pipeline_schedule(
     stage_modules: list[nn.Module],
     stage_ids: list[int],
@@ -207,6 +226,8 @@ def build_pipeline_schedule(
         PipelineStage(module, stage_id, n_stages, device, group=pp_group)
         for module, stage_id in zip(stage_modules, stage_ids, strict=True)
     ]
+    for stage in stages:
+        forget_metadata_inference_statistics(stage)
     schedule_class = get_schedule_class(schedule)
     # scale_grads=False: loss_fn already divides by the global token count (see the module docstring).
     if schedule in SINGLE_STAGE:

@@ -61,3 +61,24 @@ def test_torchrun_hsdp_matches_one_process(embedded_default, tmp_path):
 def test_torchrun_fsdp2_x_tp2_matches_one_process(embedded_default, tmp_path):
     run = launch(tmp_path, "fsdp2xtp2", 4, "--config", DEBUG_CONFIG, "--parallel.dp_shard", "2", "--parallel.tp", "2")
     assert_same_curve(run, embedded_default)
+
+
+@pytest.mark.slow
+def test_torchrun_3d_pipeline_matches_one_process(embedded_default, tmp_path):
+    run = launch(
+        tmp_path, "pp2xfsdp2xtp2", 8, "--config", DEBUG_CONFIG,
+        "--parallel.pp", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.pp_schedule", "ZBVZeroBubble",
+    )  # fmt: skip
+    assert_same_curve(run, embedded_default)
+
+
+@pytest.mark.slow
+def test_torchrun_4d_moe_matches_one_process(tmp_path):
+    moe = str(ROOT / "configs" / "debug_moe.toml")
+    reference = launch(tmp_path, "moe-one", 1, "--config", moe)
+    run = launch(
+        tmp_path, "moe-4d", 8, "--config", moe,
+        "--parallel.pp", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.ep", "2",
+    )  # fmt: skip
+    assert_same_curve(run, reference)
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in reference]

@@ -1,0 +1,93 @@
+"""Export a DCP checkpoint to safetensors with Hugging Face Llama names, on one process, no process group.
+
+    python -m checkpoint.export --checkpoint runs/debug/checkpoints --out runs/debug/hf
+    python -m checkpoint.export --checkpoint runs/debug/checkpoints/step-20 --out runs/debug/hf
+
+1. Pick the checkpoint: ``--checkpoint`` is a step-N folder, or a checkpoint folder whose newest complete
+   step-N is taken. Check that it is complete (checkpoint.manager.inspect).
+2. Rebuild the model's shapes from its meshloom.json (the [model] section it was saved with).
+3. Allocate one full, plain tensor per parameter and let ``dcp.load(..., no_dist=True)`` fill them: DCP
+   stitches each tensor from the shards every rank wrote, whatever the layout was. Only ``model.*`` entries
+   are read; the optimizer state stays on disk.
+4. Write ``model.safetensors`` (HF names, checkpoint/hf.py) and a ``config.json`` for LlamaForCausalLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from checkpoint.hf import export_safetensors
+from checkpoint.manager import META_FILE, inspect, published
+from checkpoint.state import MODEL, split
+from config import Config, ConfigError
+
+
+def choose_checkpoint(path: str | Path) -> Path:
+    """Step 1: ``path`` if it is a checkpoint, else the newest complete step-N inside it."""
+    path = Path(path)
+    if (path / META_FILE).is_file() or path.name.startswith("step-"):
+        candidates = [path]
+    else:
+        candidates = list(reversed(published(path).values()))
+        if not candidates:
+            raise ConfigError(f"--checkpoint {path}: no step-N checkpoint folders there.")
+    for candidate in candidates:
+        _, _, problems = inspect(candidate)
+        if not problems:
+            return candidate
+        if len(candidates) == 1:
+            raise ConfigError(f"checkpoint {candidate} is incomplete or corrupt: {'; '.join(problems)}.")
+    raise ConfigError(f"--checkpoint {path}: no complete checkpoint among {[c.name for c in candidates]}.")
+
+
+def saved_config(step_dir: Path) -> Config:
+    """Step 2: a Config whose [model] is the one the checkpoint was saved with."""
+    cfg = Config()
+    for key, value in json.loads((step_dir / META_FILE).read_text())["model"].items():
+        if not hasattr(cfg.model, key):
+            raise ConfigError(f"{step_dir / META_FILE}: model.{key} is unknown to this meshloom version.")
+        setattr(cfg.model, key, value)
+    return cfg
+
+
+def load_model_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], object]:
+    """Step 3: the full model state (meshloom names) and its ModelArgs, read on this one process."""
+    from models.llama import Transformer
+    from train import model_args
+
+    args = model_args(saved_config(step_dir))
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in Transformer(args).state_dict().items()}
+    state = {MODEL + name: torch.empty(shape) for name, shape in shapes.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    return split(state, MODEL), args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m checkpoint.export", description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="a step-N folder, or a checkpoint folder (newest)")
+    parser.add_argument("--out", required=True, help="output folder for model.safetensors and config.json")
+    opts = parser.parse_args(argv)
+    try:
+        step_dir = choose_checkpoint(opts.checkpoint)
+        state, args = load_model_state(step_dir)
+        file = export_safetensors(state, args, opts.out)
+    except (ConfigError, ValueError) as exc:
+        print(f"meshloom export: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    size = sum(t.numel() for t in state.values())
+    print(f"exported {step_dir} ({size:,} parameters) to {file} and {Path(opts.out) / 'config.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

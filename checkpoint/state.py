@@ -1,0 +1,115 @@
+"""The whole training state as one flat dict keyed by layout-independent names, and putting it back.
+
+A rank holds one or more model parts (the whole model, or its pipeline stages), each with its own AdamW
+and LR schedule (optim.Optimizers). DCP wants one dict per rank whose keys name the same thing on every
+layout, so the state is gathered like this:
+
+1. Model: ``get_model_state_dict(part)`` for each part. Stage modules keep the original parameter names
+   (``layers.5.attention.wq.weight``) and the state-dict API strips wrapper prefixes (activation
+   checkpointing), so the keys are those of the single-device model. Values are what the rank holds: a
+   plain tensor on one process, a DTensor shard under FSDP/TP. Keys get the prefix ``model.``.
+2. Optimizer: ``get_optimizer_state_dict(part, optimizer, flatten_optimizer_state_dict=True)`` for each
+   part. "Flatten" keys the state by parameter name instead of by position in a param group
+   (``state.layers.5.attention.wq.weight.exp_avg``, ``param_groups.<name>.lr``), so it does not depend on
+   how the parameters were grouped or split into stages. Prefix ``optim.``.
+3. The parts hold disjoint parameters, so their dicts merge without collisions (checked).
+4. The rest is small and identical on every rank: ``train.step``, ``train.tokens_consumed`` (the global
+   data position), the LR schedule's position and torch's CPU RNG state, as int64/uint8 tensors. Every
+   rank offers them under the same key; DCP writes one copy (deduplication) and every rank reads it back.
+
+Loading is the reverse: build the same dict from the freshly built model (it doubles as the list of what
+to read, each tensor already sharded for the *new* layout), let ``dcp.load`` fill it in place (each rank
+reads only the slices its shards cover, by name and offset), then ``apply_training_state``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from data.loader import GlobalBatchLoader
+from optim import Optimizers
+
+MODEL, OPTIM, TRAIN = "model.", "optim.", "train."
+FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+# strict=False: each part is given the merged dict of every part on this rank (pipeline V schedules hold two).
+PART_OF_MODEL = StateDictOptions(strict=False)
+# The non-tensor-parameter entries every checkpoint has (validated before loading).
+TRAIN_KEYS = ("step", "tokens_consumed", "lr_last_epoch", "lr_step_count", "rng_cpu")
+
+
+def _merge(target: dict, prefix: str, source: dict) -> None:
+    for key, value in source.items():
+        full = prefix + key
+        if full in target:
+            raise ValueError(f"{full} is held by two model parts on this rank; parts must own disjoint parameters")
+        target[full] = value
+
+
+def training_state(parts: list[nn.Module], optimizers: Optimizers, loader: GlobalBatchLoader, step: int) -> dict:
+    """This rank's share of the training state after ``step`` optimizer steps (steps 1-4 of the docstring).
+
+    Tensors are the live ones (no copy): save them before the next step changes them, or let
+    ``dcp.async_save`` stage a copy.
+    """
+    state: dict = {}
+    for part, optimizer in zip(parts, optimizers.optimizers, strict=True):
+        _merge(state, MODEL, get_model_state_dict(part))
+        _merge(state, OPTIM, get_optimizer_state_dict(part, optimizer, options=FLAT_OPTIM))
+    scheduler = optimizers.schedulers[0]  # all parts' schedules advance together
+    values = {
+        "step": step,
+        "tokens_consumed": loader.tokens_consumed,
+        "lr_last_epoch": scheduler.last_epoch,
+        "lr_step_count": scheduler.state_dict()["_step_count"],
+    }
+    for key, value in values.items():
+        state[TRAIN + key] = torch.tensor(value, dtype=torch.int64)
+    state[TRAIN + "rng_cpu"] = torch.get_rng_state()
+    return state
+
+
+def split(state: dict, prefix: str) -> dict:
+    """The entries of ``state`` under ``prefix``, with the prefix removed."""
+    return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+
+
+@torch.no_grad()
+def apply_training_state(state: dict, parts: list[nn.Module], optimizers: Optimizers, loader: GlobalBatchLoader) -> int:
+    """Put a loaded state back into the parts, optimizers, schedules, loader and RNG; returns its step.
+
+    The LR schedule is restored from its position only (last_epoch, step count): its per-group base LRs come
+    from this run's config and its group count from this layout, while the current LR of every parameter
+    comes back with the optimizer's param groups.
+    """
+    model_state, optim_state = split(state, MODEL), split(state, OPTIM)
+    for part, optimizer in zip(parts, optimizers.optimizers, strict=True):
+        set_model_state_dict(part, model_state, options=PART_OF_MODEL)
+        set_optimizer_state_dict(part, optimizer, optim_state, options=FLAT_OPTIM)
+    for scheduler in optimizers.schedulers:
+        restored = scheduler.state_dict()
+        restored.update(
+            last_epoch=int(state[TRAIN + "lr_last_epoch"]),
+            _step_count=int(state[TRAIN + "lr_step_count"]),
+            _last_lr=[group["lr"] for group in scheduler.optimizer.param_groups],
+        )
+        scheduler.load_state_dict(restored)
+    loader.load_state_dict({"tokens_consumed": int(state[TRAIN + "tokens_consumed"])})
+    torch.set_rng_state(state[TRAIN + "rng_cpu"])
+    return int(state[TRAIN + "step"])
+
+
+def expected_entries(model: nn.Module) -> dict[str, torch.Size]:
+    """Tensor keys and shapes a checkpoint of ``model`` (the whole single-device model, e.g. on meta) holds."""
+    shapes = {MODEL + name: value.shape for name, value in model.state_dict().items()}
+    for name, param in model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            shapes[f"{OPTIM}state.{name}.{key}"] = param.shape
+    return shapes

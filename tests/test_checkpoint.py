@@ -1,0 +1,349 @@
+"""Checkpoints: exact continuation across layouts, atomic publish under SIGKILL, validation, HF export/import.
+
+The continuation tests save after N=3 steps on layout A and resume for 3 more on layout B, against one
+process trained 2N=6 steps (every layout matches one process: test_parity_dp, test_pipeline). N=3 lies
+inside the debug config's 5 warmup steps, where the LR does not depend on training.steps, so the 3-step
+run A follows the same schedule as a 6-step run up to its save.
+
+The transformers test runs where transformers is installed, e.g.
+    .venv/bin/pip install transformers && .venv/bin/python -m pytest tests/test_checkpoint.py -k transformers
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpoint.hf import expected_hf_shapes, hf_name
+from checkpoint.manager import PAUSE_ENV, find_resume, published
+from config import ConfigError, load_config
+from tests.training_runs import DEBUG_CONFIG, LOSS_RTOL, ROOT, assert_same_curve, train_on
+from train import check_config, model_args
+
+N = 3  # steps before the save; the reference runs 2N
+
+
+def overrides(folder, **extra) -> dict:
+    return {"checkpoint.folder": str(folder), **{k.replace("__", "."): v for k, v in extra.items()}}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, 2N steps, saving at N and 2N: the curve every resumed run must follow, and checkpoints."""
+    root = tmp_path_factory.mktemp("reference")
+    records = train_on(1, overrides(root / "ckpt", checkpoint__interval=N), root / "run")
+    return records, root / "ckpt"
+
+
+def files_digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+# ---- exact continuation on another layout ------------------------------------------------------------------
+
+FSDP4 = {"parallel.dp_shard": 4}
+FSDP2_TP2 = {"parallel.dp_shard": 2, "parallel.tp": 2}
+PP2_FSDP2 = {"parallel.pp": 2, "parallel.dp_shard": 2}
+PP2_TP2 = {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 1}
+HSDP2X2 = {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}
+
+
+def world(layout: dict) -> int:
+    return 1 if not layout else 4
+
+
+@pytest.mark.parametrize(
+    "before, after, saving",
+    [
+        # async saves every step, keep the last 2: also proves that pruning and async publishing work
+        (FSDP4, FSDP2_TP2, {"checkpoint.interval": 1, "checkpoint.async": "true", "checkpoint.keep_last": 2}),
+        (FSDP2_TP2, PP2_FSDP2, {"checkpoint.interval": N}),
+        (PP2_TP2, {}, {"checkpoint.interval": N}),
+        ({}, HSDP2X2, {"checkpoint.interval": N}),
+    ],
+    ids=["fsdp4-async-to-fsdp2xtp2", "fsdp2xtp2-to-pp2xfsdp2", "pp2xtp2-to-1", "1-to-hsdp2x2"],
+)
+def test_resume_on_another_layout_continues_the_same_run(before, after, saving, reference, tmp_path):
+    ref, _ = reference
+    folder = tmp_path / "ckpt"
+    first = train_on(world(before), {**before, **saving, **overrides(folder), "training.steps": N}, tmp_path / "a")
+    assert_same_curve(first, ref[:N])
+    if saving["checkpoint.interval"] == 1:  # keep_last 2 removed step-1; nothing temporary is left behind
+        assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-3"]
+    resumed = train_on(world(after), {**after, **overrides(folder, checkpoint__resume="auto")}, tmp_path / "b")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    # loss and grad norm within the fp32 parity tolerance, and the data position continues (tokens_consumed)
+    assert_same_curve(resumed, ref[N:])
+    assert resumed[0]["tokens_consumed"] == (N + 1) * 8 * 128
+    for r, e in zip(resumed, ref[N:], strict=True):
+        assert r["lr"] == pytest.approx(e["lr"], rel=1e-12), "the LR schedule must resume at its position"
+
+
+# ---- the command line ------------------------------------------------------------------------------------
+
+
+def run_cli(nproc: int, *args: str, env=None) -> subprocess.CompletedProcess:
+    prefix = [sys.executable, "train.py"]
+    if nproc > 1:
+        prefix = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "train.py",
+        ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [*prefix, "--config", DEBUG_CONFIG, "--run.tensorboard", "false", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_cli_saves_on_fsdp2_and_resumes_auto_on_one_process(reference, tmp_path):
+    ref, _ = reference
+    common = ["--checkpoint.folder", str(tmp_path / "ckpt"), "--run.dir", str(tmp_path / "run")]
+    run_cli(2, "--parallel.dp_shard", "2", "--training.steps", str(N), "--checkpoint.interval", str(N), *common)
+    proc = run_cli(1, "--training.steps", str(2 * N), "--checkpoint.resume", "auto", *common)
+    assert f"resumed {tmp_path / 'ckpt' / f'step-{N}'} at step {N}" in proc.stdout
+    # Same run.dir: the resumed run appends to metrics.jsonl, which then holds the whole 2N-step curve.
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert_same_curve(records, ref)
+
+
+# ---- a process killed while saving --------------------------------------------------------------------------
+
+
+def test_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(reference, tmp_path):
+    ref, _ = reference
+    run_dir, folder = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    cmd = [sys.executable, "train.py", "--config", DEBUG_CONFIG, "--run.tensorboard", "false", "--run.dir", str(run_dir),
+           "--training.steps", str(2 * N), "--checkpoint.interval", str(N)]  # fmt: skip
+    # The hook pauses rank 0 after step 2N is fully written into step-6.tmp, just before the rename.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", PAUSE_ENV: f"{2 * N}:300"}
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 180
+            while "pausing" not in log.read_text():  # printed once step 6 is fully written, before the rename
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+        finally:
+            proc.send_signal(signal.SIGKILL)  # mid-save on success; a hung or failed run on the way out
+            proc.wait(timeout=60)
+    assert (folder / f"step-{2 * N}.tmp" / "meshloom.json").is_file(), "killed inside the save, after the writes"
+    assert list(published(folder)) == [N], "the interrupted save must not be published"
+    cfg = load_config(path=DEBUG_CONFIG, overrides={"run.dir": str(run_dir), "checkpoint.resume": "auto"})
+    assert find_resume(cfg, model_args(cfg)) == folder / f"step-{N}"
+    # Resume in the same run.dir: the metrics continue, the leftover step-6.tmp is replaced by a real step-6.
+    resumed = train_on(1, {"checkpoint.resume": "auto", "checkpoint.interval": N}, run_dir)
+    assert_same_curve(resumed, ref[N:])
+    assert list(published(folder)) == [N, 2 * N] and not (folder / f"step-{2 * N}.tmp").exists()
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 2 * N + 1)), "the killed run's steps after the checkpoint are replaced, not doubled"
+
+
+# ---- validation before any collective ------------------------------------------------------------------------
+
+
+def check(tmp_path, folder, **extra):
+    cfg = load_config(path=DEBUG_CONFIG, overrides={"run.dir": str(tmp_path / "run"), **overrides(folder, **extra)})
+    return check_config(cfg, 1)
+
+
+def test_a_checkpoint_of_another_model_shape_names_the_difference(reference, tmp_path):
+    _, folder = reference
+    with pytest.raises(ConfigError) as err:
+        check(tmp_path, folder, checkpoint__resume="auto", model__dim=256, model__n_layers=2)
+    message = str(err.value)
+    assert "model.dim: checkpoint 128, config 256" in message and "model.n_layers: checkpoint 4, config 2" in message
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda d: (d / "meshloom.json").unlink(), ["meshloom.json is missing"]),
+        (lambda d: (d / "meshloom.json").write_text("{not json"), ["meshloom.json is not valid JSON"]),
+        (lambda d: (d / ".metadata").unlink(), [".metadata file is missing"]),
+        (lambda d: (d / ".metadata").write_bytes(b"garbage"), [".metadata cannot be read"]),
+        (lambda d: (d / "__0_0.distcp").unlink(), ["__0_0.distcp is missing"]),
+        (lambda d: os.truncate(d / "__0_0.distcp", 1000), ["__0_0.distcp is truncated"]),
+    ],
+    ids=["no-meta", "bad-json", "no-dcp-metadata", "bad-dcp-metadata", "no-data", "truncated-data"],
+)
+def test_a_partial_or_corrupt_checkpoint_fails_clearly(damage, words, reference, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(reference[1], folder)
+    damage(folder / f"step-{2 * N}")
+    with pytest.raises(ConfigError) as err:
+        check(tmp_path, folder, checkpoint__resume=str(2 * N))
+    assert f"step-{2 * N} is incomplete or corrupt" in str(err.value)
+    for word in words:
+        assert word in str(err.value)
+    # `auto` takes the newest *complete* checkpoint...
+    cfg = load_config(
+        path=DEBUG_CONFIG, overrides={"run.dir": str(tmp_path), **overrides(folder, checkpoint__resume="auto")}
+    )
+    assert find_resume(cfg, model_args(cfg)) == folder / f"step-{N}"
+    # ...but refuses to save beside a broken newer one (its step would collide).
+    with pytest.raises(ConfigError, match="beyond step 3"):
+        check(tmp_path, folder, checkpoint__resume="auto", checkpoint__interval=N)
+
+
+def test_a_run_never_saves_over_existing_checkpoints(reference, tmp_path):
+    _, folder = reference
+    before = {name: files_digest(folder / name) for name in ("step-3", "step-6")}
+    # Starting fresh, or from an older step, would write steps that the folder already holds.
+    for resume in ("none", str(N)):
+        with pytest.raises(ConfigError, match="already holds step"):
+            check(tmp_path, folder, checkpoint__resume=resume, checkpoint__interval=N)
+    check(tmp_path, folder, checkpoint__resume=str(N))  # interval 0: never saves, so resuming an old step is fine
+    assert {name: files_digest(folder / name) for name in before} == before
+
+
+def save_the_same_step_twice(folder: str) -> list[str]:
+    """Rank body: save step 1, change the weights, save step 1 again; then publish onto a published folder."""
+    import torch.distributed as dist  # noqa: F401 - the harness initialised the process group
+
+    from checkpoint.manager import CheckpointManager
+    from data.loader import GlobalBatchLoader
+    from mesh.dims import ParallelDims
+    from optim import Optimizers
+
+    cfg = load_config(path=DEBUG_CONFIG, overrides={"checkpoint.folder": folder, "checkpoint.interval": 1})
+    part = torch.nn.Linear(4, 4)
+    optimizers = Optimizers([part], cfg)
+    loader = GlobalBatchLoader(torch.arange(2000) % 256, seq_len=8, global_batch=2, micro_batch=2, dp_rank=0, dp_size=1)
+    manager = CheckpointManager(cfg, ParallelDims(1, 1, 1, 1, 1, 1), model_args(cfg))
+    manager.restore([part], optimizers, loader)
+    manager.maybe_save(1, [part], optimizers, loader)
+    digest = files_digest(Path(folder) / "step-1")
+    with torch.no_grad():
+        part.weight.add_(1.0)
+    outcomes = []
+    try:
+        manager.maybe_save(1, [part], optimizers, loader)
+    except FileExistsError as exc:
+        outcomes.append(str(exc))
+    # Even a publish that got that far cannot replace it: rename() onto a non-empty folder fails.
+    tmp = Path(folder) / "step-1.tmp"
+    tmp.mkdir()
+    try:
+        manager._publish(tmp, Path(folder) / "step-1", {"step": 1})
+    except OSError as exc:
+        outcomes.append(type(exc).__name__)
+    assert files_digest(Path(folder) / "step-1") == digest
+    return outcomes
+
+
+def test_saving_an_existing_step_does_not_clobber_it(tmp_path):
+    from tests.harness import run_on_ranks
+
+    [outcomes] = run_on_ranks(save_the_same_step_twice, 1, str(tmp_path / "ckpt"), timeout=120)
+    assert "never overwrites" in outcomes[0] and outcomes[1] == "OSError"
+
+
+def test_config_accepts_checkpoint_async_and_checks_resume(tmp_path):
+    assert load_config(["--checkpoint.async", "true"]).checkpoint.async_ is True
+    toml = tmp_path / "c.toml"
+    toml.write_text("[checkpoint]\nasync = true\nresume = 12\n")
+    cfg = load_config(path=str(toml))
+    assert cfg.checkpoint.async_ is True and cfg.checkpoint.resume == "12"
+    with pytest.raises(ConfigError, match="auto, none or a step number"):
+        check(tmp_path, tmp_path / "ckpt", checkpoint__resume="latest")
+
+
+# ---- safetensors with Hugging Face names ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(reference, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    cmd = [sys.executable, "-m", "checkpoint.export", "--checkpoint", str(reference[1]), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"step-{2 * N}" in proc.stdout  # the newest checkpoint of the folder
+    return out
+
+
+def our_model(path: Path):
+    """meshloom's single-device model holding the exported weights (mapped back from HF names)."""
+    from safetensors.torch import load_file
+
+    from models.llama import Transformer
+
+    cfg = load_config(path=DEBUG_CONFIG)
+    with torch.device("meta"):
+        model = Transformer(model_args(cfg))
+    model.init_weights(0)
+    tensors = load_file(str(path / "model.safetensors"))
+    model.load_state_dict({name: tensors[hf_name(name)] for name in model.state_dict()})
+    return model, cfg
+
+
+def test_export_has_hugging_face_names_shapes_and_config(exported):
+    from safetensors.torch import load_file
+
+    cfg = load_config(path=DEBUG_CONFIG)
+    tensors = load_file(str(exported / "model.safetensors"))
+    assert {k: v.shape for k, v in tensors.items()} == expected_hf_shapes(model_args(cfg))
+    for name in ("model.embed_tokens.weight", "model.layers.3.self_attn.q_proj.weight", "model.norm.weight",
+                 "model.layers.0.mlp.gate_proj.weight", "model.layers.0.post_attention_layernorm.weight", "lm_head.weight"):  # fmt: skip
+        assert name in tensors
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
+    assert (config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"]) == (128, 384, 4)
+
+
+def test_transformers_llama_gives_our_logits(exported):
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    ours, _ = our_model(exported)
+    tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(tokens), theirs(tokens).logits
+    # The same fp32 ops in the same order (measured: identical); a q/k permutation bug would be O(1).
+    assert (a - b).abs().max().item() <= 1e-4 * a.abs().max().item()
+
+
+def test_importing_the_export_under_another_layout_reproduces_its_loss(exported, reference, tmp_path):
+    from data.corpus import load_corpus
+
+    model, cfg = our_model(exported)
+    t = cfg.training
+    tokens = load_corpus(cfg.data.source, cfg.data.max_bytes).long()
+    batch = torch.stack([tokens[j * t.seq_len :][: t.seq_len + 1] for j in range(t.global_batch)])  # step 1's batch
+    with torch.no_grad():
+        expected = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).item()
+    init = {"checkpoint.init_from": str(exported / "model.safetensors"), "training.steps": 1}
+    [record] = train_on(4, {**FSDP2_TP2, **init}, tmp_path)
+    assert abs(record["loss"] - expected) <= LOSS_RTOL * expected
+    assert expected < reference[0][0]["loss"] - 0.1, "the trained weights, not the random init, were used"
+
+
+# ---- MoE: expert weights and the expert bias reshard to another ep -----------------------------------------
+
+
+def test_moe_resume_on_another_expert_parallel_degree(tmp_path):
+    moe = str(ROOT / "configs" / "debug_moe.toml")
+    bias = {"model.moe_bias_update_rate": 0.01}  # the expert bias is training state too: it must be saved
+    ref = train_on(1, {**bias}, tmp_path / "ref", config=moe)
+    folder = tmp_path / "ckpt"
+    before = {**bias, "parallel.dp_shard": 2, "parallel.ep": 2, "checkpoint.interval": N, "training.steps": N}
+    first = train_on(2, {**before, **overrides(folder)}, tmp_path / "a", config=moe)
+    assert_same_curve(first, ref[:N])
+    after = {**bias, "parallel.dp_shard": 4, "parallel.ep": 4, **overrides(folder, checkpoint__resume="auto")}
+    resumed = train_on(4, after, tmp_path / "b", config=moe)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert_same_curve(resumed, ref[N:])
+    assert [r["expert_load"] for r in resumed] == [r["expert_load"] for r in ref[N:]]

@@ -1,0 +1,193 @@
+"""Mixture of experts and expert parallelism: the EP block equals the single-device block, training matches."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from config import ConfigError, load_config
+from mesh.expert_parallel import ExpertParallel
+from models.moe import MoE, MoEArgs
+from tests.harness import run_on_ranks
+from tests.training_runs import ROOT, assert_same_curve, train_on
+from train import check_config
+
+MOE_CONFIG = str(ROOT / "configs" / "debug_moe.toml")
+DIM = 32
+
+
+def make_moe(args: MoEArgs) -> MoE:
+    torch.manual_seed(0)  # the same weights on every rank and in the reference
+    moe = MoE(DIM, args, shared_hidden_dim=48)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return moe
+
+
+# ---- layer parity ----------------------------------------------------------------------------------------
+
+
+def ep_layer_vs_single_device(ep: int, starve_other_ranks: bool) -> dict:
+    """Each rank routes its own tokens through the EP block; compare with one device on all ranks' tokens."""
+    rank = dist.get_rank()
+    args = MoEArgs(n_experts=8, top_k=2, hidden_dim=24, n_shared_experts=1)
+    reference, sharded = make_moe(args), make_moe(args)
+    if starve_other_ranks:  # every token picks rank 0's experts: the other ranks receive no tokens at all
+        for moe in (reference, sharded):
+            moe.expert_bias[: 8 // ep] = 100.0
+    ExpertParallel()._apply(sharded.experts, init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",)))
+    processed = []  # tokens this rank's experts actually received, recorded inside the dispatch/combine
+    plain_forward = sharded.experts.forward
+    sharded.experts.forward = lambda x, counts: processed.append(x.shape[0]) or plain_forward(x, counts)
+
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 6, DIM, generator=gen) for _ in range(ep)]  # rank r's tokens are xs[r]
+    weights = [torch.randn(2, 6, DIM, generator=gen) for _ in range(ep)]
+
+    x_ref = torch.cat(xs).requires_grad_()
+    (reference(x_ref) * torch.cat(weights)).sum().backward()
+    x = xs[rank].clone().requires_grad_()
+    out = sharded(x)
+    (out * weights[rank]).sum().backward()
+
+    with torch.no_grad():
+        out_ref = reference(torch.cat(xs)).chunk(ep)[rank]
+    router_grad = sharded.router.gate.weight.grad.clone()
+    dist.all_reduce(router_grad)  # the router saw only this rank's tokens: sum over data-parallel ranks
+    local = slice(rank * 8 // ep, (rank + 1) * 8 // ep)
+    return {
+        "received": processed[0],
+        "out": (out - out_ref).abs().max().item(),
+        "input_grad": (x.grad - x_ref.grad.chunk(ep)[rank]).abs().max().item(),
+        "router_grad": (router_grad - reference.router.gate.weight.grad).abs().max().item(),
+        "expert_grad": max(
+            (getattr(sharded.experts, w).grad.to_local() - getattr(reference.experts, w).grad[local]).abs().max().item()
+            for w in ("w1", "w2", "w3")
+        ),
+        "expert_grad_scale": reference.experts.w1.grad.abs().max().item(),
+    }
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("starve", [False, True], ids=["spread", "one-rank-gets-all"])
+def test_ep_block_equals_single_device_block(ep, starve):
+    for rank, r in enumerate(run_on_ranks(ep_layer_vs_single_device, ep, ep, starve)):
+        # Same fp32 arithmetic on the same rows; only summation order differs (scatter-add, all-reduce).
+        for key in ("out", "input_grad", "router_grad", "expert_grad"):
+            assert r[key] < 1e-5, (rank, key, r[key])
+        assert r["expert_grad_scale"] > 1e-2, "gradients must be non-trivial for the comparison to mean anything"
+        if starve:  # all 2 * 12 * ep (token, slot) assignments land on rank 0's experts; the others get none
+            assert r["received"] == (2 * 12 * ep if rank == 0 else 0), (rank, r["received"])
+        else:
+            assert r["received"] > 0
+
+
+# ---- single-device MoE behaviour ---------------------------------------------------------------------------
+
+
+def test_capacity_drops_per_sequence_and_dropless_keeps_all():
+    x = torch.randn(2, 16, DIM, generator=torch.Generator().manual_seed(0))
+    dropless = make_moe(MoEArgs(n_experts=4, top_k=2, hidden_dim=16))
+    dropless(x)
+    assert dropless.tokens_per_expert.sum() == 2 * 16 * 2 and dropless.dropped_assignments == 0
+    tight = make_moe(MoEArgs(n_experts=4, top_k=2, hidden_dim=16, capacity_factor=0.5))
+    tight(x)
+    capacity = tight.capacity(16)  # ceil(0.5 * 16 * 2 / 4) = 4 per expert per sequence
+    assert capacity == 4
+    assert tight.tokens_per_expert.max() <= 2 * capacity and tight.dropped_assignments > 0
+    assert tight.tokens_per_expert.sum() + tight.dropped_assignments == 2 * 16 * 2
+
+
+def test_aux_loss_gradient_is_added_once():
+    args = MoEArgs(n_experts=4, top_k=2, hidden_dim=16, aux_loss_coef=0.5)
+    x = torch.randn(2, 8, DIM, generator=torch.Generator().manual_seed(0))
+    with_aux = make_moe(args)
+    with_aux(x).sum().backward()
+    explicit = make_moe(MoEArgs(n_experts=4, top_k=2, hidden_dim=16))
+    scores = explicit.router(x, "softmax")
+    assigned = torch.nn.functional.one_hot(torch.topk(scores, 2, dim=-1).indices, 4).sum(2)
+    (explicit(x).sum() + with_aux.aux_loss(scores, assigned)).backward()
+    assert torch.allclose(with_aux.router.gate.weight.grad, explicit.router.gate.weight.grad, atol=1e-6)
+    assert with_aux.aux_loss_sum > 0
+
+
+# ---- training parity ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return train_on(1, {}, tmp_path_factory.mktemp("one"), config=MOE_CONFIG)
+
+
+def moe_run(world, layout, tmp_path, **kw):
+    return train_on(world, layout, tmp_path, config=MOE_CONFIG, **kw)
+
+
+@pytest.mark.parametrize(
+    "world, layout",
+    [
+        (2, {"parallel.dp_shard": 2, "parallel.ep": 2}),
+        (4, {"parallel.dp_shard": 4, "parallel.ep": 2}),
+        (4, {"parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 2}),
+    ],
+    ids=["ep2", "efsdp2xep2", "ep2-in-dp2xtp2"],
+)
+def test_expert_parallel_training_matches_one_process(world, layout, one_process, tmp_path):
+    run = moe_run(world, layout, tmp_path)
+    assert_same_curve(run, one_process)
+    # The global expert load is integer counts of the same routing decisions: identical, not just close.
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in one_process]
+
+
+def test_4d_pipeline_fsdp_tp_ep_matches_one_process(one_process, tmp_path):
+    layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 2}
+    run = moe_run(8, layout, tmp_path, timeout=400)
+    assert_same_curve(run, one_process)
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in one_process]
+
+
+def test_bias_balancing_and_capacity_are_layout_independent(tmp_path):
+    # Per-sequence capacity and bias updates from the all-reduced global load make drops and the bias
+    # trajectory the same on every layout.
+    knobs = {"model.moe_bias_update_rate": 0.01, "model.moe_capacity_factor": 1.0}
+    reference = moe_run(1, knobs, tmp_path / "one")
+    sharded = moe_run(2, {**knobs, "parallel.dp_shard": 2, "parallel.ep": 2}, tmp_path / "ep2")
+    assert_same_curve(sharded, reference)
+    assert [r["dropped_assignments"] for r in sharded] == [r["dropped_assignments"] for r in reference]
+    # A pipeline's first step also runs torch's shape inference (a real forward and backward): it must not
+    # count in the load, or the first bias update, and everything after it, would differ.
+    piped = moe_run(2, {**knobs, "parallel.pp": 2, "parallel.dp_shard": 1}, tmp_path / "pp2")
+    assert_same_curve(piped, reference)
+    assert [r["expert_load"] for r in piped] == [r["expert_load"] for r in reference]
+    assert reference[-1]["dropped_assignments"] > 0
+
+
+def test_load_metrics_are_logged(one_process):
+    record = one_process[-1]
+    assert set(record["expert_load"]) == {"0", "1", "2", "3"} and len(record["expert_load"]["0"]) == 8
+    assert sum(record["expert_load"]["0"]) == 8 * 128 * 2  # every token's top-2 assignments, dropless
+    assert record["expert_load_max_over_mean"] >= 1.0 and record["expert_load_cv"] >= 0.0
+    assert record["dropped_assignments"] == 0 and record["aux_loss"] > 0
+
+
+# ---- validation --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, world, expected",
+    [
+        ({"parallel.dp_shard": 3, "parallel.ep": 2, "training.global_batch": 6}, 3, "must divide parallel.dp_shard=3"),
+        (
+            {"parallel.dp_shard": 3, "parallel.ep": 3, "training.global_batch": 6},
+            3,
+            "does not divide model.n_experts=8",
+        ),
+        ({"model.top_k": 9}, 1, "model.top_k=9 must be between 1 and model.n_experts=8"),
+        ({"model.n_experts": 0, "parallel.dp_shard": 2, "parallel.ep": 2}, 2, "parallel.ep=2 needs an MoE model"),
+    ],
+)
+def test_misfit_expert_layouts_are_refused(overrides, world, expected):
+    cfg = load_config(path=MOE_CONFIG, overrides=overrides)
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg, world)
+    assert expected in str(err.value)
