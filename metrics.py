@@ -27,8 +27,16 @@ def check_run_dir(run_dir: str, overwrite: bool, resuming: bool = False) -> None
     if metrics.exists() and not (overwrite or resuming):
         raise ConfigError(
             f"run.dir={run_dir!r} already holds {metrics.name} from an earlier run; pass a new --run.dir, "
-            "--run.overwrite true to replace it, or --checkpoint.resume auto to continue it from its checkpoint."
+            "--run.overwrite true to replace it, or (if it has a checkpoint) --checkpoint.resume auto to continue it."
         )
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics line; a line torn by a killed process counts as never written."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 class MetricsWriter:
@@ -46,7 +54,7 @@ class MetricsWriter:
         if resume_step is not None and path.exists():
             # Resumed after `resume_step`: keep the records up to it and append. Later records came from
             # steps that are about to run again (the earlier run went on past its last checkpoint).
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
             path.write_text("".join(line + "\n" for line in kept))
             self.file = open(path, "a")  # noqa: SIM115 - closed in close()
         else:

@@ -23,7 +23,7 @@ from torch import nn
 
 from checkpoint.manager import CheckpointManager, find_resume
 from config import Config, ConfigError, load_config
-from data.corpus import load_corpus
+from data.corpus import check_corpus, load_corpus
 from data.loader import GlobalBatchLoader
 from mesh.activation_checkpoint import apply_activation_checkpointing
 from mesh.data_parallel import apply_fsdp
@@ -39,7 +39,15 @@ from mesh.pipeline import (
     stages_per_rank,
 )
 from mesh.pipeline_timeline import PipelineTimeline, bubble_report, predicted_bubble, timeline_svg
-from mesh.runtime import destroy_process_group, init_process_group, select_device, world_size_from_env
+from mesh.runtime import (
+    barrier,
+    destroy_process_group,
+    init_process_group,
+    raise_if_any_rank_failed,
+    select_device,
+    sum_over,
+    world_size_from_env,
+)
 from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value, reduce_partial_gradients
 from metrics import MetricsWriter, check_run_dir, format_step, peak_memory_bytes
 from models.llama import ModelArgs, Transformer
@@ -66,15 +74,39 @@ def model_args(cfg: Config) -> ModelArgs:
     return args
 
 
+def check_values(cfg: Config) -> None:
+    """Ranges of single values (the layout rules live in mesh/dims.validate_layout)."""
+    m, t = cfg.model, cfg.training
+    rules = [
+        (t.steps >= 1, "training.steps", t.steps, ">= 1"),
+        (t.global_batch >= 1, "training.global_batch", t.global_batch, ">= 1"),
+        (t.seq_len >= 1, "training.seq_len", t.seq_len, ">= 1"),
+        (t.lr > 0, "training.lr", t.lr, "> 0"),
+        (t.warmup_steps >= 0, "training.warmup_steps", t.warmup_steps, ">= 0"),
+        (0 <= t.min_lr_ratio <= 1, "training.min_lr_ratio", t.min_lr_ratio, "between 0 and 1"),
+        (m.vocab_size >= 256, "model.vocab_size", m.vocab_size, ">= 256, which the byte tokenizer needs"),
+        (m.n_heads >= 1 and m.n_kv_heads >= 1, "model.n_heads/n_kv_heads", (m.n_heads, m.n_kv_heads), ">= 1"),
+        (m.dim >= 1 and m.n_layers >= 1, "model.dim/n_layers", (m.dim, m.n_layers), ">= 1"),
+        (m.multiple_of >= 1, "model.multiple_of", m.multiple_of, ">= 1"),
+        (m.n_heads < 1 or m.dim % m.n_heads or (m.dim // m.n_heads) % 2 == 0, "model.dim / model.n_heads",
+         m.dim // max(1, m.n_heads), "even (rotary embeddings rotate pairs)"),
+        (m.moe_shared_experts in (0, 1), "model.moe_shared_experts", m.moe_shared_experts, "0 or 1"),
+        (m.moe_capacity_factor >= 0, "model.moe_capacity_factor", m.moe_capacity_factor, ">= 0 (0: dropless)"),
+        (cfg.run.log_every >= 1, "run.log_every", cfg.run.log_every, ">= 1"),
+        (cfg.parallel.collective_timeout_s >= 1, "parallel.collective_timeout_s", cfg.parallel.collective_timeout_s, ">= 1"),
+    ]  # fmt: skip
+    broken = [f"{name}={value!r} must be {rule}." for ok, name, value, rule in rules if not ok]
+    if broken:
+        raise ConfigError("invalid settings:\n  - " + "\n  - ".join(broken))
+
+
 def check_config(cfg: Config, world_size: int) -> tuple[ParallelDims, ModelArgs]:
     """Every check that needs no process group; raises the same ConfigError on every rank."""
+    check_values(cfg)
     dims = ParallelDims.resolve(cfg, world_size)
     args = model_args(cfg)
     validate_layout(dims, cfg, args)
-    if cfg.training.steps < 1:
-        raise ConfigError(f"training.steps={cfg.training.steps} must be >= 1.")
-    if cfg.model.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is below 256, which the byte tokenizer needs.")
+    check_corpus(cfg.data.source, cfg.training.seq_len)
     # A run that resumes from a checkpoint continues the metrics of run.dir instead of refusing them.
     check_run_dir(cfg.run.dir, cfg.run.overwrite, resuming=find_resume(cfg, args) is not None)
     return dims, args
@@ -202,10 +234,15 @@ def train(cfg: Config) -> list[dict]:
             flush=True,
         )
     # Every rank checked run.dir in check_config; wait for all of them before rank 0 creates files in it.
-    dist.barrier()
-    writer = MetricsWriter(
-        cfg.run.dir, enabled=is_logger, tensorboard=cfg.run.tensorboard, resume_step=checkpoints.resumed_step
-    )
+    barrier()
+    writer, error = None, None
+    try:
+        writer = MetricsWriter(
+            cfg.run.dir, enabled=is_logger, tensorboard=cfg.run.tensorboard, resume_step=checkpoints.resumed_step
+        )
+    except OSError as exc:
+        error = ConfigError(f"run.dir={cfg.run.dir!r} cannot be written ({exc}); choose a writable --run.dir.")
+    raise_if_any_rank_failed(error, "opening run.dir")
     records = []
     try:
         for step in range(start_step + 1, t.steps + 1):
@@ -230,7 +267,7 @@ def train(cfg: Config) -> list[dict]:
             moe_load = step_expert_load(parts, meshes.dp, meshes.pp) if args.moe is not None else {}
             # The logged loss is the global mean: sum the token-loss sums over the dp ranks and the pp stages
             # (only last-stage ranks hold a non-zero sum).
-            dist.all_reduce(loss_sum, group=meshes.loss.get_group())
+            sum_over(loss_sum, meshes.loss)
             loss = (loss_sum / global_tokens).item()
             elapsed = time.perf_counter() - start
             record = {
@@ -287,6 +324,9 @@ def main(argv: list[str]) -> int:
         # Printed by every rank (the same text): whichever rank's output the user reads shows the fix.
         print(f"meshloom: configuration error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except FloatingPointError as exc:
+        print(f"meshloom: training diverged: {exc}", file=sys.stderr, flush=True)
+        return 3
     finally:
         destroy_process_group()
     return 0

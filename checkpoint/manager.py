@@ -211,6 +211,20 @@ def find_resume(cfg: Config, args: ModelArgs) -> Path | None:
                 "Resume with the [model] settings it was saved with, or start a new --checkpoint.folder."
             )
         start = meta["step"]
+        stream = meta.get("data", {})
+        for key, now in (("source", cfg.data.source), ("seq_len", cfg.training.seq_len)):
+            field = f"data.{key}" if key == "source" else f"training.{key}"
+            if key in stream and stream[key] != now:
+                raise ConfigError(
+                    f"checkpoint {chosen} was saved with {field}={stream[key]!r}, this run has {field}={now!r}: its "
+                    f"data position (tokens_consumed) only means the same stream with the same {field}; set it back, "
+                    "or start a new --checkpoint.folder."
+                )
+        if cfg.training.steps <= start:
+            raise ConfigError(
+                f"training.steps={cfg.training.steps} but checkpoint {chosen} is already at step {start}: nothing is "
+                f"left to train; raise --training.steps above {start}."
+            )
     newer = [s for s in steps if s > start]
     if c.interval > 0 and newer:
         fix = (

@@ -33,6 +33,16 @@ def corpus_files(source: str) -> list[Path]:
     raise ConfigError(f"data.source={source!r} does not exist; give a text file, a folder of text files, or 'default'.")
 
 
+def check_corpus(source: str, seq_len: int) -> None:
+    """Fail before any process group if the corpus is missing or shorter than one training window."""
+    size = sum(f.stat().st_size for f in corpus_files(source))
+    if size < seq_len + 2:
+        raise ConfigError(
+            f"data.source={source!r} holds {size} bytes, fewer than training.seq_len + 2 = {seq_len + 2}; "
+            "use more text or a smaller training.seq_len."
+        )
+
+
 def load_corpus(source: str, max_bytes: int) -> torch.Tensor:
     """Token ids (uint8) of the first ``max_bytes`` bytes of the corpus."""
     chunks, total = [], 0

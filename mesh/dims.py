@@ -9,9 +9,13 @@
    dims are kept so that every rank has the same four coordinates. Every other mesh is a named view of it:
 
    - ``dp``:   dp_replicate x dp_shard flattened; the loader's data-parallel rank and size, and the group
-               over which the loss sum is reduced for logging.
+               over which the MoE expert load is summed.
    - ``fsdp``: the dims FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, else (dp_shard,).
    - ``tp``, ``pp``: their own dims.
+   - ``loss``: pp x dp_replicate x dp_shard flattened, where the logged loss sum is reduced (only the last
+               pipeline stage holds a non-zero part).
+   - ``ep``, ``expert_fsdp``: with expert parallelism, views of a second mesh over the same ranks that
+               splits dp_shard into (efsdp, ep) (mesh/expert_parallel.build_expert_mesh).
 """
 
 from __future__ import annotations

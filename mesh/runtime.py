@@ -54,3 +54,30 @@ def init_process_group(device: torch.device, timeout_s: int) -> None:
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def sum_over(tensor: torch.Tensor, mesh) -> torch.Tensor:
+    """In-place sum of ``tensor`` over the ranks of ``mesh`` (a 1-D DeviceMesh)."""
+    if mesh.size() > 1:
+        dist.all_reduce(tensor, group=mesh.get_group())
+    return tensor
+
+
+def raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:
+    """Every rank calls this after a step that may fail on some ranks only (e.g. rank 0 opening files).
+
+    One all-reduce tells every rank whether any failed, so all raise together instead of the healthy ranks
+    waiting in the next collective until the timeout.
+    """
+    failed = torch.tensor([0 if error is None else 1])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if failed.item():
+        from config import ConfigError
+
+        raise ConfigError(f"another rank failed while {what}; its error message is the one to read.")

@@ -10,9 +10,10 @@ Three choices make the model easy to parallelize without changing it:
    so checkpoints and initial weights do not depend on the pipeline split.
 2. Attention reshapes with ``-1`` heads, so after tensor parallelism has split wq/wk/wv by columns the
    same code runs on the local heads (n_heads/tp and n_kv_heads/tp).
-3. The model is built on the meta device and initialised by ``init_weights()``. Each parameter's initial
-   value is a function of (seed, parameter name) only (``initial_value``), never of the layout or of the
-   order in which parameters are created, so every parallel layout starts from the same weights.
+3. The model is built on the meta device, then materialised: ``init_weights()`` on one device, or
+   mesh/materialize.materialize_weights once it is sharded. Either way each parameter's initial value
+   is a function of (seed, parameter name) only (``initial_value``), never of the layout or of the order
+   in which parameters are created, so every parallel layout starts from the same weights.
 """
 
 from __future__ import annotations

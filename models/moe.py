@@ -165,12 +165,16 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
 
-        with torch.no_grad():
-            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-            self.dropped_assignments += flat_expert.numel() - kept.numel()
+        # Activation checkpointing reruns this forward inside backward: count each token once, in the forward.
+        recomputing = torch._C._current_graph_task_id() != -1
+        if not recomputing:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+                self.dropped_assignments += flat_expert.numel() - kept.numel()
         if a.aux_loss_coef > 0 and self.training:
             aux = self.aux_loss(scores, assigned)
-            self.aux_loss_sum += aux.detach()
+            if not recomputing:
+                self.aux_loss_sum += aux.detach()
             out = AddAuxLoss.apply(out, aux)
         return out
 

@@ -14,16 +14,25 @@ import torch.nn.functional as F
 
 from data.corpus import load_corpus
 from models.llama import ModelArgs, Transformer
+from models.moe import MoE, MoEArgs
 
 
 def reference_losses(cfg) -> list[dict]:
-    """Train ``cfg`` (a meshloom Config) on one device with a hand-written loop; returns loss/grad_norm."""
+    """Train ``cfg`` (a meshloom Config) on one device with a hand-written loop; returns loss/grad_norm
+    (and, for MoE, the expert load, with the aux-loss-free bias updated from it after each step)."""
     t, m = cfg.training, cfg.model
     args = ModelArgs(
         dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
         ffn_dim=m.ffn_dim, multiple_of=m.multiple_of, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-        max_seq_len=m.max_seq_len,
+        max_seq_len=m.max_seq_len, moe_every=m.moe_every,
     )  # fmt: skip
+    if m.n_experts:
+        args.moe = MoEArgs(
+            n_experts=m.n_experts, top_k=m.top_k, hidden_dim=m.moe_ffn_dim or args.hidden_dim // m.top_k,
+            n_shared_experts=m.moe_shared_experts, score_func=m.moe_score_func, route_norm=m.moe_route_norm,
+            aux_loss_coef=m.moe_aux_loss_coef, capacity_factor=m.moe_capacity_factor,
+            aux_loss_scale=1.0 / t.global_batch,  # the whole batch is here: sum per sequence / sequences
+        )  # fmt: skip
     with torch.device("meta"):
         model = Transformer(args)
     model.init_weights(t.seed)
@@ -54,5 +63,13 @@ def reference_losses(cfg) -> list[dict]:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
         opt.step()
         opt.zero_grad()
-        records.append({"step": step + 1, "loss": loss.item(), "grad_norm": norm.item(), "tokens_consumed": position})
+        record = {"step": step + 1, "loss": loss.item(), "grad_norm": norm.item(), "tokens_consumed": position}
+        moes = {name.split(".")[1]: mod for name, mod in model.named_modules() if isinstance(mod, MoE)}
+        if moes:
+            record["expert_load"] = {k: [int(c) for c in mod.tokens_per_expert] for k, mod in moes.items()}
+            for mod in moes.values():  # aux-loss-free balancing: nudge the bias against this step's load
+                load = mod.tokens_per_expert
+                mod.expert_bias += m.moe_bias_update_rate * torch.sign(load.mean() - load)
+                mod.reset_stats()
+        records.append(record)
     return records

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from checkpoint.hf import expected_hf_shapes, hf_name
 from checkpoint.manager import PAUSE_ENV, find_resume, published
 from config import ConfigError, load_config
-from tests.training_runs import DEBUG_CONFIG, LOSS_RTOL, ROOT, assert_same_curve, train_on
+from tests.training_runs import DEBUG_CONFIG, LOSS_RTOL, ROOT, assert_same_curve, run_train_cli, train_on
 from train import check_config, model_args
 
 N = 3  # steps before the save; the reference runs 2N
@@ -92,19 +92,7 @@ def test_resume_on_another_layout_continues_the_same_run(before, after, saving, 
 
 
 def run_cli(nproc: int, *args: str, env=None) -> subprocess.CompletedProcess:
-    prefix = [sys.executable, "train.py"]
-    if nproc > 1:
-        prefix = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "train.py",
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [*prefix, "--config", DEBUG_CONFIG, "--run.tensorboard", "false", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_train_cli(nproc, "--config", DEBUG_CONFIG, "--run.tensorboard", "false", *args, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -167,6 +155,22 @@ def test_a_checkpoint_of_another_model_shape_names_the_difference(reference, tmp
         check(tmp_path, folder, checkpoint__resume="auto", model__dim=256, model__n_layers=2)
     message = str(err.value)
     assert "model.dim: checkpoint 128, config 256" in message and "model.n_layers: checkpoint 4, config 2" in message
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"training__seq_len": 64}, ["saved with training.seq_len=128, this run has training.seq_len=64"]),
+        ({"training__steps": 6}, ["training.steps=6 but checkpoint", "already at step 6", "raise --training.steps"]),
+    ],
+    ids=["other-token-stream", "nothing-left-to-train"],
+)
+def test_a_resume_that_cannot_continue_the_run_is_refused(extra, words, reference, tmp_path):
+    _, folder = reference
+    with pytest.raises(ConfigError) as err:
+        check(tmp_path, folder, checkpoint__resume="auto", **extra)
+    for word in words:
+        assert word in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -1,30 +1,15 @@
 """The user-facing commands: `python train.py` and `torchrun ... train.py`, compared through metrics.jsonl."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, assert_same_curve
+from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, assert_same_curve, run_train_cli
 
 
 def launch(tmp_path, name: str, nproc: int, *args: str) -> list[dict]:
     run_dir = tmp_path / name
-    prefix = [sys.executable, "train.py"]
-    if nproc > 1:
-        prefix = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "train.py",
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [*prefix, *args, "--training.steps", str(PARITY_STEPS), "--run.dir", str(run_dir)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_train_cli(nproc, *args, "--training.steps", str(PARITY_STEPS), "--run.dir", str(run_dir))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step " in proc.stdout and "tok/s" in proc.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

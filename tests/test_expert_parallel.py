@@ -191,3 +191,12 @@ def test_misfit_expert_layouts_are_refused(overrides, world, expected):
     with pytest.raises(ConfigError) as err:
         check_config(cfg, world)
     assert expected in str(err.value)
+
+
+def test_activation_checkpointing_with_expert_parallel(one_process, tmp_path):
+    # Recomputation reruns the block, all-to-alls included, inside backward: the curve must not change, and
+    # the load must still count each token once (the counters skip the rerun).
+    run = moe_run(2, {"parallel.dp_shard": 2, "parallel.ep": 2, "training.activation_checkpoint": "full"}, tmp_path)
+    assert_same_curve(run, one_process)
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in one_process]
+    assert [r["aux_loss"] for r in run] == pytest.approx([r["aux_loss"] for r in one_process], rel=1e-5)

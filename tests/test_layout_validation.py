@@ -1,13 +1,11 @@
 """Misfit layouts are refused before any process group exists, naming the field, the value and the fix."""
 
-import subprocess
-import sys
 import time
 
 import pytest
 
 from config import ConfigError, load_config
-from tests.training_runs import DEBUG_CONFIG, ROOT
+from tests.training_runs import DEBUG_CONFIG, run_train_cli
 from train import check_config
 
 
@@ -65,11 +63,9 @@ def test_existing_metrics_are_not_overwritten(tmp_path):
 
 def test_torchrun_misfit_fails_fast_on_every_rank(tmp_path):
     start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--tee", "3",
-         "train.py", "--config", DEBUG_CONFIG, "--parallel.dp_shard", "3", "--run.dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_train_cli(
+        4, "--config", DEBUG_CONFIG, "--parallel.dp_shard", "3", "--run.dir", str(tmp_path), timeout=120
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
@@ -81,3 +77,28 @@ def test_torchrun_misfit_fails_fast_on_every_rank(tmp_path):
     assert "make the product equal the number of processes" in out
     assert "Connection closed" not in out and "Timeout" not in out
     assert elapsed < 90, f"took {elapsed:.0f} s"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"model.n_heads": 0}, "model.n_heads/n_kv_heads=(0, 4) must be >= 1"),
+        (
+            {"model.dim": 120, "model.n_heads": 8, "model.n_kv_heads": 8},
+            "must be even (rotary embeddings rotate pairs)",
+        ),
+        ({"run.log_every": 0}, "run.log_every=0 must be >= 1"),
+        ({"training.global_batch": 0}, "training.global_batch=0 must be >= 1"),
+        ({"training.lr": -1.0}, "training.lr=-1.0 must be > 0"),
+        ({"model.moe_shared_experts": 2}, "model.moe_shared_experts=2 must be 0 or 1"),
+    ],
+)
+def test_out_of_range_values_are_refused(overrides, expected, tmp_path):
+    msg = refusal(1, run__dir=str(tmp_path), **{k.replace(".", "__"): v for k, v in overrides.items()})
+    assert expected in msg
+
+
+def test_a_corpus_shorter_than_one_window_is_refused_before_any_process_group(tmp_path):
+    (tmp_path / "tiny.txt").write_text("too short")
+    msg = refusal(1, data__source=str(tmp_path / "tiny.txt"), run__dir=str(tmp_path / "run"))
+    assert "holds 9 bytes, fewer than training.seq_len + 2 = 130" in msg

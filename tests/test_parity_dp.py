@@ -4,13 +4,31 @@ import pytest
 
 from config import load_config
 from tests.reference import reference_losses
-from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, assert_same_curve, train_on
+from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, assert_same_curve, train_on
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """train.py's core on a world of one: the reference every layout is compared with."""
     return train_on(1, {}, tmp_path_factory.mktemp("one"))
+
+
+def test_the_cosine_schedule_matches_a_plain_training_loop(tmp_path):
+    # warmup 1 of 6 steps: five steps on the cosine part, which the default warmup of 5 barely reaches.
+    knobs = {"training.warmup_steps": 1}
+    cfg = load_config(path=DEBUG_CONFIG, overrides={"training.steps": PARITY_STEPS, **knobs})
+    assert_same_curve(train_on(1, knobs, tmp_path), reference_losses(cfg))
+
+
+def test_moe_one_process_matches_a_plain_training_loop(tmp_path):
+    # MoE with every knob on: aux loss, bias balancing, capacity with drops, a shared expert.
+    moe = str(ROOT / "configs" / "debug_moe.toml")
+    knobs = {"model.moe_bias_update_rate": 0.01, "model.moe_capacity_factor": 1.0}
+    cfg = load_config(path=moe, overrides={"training.steps": PARITY_STEPS, **knobs})
+    plain = reference_losses(cfg)
+    run = train_on(1, knobs, tmp_path, config=moe)
+    assert_same_curve(run, plain)
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in plain]
 
 
 def test_one_process_matches_a_plain_training_loop(one_process):
@@ -62,7 +80,8 @@ def test_activation_checkpointing_does_not_change_training(mode, one_process, tm
 def test_bf16_stays_close_to_fp32(one_process, tmp_path):
     run = train_on(2, {"parallel.dp_shard": 2, "training.mixed_precision": "bf16"}, tmp_path)
     # bf16 keeps 8 mantissa bits (~4e-3 relative per rounding); with fp32 master weights and fp32 gradient
-    # reduction the loss was measured within ~1e-3 relative of fp32 over 6 steps. 2e-2 bounds it loosely
-    # while still catching a broken policy (e.g. bf16 master weights that cannot absorb small updates).
-    assert_same_curve(run, one_process, rtol=2e-2, keys=("loss",))
+    # reduction, over these 6 steps the loss was measured within 4.2e-4 relative of fp32 and the grad norm
+    # within 2.0e-3. 3e-3 keeps 1.5x headroom on the grad norm (7x on the loss); any real change to what
+    # runs in bf16 would have to stay inside that to pass.
+    assert_same_curve(run, one_process, rtol=3e-3, keys=("loss", "grad_norm"))
     assert any(r["loss"] != e["loss"] for r, e in zip(run, one_process, strict=True)), "bf16 should round"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.harness import run_on_ranks
@@ -43,3 +46,14 @@ def assert_same_curve(actual: list[dict], expected: list[dict], rtol: float = LO
             rel = abs(a[key] - e[key]) / abs(e[key])
             assert rel <= rtol, f"step {e['step']} {key}: {a[key]!r} vs reference {e[key]!r} (rel {rel:.2e} > {rtol})"
         assert a["tokens_consumed"] == e["tokens_consumed"]
+
+
+def run_train_cli(nproc: int, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python train.py ARGS`` (nproc 1) or ``torchrun --nproc-per-node N train.py ARGS``, from the repo root."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        [*launcher, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
