@@ -55,6 +55,12 @@ def test_data_parallel_matches_one_process(layout, one_process, tmp_path):
     assert_same_curve(train_on(world, layout, tmp_path), one_process)
 
 
+@pytest.mark.parametrize("policy", ["always", "never"])
+def test_reshard_after_forward_policies_do_not_change_training(policy, one_process, tmp_path):
+    run = train_on(2, {"parallel.dp_shard": 2, "parallel.fsdp_reshard_after_forward": policy}, tmp_path)
+    assert_same_curve(run, one_process)
+
+
 def test_gradient_accumulation_matches_one_process(one_process, tmp_path):
     # 8 sequences = micro 2 x dp 2 x accumulation 2: the sum of four micro-batch gradients, scaled once.
     assert_same_curve(train_on(2, {"parallel.dp_shard": 2, "training.micro_batch": 2}, tmp_path), one_process)
@@ -85,3 +91,10 @@ def test_bf16_stays_close_to_fp32(one_process, tmp_path):
     # runs in bf16 would have to stay inside that to pass.
     assert_same_curve(run, one_process, rtol=3e-3, keys=("loss", "grad_norm"))
     assert any(r["loss"] != e["loss"] for r, e in zip(run, one_process, strict=True)), "bf16 should round"
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_one_process(one_process, tmp_path):
+    # Inductor fuses elementwise ops and may reorder float sums: same math, ~1e-7-level differences.
+    run = train_on(2, {"parallel.dp_shard": 2, "training.compile": True}, tmp_path, timeout=600)
+    assert_same_curve(run, one_process)

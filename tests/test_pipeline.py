@@ -33,6 +33,12 @@ def test_pipeline_with_fsdp_matches_one_process(one_process, tmp_path):
     assert_same_curve(train_on(4, layout, tmp_path), one_process)
 
 
+def test_pipeline_with_gradient_accumulation_matches_one_process(one_process, tmp_path):
+    # per-rank batch 8 = 2 accumulation steps of micro-batch 4, each split into 2 pipeline micro-batches
+    layout = {"parallel.pp": 2, "training.micro_batch": 4, "parallel.pp_microbatches": 2}
+    assert_same_curve(train_on(2, layout, tmp_path), one_process)
+
+
 def test_3d_pipeline_fsdp_tensor_parallel_matches_one_process(one_process, tmp_path):
     layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.pp_schedule": "Interleaved1F1B"}
     assert_same_curve(train_on(8, layout, tmp_path, timeout=400), one_process)
