@@ -5,8 +5,9 @@ process trained 2N=6 steps (every layout matches one process: test_parity_dp, te
 inside the debug config's 5 warmup steps, where the LR does not depend on training.steps, so the 3-step
 run A follows the same schedule as a 6-step run up to its save.
 
-The transformers test runs where transformers is installed, e.g.
-    .venv/bin/pip install transformers && .venv/bin/python -m pytest tests/test_checkpoint.py -k transformers
+The transformers test needs the `transformers` package, which the dev extras install (so CI runs it); it
+is skipped only where transformers is absent. On its own:
+    .venv/bin/python -m pytest tests/test_checkpoint.py -k transformers
 """
 
 import hashlib
