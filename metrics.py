@@ -62,7 +62,12 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported lazily: it is slow to import
 
-            self.tb = SummaryWriter(str(root / "tb"))
+            if resume_step is None:  # a fresh run replacing an old one (run.overwrite): drop its events too
+                for old_events in (root / "tb").glob("events.out.tfevents.*"):
+                    old_events.unlink()
+            # On resume, purge_step hides the old run's events from the steps about to run again.
+            purge = None if resume_step is None else resume_step + 1
+            self.tb = SummaryWriter(str(root / "tb"), purge_step=purge)
 
     def log(self, record: dict) -> None:
         if not self.enabled:

@@ -1,0 +1,34 @@
+import json
+
+from metrics import MetricsWriter
+
+
+def record(step: int) -> dict:
+    return {"step": step, "loss": 1.0 / step}
+
+
+def test_resume_keeps_records_up_to_the_checkpoint_and_tolerates_a_torn_line(tmp_path):
+    writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=False)
+    for step in (1, 2, 3, 4):
+        writer.log(record(step))
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # a line cut short by a killed process
+    writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=False, resume_step=2)
+    writer.log(record(3))
+    writer.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_overwrite_replaces_old_tensorboard_events(tmp_path):
+    writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=True)
+    writer.log(record(1))
+    writer.close()
+    old = set((tmp_path / "tb").iterdir())
+    assert old
+    writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=True)
+    writer.log(record(1))
+    writer.close()
+    new = set((tmp_path / "tb").iterdir())
+    assert new and not (old & new)
