@@ -242,7 +242,7 @@ def train(cfg: Config) -> list[dict]:
         )
     except OSError as exc:
         error = ConfigError(f"run.dir={cfg.run.dir!r} cannot be written ({exc}); choose a writable --run.dir.")
-    raise_if_any_rank_failed(error, "opening run.dir")
+    raise_if_any_rank_failed(error, "opening run.dir", error_type=ConfigError)
     records = []
     try:
         for step in range(start_step + 1, t.steps + 1):

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from checkpoint.hf import import_safetensors, safetensors_path, safetensors_problems
 from checkpoint.state import TRAIN, TRAIN_KEYS, apply_training_state, expected_entries, training_state
 from config import Config, ConfigError, ModelConfig
+from mesh.runtime import barrier, new_collective_group, raise_if_any_rank_failed
 from models.llama import ModelArgs, Transformer
 
 META_FILE = "meshloom.json"
@@ -272,7 +273,7 @@ class CheckpointManager:
         if self.resume_dir is not None or self.cfg.checkpoint.interval > 0:
             # DCP's collectives get their own gloo group: an async save runs them from a thread while the
             # training thread runs its own collectives, and two threads must never share a group.
-            self.group = dist.new_group(backend="gloo")
+            self.group = new_collective_group()
         if self.resume_dir is not None and self.cfg.checkpoint.init_from:
             self._log(f"checkpoint: resuming {self.resume_dir}, so checkpoint.init_from is not used")
         if self.resume_dir is None:
@@ -308,7 +309,7 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this step
             self.folder.mkdir(parents=True, exist_ok=True)
-        dist.barrier(group=self.group)
+        barrier(self.group)
         state = training_state(parts, optimizers, loader, step)
         meta = self._metadata(step, loader.tokens_consumed)
         if not c.async_:
@@ -343,12 +344,7 @@ class CheckpointManager:
 
     def _agree(self, error: Exception | None) -> None:
         """All ranks learn whether the save worked (step 5), so none waits for a rank that failed."""
-        ok = torch.tensor(0 if error else 1)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        if error is not None:
-            raise error
-        if not ok.item():
-            raise RuntimeError("a checkpoint save failed on another rank; its log has the cause")
+        raise_if_any_rank_failed(error, "saving a checkpoint", self.group)
 
     def _publish_on_rank0(self, tmp: Path, final: Path, meta: dict) -> Exception | None:
         if dist.get_rank() != 0:

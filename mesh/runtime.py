@@ -56,8 +56,14 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def barrier() -> None:
-    dist.barrier()
+def barrier(group=None) -> None:
+    dist.barrier(group=group)
+
+
+def new_collective_group():
+    """A second gloo group over the whole world, for collectives issued from another thread (async
+    checkpoint saves): two threads must never run collectives on the same group."""
+    return dist.new_group(backend="gloo")
 
 
 def sum_over(tensor: torch.Tensor, mesh) -> torch.Tensor:
@@ -67,17 +73,17 @@ def sum_over(tensor: torch.Tensor, mesh) -> torch.Tensor:
     return tensor
 
 
-def raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:
-    """Every rank calls this after a step that may fail on some ranks only (e.g. rank 0 opening files).
+def raise_if_any_rank_failed(
+    error: BaseException | None, what: str, group=None, error_type: type[Exception] = RuntimeError
+) -> None:
+    """Every rank calls this after a step that may fail on some ranks only (e.g. rank 0 writing files).
 
     One all-reduce tells every rank whether any failed, so all raise together instead of the healthy ranks
     waiting in the next collective until the timeout.
     """
     failed = torch.tensor([0 if error is None else 1])
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if error is not None:
         raise error
     if failed.item():
-        from config import ConfigError
-
-        raise ConfigError(f"another rank failed while {what}; its error message is the one to read.")
+        raise error_type(f"another rank failed while {what}; its error message is the one to read.")

@@ -102,3 +102,18 @@ def test_a_corpus_shorter_than_one_window_is_refused_before_any_process_group(tm
     (tmp_path / "tiny.txt").write_text("too short")
     msg = refusal(1, data__source=str(tmp_path / "tiny.txt"), run__dir=str(tmp_path / "run"))
     assert "holds 9 bytes, fewer than training.seq_len + 2 = 130" in msg
+
+
+def test_a_failure_on_rank_0_alone_is_raised_on_every_rank(tmp_path):
+    # run.dir is a file: every rank passes the pre-flight checks, then only rank 0 (the writer) fails to
+    # create it. The others must learn it at once instead of waiting in the first collective.
+    from tests.harness import RankFailure, run_on_ranks
+    from tests.training_runs import run_training
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    with pytest.raises(RankFailure) as err:
+        run_on_ranks(run_training, 2, {"parallel.dp_shard": 2}, str(blocker), DEBUG_CONFIG, timeout=60)
+    report = str(err.value)
+    assert "still running" not in report
+    assert "cannot be written" in report and "another rank failed while opening run.dir" in report
