@@ -1,107 +1,141 @@
-"""Run configuration: TOML files plus dotted command-line overrides.
+"""Run configuration: TOML files plus dotted command-line overrides, checked before anything else runs.
 
 Every field below can be set in a TOML file (``[training] steps = 20``) and overridden on the command line
-(``--training.steps 20`` or ``--training.steps=20``). Unknown sections or keys, and values of the wrong
-type, are errors that name the key and list what is allowed. With no ``--config`` the defaults below are
-the embedded default run: a tiny Llama on the default corpus that trains in seconds on a CPU.
+(``--training.steps 20`` or ``--training.steps=20``). With no ``--config`` the defaults below are the embedded
+default run: a tiny Llama on the default corpus that trains in seconds on a CPU. ``python train.py --help``
+prints every key with its default and meaning (``help_text``).
+
+Input is strict, because a silently misread setting costs a whole run:
+
+1. Unknown sections or keys are errors that list what is allowed; a key given twice on the command line is
+   an error (which one did you mean?).
+2. Types are strict: in TOML an int field takes an int (``steps = "3"`` is refused, not coerced), a float
+   field an int or a float, a string field a string, a choice field one of its ``Literal`` values. On the
+   command line the text is parsed into the field's type.
+3. ``check_values`` checks every number against the range in its field's metadata (``ge``/``gt``/``le``/
+   ``lt``; floats must also be finite), then the rules that tie several fields together. Every broken rule
+   is reported at once, naming the field, the value and the fix.
+
+``model_args`` maps the ``[model]`` section onto ``models.llama.ModelArgs``; everything that builds a model
+from a config (training, export, generation) goes through it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 
 class ConfigError(ValueError):
     """Bad user input (config, layout, data path). The message names the field, the value and the fix."""
 
 
+def opt(default, help: str, **rules):
+    """A config field: its default, one line of meaning for ``--help``, and its range rules.
+
+    Rules: ``ge``/``gt``/``le``/``lt`` bounds for numbers (floats must be finite too), ``int_ok`` for a string
+    field that also takes a TOML integer (``checkpoint.resume = 100``).
+    """
+    return field(default=default, metadata={"help": help, **rules})
+
+
+PipelineSchedule = Literal[
+    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+]
+
+
 @dataclass
 class ModelConfig:
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    vocab_size: int = 256  # the byte tokenizer needs 256
-    ffn_dim: int = 0  # 0: Llama's rule, 8/3 * dim rounded up to multiple_of
-    multiple_of: int = 64
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 2048
-    n_experts: int = 0  # 0: a dense model; > 0: MoE feed-forward layers (see models/moe.py)
-    top_k: int = 2
-    moe_every: int = 1  # layer i is MoE when (i + 1) % moe_every == 0
-    moe_ffn_dim: int = 0  # each expert's hidden size; 0: the dense FFN's hidden size / top_k
-    moe_shared_experts: int = 0  # 0 or 1
-    moe_score_func: str = "softmax"  # softmax | sigmoid
-    moe_route_norm: bool = True
-    moe_aux_loss_coef: float = 0.0  # Switch-style load-balancing loss coefficient (0: off)
-    moe_bias_update_rate: float = 0.0  # aux-loss-free expert-bias step (0: off)
-    moe_capacity_factor: float = 0.0  # 0: dropless; > 0: per-sequence capacity with token dropping
+    dim: int = opt(128, "model width (hidden size)", ge=1)
+    n_layers: int = opt(4, "transformer blocks", ge=1)
+    n_heads: int = opt(8, "query heads per attention", ge=1)
+    n_kv_heads: int = opt(4, "key/value heads (grouped-query attention); divides n_heads", ge=1)
+    vocab_size: int = opt(256, "vocabulary size (the byte tokenizer needs 256)", ge=1)
+    ffn_dim: int = opt(0, "SwiGLU hidden size; 0: Llama's rule, 8/3 * dim rounded up to multiple_of", ge=0)
+    multiple_of: int = opt(64, "round the derived ffn_dim up to a multiple of this", ge=1)
+    norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
+    rope_theta: float = opt(10000.0, "rotary embedding base", gt=0)
+    max_seq_len: int = opt(2048, "longest sequence the rotary tables cover", ge=1)
+    n_experts: int = opt(0, "routed experts per MoE layer; 0: a dense model (see models/moe.py)", ge=0)
+    top_k: int = opt(2, "experts each token is routed to", ge=1)
+    moe_every: int = opt(1, "layer i is MoE when (i + 1) % moe_every == 0", ge=1)
+    moe_ffn_dim: int = opt(0, "each expert's hidden size; 0: the dense FFN's hidden size / top_k", ge=0)
+    moe_shared_experts: int = opt(0, "0 or 1 shared expert that every token also goes through", ge=0, le=1)
+    moe_score_func: Literal["softmax", "sigmoid"] = opt("softmax", "router score function")
+    moe_route_norm: bool = opt(True, "renormalise each token's top-k gates to sum to 1")
+    moe_aux_loss_coef: float = opt(0.0, "Switch-style load-balancing loss coefficient (0: off)", ge=0)
+    moe_bias_update_rate: float = opt(0.0, "aux-loss-free expert-bias step (0: off)", ge=0)
+    moe_capacity_factor: float = opt(0.0, "0: dropless; > 0: per-sequence capacity with token dropping", ge=0)
 
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = 1
-    dp_shard: int = -1  # -1: whatever is left of the world after the other degrees
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    pp_schedule: str = "1F1B"
-    pp_microbatches: int = 0  # 0: one micro-batch per pipeline stage
-    pp_stages_per_rank: int = 0  # 0: derived from the schedule (1; 2 for looped and V-shaped schedules)
-    pp_split: str = "params"  # params | flops | explicit layers per stage, e.g. "3,5"
-    sequence_parallel: bool = True
-    fsdp_reshard_after_forward: str = "default"  # default | always | never
-    collective_timeout_s: int = 300
+    dp_replicate: int = opt(1, "HSDP replicas (data-parallel copies of the sharded model)", ge=1)
+    dp_shard: int = opt(-1, "FSDP shards; -1: whatever is left of the world after the other degrees", ge=-1)
+    tp: int = opt(1, "tensor-parallel degree (inside a node)", ge=1)
+    pp: int = opt(1, "pipeline-parallel degree", ge=1)
+    ep: int = opt(1, "expert-parallel degree, carved from dp_shard (MoE models)", ge=1)
+    pp_schedule: PipelineSchedule = opt("1F1B", "pipeline schedule")
+    pp_microbatches: int = opt(0, "pipeline micro-batches per step; 0: one per pipeline stage", ge=0)
+    pp_stages_per_rank: int = opt(0, "stages per pp rank; 0: from the schedule (2 for looped and V)", ge=0)
+    pp_split: str = opt("params", "layer split: params | flops | layers per stage, e.g. '3,5'")
+    sequence_parallel: bool = opt(True, "with tp > 1, also shard norms and the residual stream by sequence")
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
+        "default", "free gathered FSDP weights after forward (default: all but the last block)"
+    )
+    collective_timeout_s: int = opt(300, "seconds a collective may wait for a peer before the job fails", ge=1)
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = 40
-    seed: int = 1234
-    global_batch: int = 8  # sequences per optimizer step, whole world
-    micro_batch: int = 0  # sequences per rank per forward; 0: the whole local batch (no accumulation)
-    seq_len: int = 128
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # <= 0 disables clipping (the norm is still measured and logged)
-    mixed_precision: str = "fp32"  # fp32 | bf16
-    activation_checkpoint: str = "none"  # none | full | selective
-    compile: bool = False
-    device: str = "auto"  # auto | cpu | cuda
+    steps: int = opt(40, "optimizer steps to train (in total, counting resumed ones)", ge=1)
+    seed: int = opt(1234, "seed of the initial weights", ge=0)
+    global_batch: int = opt(8, "sequences per optimizer step, whole world", ge=1)
+    micro_batch: int = opt(0, "sequences per rank per forward; 0: the whole local batch (no accumulation)", ge=0)
+    seq_len: int = opt(128, "tokens per training sequence", ge=1)
+    lr: float = opt(3e-3, "peak learning rate (AdamW)", gt=0)
+    min_lr_ratio: float = opt(0.1, "the cosine decays to lr * min_lr_ratio", ge=0, le=1)
+    warmup_steps: int = opt(5, "linear warmup steps", ge=0)
+    weight_decay: float = opt(0.1, "AdamW weight decay (matrices only)", ge=0)
+    beta1: float = opt(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = opt(0.95, "AdamW beta2", ge=0, lt=1)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0: no clipping (still logged)", ge=0)
+    mixed_precision: Literal["fp32", "bf16"] = opt("fp32", "bf16: bf16 compute, fp32 master weights/reduction")
+    activation_checkpoint: Literal["none", "full", "selective"] = opt(
+        "none", "recompute activations in backward: all of a block, or all but matmuls/attention/collectives"
+    )
+    compile: bool = opt(False, "torch.compile each transformer block")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: this rank's GPU when CUDA is available")
 
 
 @dataclass
 class DataConfig:
-    source: str = "default"  # "default": the Python standard library's sources; or a text file / folder
-    max_bytes: int = 16 * 1024 * 1024  # read at most this much of the source
+    source: str = opt("default", "'default' (the Python standard library's sources), a text file or a folder")
+    max_bytes: int = opt(16 * 1024 * 1024, "read at most this many bytes of the source", ge=1)
 
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/default"
-    log_every: int = 1
-    tensorboard: bool = True
-    overwrite: bool = False  # allow replacing the metrics of an earlier run in the same run.dir
-    pp_timeline: bool = False  # pipeline runs: time F/B/W per rank on the last step, write the bubble + SVG
+    dir: str = opt("runs/default", "output folder: metrics.jsonl, tb/, checkpoints/")
+    log_every: int = opt(1, "log every N steps (and the last)", ge=1)
+    tensorboard: bool = opt(True, "write TensorBoard events to <run.dir>/tb")
+    overwrite: bool = opt(False, "allow replacing the metrics of an earlier run in the same run.dir")
+    pp_timeline: bool = opt(False, "pipeline runs: time F/B/W per rank on the last step, write bubble + SVG")
 
 
 @dataclass
 class CheckpointConfig:
-    folder: str = ""  # "": <run.dir>/checkpoints; holds step-N/ folders (see checkpoint/manager.py)
-    interval: int = 0  # save every `interval` steps and at the last step; 0: never save
-    resume: str = "none"  # auto (the newest complete checkpoint, if any) | none | a step number
-    async_: bool = False  # TOML/CLI key `checkpoint.async` (a Python keyword): save in a thread while training
-    keep_last: int = 3  # published checkpoints to keep, newest first; 0: keep all
-    init_from: str = ""  # a Hugging Face-named model.safetensors (or its folder): initial weights of a fresh run
+    folder: str = opt("", "checkpoint folder; '': <run.dir>/checkpoints (holds step-N/ folders)")
+    interval: int = opt(0, "save every N steps and at the last step; 0: never save", ge=0)
+    resume: str = opt("none", "auto (the newest complete checkpoint) | none | a step number", int_ok=True)
+    async_: bool = opt(False, "save in a background thread while training goes on (key: checkpoint.async)")
+    keep_last: int = opt(3, "published checkpoints to keep, newest first; 0: keep all", ge=0)
+    init_from: str = opt("", "a Hugging Face-named model.safetensors (or its folder): initial weights")
 
 
 @dataclass
@@ -117,73 +151,90 @@ class Config:
         return dataclasses.asdict(self)
 
 
-CHOICES = {
-    "training.mixed_precision": ("fp32", "bf16"),
-    "training.activation_checkpoint": ("none", "full", "selective"),
-    "training.device": ("auto", "cpu", "cuda"),
-    "model.moe_score_func": ("softmax", "sigmoid"),
-    "parallel.fsdp_reshard_after_forward": ("default", "always", "never"),
-}
+# Keys whose field name differs from the user-facing name (a Python keyword cannot be a field name).
+KEY_ALIASES = {"checkpoint.async": "checkpoint.async_"}
+FIELD_KEYS = {field_name: key for key, field_name in KEY_ALIASES.items()}
 
 
 def _sections(cfg: Config) -> dict[str, object]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
-def _convert(key: str, raw: object, typ: type) -> object:
-    """Convert a TOML value or a CLI string to the field's type, or raise a ConfigError naming the key."""
-    if typ is bool:
-        if isinstance(raw, bool):
+def _fields(section) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section)}
+
+
+def _type_name(typ) -> str:
+    if typing.get_origin(typ) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(typ)))
+    return typ.__name__
+
+
+def _convert(key: str, raw: object, typ, from_text: bool, int_ok: bool = False) -> object:
+    """``raw`` as a value of ``typ``, or a ConfigError naming the key, the value and what it must be.
+
+    ``from_text``: a command-line string, parsed; otherwise a TOML value, whose type must already fit.
+    """
+    if typing.get_origin(typ) is Literal:
+        choices = typing.get_args(typ)
+        if isinstance(raw, str) and raw in choices:
             return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return raw.lower() in ("true", "1", "yes", "on")
-    elif typ is int:
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str):
+        raise ConfigError(f"{key}={raw!r} is not allowed; choose one of {', '.join(map(str, choices))}.")
+    if from_text:
+        assert isinstance(raw, str)
+        text = raw.strip()
+        if typ is bool and text.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return text.lower() in ("true", "1", "yes", "on")
+        if typ is int:
             try:
-                return int(raw)
+                return int(text)
             except ValueError:
                 pass
-    elif typ is float:
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        if typ is float:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        if typ is str:
+            return raw
+    else:
+        if typ is bool and isinstance(raw, bool):
+            return raw
+        if typ is int and isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if typ is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
             return float(raw)
-        if isinstance(raw, str):
-            try:
-                return float(raw)
-            except ValueError:
-                pass
-    elif typ is str:
-        if isinstance(raw, (str, int)) and not isinstance(raw, bool):
+        if typ is str and (isinstance(raw, str) or (int_ok and isinstance(raw, int) and not isinstance(raw, bool))):
             return str(raw)
-    raise ConfigError(f"{key}={raw!r} is not a valid {typ.__name__}; set it to a {typ.__name__} value.")
+        if isinstance(raw, str) and typ is not str:
+            raise ConfigError(
+                f"{key}={raw!r} is a string in the TOML file but must be a {typ.__name__}; write it without quotes."
+            )
+    example = {"int": "e.g. 8", "float": "e.g. 0.5", "bool": "true or false", "str": 'e.g. "text"'}[typ.__name__]
+    raise ConfigError(f"{key}={raw!r} is not a valid {typ.__name__}; set it to a {typ.__name__} value ({example}).")
 
 
-# Keys whose field name differs from the user-facing name (a Python keyword cannot be a field name).
-KEY_ALIASES = {"checkpoint.async": "checkpoint.async_"}
-
-
-def _set(cfg: Config, key: str, raw: object) -> None:
-    key = KEY_ALIASES.get(key, key)
+def _set(cfg: Config, key: str, raw: object, from_text: bool) -> None:
+    field_key = KEY_ALIASES.get(key, key)
     sections = _sections(cfg)
-    parts = key.split(".")
+    parts = field_key.split(".")
     if len(parts) != 2 or parts[0] not in sections:
         raise ConfigError(
-            f"unknown config key {key!r}: keys are <section>.<name> with section one of {sorted(sections)}."
+            f"unknown config key {key!r}: keys are <section>.<name> with section one of {sorted(sections)}; "
+            "`python train.py --help` lists them all."
         )
     section = sections[parts[0]]
-    hints = typing.get_type_hints(type(section))
+    hints = typing.get_type_hints(type(section), include_extras=False)
     if parts[1] not in hints:
-        raise ConfigError(f"unknown config key {key!r}; the keys of [{parts[0]}] are: {', '.join(hints)}.")
-    value = _convert(key, raw, hints[parts[1]])
-    if key in CHOICES and value not in CHOICES[key]:
-        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(CHOICES[key])}.")
-    setattr(section, parts[1], value)
+        names = [FIELD_KEYS.get(f"{parts[0]}.{n}", f"{parts[0]}.{n}").split(".")[1] for n in hints]
+        raise ConfigError(f"unknown config key {key!r}; the keys of [{parts[0]}] are: {', '.join(names)}.")
+    meta = _fields(section)[parts[1]].metadata
+    setattr(section, parts[1], _convert(key, raw, hints[parts[1]], from_text, meta.get("int_ok", False)))
 
 
 def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
     """Split argv into the ``--config`` path and a list of (dotted key, raw string value) overrides."""
-    config_path, overrides, i = None, [], 0
+    config_path, overrides, seen, i = None, [], set(), 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
@@ -194,6 +245,9 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]
                 raise ConfigError(f"--{name} needs a value, e.g. --{name} <value>.")
             value, i = argv[i + 1], i + 1
         i += 1
+        if name in seen:
+            raise ConfigError(f"--{name} is given twice on the command line; give each key once.")
+        seen.add(name)
         if name == "config":
             config_path = value
         else:
@@ -205,12 +259,14 @@ def load_config(argv: list[str] | None = None, *, path: str | None = None, overr
     """Build a Config from defaults, then a TOML file, then dotted overrides (later wins).
 
     ``argv`` is the command line (``--config f.toml --training.steps 5``); tests may instead pass
-    ``path`` and ``overrides`` (a dict or a list of pairs) directly.
+    ``path`` and ``overrides`` (a dict or a list of pairs, values as text or already typed) directly.
     """
     if argv is not None:
         path, pairs = parse_overrides(argv)
+        typed = False
     else:
         pairs = list((overrides or {}).items()) if isinstance(overrides, dict) else list(overrides or [])
+        typed = True
     cfg = Config()
     if path is not None:
         file = Path(path)
@@ -218,13 +274,103 @@ def load_config(argv: list[str] | None = None, *, path: str | None = None, overr
             raise ConfigError(f"--config {path!r}: no such file; pass the path of a TOML file (see configs/).")
         try:
             table = tomllib.loads(file.read_text())
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--config {path!r} is not valid TOML: {exc}; fix the file.") from exc
         for section, entries in table.items():
             if not isinstance(entries, dict):
                 raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table.")
             for name, value in entries.items():
-                _set(cfg, f"{section}.{name}", value)
+                _set(cfg, f"{section}.{name}", value, from_text=False)
     for key, value in pairs:
-        _set(cfg, key, value)
+        _set(cfg, key, value, from_text=not typed or isinstance(value, str))
     return cfg
+
+
+# ---- value checks ----------------------------------------------------------------------------------------
+def _range_rule(meta: dict) -> str | None:
+    bounds = [f"{sym} {meta[k]}" for k, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if k in meta]
+    return " and ".join(bounds) if bounds else None
+
+
+def _in_range(value, meta: dict) -> bool:
+    return (
+        ("ge" not in meta or value >= meta["ge"])
+        and ("gt" not in meta or value > meta["gt"])
+        and ("le" not in meta or value <= meta["le"])
+        and ("lt" not in meta or value < meta["lt"])
+    )
+
+
+def check_values(cfg: Config) -> None:
+    """Every field's range (from its metadata), then the rules between fields; one ConfigError lists all."""
+    broken = []
+    for section_name, section in _sections(cfg).items():
+        for name, f in _fields(section).items():
+            value, key = getattr(section, name), FIELD_KEYS.get(f"{section_name}.{name}", f"{section_name}.{name}")
+            if isinstance(value, float) and not math.isfinite(value):
+                broken.append(f"{key}={value!r} must be a finite number; set a real value (default {f.default!r}).")
+                continue
+            rule = _range_rule(f.metadata)
+            if (
+                rule
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and not _in_range(value, f.metadata)
+            ):
+                broken.append(f"{key}={value!r} must be {rule}; the default is {f.default!r}.")
+    m, p = cfg.model, cfg.parallel
+    if p.dp_shard == 0:
+        broken.append("parallel.dp_shard=0 must be >= 1, or -1 for 'the rest of the world'.")
+    if m.vocab_size < 256:
+        broken.append(f"model.vocab_size={m.vocab_size} must be >= 256, which the byte tokenizer needs.")
+    if m.n_heads >= 1 and m.dim % m.n_heads == 0 and (m.dim // m.n_heads) % 2:
+        broken.append(
+            f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings rotate pairs); "
+            "change model.dim or model.n_heads."
+        )
+    if broken:
+        raise ConfigError("invalid settings:\n  - " + "\n  - ".join(broken))
+
+
+def help_text() -> str:
+    """Every key with its type, default and meaning (``python train.py --help``)."""
+    lines = [
+        "usage: [torchrun --standalone --nproc-per-node N] train.py [--config FILE.toml] [--section.key VALUE ...]",
+        "",
+        "Every key below can be set in a TOML file ([section] key = value) or overridden on the command line.",
+    ]
+    for section_name, section in _sections(Config()).items():
+        lines += ["", f"[{section_name}]"]
+        hints = typing.get_type_hints(type(section))
+        for name, f in _fields(section).items():
+            key = FIELD_KEYS.get(f"{section_name}.{name}", f"{section_name}.{name}")
+            typ = hints[name]
+            kind = "|".join(typing.get_args(typ)) if typing.get_origin(typ) is Literal else typ.__name__
+            rule = _range_rule(f.metadata)
+            lines.append(f"  --{key:<36} {kind:<10} default {f.default!r:<14} {f.metadata.get('help', '')}")
+            if rule:
+                lines[-1] += f" ({rule})"
+    return "\n".join(lines)
+
+
+def model_args(cfg: Config):
+    """The ``[model]`` section as ``models.llama.ModelArgs`` (with ``MoEArgs`` for an MoE model)."""
+    from models.llama import ModelArgs
+    from models.moe import MoEArgs
+
+    m = cfg.model
+    args = ModelArgs(
+        dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
+        ffn_dim=m.ffn_dim, multiple_of=m.multiple_of, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+        max_seq_len=m.max_seq_len, moe_every=m.moe_every,
+    )  # fmt: skip
+    if m.n_experts:
+        args.moe = MoEArgs(
+            n_experts=m.n_experts, top_k=m.top_k, hidden_dim=m.moe_ffn_dim or max(1, args.hidden_dim // m.top_k),
+            n_shared_experts=m.moe_shared_experts, score_func=m.moe_score_func, route_norm=m.moe_route_norm,
+            aux_loss_coef=m.moe_aux_loss_coef, bias_update_rate=m.moe_bias_update_rate,
+            capacity_factor=m.moe_capacity_factor,
+            # the aux loss is summed per sequence and averaged over the global batch, whatever the layout
+            aux_loss_scale=1.0 / cfg.training.global_batch,
+        )  # fmt: skip
+    return args

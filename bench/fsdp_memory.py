@@ -40,16 +40,17 @@ def local_bytes(t: torch.Tensor) -> int:
 def measure(config: str = CONFIG) -> dict[str, int]:
     """Rank body: build the FSDP2 model over dp_shard = world, take one AdamW step, count local bytes."""
     from config import load_config
-    from mesh.dims import ParallelDims, build_mesh
+    from mesh.dims import build_mesh
+    from mesh.plan import LayoutPlan
     from optim import Optimizers
-    from train import build_model, model_args
+    from train import build_model
 
     world = dist.get_world_size()
     cfg = load_config(path=config, overrides={"parallel.dp_shard": world})
-    dims = ParallelDims.resolve(cfg, world)
-    meshes = build_mesh(dims, "cpu")
-    args = model_args(cfg)
-    model = build_model(cfg, args, dims, meshes, torch.device("cpu"))
+    plan = LayoutPlan.resolve(cfg, world, dist.get_rank())
+    dims, args = plan.dims, plan.model
+    meshes = build_mesh(dims, torch.device("cpu"), timeout_s=60)
+    model = build_model(cfg, plan, meshes, torch.device("cpu"))
     optimizers = Optimizers([model], cfg)
     optimizer = optimizers.optimizers[0]
 

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from checkpoint.hf import export_safetensors
 from checkpoint.manager import META_FILE, inspect, published
 from checkpoint.state import MODEL, split
-from config import Config, ConfigError
+from config import Config, ConfigError, model_args
 
 
 def choose_checkpoint(path: str | Path) -> Path:
@@ -60,7 +60,6 @@ def saved_config(step_dir: Path) -> Config:
 def load_model_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], object]:
     """Step 3: the full model state (meshloom names) and its ModelArgs, read on this one process."""
     from models.llama import Transformer
-    from train import model_args
 
     args = model_args(saved_config(step_dir))
     with torch.device("meta"):

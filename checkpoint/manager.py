@@ -9,16 +9,20 @@ Saving step N (every ``checkpoint.interval`` steps and at the last step):
 
 1. Every rank checks that step-N does not exist: the same answer everywhere, before any collective, so a
    published checkpoint is never overwritten.
-2. Rank 0 removes a stale step-N.tmp; a barrier on the checkpoint's own gloo group.
+2. Rank 0 removes a stale step-N.tmp; a barrier on the control plane (mesh/runtime.py).
 3. ``dcp.save`` (or ``dcp.async_save``, which copies the state to CPU memory first and writes from a
    thread while training goes on) into step-N.tmp. Each rank writes its shards; rank 0 writes .metadata
    only after every rank reported its writes, so when rank 0's save returns, everything is on disk.
 4. Rank 0 publishes: meshloom.json (step, model config, layout, tokens consumed, versions) into the
    folder, then ``rename(step-N.tmp, step-N)``, atomic on POSIX. A reader sees the whole checkpoint or
    none of it. Then it deletes all but the newest ``keep_last`` (renamed away first, then removed).
-5. The ranks agree (an all-reduce of an ok flag) that it worked, so a failure on rank 0 is raised on
-   every rank instead of leaving the others waiting. Async: steps 4-5 run when the next save starts or
-   training ends (``wait``); the publishing itself happens in a thread as soon as the write finished.
+5. The ranks agree on the control plane that it worked, so a failure on rank 0 is raised on every rank
+   instead of leaving the others waiting. Async: step 5 runs when the next save starts or training ends
+   (``wait``); the publishing itself happens in a thread as soon as the write finished. ``close`` drains
+   a save in flight and stops its thread on every exit path, also when training failed.
+
+DCP's own collectives run on a gloo group of their own (the checkpoint group): an async save issues them
+from a background thread while the training thread uses the control plane.
 
 Resuming (``find_resume``, on every rank before any process group exists):
 
@@ -51,7 +55,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from checkpoint.hf import import_safetensors, safetensors_path, safetensors_problems
 from checkpoint.state import TRAIN, TRAIN_KEYS, apply_training_state, expected_entries, training_state
 from config import Config, ConfigError, ModelConfig
-from mesh.runtime import barrier, new_collective_group, raise_if_any_rank_failed
+from mesh.runtime import ControlPlane, new_cpu_group
 from models.llama import ModelArgs, Transformer
 
 META_FILE = "meshloom.json"
@@ -163,8 +167,7 @@ _warned: set[str] = set()
 
 
 def _warn(message: str) -> None:
-    # Before a process group exists the launcher's RANK says who prints; find_resume runs twice (check_config
-    # and CheckpointManager), so each warning is printed once.
+    # Before a process group exists the launcher's RANK says who prints; each warning is printed once.
     if os.environ.get("RANK", "0") == "0" and message not in _warned:
         _warned.add(message)
         print(f"meshloom: warning: {message}", file=sys.stderr, flush=True)
@@ -256,24 +259,27 @@ def _fsync_dir(path: Path) -> None:
 
 
 class CheckpointManager:
-    """Resume, periodic saves and the final save of one training run (see the module docstring)."""
+    """Resume, periodic saves and the final save of one training run (see the module docstring).
 
-    def __init__(self, cfg: Config, dims, args: ModelArgs):
-        self.cfg, self.dims = cfg, dims
+    ``resume_dir`` is what ``find_resume`` chose before any process group existed (None: a fresh start).
+    """
+
+    def __init__(self, cfg: Config, plan, resume_dir: Path | None, control: ControlPlane):
+        self.cfg, self.plan, self.control = cfg, plan, control
         self.folder = checkpoint_folder(cfg)
-        self.resume_dir = find_resume(cfg, args)  # every check, before any collective
+        self.resume_dir = resume_dir
         self.resumed_step: int | None = None
         self.group = None
+        if resume_dir is not None or cfg.checkpoint.interval > 0:
+            # DCP's collectives get their own gloo group: an async save runs them from a thread while the
+            # training thread runs its own collectives, and two threads must never share a group.
+            self.group = new_cpu_group(control.timeout_s)
         self.pending = None  # the async save in flight: a future of its publishing
         self.executor = None
 
     # ---- resume ----------------------------------------------------------------------------------------
     def restore(self, parts, optimizers, loader) -> int:
         """Load the resume checkpoint (or the init_from weights); returns the number of steps already done."""
-        if self.resume_dir is not None or self.cfg.checkpoint.interval > 0:
-            # DCP's collectives get their own gloo group: an async save runs them from a thread while the
-            # training thread runs its own collectives, and two threads must never share a group.
-            self.group = new_collective_group()
         if self.resume_dir is not None and self.cfg.checkpoint.init_from:
             self._log(f"checkpoint: resuming {self.resume_dir}, so checkpoint.init_from is not used")
         if self.resume_dir is None:
@@ -291,7 +297,7 @@ class CheckpointManager:
         self._log(
             f"checkpoint: resumed {self.resume_dir} at step {step}, {loader.tokens_consumed:,} tokens consumed; "
             f"saved on pp={saved['pp']} dp_replicate={saved['dp_replicate']} dp_shard={saved['dp_shard']} "
-            f"tp={saved['tp']}, now {self.dims.describe()}"
+            f"tp={saved['tp']}, now {self.plan.dims.describe()}"
         )
         self.resumed_step = step
         return step
@@ -309,7 +315,7 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this step
             self.folder.mkdir(parents=True, exist_ok=True)
-        barrier(self.group)
+        self.control.barrier()
         state = training_state(parts, optimizers, loader, step)
         meta = self._metadata(step, loader.tokens_consumed)
         if not c.async_:
@@ -337,14 +343,28 @@ class CheckpointManager:
         self._agree(error)
 
     def finish(self) -> None:
-        """End of training: wait for the last async save."""
+        """End of training: wait for the last async save (written, published and agreed on every rank)."""
         self.wait()
+
+    def close(self) -> None:
+        """Every exit path: let a save in flight finish writing on this rank, then stop the thread.
+
+        After a failure the other ranks may be gone, so this waits on the local write only, without any
+        collective; a save that did not finish stays a ``.tmp`` folder, which is never read.
+        """
+        if self.pending is not None:
+            try:
+                self.pending.result()
+            except Exception:  # noqa: BLE001 - the failure that ended training is the one to report
+                pass
+            self.pending = None
         if self.executor is not None:
-            self.executor.shutdown()
+            self.executor.shutdown(wait=True)
+            self.executor = None
 
     def _agree(self, error: Exception | None) -> None:
         """All ranks learn whether the save worked (step 5), so none waits for a rank that failed."""
-        raise_if_any_rank_failed(error, "saving a checkpoint", self.group)
+        self.control.raise_if_any_failed(error, "saving a checkpoint")
 
     def _publish_on_rank0(self, tmp: Path, final: Path, meta: dict) -> Exception | None:
         if dist.get_rank() != 0:
@@ -385,7 +405,7 @@ class CheckpointManager:
             shutil.rmtree(doomed)
 
     def _metadata(self, step: int, tokens_consumed: int) -> dict:
-        d, t = self.dims, self.cfg.training
+        d, t = self.plan.dims, self.cfg.training
         return {
             "format": FORMAT,
             "step": step,

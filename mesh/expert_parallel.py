@@ -19,32 +19,29 @@ count per expert; then:
 
 A rank that receives no tokens runs its experts on empty inputs and still joins both all-to-alls.
 
-EP ranks are carved from the data-parallel *shard* ranks: ``dp_shard = efsdp x ep``. Expert weights are
-then FSDP-sharded over the remaining ``efsdp`` (and replicated over ``dp_replicate``), dense weights over
+EP ranks are carved from the data-parallel *shard* ranks: ``dp_shard = efsdp x ep``, an unflattening of the
+world mesh's dp_shard dim (mesh/dims.build_mesh), so the ep groups belong to the one root mesh. Expert
+weights are then FSDP-sharded over the remaining ``efsdp`` (and replicated over ``dp_replicate``), dense weights over
 all of ``dp_shard`` as before. Ranks of one ep group hold different tokens (they are data-parallel), which
 is what makes the exchange worthwhile. Under tensor parallelism the MoE block runs replicated on the
 gathered sequence on every tp rank (mesh/tensor_parallel.moe_plan), each tp coordinate with its own ep
 group: simple, at the cost of tp-fold redundant expert compute.
+
+Both exchanges are functional collectives (they return new tensors): selective activation checkpointing
+saves their outputs, so recomputing a block in backward never repeats them (mesh/activation_checkpoint.py).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from mesh.private_api import all_to_all_autograd, all_to_all_functional
+from mesh.runtime import sum_over
 from models.moe import MoE
-
-
-def all_to_all_autograd(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-    """Differentiable uneven all-to-all. ``_functional_collectives`` is still private in torch 2.13; this is
-    the one place meshloom calls it (``torch.distributed.nn.functional.all_to_all_single`` is deprecated)."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
-    return wait_tensor(all_to_all_single_autograd(x, output_splits, input_splits, group))
 
 
 class ExpertParallel(ParallelStyle):
@@ -59,8 +56,7 @@ class ExpertParallel(ParallelStyle):
         x, counts = inputs
         group, ep = mesh.get_group(), mesh.size()
         # 2. exchange counts: row r of `received` = tokens peer r sends to each of my local experts
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)
+        received = all_to_all_functional(counts, group)
         sent_per_rank = counts.view(ep, -1).sum(1).tolist()
         received = received.view(ep, -1)  # (source rank, local expert)
         recv_per_rank = received.sum(1).tolist()
@@ -92,25 +88,15 @@ class ExpertParallel(ParallelStyle):
         )
 
 
-def build_expert_mesh(device_type: str, pp: int, dp_replicate: int, dp_shard: int, ep: int, tp: int):
-    """A second mesh over the same ranks with dp_shard split into (efsdp, ep); same rank order as the world.
-
-    Returns (ep mesh, the mesh FSDP shards expert weights over).
-    """
-    root = init_device_mesh(
-        device_type,
-        (pp, dp_replicate, dp_shard // ep, ep, tp),
-        mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"),
-    )
-    fsdp_dims = ("dp_replicate", "efsdp") if dp_replicate > 1 else ("efsdp",)
-    return root["ep"], root[fsdp_dims]
-
-
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shard every MoE block's experts over ``ep_mesh``."""
-    for module in model.modules():
-        if isinstance(module, MoE):
-            ExpertParallel()._apply(module.experts, ep_mesh)
+    """Shard every MoE block's experts over ``ep_mesh`` (a plan entry per MoE layer this model part holds)."""
+    plan = {
+        f"layers.{layer_id}.feed_forward.experts": ExpertParallel()
+        for layer_id, block in model.layers.items()
+        if isinstance(block.feed_forward, MoE)
+    }
+    if plan:
+        parallelize_module(model, ep_mesh, plan)
 
 
 def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:
@@ -124,28 +110,40 @@ def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:
 
 
 @torch.no_grad()
-def step_expert_load(parts: list[nn.Module], dp_mesh: DeviceMesh, pp_mesh: DeviceMesh) -> dict:
-    """Global per-layer expert load of the step (summed over dp ranks), gathered over pp; resets the counters.
+def step_expert_load(parts: list[nn.Module], moe_layer_ids: list[int], loss_mesh: DeviceMesh) -> dict:
+    """Global per-layer expert load of the step, on every rank; resets the counters.
 
-    Also applies the aux-loss-free bias update, from the *global* load, so every layout updates identically.
-    Returns {layer id: {"tokens": [...], "dropped": n, "aux_loss": x}} (every layer, on every rank).
+    1. Fill one (MoE layers of the whole model, n_experts + 2) tensor on the device: this rank's token counts,
+       dropped assignments and aux loss in the rows of the layers it holds, zeros elsewhere (a pipeline
+       stage without MoE layers contributes only zeros, but still joins the reduction).
+    2. Sum it over the ``loss`` mesh (pp x dp): data-parallel ranks add their tokens, pipeline stages fill
+       their own rows. tp ranks saw the same tokens, so tp is not in the sum. One device-plane all-reduce.
+    3. Apply the aux-loss-free bias update to this rank's layers from the *global* load, so every layout
+       updates identically.
+    Returns {layer id: {"tokens": [...], "dropped": n, "aux_loss": x}} for every MoE layer of the model.
     """
-    local = {}
-    for layer_id, moe in moe_modules(parts).items():
-        stats = torch.cat([moe.tokens_per_expert, moe.dropped_assignments.view(1), moe.aux_loss_sum.view(1)])
-        if dp_mesh.size() > 1:
-            dist.all_reduce(stats, group=dp_mesh.get_group())  # tp ranks saw the same tokens: dp only
-        load = stats[:-2]
+    if not moe_layer_ids:
+        return {}
+    local = moe_modules(parts)
+    row_of = {str(layer_id): row for row, layer_id in enumerate(moe_layer_ids)}
+    n_experts = parts[0].args.moe.n_experts
+    device = next(p.device for part in parts for p in part.parameters())
+    stats = torch.zeros(len(moe_layer_ids), n_experts + 2, dtype=torch.float32, device=device)
+    for layer_id, moe in local.items():
+        stats[row_of[layer_id]] = torch.cat(
+            [moe.tokens_per_expert, moe.dropped_assignments.view(1), moe.aux_loss_sum.view(1)]
+        ).float()
+    sum_over(stats, loss_mesh)
+    for layer_id, moe in local.items():
+        load = stats[row_of[layer_id], :-2]
         rate = moe.args.bias_update_rate
         if rate > 0:
             moe.expert_bias += rate * torch.sign(load.mean() - load)
-        local[layer_id] = {"tokens": load.tolist(), "dropped": int(stats[-2]), "aux_loss": float(stats[-1])}
         moe.reset_stats()
-    if pp_mesh.size() == 1:
-        return local
-    gathered: list = [None] * pp_mesh.size()
-    dist.all_gather_object(gathered, local, group=pp_mesh.get_group())
-    return {k: v for stage in gathered for k, v in stage.items()}
+    return {
+        str(layer_id): {"tokens": row[:-2], "dropped": int(row[-2]), "aux_loss": float(row[-1])}
+        for layer_id, row in zip(moe_layer_ids, stats.tolist(), strict=True)
+    }
 
 
 def load_metrics(load: dict) -> dict:

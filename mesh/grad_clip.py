@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+from mesh.runtime import sum_over
 
 
 def group_by_placement(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
@@ -43,8 +44,8 @@ def global_grad_norm(params: list[nn.Parameter], pp_mesh: DeviceMesh | None = No
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squared += norm.float() ** 2
-    if pp_mesh is not None and pp_mesh.size() > 1:
-        dist.all_reduce(squared, group=pp_mesh.get_group())
+    if pp_mesh is not None:
+        sum_over(squared, pp_mesh)
     return squared.sqrt()
 
 

@@ -23,6 +23,7 @@ Everything a schedule needs is validated first (``pipeline_errors``), so a misfi
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 
 import torch
@@ -30,12 +31,15 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from config import PipelineSchedule
+from mesh.private_api import after_shape_inference
 from models.llama import ModelArgs, Transformer
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+assert set(SCHEDULES) == set(typing.get_args(PipelineSchedule)), "config.PipelineSchedule and mesh/pipeline disagree"
 
 
 def stages_per_rank(schedule: str, requested: int) -> int:
@@ -196,18 +200,15 @@ def forget_metadata_inference_statistics(stage: PipelineStage) -> None:
 
     In torch 2.13 a stage built without example inputs infers shapes on the first step by running one real
     forward and backward. Its routing would otherwise be counted in that step's expert load (and in the
-    bias update). ``_post_metadata_inference_cleanup`` is private but the only point that marks the end of
-    the inference; this is the one place meshloom hooks it.
+    bias update).
     """
-    cleanup = stage._post_metadata_inference_cleanup
 
-    def cleanup_then_reset() -> None:
-        cleanup()
+    def reset() -> None:
         for module in stage.submod.modules():
             if hasattr(module, "reset_stats"):
                 module.reset_stats()
 
-    stage._post_metadata_inference_cleanup = cleanup_then_reset
+    after_shape_inference(stage, reset)
 
 
 def build_pipeline_schedule(

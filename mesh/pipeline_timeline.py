@@ -2,12 +2,16 @@
 
 1. ``PipelineTimeline.instrument`` wraps each local ``PipelineStage``'s ``forward_one_chunk`` (F),
    ``backward_one_chunk`` (B for a full backward, I for the input-gradient half in zero-bubble schedules)
-   and ``backward_weight_one_chunk`` (W) to record (start, end) wall-clock times per micro-batch.
+   and ``backward_weight_one_chunk`` (W) to record (start, end) times per micro-batch. On CPU these are
+   wall-clock readings. On CUDA the Python call returns as soon as the kernels are queued, so each mark is a
+   CUDA event recorded on the stream instead; ``end_step`` synchronizes and turns the events into seconds
+   after the step's start.
 2. ``begin_step`` / ``end_step`` mark the step's window on each rank (after data loading, before the
    gradient clipping). Everything in the window that is not F/B/I/W is idle: waiting for a neighbour's
    activation or gradient (the bubble), the point-to-point sends and receives themselves (torch issues
    them outside the timed chunks), and the last stage's loss computation.
-3. ``gather`` collects every rank's events on every pp rank (an all_gather_object over the pp group),
+3. ``gather`` collects the events of this rank's pp group on every rank (an object gather on the control
+   plane, mesh/runtime.py: it works on every backend and never queues behind model traffic),
    ``bubble_report`` compares each rank's measured idle fraction with the schedule's textbook prediction,
    and ``timeline_svg`` draws one row per rank with a box per F/B/I/W, labelled by micro-batch.
 
@@ -22,9 +26,10 @@ import functools
 import time
 from dataclasses import asdict, dataclass
 
-import torch.distributed as dist
+import torch
 
 from mesh.pipeline import SINGLE_STAGE, V_SHAPED
+from mesh.runtime import ControlPlane, synchronize
 
 COLOURS = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b"}
 
@@ -40,10 +45,20 @@ class Event:
 
 
 class PipelineTimeline:
-    def __init__(self, pp_rank: int):
-        self.pp_rank = pp_rank
+    def __init__(self, pp_rank: int, device: torch.device):
+        self.pp_rank, self.device = pp_rank, device
         self.events: list[Event] = []
+        self._marks: list[tuple] = []  # (stage, kind, micro-batch, start mark, end mark) of the current step
         self.window = (0.0, 0.0)
+        self._begin = None
+
+    def _mark(self):
+        """A point in time: a CUDA event queued on the stream, or the wall clock on CPU."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.time()
 
     def instrument(self, stage) -> None:
         """Record every forward, backward and weight-gradient chunk that ``stage`` runs."""
@@ -51,10 +66,9 @@ class PipelineTimeline:
         def timed(method, kind_of):
             @functools.wraps(method)
             def wrapper(chunk_id, *args, **kwargs):
-                start = time.time()
+                start = self._mark()
                 result = method(chunk_id, *args, **kwargs)
-                kind = kind_of(kwargs)
-                self.events.append(Event(self.pp_rank, stage.stage_index, kind, chunk_id, start, time.time()))
+                self._marks.append((stage.stage_index, kind_of(kwargs), chunk_id, start, self._mark()))
                 return result
 
             return wrapper
@@ -66,19 +80,33 @@ class PipelineTimeline:
         stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, lambda kw: "W")
 
     def begin_step(self) -> None:
-        self.events = []
+        self._marks = []
+        synchronize(self.device)
+        self._begin = self._mark()
         self.window = (time.time(), 0.0)
 
     def end_step(self) -> None:
-        self.window = (self.window[0], time.time())
+        synchronize(self.device)
+        start_wall = self.window[0]
+        self.window = (start_wall, time.time())
 
-    def gather(self, pp_group) -> tuple[list[Event], list[tuple[float, float]]]:
-        """All pp ranks' events and step windows (collective over ``pp_group``)."""
-        mine = ([asdict(e) for e in self.events], self.window)
-        everyone: list = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(everyone, mine, group=pp_group)
-        events = [Event(**e) for evs, _ in everyone for e in evs]
-        return events, [w for _, w in everyone]
+        def seconds(mark) -> float:
+            if self.device.type == "cuda":  # event time since the step began, on the shared wall-clock axis
+                return start_wall + self._begin.elapsed_time(mark) / 1000.0
+            return mark
+
+        self.events = [
+            Event(self.pp_rank, stage, kind, chunk, seconds(start), seconds(end))
+            for stage, kind, chunk, start, end in self._marks
+        ]
+
+    def gather(self, control: ControlPlane, pp_group_ranks: list[int]) -> tuple[list[Event], list[tuple[float, float]]]:
+        """The events and step windows of the ranks in ``pp_group_ranks``, in pp order (a control-plane gather;
+        every rank of the world must call it)."""
+        everyone = control.all_gather_object(([asdict(e) for e in self.events], self.window))
+        peers = [everyone[rank] for rank in pp_group_ranks]
+        events = [Event(**e) for evs, _ in peers for e in evs]
+        return events, [w for _, w in peers]
 
 
 def predicted_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> float | None:

@@ -1,9 +1,34 @@
-"""Device, backend and the default process group, chosen once per process.
+"""Device, backend, process groups, and the rule for which group carries which message.
 
 cuda + nccl when a GPU is present (one GPU per local rank), otherwise cpu + gloo. A plain ``python
 train.py`` (no torchrun) runs as a world of one so the code path is the same as under torchrun.
-Every collective has a timeout (``parallel.collective_timeout_s``): gloo's default is 30 minutes, far too
-long to notice that a peer died.
+
+Two planes, and the rule each follows
+-------------------------------------
+NCCL serves CUDA tensors only (``Backend.backend_capability["nccl"] == ["cuda"]``): a CPU tensor handed to an
+NCCL group fails with "No backend type associated with device type cpu". gloo forgives that on CPU, so a
+mistake here would pass every CPU test and die at step 0 on a GPU. meshloom therefore sorts every
+collective into one of two planes:
+
+1. **Device plane** (tensors on the device its group serves). The model's own traffic and the numbers
+   derived from it: FSDP all-gather/reduce-scatter, TP/SP, pipeline send/recv, EP all-to-all, the gradient
+   norm, the loss sum, the MoE expert load. Groups: the DeviceMesh's (NCCL on GPUs, gloo on CPU).
+   ``sum_over`` checks the tensor's device against the mesh before it reduces.
+2. **Control plane** (CPU objects on one dedicated gloo group). Small messages that steer the run: did any
+   rank fail (``raise_if_any_failed``), stop on a signal (``any_true``), barriers around run.dir and the
+   checkpoint folder, the pipeline timeline gather, shared-filesystem markers, run ids. These must work on
+   every backend, must never queue behind model traffic on a GPU stream, and some carry Python objects.
+   ``ControlPlane`` owns the group; nothing else in meshloom calls a collective on the default group.
+3. **Checkpoint group** (a second gloo group): DCP's own collectives (planning, metadata). An async save
+   runs them from a background thread while the training thread uses the control plane, and two threads
+   must never issue collectives on one group.
+
+Every group gets ``parallel.collective_timeout_s``: the default group, the control and checkpoint groups,
+and every DeviceMesh sub-group (``mesh_backend_options``). gloo's default is 30 minutes, far too long to
+notice that a peer died.
+
+Timing: CUDA kernels run asynchronously, so a wall-clock reading means nothing until the device caught up.
+``device_time`` synchronizes the device first; on CPU it is plain ``time.perf_counter``.
 """
 
 from __future__ import annotations
@@ -11,9 +36,12 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
+
+from mesh.private_api import backend_options
 
 
 def select_device(requested: str = "auto") -> torch.device:
@@ -33,57 +61,140 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def rank_from_env() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def device_backend(device: torch.device) -> str:
+    """The backend of the device plane: NCCL for CUDA tensors, gloo for CPU tensors."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def mesh_backend_options(device: torch.device, timeout_s: float):
+    """``(backend, options)`` for DeviceMesh's ``backend_override``: the device plane's backend, our timeout."""
+    return backend_options(device_backend(device), timeout_s)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def init_process_group(device: torch.device, timeout_s: int) -> None:
-    """Join (or, for a single process, create) the default process group for ``device``'s backend."""
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+_CONTROL: ControlPlane | None = None
+
+
+def init_process_group(device: torch.device, timeout_s: float) -> ControlPlane:
+    """Join (or, for a single process, create) the default group, then create the control plane.
+
+    The default group serves the device plane's backend; meshloom issues no collective on it directly (the
+    DeviceMesh builds its own groups). When a caller (a test harness) already initialised the default group,
+    only the control plane is added.
+    """
+    global _CONTROL
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(device_backend(device), timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    if _CONTROL is None:
+        _CONTROL = ControlPlane(timeout_s)
+    return _CONTROL
+
+
+def control_plane() -> ControlPlane:
+    """The control plane created by ``init_process_group``."""
+    if _CONTROL is None:
+        raise RuntimeError("meshloom's control plane does not exist yet: call mesh.runtime.init_process_group first")
+    return _CONTROL
 
 
 def destroy_process_group() -> None:
+    global _CONTROL
+    _CONTROL = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def barrier(group=None) -> None:
-    dist.barrier(group=group)
+def new_cpu_group(timeout_s: float):
+    """A gloo group over the whole world with our timeout (every rank must call it, in the same order)."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def new_collective_group():
-    """A second gloo group over the whole world, for collectives issued from another thread (async
-    checkpoint saves): two threads must never run collectives on the same group."""
-    return dist.new_group(backend="gloo")
+class ControlPlane:
+    """Small CPU messages on one gloo group over the whole world (rule 2 of the module docstring)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.group = new_cpu_group(timeout_s)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        out: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj, src: int = 0):
+        """Rank ``src``'s ``obj`` on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def any_true(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any rank."""
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
+
+    def raise_if_any_failed(
+        self, error: BaseException | None, what: str, error_type: type[Exception] = RuntimeError
+    ) -> None:
+        """Every rank calls this after work that may fail on some ranks only (rank 0 writing files).
+
+        The ranks exchange their errors (None for success), so all of them raise together, and every rank
+        shows the failing rank's message: a ConfigError stays a ConfigError (exit 2, the fix named on every
+        rank) instead of the healthy ranks waiting in the next collective until the timeout.
+        """
+        from config import ConfigError
+
+        mine = None if error is None else (type(error).__name__, isinstance(error, ConfigError), str(error))
+        everyone = self.all_gather_object(mine)
+        if error is not None:
+            raise error
+        for rank, reported in enumerate(everyone):
+            if reported is None:
+                continue
+            name, is_config_error, message = reported
+            if is_config_error:
+                raise ConfigError(f"{message} (reported by rank {rank})")
+            raise error_type(f"rank {rank} failed while {what}: {name}: {message}")
 
 
+# ---- device plane ----------------------------------------------------------------------------------------
 def sum_over(tensor: torch.Tensor, mesh) -> torch.Tensor:
-    """In-place sum of ``tensor`` over the ranks of ``mesh`` (a 1-D DeviceMesh)."""
+    """In-place sum of ``tensor`` over the ranks of ``mesh`` (a 1-D DeviceMesh): a device-plane collective."""
+    if tensor.device.type != mesh.device_type:
+        raise RuntimeError(
+            f"a {tensor.device.type} tensor cannot be reduced on a {mesh.device_type} mesh: device-plane "
+            "collectives take tensors on the device their group serves (mesh/runtime.py)"
+        )
     if mesh.size() > 1:
         dist.all_reduce(tensor, group=mesh.get_group())
     return tensor
 
 
-def raise_if_any_rank_failed(
-    error: BaseException | None, what: str, group=None, error_type: type[Exception] = RuntimeError
-) -> None:
-    """Every rank calls this after a step that may fail on some ranks only (e.g. rank 0 writing files).
+# ---- timing ----------------------------------------------------------------------------------------------
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` finished the work queued so far (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    One all-reduce tells every rank whether any failed, so all raise together instead of the healthy ranks
-    waiting in the next collective until the timeout.
-    """
-    failed = torch.tensor([0 if error is None else 1])
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if error is not None:
-        raise error
-    if failed.item():
-        raise error_type(f"another rank failed while {what}; its error message is the one to read.")
+
+def device_time(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device is idle: differences of two readings time real work."""
+    synchronize(device)
+    return time.perf_counter()

@@ -26,7 +26,8 @@ Load balancing, both optional:
   global load (mesh/expert_parallel.step_expert_load), outside autograd.
 
 The block accumulates the per-expert token counts, dropped assignments and aux loss of a step in buffers
-that the trainer reads and resets for metrics.
+that the trainer reads and resets for metrics. ``count_stats`` switches that off: activation checkpointing
+reruns the forward inside backward, and the rerun must not count the same tokens twice.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.register_buffer("dropped_assignments", torch.zeros(()), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+        self.count_stats = True  # False while activation checkpointing recomputes the block
 
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
@@ -165,15 +167,14 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
 
-        # Activation checkpointing reruns this forward inside backward: count each token once, in the forward.
-        recomputing = torch._C._current_graph_task_id() != -1
-        if not recomputing:
+        # Count each token once, in the forward (not again when activation checkpointing recomputes it).
+        if self.count_stats:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
                 self.dropped_assignments += flat_expert.numel() - kept.numel()
         if a.aux_loss_coef > 0 and self.training:
             aux = self.aux_loss(scores, assigned)
-            if not recomputing:
+            if self.count_stats:
                 self.aux_loss_sum += aux.detach()
             out = AddAuxLoss.apply(out, aux)
         return out

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 from checkpoint.hf import expected_hf_shapes, hf_name
 from checkpoint.manager import PAUSE_ENV, find_resume, published
-from config import ConfigError, load_config
+from config import ConfigError, load_config, model_args
 from tests.training_runs import DEBUG_CONFIG, LOSS_RTOL, ROOT, assert_same_curve, run_train_cli, train_on
-from train import check_config, model_args
+from train import check_config
 
 N = 3  # steps before the save; the reference runs 2N
 
@@ -222,14 +222,16 @@ def save_the_same_step_twice(folder: str) -> list[str]:
 
     from checkpoint.manager import CheckpointManager
     from data.loader import GlobalBatchLoader
-    from mesh.dims import ParallelDims
+    from mesh.plan import LayoutPlan
+    from mesh.runtime import init_process_group
     from optim import Optimizers
 
     cfg = load_config(path=DEBUG_CONFIG, overrides={"checkpoint.folder": folder, "checkpoint.interval": 1})
     part = torch.nn.Linear(4, 4)
     optimizers = Optimizers([part], cfg)
     loader = GlobalBatchLoader(torch.arange(2000) % 256, seq_len=8, global_batch=2, micro_batch=2, dp_rank=0, dp_size=1)
-    manager = CheckpointManager(cfg, ParallelDims(1, 1, 1, 1, 1, 1), model_args(cfg))
+    control = init_process_group(torch.device("cpu"), 60)
+    manager = CheckpointManager(cfg, LayoutPlan.resolve(cfg, 1), None, control)
     manager.restore([part], optimizers, loader)
     manager.maybe_save(1, [part], optimizers, loader)
     digest = files_digest(Path(folder) / "step-1")

@@ -4,12 +4,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from config import load_config
-from mesh.dims import ParallelDims, build_mesh
+from config import load_config, model_args
+from mesh.dims import build_mesh
 from mesh.grad_clip import global_grad_norm
+from mesh.plan import LayoutPlan
 from tests.harness import run_on_ranks
 from tests.training_runs import DEBUG_CONFIG
-from train import build_model, model_args
+from train import build_model
 
 
 def batch() -> torch.Tensor:
@@ -18,9 +19,10 @@ def batch() -> torch.Tensor:
 
 def sharded_norm(overrides: dict) -> float:
     cfg = load_config(path=DEBUG_CONFIG, overrides=overrides)
-    dims = ParallelDims.resolve(cfg, dist.get_world_size())
-    meshes = build_mesh(dims, "cpu")
-    model = build_model(cfg, model_args(cfg), dims, meshes, torch.device("cpu"))
+    plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
+    dims = plan.dims
+    meshes = build_mesh(dims, torch.device("cpu"), timeout_s=60)
+    model = build_model(cfg, plan, meshes, torch.device("cpu"))
     tokens = batch()
     rows = tokens.chunk(dims.dp)[meshes.dp.get_local_rank()]  # this rank's share of the batch
     loss = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten(), reduction="sum")

@@ -67,7 +67,8 @@ def test_planned_command_line_passes_meshloom_validation(name, gpus, tmp_path):
 
     e = plan(MODELS[name], gpus, 80, SEQ, BATCH)
     pairs = overrides(MODELS[name], e, SEQ) + [("run.dir", str(tmp_path / "run"))]
-    dims, args = check_config(load_config(overrides=pairs), gpus)
+    layout, _ = check_config(load_config(overrides=pairs), gpus)
+    dims, args = layout.dims, layout.model
     assert (dims.tp, dims.pp, dims.dp) == (e["tp"], e["pp"], e["dp"])
     assert args.num_params() == MODELS[name].num_params()
     # A pipelined layout from the --model listing validates too (pp_microbatches = m, one sequence each).

@@ -1,0 +1,162 @@
+"""The layout plan: every number that follows from (config, world size, rank), worked out once.
+
+``LayoutPlan.resolve`` runs on every rank before any process group exists:
+
+1. Resolve the degrees (``ParallelDims.resolve``) and the model's shapes (``config.model_args``).
+2. Derive the batch arithmetic: global batch = micro-batch x dp x accumulation. The local batch is
+   global_batch / dp sequences per step; without pipelining the loop runs ``accumulation`` forward/backward
+   passes of ``micro_batch`` sequences, with pipelining the schedule splits the local batch into
+   ``pp_microbatches`` pieces itself.
+3. Derive the pipeline: stages per rank (1, or 2 for looped and V schedules), the number of stages, the
+   layers of each stage (``pp_split``) and this rank's stage ids.
+4. Check every rule against the world size, the model and the batch (``layout_errors``), and raise one
+   ConfigError listing each broken rule with its field, value and fix. The same text on every rank,
+   before any collective could hang.
+
+Everything else (train.py, the checkpoint metadata, the pipeline timeline) reads these fields instead of
+recomputing them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from config import Config, ConfigError, model_args
+from mesh.dims import ParallelDims
+from mesh.pipeline import default_microbatches, pipeline_errors, split_layers, stage_ids_of_rank, stages_per_rank
+from models.llama import ModelArgs
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    dims: ParallelDims
+    model: ModelArgs
+    rank: int
+    seq_len: int
+    global_batch: int  # sequences per optimizer step, whole world
+    local_batch: int  # sequences per step on one data-parallel rank
+    micro_batch: int  # sequences per forward call of the training loop
+    accumulation: int  # forward/backward calls per step (the pipeline schedule splits each call further)
+    pp_schedule: str | None  # None without pipelining
+    stages_per_rank: int
+    n_stages: int
+    pp_microbatches: int  # micro-batches the schedule splits each local batch into (1 without pipelining)
+    stage_layers: tuple[tuple[int, ...], ...]  # layer ids of every stage
+    stage_ids: tuple[int, ...]  # the stages this rank runs
+
+    @property
+    def global_tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def pp_rank(self) -> int:
+        return self.dims.pp_rank_of(self.rank)
+
+    @classmethod
+    def resolve(cls, cfg: Config, world_size: int, rank: int = 0) -> LayoutPlan:
+        """Steps 1-4 of the module docstring; raises ConfigError on a misfit."""
+        dims = ParallelDims.resolve(cfg, world_size)
+        args = model_args(cfg)
+        p, t = cfg.parallel, cfg.training
+        n_local = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank) if dims.pp > 1 else 1
+        microbatches = (p.pp_microbatches or default_microbatches(dims.pp * n_local)) if dims.pp > 1 else 1
+        errors = layout_errors(dims, cfg, args, n_local, microbatches)
+        if errors:
+            raise ConfigError(f"the parallel layout ({dims.describe()}) does not fit:\n  - " + "\n  - ".join(errors))
+        local_batch = t.global_batch // dims.dp
+        micro_batch = t.micro_batch or local_batch
+        n_stages = dims.pp * n_local
+        layers = split_layers(args, n_stages, p.pp_split, t.seq_len) if dims.pp > 1 else [list(range(args.n_layers))]
+        stage_ids = stage_ids_of_rank(dims.pp_rank_of(rank), dims.pp, n_local, p.pp_schedule) if dims.pp > 1 else [0]
+        return cls(
+            dims=dims, model=args, rank=rank, seq_len=t.seq_len, global_batch=t.global_batch,
+            local_batch=local_batch, micro_batch=micro_batch, accumulation=local_batch // micro_batch,
+            pp_schedule=p.pp_schedule if dims.pp > 1 else None, stages_per_rank=n_local, n_stages=n_stages,
+            pp_microbatches=microbatches, stage_layers=tuple(tuple(ls) for ls in layers), stage_ids=tuple(stage_ids),
+        )  # fmt: skip
+
+    def batch_line(self) -> str:
+        return (
+            f"global {self.global_batch} = micro {self.micro_batch} x dp {self.dims.dp} x accumulation "
+            f"{self.accumulation}; seq_len {self.seq_len}; {self.global_tokens:,} tokens/step"
+        )
+
+
+def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: int, microbatches: int) -> list[str]:
+    """Every rule the layout breaks, as messages naming the field, the value and the fix."""
+    errors: list[str] = []
+    t = cfg.training
+    product = dims.pp * dims.dp_replicate * dims.dp_shard * dims.tp
+    if product != dims.world_size:
+        errors.append(
+            f"pp*dp_replicate*dp_shard*tp = {dims.pp}*{dims.dp_replicate}*{dims.dp_shard}*{dims.tp} = {product} "
+            f"but WORLD_SIZE={dims.world_size}; make the product equal the number of processes "
+            f"(or set parallel.dp_shard=-1 to take the rest)."
+        )
+
+    # The model must split evenly across tensor-parallel ranks.
+    if model.dim % model.n_heads:
+        errors.append(f"model.dim={model.dim} is not divisible by model.n_heads={model.n_heads}; pick a multiple.")
+    if model.n_heads % model.n_kv_heads:
+        errors.append(
+            f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads={model.n_kv_heads}; "
+            "each key/value head must serve a whole number of query heads."
+        )
+    for field, value in (
+        ("model.n_heads", model.n_heads),
+        ("model.n_kv_heads", model.n_kv_heads),
+        ("the FFN hidden size (model.ffn_dim)", model.hidden_dim),
+        ("model.vocab_size", model.vocab_size),
+    ):
+        if value % dims.tp:
+            errors.append(f"parallel.tp={dims.tp} does not divide {field}={value}; choose a tp that divides it.")
+    if dims.tp > 1 and cfg.parallel.sequence_parallel and t.seq_len % dims.tp:
+        errors.append(
+            f"training.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp}, which sequence "
+            "parallelism needs; change seq_len or set parallel.sequence_parallel=false."
+        )
+
+    # Pipeline and expert degrees against the model.
+    if dims.pp > 1:
+        p = cfg.parallel
+        # The per-rank batch is unknown while global_batch % dp is broken (reported below); check the rest.
+        local_batch = None if t.global_batch % dims.dp else (t.micro_batch or t.global_batch // dims.dp)
+        errors += pipeline_errors(
+            dims.pp, p.pp_schedule, n_local, microbatches, local_batch, p.pp_split, model.n_layers, compiled=t.compile
+        )
+    m = cfg.model
+    if m.n_experts and not 1 <= m.top_k <= m.n_experts:
+        errors.append(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}.")
+    if dims.ep > 1:
+        if m.n_experts == 0:
+            errors.append(f"parallel.ep={dims.ep} needs an MoE model; set model.n_experts or parallel.ep=1.")
+        elif m.n_experts % dims.ep:
+            errors.append(
+                f"parallel.ep={dims.ep} does not divide model.n_experts={m.n_experts}; each ep rank must own "
+                "the same number of experts: choose an ep that divides n_experts."
+            )
+        if dims.dp_shard % dims.ep:
+            errors.append(
+                f"parallel.ep={dims.ep} must divide parallel.dp_shard={dims.dp_shard}: expert-parallel ranks are "
+                "carved from the data-parallel shard ranks."
+            )
+
+    # The batch must split evenly: global = micro x dp x accumulation.
+    if t.global_batch % dims.dp:
+        errors.append(
+            f"training.global_batch={t.global_batch} is not divisible by the data-parallel degree "
+            f"dp_replicate*dp_shard={dims.dp}; use a multiple of {dims.dp}."
+        )
+    else:
+        local = t.global_batch // dims.dp
+        if t.micro_batch < 0 or (t.micro_batch and local % t.micro_batch):
+            errors.append(
+                f"training.micro_batch={t.micro_batch} does not divide the per-rank batch {local} "
+                f"(global_batch {t.global_batch} / dp {dims.dp}); use a divisor of {local} or 0 for all of it."
+            )
+    if t.seq_len > model.max_seq_len:
+        errors.append(
+            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={model.max_seq_len}; raise "
+            "model.max_seq_len or shorten training.seq_len."
+        )
+    return errors

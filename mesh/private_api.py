@@ -1,0 +1,100 @@
+"""The one place meshloom touches private torch APIs (torch 2.13), each wrapped with the reason it is needed.
+
+Prefer public APIs everywhere else. When torch renames or removes one of these, ``tests/test_private_api.py``
+fails here, loudly, instead of a training run failing somewhere deep inside a collective.
+
+| what                                   | why no public API serves                                              |
+|----------------------------------------|-----------------------------------------------------------------------|
+| ``DeviceMesh._flatten``                | a 1-D view over several mesh dims (the dp ranks, the loss ranks)      |
+| ``DeviceMesh._unflatten``              | split dp_shard into (efsdp, ep) inside the *same* root mesh           |
+| ``DeviceMesh._get_root_mesh``          | check that every mesh of a run shares one root (tests)                |
+| ``Backend.Options._timeout``           | DeviceMesh passes a sub-group's timeout only through its options      |
+| ``_functional_collectives``            | differentiable uneven all-to-all, and a functional one that selective |
+|                                        | activation checkpointing can cache (c10d's in-place ops cannot be)    |
+| ``PipelineStage._post_metadata_inference_cleanup`` | the only hook at the end of the stage's shape inference   |
+| ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` | activation checkpointing that keeps the module  |
+|                                        | tree (FSDP units and state-dict names see through it)                 |
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+# ---- DeviceMesh ------------------------------------------------------------------------------------------
+def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str, backend_options) -> DeviceMesh:
+    """A 1-D view over ``dims`` of ``mesh``, registered on the root mesh under ``name``."""
+    return mesh[dims]._flatten(name, backend_override=backend_options)
+
+
+def unflatten_mesh(
+    mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...], backend_options
+) -> DeviceMesh:
+    """``mesh`` with dim ``dim`` split into ``names`` of ``sizes`` (row-major, so rank order is kept)."""
+    return mesh._unflatten(dim, sizes, names, backend_override={name: backend_options for name in names})
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced, flattened or unflattened from (itself for a root)."""
+    return mesh._get_root_mesh()
+
+
+def backend_options(backend: str, timeout_s: float):
+    """Options for the process groups DeviceMesh creates, carrying our timeout.
+
+    DeviceMesh reads a sub-group's timeout from ``options._timeout`` only; without it, its groups get the
+    backend's default (30 minutes for gloo, 10 for NCCL) whatever the default group was given.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return backend, options
+    return backend, torch._C._distributed_c10d.Backend.Options(backend, timeout)
+
+
+# ---- functional collectives ----------------------------------------------------------------------------
+def all_to_all_autograd(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Differentiable uneven all-to-all: its backward is the reverse all-to-all of the gradients.
+
+    (``torch.distributed.nn.functional.all_to_all_single`` is the public one, but deprecated.)
+    """
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(x, output_splits, input_splits, group))
+
+
+def all_to_all_functional(x: torch.Tensor, group) -> torch.Tensor:
+    """Even all-to-all that returns a new tensor (no in-place output), so that selective activation
+    checkpointing can save its result and never repeat it when the block is recomputed."""
+    from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
+
+    return wait_tensor(all_to_all_single(x, None, None, group))
+
+
+# ---- pipelining ----------------------------------------------------------------------------------------
+def after_shape_inference(stage, callback) -> None:
+    """Call ``callback()`` right after ``stage`` finished torch's shape inference (its first real step).
+
+    In torch 2.13 a stage built without example inputs infers shapes by running one real forward and
+    backward; ``_post_metadata_inference_cleanup`` is the only point that marks its end.
+    """
+    cleanup = stage._post_metadata_inference_cleanup
+
+    def cleanup_then_callback() -> None:
+        cleanup()
+        callback()
+
+    stage._post_metadata_inference_cleanup = cleanup_then_callback
+
+
+# ---- activation checkpointing ----------------------------------------------------------------------------
+def checkpoint_wrapper(module, **kwargs):
+    """torch's non-reentrant activation-checkpoint wrapper (its module path is private in 2.13)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module, **kwargs)
