@@ -209,9 +209,10 @@ def train(cfg: Config) -> list[dict]:
                 # not applied, so neither the weights, the expert bias nor any checkpoint ever see it.
                 raise DivergenceError(
                     f"at step {step} the loss is {loss} and the gradient norm {norm}; the step was not applied "
-                    f"and nothing was saved after step {step - 1}. Lower training.lr (now {t.lr}), set "
-                    "training.grad_clip, or try training.mixed_precision=fp32, then resume with "
-                    "--checkpoint.resume auto."
+                    f"and nothing was saved after step {step - 1}. Lower training.lr (now {t.lr})"
+                    + (", set training.grad_clip" if t.grad_clip <= 0 else "")
+                    + (", or try training.mixed_precision=fp32" if t.mixed_precision == "bf16" else "")
+                    + ", then resume with --checkpoint.resume auto."
                 )
             lr = optimizers.lr
             optimizers.step()

@@ -98,3 +98,8 @@ def checkpoint_wrapper(module, **kwargs):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(module, **kwargs)
+
+
+def group_timeout(group, device_type: str = "cpu") -> datetime.timedelta:
+    """The timeout a process group was created with (for tests: every group must carry ours)."""
+    return group._get_backend(torch.device(device_type)).options._timeout

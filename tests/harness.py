@@ -33,7 +33,7 @@ def _context():
     return _CONTEXT
 
 
-def _rank_main(fn, args, kwargs, rank: int, world_size: int, workdir: str, timeout: float) -> None:
+def _rank_main(fn, args, kwargs, rank: int, world_size: int, workdir: str, timeout: float, backend: str) -> None:
     import datetime
 
     import torch
@@ -45,29 +45,37 @@ def _rank_main(fn, args, kwargs, rank: int, world_size: int, workdir: str, timeo
     try:
         store = dist.FileStore(str(Path(workdir) / "store"), world_size)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+            backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
         )
         result = fn(*args, **kwargs)
         torch.save({"ok": True, "result": result}, out)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         torch.save({"ok": False, "error": traceback.format_exc()}, out)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from mesh.runtime import destroy_process_group
+
+        destroy_process_group()
 
 
 class RankFailure(AssertionError):
     pass
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
-    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results in rank order."""
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo", **kwargs) -> list:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results in rank order.
+
+    ``backend`` is the default group's backend string: ``"cuda:gloo"`` builds a group that, like NCCL, serves
+    CUDA tensors only, so any collective on a CPU tensor on it fails (the NCCL stand-in of
+    tests/test_nccl_standin.py).
+    """
     import torch
 
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="meshloom-ranks-") as workdir:
         procs = [
-            ctx.Process(target=_rank_main, args=(fn, args, kwargs, r, world_size, workdir, timeout), daemon=True)
+            ctx.Process(
+                target=_rank_main, args=(fn, args, kwargs, r, world_size, workdir, timeout, backend), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in procs:

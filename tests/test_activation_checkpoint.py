@@ -1,0 +1,124 @@
+"""Selective activation checkpointing never repeats communication; MoE routing and counts survive recompute.
+
+Full checkpointing reruns a block's forward inside backward, collectives included: a TP+SP block all-gathers
+its sequence again, an EP block repeats its all-to-alls. Selective checkpointing saves the outputs of every
+collective (mesh/activation_checkpoint.SAVE_OPS), so its backward issues exactly the collectives of a
+backward without any checkpointing. A dispatch-mode counter counts them; the full-checkpointing row shows
+that the count does move when a forward collective is repeated, so the selective assertion can fail.
+
+(CommDebugMode, the public counter, cannot be used here: its module tracker raises a KeyError when a
+checkpointed module's forward reruns inside backward. The counter below sees the same ops: the functional
+collectives DTensor and meshloom issue, and c10d's in-place ones.)
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.harness import run_on_ranks
+
+SEQ = 16
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
+NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # waits, and the autograd wrapper of a result
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts every collective op dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            # A DTensor op: let DTensor run it first, so the collectives it issues inside come back here.
+            return NotImplemented
+        name = func.__name__.split(".")[0]
+        if func.namespace in COLLECTIVE_NAMESPACES and name not in NOT_COLLECTIVES:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def block_collectives(kind: str, mode: str) -> dict:
+    """Rank body: collectives of one forward and one backward of a 1-layer model on 2 ranks."""
+    import torch.distributed as dist
+
+    from mesh.activation_checkpoint import apply_activation_checkpointing
+    from mesh.expert_parallel import apply_expert_parallel
+    from mesh.materialize import materialize_weights
+    from mesh.tensor_parallel import apply_tensor_parallel
+    from models.llama import ModelArgs, Transformer
+    from models.moe import MoE, MoEArgs
+
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
+    if kind == "ep":
+        args.moe = MoEArgs(n_experts=4, top_k=2, hidden_dim=32)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(kind,))
+    with torch.device("meta"):
+        model = Transformer(args)
+    if kind == "tp":
+        apply_tensor_parallel(model, mesh, sequence_parallel=True)
+    else:
+        apply_expert_parallel(model, mesh)
+    apply_activation_checkpointing(model, mode)
+    materialize_weights(model, torch.device("cpu"), seed=0)
+    # EP ranks are data-parallel: each has its own tokens. TP ranks share theirs.
+    seed = 1 + (dist.get_rank() if kind == "ep" else 0)
+    tokens = torch.randint(0, 256, (2, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    from mesh.tensor_parallel import loss_context, loss_value
+
+    with loss_context(kind == "tp"):
+        with CollectiveCounter() as forward:
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        with CollectiveCounter() as backward:
+            loss.backward()
+    out = {"forward": dict(forward.counts), "backward": dict(backward.counts), "loss": loss_value(loss.detach()).item()}
+    if kind == "ep":
+        moe = next(m for m in model.modules() if isinstance(m, MoE))
+        out["counted"] = int(moe.tokens_per_expert.sum().item())
+        out["grad"] = model.layers["0"].feed_forward.router.gate.weight.grad.clone()
+    return out
+
+
+def collectives_by_mode(kind: str) -> dict:
+    return {mode: run_on_ranks(block_collectives, 2, kind, mode)[0] for mode in ("none", "selective", "full")}
+
+
+@pytest.fixture(scope="module")
+def tp_counts():
+    return collectives_by_mode("tp")
+
+
+@pytest.fixture(scope="module")
+def ep_counts():
+    return collectives_by_mode("ep")
+
+
+@pytest.mark.parametrize("kind", ["tp", "ep"])
+def test_selective_checkpointing_repeats_no_collective(kind, request):
+    by_mode = request.getfixturevalue(f"{kind}_counts")
+    none, selective, full = by_mode["none"], by_mode["selective"], by_mode["full"]
+    assert selective["forward"] == none["forward"]
+    assert selective["backward"] == none["backward"], f"{kind}: selective AC repeated a forward collective"
+    # Full checkpointing does repeat them: the counter sees it, so the assertion above can fail.
+    if kind == "tp":  # SP: the block's sequence all-gathers run again when the block is fully recomputed
+        assert full["backward"]["all_gather_into_tensor"] > none["backward"].get("all_gather_into_tensor", 0)
+    else:  # EP: count exchange + tokens out + outputs back, all again under full recompute
+        assert full["backward"]["all_to_all_single"] == none["backward"]["all_to_all_single"] + 3
+    # Recomputation changes nothing numerically.
+    assert selective["loss"] == none["loss"] == full["loss"]
+
+
+def test_moe_routing_and_counts_survive_recompute(ep_counts):
+    tokens, top_k = 2 * SEQ, 2
+    for mode in ("none", "selective", "full"):
+        # each token counted once (top_k assignments), not again when the block is recomputed
+        assert ep_counts[mode]["counted"] == tokens * top_k, mode
+        # the same routing in the recomputed forward: identical router gradients
+        torch.testing.assert_close(ep_counts[mode]["grad"], ep_counts["none"]["grad"], rtol=0, atol=0)
