@@ -8,27 +8,12 @@ from pathlib import Path
 
 import torch
 
-from config import ConfigError
-
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated GPU memory on CUDA; on CPU the process's peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def check_run_dir(run_dir: str, overwrite: bool, resuming: bool = False) -> None:
-    """Refuse to append a new run to an old run's metrics (checked on every rank before any collective).
-
-    A run that resumes from a checkpoint continues its metrics instead (see MetricsWriter).
-    """
-    metrics = Path(run_dir) / "metrics.jsonl"
-    if metrics.exists() and not (overwrite or resuming):
-        raise ConfigError(
-            f"run.dir={run_dir!r} already holds {metrics.name} from an earlier run; pass a new --run.dir, "
-            "--run.overwrite true to replace it, or (if it has a checkpoint) --checkpoint.resume auto to continue it."
-        )
 
 
 def _step_of(line: str) -> float:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -20,7 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from checkpoint.manager import CheckpointManager, find_resume
+from checkpoint.folder import check_writable, checkpoint_bytes, checkpoint_folder
+from checkpoint.manager import CheckpointManager, CheckpointSaveError
+from checkpoint.resume import Resume, find_resume
 from config import Config, ConfigError, check_values, help_text, load_config
 from data.corpus import check_corpus, load_corpus
 from data.loader import GlobalBatchLoader
@@ -28,6 +32,7 @@ from mesh.activation_checkpoint import apply_activation_checkpointing
 from mesh.data_parallel import apply_fsdp
 from mesh.dims import Meshes, build_mesh, mesh_banner
 from mesh.expert_parallel import apply_expert_parallel, load_metrics, step_expert_load
+from mesh.failures import explain, is_communication_failure, phase
 from mesh.grad_clip import clip_grad_norm
 from mesh.materialize import materialize_weights
 from mesh.pipeline import build_pipeline_schedule, build_stage_module
@@ -43,28 +48,47 @@ from mesh.runtime import (
     sum_over,
     world_size_from_env,
 )
+from mesh.signals import ParentWatch, StopSignals
 from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value, reduce_partial_gradients
-from metrics import MetricsWriter, check_run_dir, format_step, peak_memory_bytes
+from metrics import MetricsWriter, format_step, peak_memory_bytes
 from models.llama import Transformer
 from optim import Optimizers
+from rundir import RunLock, check_run_dir
 
 
 class DivergenceError(FloatingPointError):
     """The loss or the gradient norm of a step is not finite; raised before that step reaches the weights."""
 
 
-def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPlan, Path | None]:
+class StopRequested(Exception):
+    """A signal stopped the run after a step (the step was saved when checkpointing is configured)."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+def restart_attempt() -> int:
+    """0 on a first launch; n on torchrun's n-th restart of the workers (``--max-restarts``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPlan, Resume]:
     """Every check that needs no process group; raises the same ConfigError on every rank.
 
-    Returns the layout plan and the checkpoint to resume from (None: a fresh start), each worked out once.
+    Returns the layout plan and the resume decision (checkpoint/resume.py), each worked out once.
     """
     check_values(cfg)
     plan = LayoutPlan.resolve(cfg, world_size, rank)
     check_corpus(cfg.data.source, cfg.training.seq_len)
-    resume_dir = find_resume(cfg, plan.model)
-    # A run that resumes from a checkpoint continues the metrics of run.dir instead of refusing them.
-    check_run_dir(cfg.run.dir, cfg.run.overwrite, resuming=resume_dir is not None)
-    return plan, resume_dir
+    resume = find_resume(cfg, plan.model)
+    # A run that resumes continues the metrics of run.dir instead of refusing them; so does a torchrun restart
+    # with resume auto, even before its first checkpoint.
+    resuming = resume.newest is not None or (restart_attempt() > 0 and resume.mode == "auto")
+    check_run_dir(cfg.run.dir, cfg.run.overwrite, resuming=resuming)
+    if cfg.checkpoint.interval > 0:
+        check_writable(checkpoint_folder(cfg), checkpoint_bytes(plan.model.num_params()))
+    return plan, resume
 
 
 def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes, device: torch.device) -> nn.Module:
@@ -148,62 +172,80 @@ def train(cfg: Config) -> list[dict]:
         world_size, rank = dist.get_world_size(), dist.get_rank()
     else:
         world_size, rank = world_size_from_env(), rank_from_env()
-    plan, resume_dir = check_config(cfg, world_size, rank)
-    t, dims = cfg.training, plan.dims
+    plan, resume = check_config(cfg, world_size, rank)
+    t, dims, timeout_s = cfg.training, plan.dims, cfg.parallel.collective_timeout_s
+    signals = StopSignals().install()  # from here on, SIGTERM/SIGINT stop the run after a step
+    watch = ParentWatch(grace_s=timeout_s + 60).start() if "TORCHELASTIC_RUN_ID" in os.environ else None
     device = select_device(t.device)
-    control = init_process_group(device, cfg.parallel.collective_timeout_s)
-    torch.manual_seed(t.seed)
-    meshes = build_mesh(dims, device, cfg.parallel.collective_timeout_s, has_experts=plan.model.moe is not None)
-    assert meshes.pp.get_local_rank() == plan.pp_rank, "the plan's pp rank must match the mesh coordinate"
-    is_logger = dist.get_rank() == 0
-    checkpoints = CheckpointManager(cfg, plan, resume_dir, control)
-
-    parts = build_model_parts(cfg, plan, meshes, device)
-    schedule, timeline = None, None
-    if dims.pp > 1:
-        schedule, stages = build_pipeline_schedule(
-            parts, list(plan.stage_ids), plan.n_stages,
-            schedule=plan.pp_schedule, microbatches=plan.pp_microbatches,
-            pp_group=meshes.pp.get_group(), device=device,
-            loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / plan.global_tokens,
-        )  # fmt: skip
-        if cfg.run.pp_timeline:
-            timeline = PipelineTimeline(plan.pp_rank, device)
-            for stage in stages:
-                timeline.instrument(stage)
-    optimizers = Optimizers(parts, cfg)
-    params = [p for part in parts for p in part.parameters()]
-    moe_layer_ids = [i for i in range(plan.model.n_layers) if plan.model.is_moe_layer(i)]
-    loader = GlobalBatchLoader(
-        load_corpus(cfg.data.source, cfg.data.max_bytes),
-        seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=plan.micro_batch,
-        dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp,
-    )  # fmt: skip
-    writer, records = None, []
+    control = init_process_group(device, timeout_s)
+    locks: list[RunLock] = []
+    writer, records, checkpoints = None, [], None
     try:
+        lock_run_folders(cfg, control, locks)
+        torch.manual_seed(t.seed)
+        meshes = build_mesh(dims, device, timeout_s, has_experts=plan.model.moe is not None)
+        assert meshes.pp.get_local_rank() == plan.pp_rank, "the plan's pp rank must match the mesh coordinate"
+        is_logger = dist.get_rank() == 0
+        checkpoints = CheckpointManager(cfg, plan, resume, control)
+        with phase("checking the checkpoint folder and the resume checkpoint", "control plane"):
+            checkpoints.start()
+
+        with phase("building and parallelizing the model", "device plane"):
+            parts = build_model_parts(cfg, plan, meshes, device)
+        schedule, timeline = None, None
+        if dims.pp > 1:
+            schedule, stages = build_pipeline_schedule(
+                parts, list(plan.stage_ids), plan.n_stages,
+                schedule=plan.pp_schedule, microbatches=plan.pp_microbatches,
+                pp_group=meshes.pp.get_group(), device=device,
+                loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / plan.global_tokens,
+            )  # fmt: skip
+            if cfg.run.pp_timeline:
+                timeline = PipelineTimeline(plan.pp_rank, device)
+                for stage in stages:
+                    timeline.instrument(stage)
+        optimizers = Optimizers(parts, cfg)
+        params = [p for part in parts for p in part.parameters()]
+        moe_layer_ids = [i for i in range(plan.model.n_layers) if plan.model.is_moe_layer(i)]
+        loader = GlobalBatchLoader(
+            load_corpus(cfg.data.source, cfg.data.max_bytes),
+            seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=plan.micro_batch,
+            dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp,
+        )  # fmt: skip
         # Weights, optimizer, LR schedule, data position and RNG from the checkpoint (or init_from weights).
-        start_step = checkpoints.restore(parts, optimizers, loader)
+        with phase("loading the checkpoint", "checkpoint group"):
+            start_step = checkpoints.restore(parts, optimizers, loader)
         if is_logger:
             print_banner(cfg, plan, meshes, params, device)
-        writer = open_metrics(cfg, control, is_logger, checkpoints.resumed_step)
+        metrics_from = checkpoints.resumed_step
+        if metrics_from is None and restart_attempt() > 0 and resume.mode == "auto":
+            metrics_from = 0  # a restart before the first checkpoint replays everything
+        writer = open_metrics(cfg, control, is_logger, metrics_from)
+        model_groups = "device plane: " + ", ".join(
+            n for n in ("pp", "dp_replicate", "dp_shard", "tp") if getattr(dims, n) > 1
+        )
         for step in range(start_step + 1, t.steps + 1):
             start = device_time(device)
             loss_sum = torch.zeros((), device=device)
             batch = loader.next_batch()
-            if timeline is not None:
-                timeline.begin_step()  # after data loading: the window holds only the pipeline's work
-            for inputs, targets in batch:
-                loss_sum += forward_backward(parts, schedule, plan, inputs.to(device), targets.to(device), dims.tp > 1)
-            if timeline is not None:
-                timeline.end_step()
-            if dims.tp > 1:
-                reduce_partial_gradients(params)
-            # The step's global numbers, before anything changes: the loss is the global mean (sum the
-            # token-loss sums over the dp ranks and the pp stages; only last-stage ranks hold a non-zero
-            # sum), the gradient norm the norm of the whole model's gradient.
-            sum_over(loss_sum, meshes.loss)
-            grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp)
-            loss, norm = (loss_sum / plan.global_tokens).item(), grad_norm.item()
+            with phase(f"step {step}: forward and backward", model_groups or "none (one process)"):
+                if timeline is not None:
+                    timeline.begin_step()  # after data loading: the window holds only the pipeline's work
+                for inputs, targets in batch:
+                    loss_sum += forward_backward(
+                        parts, schedule, plan, inputs.to(device), targets.to(device), dims.tp > 1
+                    )
+                if timeline is not None:
+                    timeline.end_step()
+                if dims.tp > 1:
+                    reduce_partial_gradients(params)
+            with phase(f"step {step}: loss sum and gradient norm", "device plane: the loss mesh (pp x dp), pp"):
+                # The step's global numbers, before anything changes: the loss is the global mean (sum the
+                # token-loss sums over the dp ranks and the pp stages; only last-stage ranks hold a non-zero
+                # sum), the gradient norm the norm of the whole model's gradient.
+                sum_over(loss_sum, meshes.loss)
+                grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp)
+                loss, norm = (loss_sum / plan.global_tokens).item(), grad_norm.item()
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 # Every rank holds the same global numbers, so every rank stops here, together: the step is
                 # not applied, so neither the weights, the expert bias nor any checkpoint ever see it.
@@ -217,7 +259,8 @@ def train(cfg: Config) -> list[dict]:
             lr = optimizers.lr
             optimizers.step()
             # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
-            moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss) if moe_layer_ids else {}
+            with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp)"):
+                moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss) if moe_layer_ids else {}
             elapsed = device_time(device) - start
             record = {
                 "step": step, "loss": loss, "grad_norm": norm, "lr": lr,
@@ -229,15 +272,70 @@ def train(cfg: Config) -> list[dict]:
                 writer.log(record)
                 if is_logger:
                     print(format_step(record), flush=True)
-            checkpoints.maybe_save(step, parts, optimizers, loader)
-        checkpoints.finish()
+            with phase(f"saving step {step}", "checkpoint group, control plane"):
+                checkpoints.maybe_save(step, parts, optimizers, loader)
+            with phase(f"step {step}: agreeing whether to stop", "control plane"):
+                signum = signals.agreed_stop(control) if step < t.steps else None
+            if signum is not None:
+                stop_after(cfg, step, signum, checkpoints, parts, optimizers, loader)
+        with phase("finishing the last save", "checkpoint group, control plane"):
+            checkpoints.finish()
         if timeline is not None:
             write_pipeline_timeline(cfg, plan, meshes, timeline, control, is_logger)
     finally:
-        checkpoints.close()  # a save in flight finishes writing and its thread stops, on every exit path
+        if checkpoints is not None:
+            checkpoints.close()  # a save in flight finishes writing and its thread stops, on every exit path
         if writer is not None:
             writer.close()
+        for lock in locks:
+            lock.release()
+        if watch is not None:
+            watch.stop()
+        signals.uninstall()
     return records
+
+
+def lock_run_folders(cfg: Config, control: ControlPlane, locks: list[RunLock]) -> None:
+    """Rank 0 locks run.dir (and a checkpoint folder outside it); every rank learns the verdict together."""
+    error = None
+    if dist.get_rank() == 0:
+        folders = [Path(cfg.run.dir)]
+        ckpt = checkpoint_folder(cfg)
+        if cfg.checkpoint.folder and Path(cfg.run.dir).resolve() not in ckpt.resolve().parents:
+            folders.append(ckpt)
+        try:
+            for folder in folders:
+                lock = RunLock(str(folder)).acquire()
+                locks.append(lock)
+                if lock.took_over:
+                    print(f"meshloom: {folder} was locked by a run that is gone ({lock.took_over}); taking it over",
+                          file=sys.stderr, flush=True)  # fmt: skip
+        except (ConfigError, OSError) as exc:
+            error = exc if isinstance(exc, ConfigError) else ConfigError(f"run.dir={cfg.run.dir!r}: {exc}")
+    control.raise_if_any_failed(error, "locking run.dir", ConfigError)
+
+
+def stop_after(cfg: Config, step: int, signum: int, checkpoints, parts, optimizers, loader) -> None:
+    """The ranks agreed to stop after ``step`` on a signal: save it (unless just saved), say how to resume."""
+    import signal as signal_module
+
+    name = signal_module.Signals(signum).name
+    if checkpoints.cfg.checkpoint.interval > 0 and checkpoints.last_saved != step:
+        with phase(f"saving step {step} after {name}", "checkpoint group, control plane"):
+            checkpoints.save(step, parts, optimizers, loader)
+    checkpoints.finish()
+    if checkpoints.cfg.checkpoint.interval > 0:
+        saved = f"step {step} is saved in {checkpoints.folder}"
+        again = " ".join(
+            ["torchrun ..." if "TORCHELASTIC_RUN_ID" in os.environ else "python", "train.py", *sys.argv[1:]]
+        )
+        if "--checkpoint.resume" not in again:
+            again += " --checkpoint.resume auto"
+        how = f"resume with: {again}"
+    else:
+        saved = "nothing was saved (checkpoint.interval is 0)"
+        how = "set --checkpoint.interval to save on the next stop"
+    raise StopRequested(signum, f"stopped by {name} after step {step}; {saved}; {how}")
 
 
 def print_banner(cfg: Config, plan: LayoutPlan, meshes: Meshes, params, device: torch.device) -> None:
@@ -293,20 +391,47 @@ def write_pipeline_timeline(
     print(f"  bubble: measured {measured:.1%} (mean over ranks) vs predicted {shown}", flush=True)
 
 
+def report_to_launcher(message: str) -> None:
+    """Under torchrun, write ``message`` to the error file it reads, so its failure summary shows our one
+    line (not "<N/A>" and a hint to enable tracebacks)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        entry = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+        with open(path, "w") as f:
+            json.dump({"message": entry}, f)
+
+
+def fail(message: str, code: int) -> int:
+    # Printed by every rank: whichever rank's output the user reads ends with the fix.
+    print(f"meshloom: {message}", file=sys.stderr, flush=True)
+    report_to_launcher(message)
+    return code
+
+
 def main(argv: list[str]) -> int:
+    """Exit status: 0 done; 2 bad input; 3 diverged; 4 a collective or a checkpoint save failed; 128+signal
+    after a SIGTERM/SIGINT stop."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
+    timeout_s = None
     try:
         cfg = load_config(argv)
+        timeout_s = cfg.parallel.collective_timeout_s
         train(cfg)
     except ConfigError as exc:
-        # Printed by every rank (the same text): whichever rank's output the user reads shows the fix.
-        print(f"meshloom: configuration error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return fail(f"configuration error: {exc}", 2)
     except FloatingPointError as exc:
-        print(f"meshloom: training diverged: {exc}", file=sys.stderr, flush=True)
-        return 3
+        return fail(f"training diverged: {exc}", 3)
+    except CheckpointSaveError as exc:
+        return fail(f"checkpoint save failed: {exc}", 4)
+    except StopRequested as exc:
+        print(f"meshloom: {exc}", file=sys.stderr, flush=True)
+        return 128 + exc.signum
+    except Exception as exc:
+        if not is_communication_failure(exc):
+            raise
+        return fail(explain(exc, timeout_s or 0), 4)
     finally:
         destroy_process_group()
     return 0

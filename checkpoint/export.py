@@ -23,14 +23,17 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from checkpoint.folder import published
 from checkpoint.hf import export_safetensors
-from checkpoint.manager import META_FILE, inspect, published
+from checkpoint.resume import META_FILE, inspect
 from checkpoint.state import MODEL, split
+from checkpoint.verify import METADATA, digest_problems
 from config import Config, ConfigError, model_args
 
 
 def choose_checkpoint(path: str | Path) -> Path:
-    """Step 1: ``path`` if it is a checkpoint, else the newest complete step-N inside it."""
+    """Step 1: ``path`` if it is a checkpoint, else the newest whole step-N inside it (every file verified
+    against its checksum before anything is unpickled, checkpoint/verify.py)."""
     path = Path(path)
     if (path / META_FILE).is_file() or path.name.startswith("step-"):
         candidates = [path]
@@ -39,12 +42,25 @@ def choose_checkpoint(path: str | Path) -> Path:
         if not candidates:
             raise ConfigError(f"--checkpoint {path}: no step-N checkpoint folders there.")
     for candidate in candidates:
-        _, _, problems = inspect(candidate)
+        meta, _, problems = inspect(candidate)
+        if not problems:
+            problems = digest_problems(candidate, meta["files"], sorted(n for n in meta["files"] if n != METADATA))
         if not problems:
             return candidate
         if len(candidates) == 1:
-            raise ConfigError(f"checkpoint {candidate} is incomplete or corrupt: {'; '.join(problems)}.")
-    raise ConfigError(f"--checkpoint {path}: no complete checkpoint among {[c.name for c in candidates]}.")
+            raise ConfigError(f"checkpoint {candidate} is damaged or incomplete: {'; '.join(problems)}.")
+        print(f"meshloom export: skipping {candidate}, damaged or incomplete: {'; '.join(problems)}", file=sys.stderr)
+    raise ConfigError(f"--checkpoint {path}: no whole checkpoint among {[c.name for c in candidates]}.")
+
+
+def check_out(out: str | Path, overwrite: bool) -> Path:
+    """The export folder must be new (or empty), unless --overwrite: an export is never replaced by accident."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder; pass a folder path for the export.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"--out {out} already holds files (an earlier export?); pass another --out, or --overwrite.")
+    return out
 
 
 def saved_config(step_dir: Path) -> Config:
@@ -75,12 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m checkpoint.export", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a step-N folder, or a checkpoint folder (newest)")
     parser.add_argument("--out", required=True, help="output folder for model.safetensors and config.json")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing export in --out")
     opts = parser.parse_args(argv)
     try:
+        check_out(opts.out, opts.overwrite)
         step_dir = choose_checkpoint(opts.checkpoint)
         state, args = load_model_state(step_dir)
         file = export_safetensors(state, args, opts.out)
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         print(f"meshloom export: error: {exc}", file=sys.stderr, flush=True)
         return 2
     size = sum(t.numel() for t in state.values())

@@ -1,11 +1,18 @@
-"""Checkpoint folders: atomic save, keep-last-K, async saves, resume discovery, validation before loading.
+"""Checkpoints during a run: choose and load the resume point, save atomically, verify, keep the last K.
 
-``checkpoint.folder`` (default ``<run.dir>/checkpoints``) holds one folder per saved step::
+The folder layout and the checks before training are in checkpoint/folder.py; which step to resume from
+is decided before any process group exists in checkpoint/resume.py; checksums are in checkpoint/verify.py.
 
-    step-6/        published: DCP's .metadata and __<rank>_0.distcp shards, plus meshloom.json
-    step-9.tmp/    being written, or left by a killed run: never read; removed by the next save of step 9
+Starting (``start``, every rank, right after the process group exists):
 
-Saving step N (every ``checkpoint.interval`` steps and at the last step):
+1. Rank 0 moves aside the published steps ``find_resume`` found damaged (``step-N.damaged``: never
+   deleted, never read again) and removes ``.tmp``/``.deleting`` folders left by killed runs.
+2. Every rank checks that the folder is one folder shared by all ranks (``folder.check_shared``).
+3. ``choose``: the ranks hash the resume candidate's shards, each rank a share of the files, and agree on
+   the result on the control plane. A damaged shard is reported by name; under ``resume auto`` the run
+   falls back to the next good step (said loudly), under an explicit step it stops.
+
+Saving step N (every ``checkpoint.interval`` steps, at the last step, and when a signal stops the run):
 
 1. Every rank checks that step-N does not exist: the same answer everywhere, before any collective, so a
    published checkpoint is never overwritten.
@@ -13,36 +20,27 @@ Saving step N (every ``checkpoint.interval`` steps and at the last step):
 3. ``dcp.save`` (or ``dcp.async_save``, which copies the state to CPU memory first and writes from a
    thread while training goes on) into step-N.tmp. Each rank writes its shards; rank 0 writes .metadata
    only after every rank reported its writes, so when rank 0's save returns, everything is on disk.
-4. Rank 0 publishes: meshloom.json (step, model config, layout, tokens consumed, versions) into the
-   folder, then ``rename(step-N.tmp, step-N)``, atomic on POSIX. A reader sees the whole checkpoint or
-   none of it. Then it deletes all but the newest ``keep_last`` (renamed away first, then removed).
-5. The ranks agree on the control plane that it worked, so a failure on rank 0 is raised on every rank
-   instead of leaving the others waiting. Async: step 5 runs when the next save starts or training ends
-   (``wait``); the publishing itself happens in a thread as soon as the write finished. ``close`` drains
-   a save in flight and stops its thread on every exit path, also when training failed.
+4. Rank 0 publishes: meshloom.json (step, model config, layout, tokens consumed, versions, and the size and
+   SHA-256 of every file) into the folder, then ``rename(step-N.tmp, step-N)``, atomic on POSIX. A reader
+   sees the whole checkpoint or none of it. Then it deletes all but the newest ``keep_last``.
+5. The ranks agree on the control plane that it worked. If any rank failed (a full disk, a read-only
+   folder), rank 0 removes step-N.tmp, so the failed save keeps no disk space, and every rank raises
+   ``CheckpointSaveError`` with one line naming the error, the folder and the newest good checkpoint.
+   Async: step 5 runs when the next save starts or training ends (``wait``); the publishing itself happens
+   in a thread as soon as the write finished. ``close`` drains a save in flight and stops its thread on
+   every exit path, also when training failed.
 
 DCP's own collectives run on a gloo group of their own (the checkpoint group): an async save issues them
 from a background thread while the training thread uses the control plane.
-
-Resuming (``find_resume``, on every rank before any process group exists):
-
-1. ``none`` starts fresh, ``auto`` takes the newest published step-N that is complete, an explicit step
-   takes step-N. Complete means: meshloom.json parses, DCP's .metadata reads, and every data file it points
-   to exists and is long enough.
-2. The checkpoint must be of this model: every ``[model]`` field is compared (a ConfigError names each
-   difference), then every tensor key and shape the model and AdamW need.
-3. When this run will save, the folder must not hold checkpoints beyond its starting step: they belong to
-   another history, and saving would mix the two or collide with them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
-import re
 import shutil
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,20 +48,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
-from checkpoint.hf import import_safetensors, safetensors_path, safetensors_problems
-from checkpoint.state import TRAIN, TRAIN_KEYS, apply_training_state, expected_entries, training_state
-from config import Config, ConfigError, ModelConfig
+from checkpoint.folder import check_shared, checkpoint_folder, published, remove_stale
+from checkpoint.hf import import_safetensors, safetensors_path
+from checkpoint.resume import FORMAT, META_FILE, Resume, check_usable, inspect, warn
+from checkpoint.state import apply_training_state, training_state
+from checkpoint.verify import METADATA, digest_problems, file_digests
+from config import Config, ConfigError
 from mesh.runtime import ControlPlane, new_cpu_group
-from models.llama import ModelArgs, Transformer
 
-META_FILE = "meshloom.json"
-FORMAT = 1
-STEP_DIR = re.compile(r"^step-(\d+)$")
 # Test hook: "STEP:SECONDS" makes rank 0 sleep after step STEP is fully written, before it is published,
-# so a test can kill the process in the middle of a save (tests/test_checkpoint.py).
+# so a test can kill or signal the run in the middle of a save (tests/test_checkpoint.py, tests/test_faults.py).
 PAUSE_ENV = "MESHLOOM_CHECKPOINT_PAUSE_BEFORE_PUBLISH"
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank (disk full, folder gone); its ``.tmp`` was removed. Raised on every rank."""
 
 
 def meshloom_version() -> str:
@@ -78,178 +79,6 @@ def meshloom_version() -> str:
         return tomllib.loads(pyproject.read_text())["project"]["version"] if pyproject.is_file() else "unknown"
 
 
-def checkpoint_folder(cfg: Config) -> Path:
-    return Path(cfg.checkpoint.folder or Path(cfg.run.dir) / "checkpoints")
-
-
-def published(folder: Path) -> dict[int, Path]:
-    """step -> folder of every published step-N (``.tmp`` and other names are ignored), oldest first."""
-    if not folder.is_dir():
-        return {}
-    found = {int(m.group(1)): p for p in folder.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))}
-    return dict(sorted(found.items()))
-
-
-def inspect(path: Path):
-    """(meshloom.json dict, DCP Metadata, problems): problems is empty when the checkpoint is complete.
-
-    DCP's .metadata is a pickle: read only checkpoints you trust (docs/checkpointing.md).
-    """
-    meta_file = path / META_FILE
-    if not meta_file.is_file():
-        return None, None, [f"{META_FILE} is missing (a save that never finished, or not a meshloom checkpoint)"]
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return None, None, [f"{META_FILE} is not valid JSON ({exc})"]
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        return None, None, [f"{META_FILE} is not meshloom checkpoint format {FORMAT}"]
-    if not (path / ".metadata").is_file():
-        return meta, None, ["DCP's .metadata file is missing"]
-    try:
-        dcp_meta = FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file can fail in many ways
-        return meta, None, [f"DCP's .metadata cannot be read ({type(exc).__name__}: {exc})"]
-    needed: dict[str, int] = {}
-    for info in dcp_meta.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    problems = []
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            problems.append(f"data file {name} is missing")
-        elif file.stat().st_size < size:
-            problems.append(f"data file {name} is truncated ({file.stat().st_size} of {size} bytes)")
-    match = STEP_DIR.match(path.name)
-    if match and meta.get("step") != int(match.group(1)):
-        problems.append(f"{META_FILE} says step {meta.get('step')} but the folder is {path.name}")
-    return meta, dcp_meta, problems
-
-
-def _show(value) -> str:
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-def compatibility_problems(meta: dict, dcp_meta, cfg: Config, args: ModelArgs) -> list[str]:
-    """What differs between the checkpoint's model and this run's (empty: it loads)."""
-    saved, current = meta.get("model", {}), dataclasses.asdict(cfg.model)
-    defaults = dataclasses.asdict(ModelConfig())  # a field added after the save had its default then
-    diffs = [
-        f"model.{key}: checkpoint {_show(saved.get(key, defaults.get(key)))}, config {_show(current.get(key))}"
-        for key in sorted(set(saved) | set(current))
-        if saved.get(key, defaults.get(key)) != current.get(key)
-    ]
-    if diffs:
-        return diffs
-    with torch.device("meta"):
-        expected = expected_entries(Transformer(args))
-    stored = dcp_meta.state_dict_metadata
-    problems = [f"{key} is missing" for key in expected if key not in stored]
-    problems += [
-        f"{key}: checkpoint {tuple(stored[key].size)}, model {tuple(shape)}"
-        for key, shape in expected.items()
-        if key in stored and getattr(stored[key], "size", None) != shape
-    ]
-    problems += [f"{TRAIN}{key} is missing" for key in TRAIN_KEYS if TRAIN + key not in stored]
-    return problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
-
-
-def parse_resume(value: str) -> str | int:
-    word = str(value).strip().lower()
-    if word in ("auto", "none"):
-        return word
-    if word.isdigit():
-        return int(word)
-    raise ConfigError(f"checkpoint.resume={value!r} must be auto, none or a step number, e.g. --checkpoint.resume 100.")
-
-
-_warned: set[str] = set()
-
-
-def _warn(message: str) -> None:
-    # Before a process group exists the launcher's RANK says who prints; each warning is printed once.
-    if os.environ.get("RANK", "0") == "0" and message not in _warned:
-        _warned.add(message)
-        print(f"meshloom: warning: {message}", file=sys.stderr, flush=True)
-
-
-def find_resume(cfg: Config, args: ModelArgs) -> Path | None:
-    """The checkpoint this run resumes from (None: a fresh start), fully validated; no process group needed.
-
-    Raises the same ConfigError on every rank (see "Resuming" in the module docstring).
-    """
-    c = cfg.checkpoint
-    if c.interval < 0 or c.keep_last < 0:
-        raise ConfigError(
-            f"checkpoint.interval={c.interval} and checkpoint.keep_last={c.keep_last} must be >= 0 (0: never / keep all)."
-        )
-    mode, folder = parse_resume(c.resume), checkpoint_folder(cfg)
-    steps = published(folder)
-    chosen, meta, dcp_meta = None, None, None
-    if mode == "auto":
-        for step in reversed(steps):
-            meta, dcp_meta, problems = inspect(steps[step])
-            if not problems:
-                chosen = steps[step]
-                break
-            _warn(f"checkpoint.resume=auto skips {steps[step]}, which is incomplete: {'; '.join(problems)}")
-        if steps and chosen is None:
-            raise ConfigError(
-                f"checkpoint.resume=auto: none of the checkpoints in {folder} ({', '.join(p.name for p in steps.values())}) "
-                "is complete (see the warnings); remove them or pass --checkpoint.resume none with another folder."
-            )
-    elif isinstance(mode, int):
-        if mode not in steps:
-            have = ", ".join(str(s) for s in steps) or "none"
-            raise ConfigError(f"checkpoint.resume={mode}: there is no {folder / f'step-{mode}'} (saved steps: {have}).")
-        chosen = steps[mode]
-        meta, dcp_meta, problems = inspect(chosen)
-        if problems:
-            raise ConfigError(f"checkpoint {chosen} is incomplete or corrupt: {'; '.join(problems)}.")
-    start = 0
-    if chosen is not None:
-        problems = compatibility_problems(meta, dcp_meta, cfg, args)
-        if problems:
-            raise ConfigError(
-                f"checkpoint {chosen} does not fit this model:\n  - " + "\n  - ".join(problems) + "\n"
-                "Resume with the [model] settings it was saved with, or start a new --checkpoint.folder."
-            )
-        start = meta["step"]
-        stream = meta.get("data", {})
-        for key, now in (("source", cfg.data.source), ("seq_len", cfg.training.seq_len)):
-            field = f"data.{key}" if key == "source" else f"training.{key}"
-            if key in stream and stream[key] != now:
-                raise ConfigError(
-                    f"checkpoint {chosen} was saved with {field}={stream[key]!r}, this run has {field}={now!r}: its "
-                    f"data position (tokens_consumed) only means the same stream with the same {field}; set it back, "
-                    "or start a new --checkpoint.folder."
-                )
-        if cfg.training.steps <= start:
-            raise ConfigError(
-                f"training.steps={cfg.training.steps} but checkpoint {chosen} is already at step {start}: nothing is "
-                f"left to train; raise --training.steps above {start}."
-            )
-    newer = [s for s in steps if s > start]
-    if c.interval > 0 and newer:
-        fix = (
-            "they are incomplete (see the warnings): remove them"
-            if mode == "auto"
-            else "continue that run with --checkpoint.resume auto, remove those folders"
-        )
-        raise ConfigError(
-            f"checkpoint.folder {folder} already holds step(s) {', '.join(map(str, newer))} beyond step {start}, "
-            f"where this run starts (checkpoint.resume={c.resume}); its saves would mix two runs or collide with "
-            f"them. {fix[0].upper() + fix[1:]}, or pass another --checkpoint.folder (or --run.dir)."
-        )
-    if chosen is None and c.init_from:
-        problems = safetensors_problems(c.init_from, args)
-        if problems:
-            raise ConfigError(
-                f"checkpoint.init_from={c.init_from!r} cannot initialise this model: {'; '.join(problems)}."
-            )
-    return chosen
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -258,24 +87,90 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _describe(error: BaseException) -> str:
+    """One line for a failed save: the OS error, wherever DCP wrapped it."""
+    if isinstance(error, CheckpointException):
+        for failure in error.failures.values():
+            return _describe(failure)
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError):
+        reason = "the disk is full" if cause.errno == errno.ENOSPC else (cause.strerror or str(cause))
+        where = f" writing {cause.filename}" if cause.filename else ""
+        return f"{reason}{where} ({errno.errorcode.get(cause.errno, 'OSError')})"
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
 class CheckpointManager:
-    """Resume, periodic saves and the final save of one training run (see the module docstring).
+    """Resume, periodic saves and the final save of one training run (see the module docstring)."""
 
-    ``resume_dir`` is what ``find_resume`` chose before any process group existed (None: a fresh start).
-    """
-
-    def __init__(self, cfg: Config, plan, resume_dir: Path | None, control: ControlPlane):
-        self.cfg, self.plan, self.control = cfg, plan, control
+    def __init__(self, cfg: Config, plan, resume: Resume, control: ControlPlane):
+        self.cfg, self.plan, self.control, self.resume = cfg, plan, control, resume
         self.folder = checkpoint_folder(cfg)
-        self.resume_dir = resume_dir
+        self.resume_dir: Path | None = None
         self.resumed_step: int | None = None
+        self.last_saved: int | None = None
+        self.enabled = bool(resume.candidates) or bool(resume.damaged) or cfg.checkpoint.interval > 0
         self.group = None
-        if resume_dir is not None or cfg.checkpoint.interval > 0:
+        if self.enabled:
             # DCP's collectives get their own gloo group: an async save runs them from a thread while the
             # training thread runs its own collectives, and two threads must never share a group.
             self.group = new_cpu_group(control.timeout_s)
         self.pending = None  # the async save in flight: a future of its publishing
         self.executor = None
+
+    # ---- start -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Steps 1-3 of "Starting" (module docstring)."""
+        if not self.enabled:
+            return
+        rank = dist.get_rank()
+        if rank == 0:
+            for path in self.resume.damaged:
+                self._move_aside(path)
+            removed = remove_stale(self.folder) if self.folder.is_dir() else []
+            if removed:
+                self._log(f"checkpoint: removed {len(removed)} unfinished save(s) left by an earlier run: {removed}")
+        self.control.barrier()
+        check_shared(self.folder, self.control)
+        self.resume_dir = self.choose()
+
+    def choose(self) -> Path | None:
+        """Hash the candidates' shards (each rank a share) until one is whole; every rank gets the same one."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for path in self.resume.candidates:
+            meta, dcp_meta, problems = inspect(path)
+            if not problems:
+                names = sorted(name for name in meta["files"] if name != METADATA)
+                problems = digest_problems(path, meta["files"], names[rank::world])
+            found = [p for ps in self.control.all_gather_object(problems) for p in ps]
+            if not found:
+                if path != self.resume.newest:
+                    check_usable(path, meta, dcp_meta, self.cfg, self.plan.model)
+                return path
+            message = f"checkpoint {path} is damaged: {'; '.join(found[:4])}"
+            if self.resume.mode != "auto":
+                raise ConfigError(
+                    f"{message}. Resume from another step, or --checkpoint.resume auto to take the newest good one."
+                )
+            warn(f"checkpoint.resume=auto skips it: {message}")
+            if rank == 0:
+                self._move_aside(path)
+            self.control.barrier()
+        if self.resume.candidates:
+            raise ConfigError(
+                f"checkpoint.resume=auto: every checkpoint in {self.folder} is damaged (see the warnings); "
+                "restore them from a copy, or start fresh with --checkpoint.resume none and another folder."
+            )
+        return None
+
+    def _move_aside(self, path: Path) -> None:
+        target, n = path.with_name(f"{path.name}.damaged"), 1
+        while target.exists():
+            target, n = path.with_name(f"{path.name}.damaged-{n}"), n + 1
+        os.rename(path, target)
+        warn(f"moved the damaged checkpoint {path} aside to {target.name}; it is kept, not read")
 
     # ---- resume ----------------------------------------------------------------------------------------
     def restore(self, parts, optimizers, loader) -> int:
@@ -283,7 +178,7 @@ class CheckpointManager:
         if self.resume_dir is not None and self.cfg.checkpoint.init_from:
             self._log(f"checkpoint: resuming {self.resume_dir}, so checkpoint.init_from is not used")
         if self.resume_dir is None:
-            if parse_resume(self.cfg.checkpoint.resume) == "auto":
+            if self.resume.mode == "auto":
                 self._log(f"checkpoint: nothing to resume in {self.folder}; starting fresh")
             if self.cfg.checkpoint.init_from:
                 import_safetensors(parts, self.cfg.checkpoint.init_from)
@@ -299,15 +194,21 @@ class CheckpointManager:
             f"saved on pp={saved['pp']} dp_replicate={saved['dp_replicate']} dp_shard={saved['dp_shard']} "
             f"tp={saved['tp']}, now {self.plan.dims.describe()}"
         )
-        self.resumed_step = step
+        self.resumed_step = self.last_saved = step
         return step
 
     # ---- save ------------------------------------------------------------------------------------------
-    def maybe_save(self, step: int, parts, optimizers, loader) -> None:
-        """Save after ``step`` when it is a multiple of the interval or the last step (steps 1-5)."""
+    def due(self, step: int) -> bool:
         c = self.cfg.checkpoint
-        if c.interval <= 0 or (step % c.interval and step != self.cfg.training.steps):
-            return
+        return c.interval > 0 and (step % c.interval == 0 or step == self.cfg.training.steps)
+
+    def maybe_save(self, step: int, parts, optimizers, loader) -> None:
+        """Save after ``step`` when it is a multiple of the interval or the last step."""
+        if self.due(step):
+            self.save(step, parts, optimizers, loader)
+
+    def save(self, step: int, parts, optimizers, loader) -> None:
+        """Steps 1-5 of "Saving" (module docstring)."""
         self.wait()  # one save at a time: the previous async save is written and published first
         final, tmp = self.folder / f"step-{step}", self.folder / f"step-{step}.tmp"
         if final.exists():
@@ -318,29 +219,37 @@ class CheckpointManager:
         self.control.barrier()
         state = training_state(parts, optimizers, loader, step)
         meta = self._metadata(step, loader.tokens_consumed)
-        if not c.async_:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
-            self._agree(self._publish_on_rank0(tmp, final, meta))
+        if not self.cfg.checkpoint.async_:
+            try:
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+                error = self._publish_on_rank0(tmp, final, meta)
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on, then raised on every rank
+                error = exc
+            self._agree(error, step, tmp)
             return
         # async_save stages a CPU copy before it returns, so training may change the live tensors at once.
         written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
         self.executor = self.executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshloom-publish")
-        self.pending = self.executor.submit(self._after_write, written, tmp, final, meta)
+        self.pending = (self.executor.submit(self._after_write, written, tmp, final, meta), step, tmp)
 
-    def _after_write(self, written, tmp: Path, final: Path, meta: dict) -> Exception | None:
-        written.result()  # raises if this rank's write failed
+    def _after_write(self, written, tmp: Path, final: Path, meta: dict) -> BaseException | None:
+        try:
+            written.result()  # raises if this rank's write failed
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on in wait()
+            return exc
         return self._publish_on_rank0(tmp, final, meta)
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) is written and published, on every rank."""
         if self.pending is None:
             return
+        future, step, tmp = self.pending
+        self.pending = None
         try:
-            error = self.pending.result()
+            error = future.result()
         except Exception as exc:  # noqa: BLE001 - re-raised after the ranks agreed
             error = exc
-        self.pending = None
-        self._agree(error)
+        self._agree(error, step, tmp)
 
     def finish(self) -> None:
         """End of training: wait for the last async save (written, published and agreed on every rank)."""
@@ -354,7 +263,7 @@ class CheckpointManager:
         """
         if self.pending is not None:
             try:
-                self.pending.result()
+                self.pending[0].result()
             except Exception:  # noqa: BLE001 - the failure that ended training is the one to report
                 pass
             self.pending = None
@@ -362,11 +271,26 @@ class CheckpointManager:
             self.executor.shutdown(wait=True)
             self.executor = None
 
-    def _agree(self, error: Exception | None) -> None:
-        """All ranks learn whether the save worked (step 5), so none waits for a rank that failed."""
-        self.control.raise_if_any_failed(error, "saving a checkpoint")
+    def _agree(self, error: BaseException | None, step: int, tmp: Path) -> None:
+        """Step 5: all ranks learn whether the save worked, and a failed save leaves nothing behind."""
+        mine = None if error is None else _describe(error)
+        failures = [(rank, text) for rank, text in enumerate(self.control.all_gather_object(mine)) if text]
+        if not failures:
+            self.last_saved = step
+            return
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.control.barrier()
+        rank, text = failures[0]
+        newest = max(published(self.folder), default=None)
+        keep = f"the newest good checkpoint is step-{newest}" if newest else "no checkpoint was saved yet"
+        raise CheckpointSaveError(
+            f"saving step {step} to {self.folder} failed on rank {rank}: {text}; removed the partial "
+            f"{tmp.name}. Free space there or set --checkpoint.folder elsewhere, then resume with "
+            f"--checkpoint.resume auto ({keep})."
+        )
 
-    def _publish_on_rank0(self, tmp: Path, final: Path, meta: dict) -> Exception | None:
+    def _publish_on_rank0(self, tmp: Path, final: Path, meta: dict) -> BaseException | None:
         if dist.get_rank() != 0:
             return None
         try:
@@ -376,7 +300,8 @@ class CheckpointManager:
         return None
 
     def _publish(self, tmp: Path, final: Path, meta: dict) -> None:
-        """Step 4: metadata, then the atomic rename, then keep-last-K (rank 0 only)."""
+        """Step 4: checksums and metadata, then the atomic rename, then keep-last-K (rank 0 only)."""
+        meta = {**meta, "files": file_digests(tmp, skip=(META_FILE, META_FILE + ".part"))}
         part = tmp / (META_FILE + ".part")
         with open(part, "w") as f:
             json.dump(meta, f, indent=1)
@@ -418,7 +343,7 @@ class CheckpointManager:
                 "dp_shard": d.dp_shard,
                 "tp": d.tp,
                 "ep": d.ep,
-                "pp_schedule": self.cfg.parallel.pp_schedule if d.pp > 1 else None,
+                "pp_schedule": self.plan.pp_schedule,
             },
             "data": {"source": self.cfg.data.source, "seq_len": t.seq_len, "global_batch": t.global_batch},
             "meshloom_version": meshloom_version(),

@@ -27,6 +27,11 @@ Every group gets ``parallel.collective_timeout_s``: the default group, the contr
 and every DeviceMesh sub-group (``mesh_backend_options``). gloo's default is 30 minutes, far too long to
 notice that a peer died.
 
+Restarts: under ``torchrun --max-restarts N`` the restarted workers reuse the launcher's store, where the
+previous attempt's keys (the dead workers' gloo addresses) are still written, so ``init_process_group`` tried
+to connect to them and failed ("connectFullMesh ... Connection refused"; upstream pytorch/pytorch#167288).
+``init_process_group`` therefore puts each restart attempt's keys under a prefix of its own.
+
 Timing: CUDA kernels run asynchronously, so a wall-clock reading means nothing until the device caught up.
 ``device_time`` synchronizes the device first; on CPU it is plain ``time.perf_counter``.
 """
@@ -97,7 +102,17 @@ def init_process_group(device: torch.device, timeout_s: float) -> ControlPlane:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(device_backend(device), timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # under torchrun: one store prefix per restart attempt
+            rank, world = rank_from_env(), world_size_from_env()
+            agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                is_master=not agent_hosts_store and rank == 0, timeout=timeout, multi_tenant=not agent_hosts_store,
+            )  # fmt: skip
+            attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+            kwargs.update(store=dist.PrefixStore(f"meshloom/attempt-{attempt}", store), rank=rank, world_size=world)
+        dist.init_process_group(device_backend(device), timeout=timeout, **kwargs)
     if _CONTROL is None:
         _CONTROL = ControlPlane(timeout_s)
     return _CONTROL
@@ -144,11 +159,15 @@ class ControlPlane:
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
+    def max_int(self, value: int) -> int:
+        """The largest ``value`` of any rank, on every rank."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return int(tensor.item())
+
     def any_true(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any rank."""
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(value.item())
+        return bool(self.max_int(1 if flag else 0))
 
     def raise_if_any_failed(
         self, error: BaseException | None, what: str, error_type: type[Exception] = RuntimeError

@@ -24,8 +24,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from checkpoint.folder import published
 from checkpoint.hf import expected_hf_shapes, hf_name
-from checkpoint.manager import PAUSE_ENV, find_resume, published
+from checkpoint.manager import PAUSE_ENV
+from checkpoint.resume import Resume, find_resume
 from config import ConfigError, load_config, model_args
 from tests.training_runs import DEBUG_CONFIG, LOSS_RTOL, ROOT, assert_same_curve, run_train_cli, train_on
 from train import check_config
@@ -79,7 +81,7 @@ def test_resume_on_another_layout_continues_the_same_run(before, after, saving, 
     first = train_on(world(before), {**before, **saving, **overrides(folder), "training.steps": N}, tmp_path / "a")
     assert_same_curve(first, ref[:N])
     if saving["checkpoint.interval"] == 1:  # keep_last 2 removed step-1; nothing temporary is left behind
-        assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-3"]
+        assert sorted(p.name for p in folder.iterdir() if p.name != ".meshloom.lock") == ["step-2", "step-3"]
     resumed = train_on(world(after), {**after, **overrides(folder, checkpoint__resume="auto")}, tmp_path / "b")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     # loss and grad norm within the fp32 parity tolerance, and the data position continues (tokens_consumed)
@@ -133,7 +135,7 @@ def test_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(reference
     assert (folder / f"step-{2 * N}.tmp" / "meshloom.json").is_file(), "killed inside the save, after the writes"
     assert list(published(folder)) == [N], "the interrupted save must not be published"
     cfg = load_config(path=DEBUG_CONFIG, overrides={"run.dir": str(run_dir), "checkpoint.resume": "auto"})
-    assert find_resume(cfg, model_args(cfg)) == folder / f"step-{N}"
+    assert find_resume(cfg, model_args(cfg)).newest == folder / f"step-{N}"
     # Resume in the same run.dir: the metrics continue, the leftover step-6.tmp is replaced by a real step-6.
     resumed = train_on(1, {"checkpoint.resume": "auto", "checkpoint.interval": N}, run_dir)
     assert_same_curve(resumed, ref[N:])
@@ -174,35 +176,104 @@ def test_a_resume_that_cannot_continue_the_run_is_refused(extra, words, referenc
         assert word in str(err.value)
 
 
+def flip_bits(path: Path, offset: int = 4096, count: int = 4096) -> None:
+    """Flip every bit of ``count`` bytes in the middle of a file (same size, different content)."""
+    data = bytearray(path.read_bytes())
+    start = min(offset, len(data) - count)
+    data[start : start + count] = bytes(b ^ 0xFF for b in data[start : start + count])
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize(
     "damage, words",
     [
         (lambda d: (d / "meshloom.json").unlink(), ["meshloom.json is missing"]),
         (lambda d: (d / "meshloom.json").write_text("{not json"), ["meshloom.json is not valid JSON"]),
-        (lambda d: (d / ".metadata").unlink(), [".metadata file is missing"]),
-        (lambda d: (d / ".metadata").write_bytes(b"garbage"), [".metadata cannot be read"]),
+        (lambda d: (d / ".metadata").unlink(), [".metadata is missing"]),
+        (lambda d: (d / ".metadata").write_bytes(b"garbage"), [".metadata has 7 bytes, the manifest says"]),
+        (lambda d: flip_bits(d / ".metadata", 64, 16), [".metadata does not match its checksum"]),
         (lambda d: (d / "__0_0.distcp").unlink(), ["__0_0.distcp is missing"]),
-        (lambda d: os.truncate(d / "__0_0.distcp", 1000), ["__0_0.distcp is truncated"]),
+        (lambda d: os.truncate(d / "__0_0.distcp", 1000), ["__0_0.distcp has 1000 bytes, the manifest says"]),
     ],
-    ids=["no-meta", "bad-json", "no-dcp-metadata", "bad-dcp-metadata", "no-data", "truncated-data"],
-)
+    ids=["no-meta", "bad-json", "no-dcp-metadata", "bad-dcp-metadata", "flipped-dcp-metadata", "no-data",
+         "truncated-data"],
+)  # fmt: skip
 def test_a_partial_or_corrupt_checkpoint_fails_clearly(damage, words, reference, tmp_path):
     folder = tmp_path / "ckpt"
     shutil.copytree(reference[1], folder)
     damage(folder / f"step-{2 * N}")
     with pytest.raises(ConfigError) as err:
         check(tmp_path, folder, checkpoint__resume=str(2 * N))
-    assert f"step-{2 * N} is incomplete or corrupt" in str(err.value)
+    assert f"step-{2 * N} is damaged or incomplete" in str(err.value)
     for word in words:
         assert word in str(err.value)
-    # `auto` takes the newest *complete* checkpoint...
+    # `auto` takes the newest whole checkpoint, and marks the damaged one to be moved aside at start (so
+    # that this run's own save of that step cannot collide with it).
     cfg = load_config(
         path=DEBUG_CONFIG, overrides={"run.dir": str(tmp_path), **overrides(folder, checkpoint__resume="auto")}
     )
-    assert find_resume(cfg, model_args(cfg)) == folder / f"step-{N}"
-    # ...but refuses to save beside a broken newer one (its step would collide).
-    with pytest.raises(ConfigError, match="beyond step 3"):
-        check(tmp_path, folder, checkpoint__resume="auto", checkpoint__interval=N)
+    resume = find_resume(cfg, model_args(cfg))
+    assert resume.newest == folder / f"step-{N}" and resume.damaged == [folder / f"step-{2 * N}"]
+    check(tmp_path, folder, checkpoint__resume="auto", checkpoint__interval=N)
+
+
+def test_a_crafted_metadata_pickle_is_never_unpickled(reference, tmp_path):
+    """A newer step whose .metadata is a pickle that runs code: its checksum fails first, so it never runs."""
+    import pickle
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(reference[1], folder)
+    crafted = folder / f"step-{3 * N}"
+    shutil.copytree(folder / f"step-{2 * N}", crafted)
+    meta = json.loads((crafted / "meshloom.json").read_text())
+    meta["step"] = 3 * N
+    (crafted / "meshloom.json").write_text(json.dumps(meta))
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    payload = pickle.dumps(Payload())
+    (crafted / ".metadata").write_bytes(payload + b"\0" * (meta["files"][".metadata"]["bytes"] - len(payload)))
+    for resume in ("auto", str(3 * N)):
+        cfg = load_config(
+            path=DEBUG_CONFIG, overrides={"run.dir": str(tmp_path), **overrides(folder, checkpoint__resume=resume)}
+        )
+        try:
+            found = find_resume(cfg, model_args(cfg))
+            assert found.newest == folder / f"step-{2 * N}" and found.damaged == [crafted]
+        except ConfigError as err:
+            assert resume != "auto" and "does not match its checksum" in str(err)
+    assert not marker.exists(), "the crafted pickle was unpickled"
+
+
+def test_a_flipped_shard_is_caught_and_auto_falls_back_to_the_previous_step(reference, tmp_path):
+    """4 KiB flipped inside a shard (same size): found by the ranks' hashing after start, before any load."""
+    ref, source = reference
+    folder = tmp_path / "ckpt"
+    shutil.copytree(source, folder)
+    shards = sorted((folder / f"step-{2 * N}").glob("*.distcp"))
+    flip_bits(shards[0])
+    # resume auto on 2 ranks, to step 7: step-6 is damaged, so the run continues from step-3 and replays
+    # 4..6 exactly (the LR of steps <= 6 does not depend on training.steps: warmup, then the cosine's start).
+    layout = {"parallel.dp_shard": 2, "training.steps": 2 * N + 1}
+    resumed = train_on(2, {**layout, **overrides(folder, checkpoint__resume="auto", checkpoint__interval=N)},
+                       tmp_path / "run")  # fmt: skip
+    assert [r["step"] for r in resumed] == [4, 5, 6, 7]
+    assert_same_curve(resumed[:N], ref[N:])
+    assert (folder / f"step-{2 * N}.damaged").is_dir(), "the damaged step is kept aside, not deleted"
+    assert list(published(folder)) == [N, 2 * N, 2 * N + 1]  # this run saved a good step-6 of its own
+    # An explicit step refuses it, naming the file.
+    shutil.rmtree(folder)
+    shutil.copytree(source, folder)
+    flip_bits(sorted((folder / f"step-{2 * N}").glob("*.distcp"))[0])
+    proc = run_train_cli(
+        1, "--config", DEBUG_CONFIG, "--run.dir", str(tmp_path / "explicit"), "--checkpoint.folder", str(folder),
+        "--checkpoint.resume", str(2 * N), "--training.steps", str(3 * N),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"step-{2 * N} is damaged: {shards[0].name} does not match its checksum" in proc.stderr
 
 
 def test_a_run_never_saves_over_existing_checkpoints(reference, tmp_path):
@@ -231,7 +302,7 @@ def save_the_same_step_twice(folder: str) -> list[str]:
     optimizers = Optimizers([part], cfg)
     loader = GlobalBatchLoader(torch.arange(2000) % 256, seq_len=8, global_batch=2, micro_batch=2, dp_rank=0, dp_size=1)
     control = init_process_group(torch.device("cpu"), 60)
-    manager = CheckpointManager(cfg, LayoutPlan.resolve(cfg, 1), None, control)
+    manager = CheckpointManager(cfg, LayoutPlan.resolve(cfg, 1), Resume("none"), control)
     manager.restore([part], optimizers, loader)
     manager.maybe_save(1, [part], optimizers, loader)
     digest = files_digest(Path(folder) / "step-1")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from checkpoint.export import load_model_state
-from checkpoint.manager import published
+from checkpoint.folder import published
 from tests.training_runs import DEBUG_CONFIG, run_train_cli
 
 

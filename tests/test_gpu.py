@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from checkpoint.manager import published
+from checkpoint.folder import published
 from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_train_cli
 
 pytestmark = [

@@ -1,5 +1,6 @@
 """Misfit layouts are refused before any process group exists, naming the field, the value and the fix."""
 
+import os
 import time
 
 import pytest
@@ -105,17 +106,21 @@ def test_a_corpus_shorter_than_one_window_is_refused_before_any_process_group(tm
 
 
 def test_a_failure_on_rank_0_alone_is_raised_on_every_rank(tmp_path):
-    # run.dir is a file: every rank passes the pre-flight checks, then only rank 0 (the writer) fails to
-    # create it. The others must learn it at once instead of waiting in the first collective.
+    # Another live run holds run.dir's lock (this test process plays it): only rank 0 tries the lock, so
+    # only rank 0 fails. The others must learn it at once, with its message, instead of waiting in the first
+    # collective.
+    from rundir import RunLock
     from tests.harness import RankFailure, run_on_ranks
     from tests.training_runs import run_training
 
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("")
-    with pytest.raises(RankFailure) as err:
-        run_on_ranks(run_training, 2, {"parallel.dp_shard": 2}, str(blocker), DEBUG_CONFIG, timeout=60)
+    held = RunLock(str(tmp_path / "run")).acquire()
+    try:
+        with pytest.raises(RankFailure) as err:
+            run_on_ranks(run_training, 2, {"parallel.dp_shard": 2}, str(tmp_path / "run"), DEBUG_CONFIG, timeout=60)
+    finally:
+        held.release()
     report = str(err.value)
     assert "still running" not in report
     # Both ranks raise, and both show rank 0's message (the fix), not just "another rank failed".
-    assert report.count("--- rank ") == 2 and report.count("choose a writable --run.dir") == 2
-    assert "(reported by rank 0)" in report
+    assert report.count("--- rank ") == 2 and report.count("is in use by another live run") == 2
+    assert f"pid {os.getpid()}" in report and "(reported by rank 0)" in report

@@ -1,0 +1,214 @@
+"""Which checkpoint a run resumes from, decided before any process group exists and before any unpickling.
+
+``find_resume`` runs on every rank and gives every rank the same answer (or the same ConfigError):
+
+1. ``none`` starts fresh; ``auto`` considers every published step-N, newest first; an explicit step only
+   step-N.
+2. Each is inspected (``inspect``) in an order that never unpickles an unverified byte: meshloom.json (plain
+   JSON) must parse and list the checksums of every file (checkpoint/verify.py); every listed file must
+   exist with its size and DCP's pickled ``.metadata`` must match its checksum; only then is ``.metadata``
+   read, and every data file it points to must be long enough.
+3. A step that fails is skipped with a loud warning under ``auto`` (and moved aside as ``step-N.damaged``
+   once the run starts, checkpoint/manager.py), and refused under an explicit step.
+4. The newest good step must be of this model: every ``[model]`` field is compared (a ConfigError names each
+   difference), then every tensor key and shape the model and AdamW need; the data stream (source,
+   seq_len) must be the same, and steps must be left to train.
+5. When this run will save, the folder must not hold good checkpoints beyond its starting step: they belong
+   to another history, and saving would mix the two or collide with them.
+
+The shards themselves are hashed after the process group exists, each rank a share of the files
+(``CheckpointManager.choose``); a damaged shard makes ``auto`` fall back to the next good candidate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from checkpoint.folder import STEP_DIR, checkpoint_folder, published
+from checkpoint.hf import safetensors_problems
+from checkpoint.state import TRAIN, TRAIN_KEYS, expected_entries
+from checkpoint.verify import manifest_problems
+from config import Config, ConfigError, ModelConfig
+from models.llama import ModelArgs, Transformer
+
+META_FILE = "meshloom.json"
+FORMAT = 2  # 2: meshloom.json lists the size and SHA-256 of every file (1: no checksums, no longer read)
+
+
+@dataclass
+class Resume:
+    """What ``find_resume`` decided: the good candidates (newest first) and the damaged steps to move aside."""
+
+    mode: str | int
+    candidates: list[Path] = field(default_factory=list)
+    damaged: list[Path] = field(default_factory=list)
+
+    @property
+    def newest(self) -> Path | None:
+        return self.candidates[0] if self.candidates else None
+
+
+def inspect(path: Path):
+    """(meshloom.json dict, DCP Metadata, problems): problems is empty when the checkpoint is whole.
+
+    Step 2 of the module docstring: ``.metadata`` (a pickle) is read only after its checksum matched.
+    """
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        return None, None, [f"{META_FILE} is missing (a save that never finished, or not a meshloom checkpoint)"]
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return None, None, [f"{META_FILE} is not valid JSON ({exc})"]
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        return None, None, [f"{META_FILE} is format {found}, not meshloom checkpoint format {FORMAT} (with checksums)"]
+    problems = manifest_problems(path, meta.get("files"))
+    if problems:
+        return meta, None, problems
+    try:
+        dcp_meta = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - verified bytes, but a foreign writer can still surprise
+        return meta, None, [f"DCP's .metadata cannot be read ({type(exc).__name__}: {exc})"]
+    needed: dict[str, int] = {}
+    for info in dcp_meta.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"data file {name} is missing")
+        elif file.stat().st_size < size:
+            problems.append(f"data file {name} is truncated ({file.stat().st_size} of {size} bytes)")
+    match = STEP_DIR.match(path.name)
+    if match and meta.get("step") != int(match.group(1)):
+        problems.append(f"{META_FILE} says step {meta.get('step')} but the folder is {path.name}")
+    return meta, dcp_meta, problems
+
+
+def _show(value) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def compatibility_problems(meta: dict, dcp_meta, cfg: Config, args: ModelArgs) -> list[str]:
+    """What differs between the checkpoint's model and this run's (empty: it loads)."""
+    saved, current = meta.get("model", {}), dataclasses.asdict(cfg.model)
+    defaults = dataclasses.asdict(ModelConfig())  # a field added after the save had its default then
+    diffs = [
+        f"model.{key}: checkpoint {_show(saved.get(key, defaults.get(key)))}, config {_show(current.get(key))}"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key, defaults.get(key)) != current.get(key)
+    ]
+    if diffs:
+        return diffs
+    with torch.device("meta"):
+        expected = expected_entries(Transformer(args))
+    stored = dcp_meta.state_dict_metadata
+    problems = [f"{key} is missing" for key in expected if key not in stored]
+    problems += [
+        f"{key}: checkpoint {tuple(stored[key].size)}, model {tuple(shape)}"
+        for key, shape in expected.items()
+        if key in stored and getattr(stored[key], "size", None) != shape
+    ]
+    problems += [f"{TRAIN}{key} is missing" for key in TRAIN_KEYS if TRAIN + key not in stored]
+    return problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
+
+
+def parse_resume(value: str) -> str | int:
+    word = str(value).strip().lower()
+    if word in ("auto", "none"):
+        return word
+    if word.isdigit():
+        return int(word)
+    raise ConfigError(f"checkpoint.resume={value!r} must be auto, none or a step number, e.g. --checkpoint.resume 100.")
+
+
+_warned: set[str] = set()
+
+
+def warn(message: str) -> None:
+    # Before a process group exists the launcher's RANK says who prints; each warning is printed once.
+    if os.environ.get("RANK", "0") == "0" and message not in _warned:
+        _warned.add(message)
+        print(f"meshloom: WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, args: ModelArgs) -> None:
+    """Step 4 for one checkpoint; raises a ConfigError naming the difference and the fix."""
+    problems = compatibility_problems(meta, dcp_meta, cfg, args)
+    if problems:
+        raise ConfigError(
+            f"checkpoint {path} does not fit this model:\n  - " + "\n  - ".join(problems) + "\n"
+            "Resume with the [model] settings it was saved with, or start a new --checkpoint.folder."
+        )
+    stream = meta.get("data", {})
+    for key, now in (("source", cfg.data.source), ("seq_len", cfg.training.seq_len)):
+        name = f"data.{key}" if key == "source" else f"training.{key}"
+        if key in stream and stream[key] != now:
+            raise ConfigError(
+                f"checkpoint {path} was saved with {name}={stream[key]!r}, this run has {name}={now!r}: its "
+                f"data position (tokens_consumed) only means the same stream with the same {name}; set it back, "
+                "or start a new --checkpoint.folder."
+            )
+    if cfg.training.steps <= meta["step"]:
+        raise ConfigError(
+            f"training.steps={cfg.training.steps} but checkpoint {path} is already at step {meta['step']}: nothing "
+            f"is left to train; raise --training.steps above {meta['step']}."
+        )
+
+
+def find_resume(cfg: Config, args: ModelArgs) -> Resume:
+    """Steps 1-5 of the module docstring; no process group needed, the same answer on every rank."""
+    c = cfg.checkpoint
+    mode, folder = parse_resume(c.resume), checkpoint_folder(cfg)
+    steps = published(folder)
+    resume = Resume(mode)
+    if mode == "auto":
+        for step in reversed(steps):
+            meta, dcp_meta, problems = inspect(steps[step])
+            if problems:
+                warn(f"checkpoint.resume=auto skips {steps[step]}, which is damaged or incomplete: "
+                     f"{'; '.join(problems)}")  # fmt: skip
+                resume.damaged.append(steps[step])
+                continue
+            if not resume.candidates:
+                check_usable(steps[step], meta, dcp_meta, cfg, args)
+            resume.candidates.append(steps[step])
+        if steps and not resume.candidates:
+            raise ConfigError(
+                f"checkpoint.resume=auto: none of the checkpoints in {folder} ({', '.join(p.name for p in steps.values())}) "
+                "is whole (see the warnings); move them away or pass --checkpoint.resume none with another folder."
+            )
+    elif isinstance(mode, int):
+        if mode not in steps:
+            have = ", ".join(str(s) for s in steps) or "none"
+            raise ConfigError(f"checkpoint.resume={mode}: there is no {folder / f'step-{mode}'} (saved steps: {have}).")
+        meta, dcp_meta, problems = inspect(steps[mode])
+        if problems:
+            raise ConfigError(f"checkpoint {steps[mode]} is damaged or incomplete: {'; '.join(problems)}.")
+        check_usable(steps[mode], meta, dcp_meta, cfg, args)
+        resume.candidates.append(steps[mode])
+    start = int(STEP_DIR.match(resume.newest.name).group(1)) if resume.newest else 0
+    damaged = set(resume.damaged)
+    newer = [s for s, path in steps.items() if s > start and path not in damaged]
+    if c.interval > 0 and newer:
+        raise ConfigError(
+            f"checkpoint.folder {folder} already holds step(s) {', '.join(map(str, newer))} beyond step {start}, "
+            f"where this run starts (checkpoint.resume={c.resume}); its saves would mix two runs or collide with "
+            "them. Continue that run with --checkpoint.resume auto, remove those folders, or pass another "
+            "--checkpoint.folder (or --run.dir)."
+        )
+    if resume.newest is None and c.init_from:
+        problems = safetensors_problems(c.init_from, args)
+        if problems:
+            raise ConfigError(
+                f"checkpoint.init_from={c.init_from!r} cannot initialise this model: {'; '.join(problems)}."
+            )
+    return resume

@@ -1,0 +1,67 @@
+"""Checksums of a checkpoint's files: recorded when it is published, verified before anything is unpickled.
+
+DCP's ``.metadata`` is a Python pickle, and its shards hold ``torch.save`` records: a damaged file can fail
+with a 180-line unpickler traceback, silently load wrong numbers (a flipped bit inside a tensor), or, if
+crafted, run code when unpickled. So:
+
+1. At publish time, rank 0 records the size and SHA-256 of every file of the step folder in the JSON
+   manifest ``meshloom.json`` (``file_digests``), before the atomic rename that makes the step visible.
+2. Before a step is used, ``manifest_problems`` checks that every listed file exists with its size and that
+   ``.metadata``'s digest matches (cheap: it is small), *before* ``.metadata`` is unpickled.
+3. ``digest_problems`` hashes the shards themselves. For a resume the ranks split the files between them
+   and agree on the result (checkpoint/manager.py), so no rank reads more than its share.
+
+What this protects against is damage (a bad disk, a truncated copy, a half-synced folder), not an attacker
+who can write to the folder: such a person can rewrite the manifest too. Load only checkpoints from folders
+you control (docs/troubleshooting.md, "What is safe to load").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+CHUNK = 1 << 20
+METADATA = ".metadata"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_digests(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, dict]:
+    """{file name: {"bytes": size, "sha256": hex}} of every regular file directly in ``folder``."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name not in skip
+    }
+
+
+def manifest_problems(folder: Path, files: dict) -> list[str]:
+    """Step 2: every listed file present with its size, and ``.metadata``'s digest right."""
+    if not isinstance(files, dict) or METADATA not in files:
+        return ["its manifest lists no checksums (written by an older meshloom, or not by meshloom)"]
+    problems = []
+    for name, entry in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != entry.get("bytes"):
+            problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {entry.get('bytes')}")
+    if not problems and sha256_of(folder / METADATA) != files[METADATA].get("sha256"):
+        problems.append(f"{METADATA} does not match its checksum (damaged or replaced)")
+    return problems
+
+
+def digest_problems(folder: Path, files: dict, names: list[str]) -> list[str]:
+    """Step 3: the files ``names`` (of the manifest ``files``) hashed and compared."""
+    return [
+        f"{name} does not match its checksum (damaged)"
+        for name in names
+        if sha256_of(folder / name) != files[name].get("sha256")
+    ]
