@@ -81,8 +81,18 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "default"  # "default": the Python standard library's sources; or a text file / folder
-    max_bytes: int = 16 * 1024 * 1024  # read at most this much of the source
+    source: str = "default"  # "default": the stdlib's sources; a text file / folder; or a data.prepare folder
+    max_bytes: int = 16 * 1024 * 1024  # raw text sources: read at most this much (prepared folders: no limit)
+    tokenizer: str = "bytes"  # bytes | path to a Hugging Face tokenizer.json (or its folder); see data/tokenizers.py
+    eos_token: str = ""  # "": the tokenizer's own end-of-document token
+    val_source: str = ""  # held-out data (same kinds as source); "": none, or the last val_fraction of source
+    val_fraction: float = 0.0  # with no val_source: hold out this last fraction of the source's tokens
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0  # validation loss every `interval` steps and at the last step; 0: never
+    steps: int = 4  # global batches of the validation split per evaluation (always the same ones)
 
 
 @dataclass
@@ -110,6 +120,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 

@@ -23,8 +23,9 @@ from torch import nn
 
 from checkpoint.manager import CheckpointManager, find_resume
 from config import Config, ConfigError, load_config
-from data.corpus import check_corpus, load_corpus
+from data.dataset import check_data, load_data
 from data.loader import GlobalBatchLoader
+from evaluation import eval_due, evaluate
 from mesh.activation_checkpoint import apply_activation_checkpointing
 from mesh.data_parallel import apply_fsdp
 from mesh.dims import Meshes, ParallelDims, build_mesh, mesh_banner, pipeline_microbatches, validate_layout
@@ -106,7 +107,7 @@ def check_config(cfg: Config, world_size: int) -> tuple[ParallelDims, ModelArgs]
     dims = ParallelDims.resolve(cfg, world_size)
     args = model_args(cfg)
     validate_layout(dims, cfg, args)
-    check_corpus(cfg.data.source, cfg.training.seq_len)
+    check_data(cfg)  # tokenizer, token-file headers, vocab, dataset and validation-split sizes
     # A run that resumes from a checkpoint continues the metrics of run.dir instead of refusing them.
     check_run_dir(cfg.run.dir, cfg.run.overwrite, resuming=find_resume(cfg, args) is not None)
     return dims, args
@@ -214,9 +215,13 @@ def train(cfg: Config) -> list[dict]:
                 timeline.instrument(stage)
     optimizers = Optimizers(parts, cfg)
     params = [p for part in parts for p in part.parameters()]
+    data = load_data(cfg)
     loader = GlobalBatchLoader(
-        load_corpus(cfg.data.source, cfg.data.max_bytes),
-        seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=micro_batch,
+        data.train, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=micro_batch,
+        dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp,
+    )  # fmt: skip
+    val_loader = None if data.val is None else GlobalBatchLoader(
+        data.val, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=micro_batch,
         dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp,
     )  # fmt: skip
     # Weights, optimizer, LR schedule, data position and RNG from the checkpoint (or init_from weights).
@@ -230,7 +235,8 @@ def train(cfg: Config) -> list[dict]:
             f"{mesh_banner(meshes.world)}\n"
             f"  parameters    {args.num_params():,} total, {local_params:,} on rank 0{stages}\n"
             f"  batch         global {t.global_batch} = micro {micro_batch} x dp {dims.dp} x accumulation "
-            f"{loader.local_batch // micro_batch}; seq_len {t.seq_len}; {global_tokens:,} tokens/step",
+            f"{loader.local_batch // micro_batch}; seq_len {t.seq_len}; {global_tokens:,} tokens/step\n"
+            f"  data          {data.description}",
             flush=True,
         )
     # Every rank checked run.dir in check_config; wait for all of them before rank 0 creates files in it.
@@ -277,8 +283,16 @@ def train(cfg: Config) -> list[dict]:
             }  # fmt: skip
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at step {step}; lower training.lr or enable grad_clip.")
+            if eval_due(step, cfg.eval.interval, t.steps):
+                kept = len(timeline.events) if timeline is not None else 0
+                record["val_loss"] = evaluate(
+                    parts, schedule, val_loader, steps=cfg.eval.steps, stage_ids=stage_ids, n_stages=n_stages,
+                    loss_fn=token_loss_sum, tp_enabled=dims.tp > 1, loss_mesh=meshes.loss, device=device,
+                )  # fmt: skip
+                if timeline is not None:
+                    del timeline.events[kept:]  # the pipeline timeline shows the training step only
             records.append(record)
-            if step % cfg.run.log_every == 0 or step == t.steps:
+            if step % cfg.run.log_every == 0 or step == t.steps or "val_loss" in record:
                 writer.log(record)
                 if is_logger:
                     print(format_step(record), flush=True)
