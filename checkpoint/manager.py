@@ -51,6 +51,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from checkpoint.hf import import_safetensors, safetensors_path, safetensors_problems
 from checkpoint.state import TRAIN, TRAIN_KEYS, apply_training_state, expected_entries, training_state
 from config import Config, ConfigError, ModelConfig
+from data.dataset import stream_identity
 from mesh.runtime import barrier, new_collective_group, raise_if_any_rank_failed
 from models.llama import ModelArgs, Transformer
 
@@ -213,8 +214,11 @@ def find_resume(cfg: Config, args: ModelArgs) -> Path | None:
             )
         start = meta["step"]
         stream = meta.get("data", {})
-        for key, now in (("source", cfg.data.source), ("seq_len", cfg.training.seq_len)):
-            field = f"data.{key}" if key == "source" else f"training.{key}"
+        d = cfg.data
+        for field, now in (("data.source", d.source), ("training.seq_len", cfg.training.seq_len),
+                           ("data.tokenizer", d.tokenizer), ("data.val_source", d.val_source),
+                           ("data.val_fraction", d.val_fraction)):  # fmt: skip
+            key = field.split(".")[1]
             if key in stream and stream[key] != now:
                 raise ConfigError(
                     f"checkpoint {chosen} was saved with {field}={stream[key]!r}, this run has {field}={now!r}: its "
@@ -400,7 +404,7 @@ class CheckpointManager:
                 "ep": d.ep,
                 "pp_schedule": self.cfg.parallel.pp_schedule if d.pp > 1 else None,
             },
-            "data": {"source": self.cfg.data.source, "seq_len": t.seq_len, "global_batch": t.global_batch},
+            "data": {**stream_identity(self.cfg), "seq_len": t.seq_len, "global_batch": t.global_batch},
             "meshloom_version": meshloom_version(),
             "torch_version": torch.__version__,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
