@@ -20,7 +20,7 @@ from config import ConfigError, load_config
 from data.dataset import load_data
 from data.loader import GlobalBatchLoader
 from data.prepare import prepare
-from data.token_file import HEADER, TOKENS, dtype_for, read_header
+from data.token_file import HEADER, TOKENS, TokenMap, dtype_for, read_header
 from data.tokenizers import load_tokenizer
 from tests.bpe import EOS, train_bpe
 from tests.training_runs import DEBUG_CONFIG, ROOT, run_train_cli
@@ -186,7 +186,7 @@ def test_bad_source_data_is_refused_naming_the_place_and_the_fix(make, words, tm
 def test_the_memory_map_gives_the_batches_of_the_in_memory_stream(tmp_path):
     tokens = (torch.arange(20_000) * 7919 % 50_000).to(torch.int64)
     tokens.numpy().astype("<u2").tofile(tmp_path / "tokens.bin")
-    mapped = np.memmap(tmp_path / "tokens.bin", dtype="<u2", mode="r")
+    mapped = TokenMap(tmp_path / "tokens.bin", np.dtype("<u2"))
     kw = dict(seq_len=32, global_batch=8, micro_batch=2, dp_size=2)
     for rank in range(2):
         a = GlobalBatchLoader(tokens, dp_rank=rank, **kw)
@@ -195,6 +195,11 @@ def test_the_memory_map_gives_the_batches_of_the_in_memory_stream(tmp_path):
             for (xa, ya), (xb, yb) in zip(a.next_batch(), b.next_batch(), strict=True):
                 assert xb.dtype == torch.int64 and torch.equal(xa, xb) and torch.equal(ya, yb)
         assert a.state_dict() == b.state_dict()
+    # a slice is a view of the same file (the validation split); reads past its end are refused
+    part = mapped[1000:1100]
+    assert len(part) == 100 and part[np.array([0, 99])].tolist() == tokens[[1000, 1099]].tolist()
+    with pytest.raises(IndexError):
+        part[np.array([100])]
 
 
 def test_raw_text_with_a_tokenizer_json_equals_the_prepared_folder(tmp_path, bpe):
@@ -206,7 +211,7 @@ def test_raw_text_with_a_tokenizer_json_equals_the_prepared_folder(tmp_path, bpe
     common = {"data__tokenizer": str(bpe), "model__vocab_size": 512, "training__seq_len": 16}
     raw = load_data(config(tmp_path, data__source=str(folder), **common))
     mapped = load_data(config(tmp_path, data__source=str(tmp_path / "prepared"), **common))
-    assert isinstance(mapped.train, np.memmap) and np.array_equal(np.asarray(raw.train), np.asarray(mapped.train))
+    assert isinstance(mapped.train, TokenMap) and np.array_equal(np.asarray(raw.train), np.asarray(mapped.train))
     assert "memory-mapped" in mapped.description and "EOS id 0" in mapped.description
 
 
