@@ -22,7 +22,7 @@ from data.loader import GlobalBatchLoader
 from data.prepare import prepare
 from data.token_file import HEADER, TOKENS, TokenMap, dtype_for, read_header
 from data.tokenizers import load_tokenizer
-from tests.bpe import EOS, train_bpe
+from tests.bpe import EOS, tiny_bpe
 from tests.training_runs import DEBUG_CONFIG, ROOT, run_train_cli
 
 DOCS = ["def f(x):\n    return x + 1\n", "héllo ∑ wörld", "", "class A:\n    pass\n"]  # the empty one is skipped
@@ -30,7 +30,7 @@ DOCS = ["def f(x):\n    return x + 1\n", "héllo ∑ wörld", "", "class A:\n   
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-    return train_bpe(tmp_path_factory.mktemp("bpe"))
+    return tiny_bpe(tmp_path_factory.mktemp("bpe"))
 
 
 def config(tmp_path, **overrides):
@@ -240,10 +240,11 @@ def test_jsonl_as_data_source_points_at_prepare(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_dataset(bpe, tmp_path_factory):
-    """A prepared folder of 800 tokens: more than one global batch of seq_len 16 (129), fewer than of 128."""
+    """A prepared folder of ~800 tokens: more than one global batch of seq_len 16 (129), fewer than of 128."""
     root = tmp_path_factory.mktemp("small")
     prepare(str(write_jsonl(root / "d.jsonl", DOCS * 20)), str(bpe), str(root / "prepared"), workers=1, quiet=True)
-    assert read_header(root / "prepared")["num_tokens"] == 800
+    n = read_header(root / "prepared")["num_tokens"]
+    assert 8 * 16 + 1 < 0.9 * n and 0.1 * n < 8 * 16 + 1 and n < 8 * 128 + 1, n
     return root / "prepared"
 
 
@@ -268,7 +269,7 @@ def train_cli(tmp_path, *args, nproc=1):
          ["training tokens, fewer than one global batch", "8 x 128 + 1 = 1,025", "lower training.global_batch"]),
         (["--data.tokenizer", "BPE", "--model.vocab_size", "512", "--training.seq_len", "16",
           "--data.val_fraction", "0.1"],
-         ["the validation split (data.val_fraction=0.1 of data.source) holds only 80 tokens",
+         ["the validation split (data.val_fraction=0.1 of data.source) holds only",
           "at least one global batch", "raise data.val_fraction"]),
         (["--data.tokenizer", "BPE", "--model.vocab_size", "512", "--training.seq_len", "16", "--eval.interval", "5"],
          ["eval.interval=5 needs a validation split", "--data.val_fraction"]),
@@ -296,6 +297,18 @@ def test_every_rank_reports_a_damaged_token_file(small_dataset, bpe, tmp_path):
     # Every rank checks the files with no process group and prints the same report (torchrun may stop a
     # slower rank once the first has exited, so at least one).
     assert reports and len(set(reports)) == 1, stderr[-3000:]
-    assert "tokens.bin has 1,598 bytes but header.json promises 800 uint16 tokens" in reports[0]
+    n = read_header(small_dataset)["num_tokens"]
+    assert f"tokens.bin has {2 * n - 2:,} bytes but header.json promises {n:,} uint16 tokens" in reports[0]
     assert "the folder is damaged: prepare the dataset again" in reports[0]
     assert seconds < 90
+
+
+def test_train_tokenizer_command_writes_a_loadable_bpe(tmp_path):
+    cmd = [sys.executable, "-m", "data.train_tokenizer", "--source", str(write_jsonl(tmp_path / "d.jsonl", DOCS * 50)),
+           "--vocab-size", "300", "--out", str(tmp_path / "tok")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    assert tok.eos_id == 0 and tok.vocab_size <= 300 and tok.decode(tok.encode(DOCS[1])) == DOCS[1]
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "never overwrites" in again.stderr

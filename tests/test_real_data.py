@@ -29,7 +29,7 @@ import torch
 
 from data.prepare import prepare
 from data.token_file import TOKENS, read_header
-from tests.bpe import train_bpe
+from tests.bpe import tiny_bpe
 from tests.training_runs import LOSS_RTOL, ROOT, assert_same_curve, train_on
 
 N_FILES = 30  # documents (stdlib files) in the datasets: ~400k tokens, prepared in about a second
@@ -45,7 +45,7 @@ def datasets(tmp_path_factory):
     from data.corpus import corpus_files
 
     root = tmp_path_factory.mktemp("real")
-    tokenizer = train_bpe(root / "tokenizer")
+    tokenizer = tiny_bpe(root / "tokenizer")
     files = corpus_files("default")[:N_FILES]
     texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
     (root / "raw").mkdir()
