@@ -220,3 +220,14 @@ def test_val_loss_reaches_the_console_metrics_jsonl_and_tensorboard(datasets, tm
     events.Reload()
     assert [e.step for e in events.Scalars("val/loss")] == [2, 3]
     assert [e.value for e in events.Scalars("val/loss")] == pytest.approx([r["val_loss"] for r in records])
+
+
+def test_evaluation_does_not_change_training(tmp_path):
+    """MoE counts routed tokens and nudges its expert bias from them: evaluating must touch neither."""
+    moe = str(ROOT / "configs" / "debug_moe.toml")
+    base = {"data.val_fraction": 0.05, "training.steps": 4, "model.moe_bias_update_rate": 0.01}
+    plain = train_on(1, base, tmp_path / "plain", config=moe)
+    evaluated = train_on(1, {**base, "eval.interval": 1, "eval.steps": 2}, tmp_path / "eval", config=moe)
+    assert all("val_loss" in r for r in evaluated)
+    for a, b in zip(plain, evaluated, strict=True):
+        assert (a["loss"], a["grad_norm"], a["expert_load"]) == (b["loss"], b["grad_norm"], b["expert_load"])
