@@ -55,7 +55,7 @@ class ModelConfig:
     n_layers: int = opt(4, "transformer blocks", ge=1)
     n_heads: int = opt(8, "query heads per attention", ge=1)
     n_kv_heads: int = opt(4, "key/value heads (grouped-query attention); divides n_heads", ge=1)
-    vocab_size: int = opt(256, "vocabulary size (the byte tokenizer needs 256)", ge=1)
+    vocab_size: int = opt(256, "vocabulary size (>= the tokenizer's: 256 for bytes)", ge=1)
     ffn_dim: int = opt(0, "SwiGLU hidden size; 0: Llama's rule, 8/3 * dim rounded up to multiple_of", ge=0)
     multiple_of: int = opt(64, "round the derived ffn_dim up to a multiple of this", ge=1)
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
@@ -115,8 +115,18 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
-    source: str = opt("default", "'default' (the Python standard library's sources), a text file or a folder")
-    max_bytes: int = opt(16 * 1024 * 1024, "read at most this many bytes of the source", ge=1)
+    source: str = opt("default", "'default' (the stdlib's sources), a text file or folder, or a data.prepare folder")
+    max_bytes: int = opt(16 * 1024 * 1024, "raw text sources: read at most this many bytes (prepared: no limit)", ge=1)
+    tokenizer: str = opt("bytes", "bytes | path to a Hugging Face tokenizer.json (or its folder)")
+    eos_token: str = opt("", "end-of-document token; '': the tokenizer's own")
+    val_source: str = opt("", "held-out data (same kinds as source); '': none, or the last val_fraction of source")
+    val_fraction: float = opt(0.0, "with no val_source: hold out this last fraction of the source's tokens", ge=0, lt=1)
+
+
+@dataclass
+class EvalConfig:
+    interval: int = opt(0, "validation loss every N steps and at the last step; 0: never", ge=0)
+    steps: int = opt(4, "global batches of the validation split per evaluation (always the same ones)", ge=1)
 
 
 @dataclass
@@ -144,6 +154,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -321,7 +332,7 @@ def check_values(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     if p.dp_shard == 0:
         broken.append("parallel.dp_shard=0 must be >= 1, or -1 for 'the rest of the world'.")
-    if m.vocab_size < 256:
+    if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
         broken.append(f"model.vocab_size={m.vocab_size} must be >= 256, which the byte tokenizer needs.")
     if m.n_heads >= 1 and m.dim % m.n_heads == 0 and (m.dim // m.n_heads) % 2:
         broken.append(

@@ -62,7 +62,8 @@ class MetricsWriter:
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(f"train/{key}", value, record["step"])
+                    tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"  # val_loss -> val/loss
+                    self.tb.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
         if self.file is not None:
@@ -76,4 +77,5 @@ def format_step(record: dict) -> str:
         f"step {record['step']:>5} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
         f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
         f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB"
+        + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
     )

@@ -26,8 +26,9 @@ from checkpoint.folder import check_writable, checkpoint_bytes, checkpoint_folde
 from checkpoint.manager import CheckpointManager, CheckpointSaveError
 from checkpoint.resume import Resume, find_resume
 from config import Config, ConfigError, check_values, help_text, load_config
-from data.corpus import check_corpus, load_corpus
+from data.dataset import check_data, load_data
 from data.loader import GlobalBatchLoader
+from evaluation import eval_due, evaluate
 from mesh.activation_checkpoint import apply_activation_checkpointing
 from mesh.data_parallel import apply_fsdp
 from mesh.dims import Meshes, build_mesh, mesh_banner
@@ -80,7 +81,7 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
     """
     check_values(cfg)
     plan = LayoutPlan.resolve(cfg, world_size, rank)
-    check_corpus(cfg.data.source, cfg.training.seq_len)
+    check_data(cfg)  # tokenizer, token-file headers, vocab, dataset and validation-split sizes
     resume = find_resume(cfg, plan.model)
     # A run that resumes continues the metrics of run.dir instead of refusing them; so does a torchrun restart
     # with resume auto, even before its first checkpoint.
@@ -207,16 +208,20 @@ def train(cfg: Config) -> list[dict]:
         optimizers = Optimizers(parts, cfg)
         params = [p for part in parts for p in part.parameters()]
         moe_layer_ids = [i for i in range(plan.model.n_layers) if plan.model.is_moe_layer(i)]
+        data = load_data(cfg)
         loader = GlobalBatchLoader(
-            load_corpus(cfg.data.source, cfg.data.max_bytes),
-            seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=plan.micro_batch,
+            data.train, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=plan.micro_batch,
+            dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp,
+        )  # fmt: skip
+        val_loader = None if data.val is None else GlobalBatchLoader(
+            data.val, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=plan.micro_batch,
             dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp,
         )  # fmt: skip
         # Weights, optimizer, LR schedule, data position and RNG from the checkpoint (or init_from weights).
         with phase("loading the checkpoint", "checkpoint group"):
             start_step = checkpoints.restore(parts, optimizers, loader)
         if is_logger:
-            print_banner(cfg, plan, meshes, params, device)
+            print_banner(cfg, plan, meshes, params, device, data.description)
         metrics_from = checkpoints.resumed_step
         if metrics_from is None and restart_attempt() > 0 and resume.mode == "auto":
             metrics_from = 0  # a restart before the first checkpoint replays everything
@@ -267,8 +272,15 @@ def train(cfg: Config) -> list[dict]:
                 "tokens_per_s": plan.global_tokens / elapsed, "peak_mem_bytes": peak_memory_bytes(device),
                 "tokens_consumed": loader.tokens_consumed, **load_metrics(moe_load),
             }  # fmt: skip
+            if eval_due(step, cfg.eval.interval, t.steps):
+                with phase(f"step {step}: validation", model_groups or "none (one process)"):
+                    record["val_loss"] = evaluate(
+                        parts, schedule, val_loader, steps=cfg.eval.steps, stage_ids=list(plan.stage_ids),
+                        n_stages=plan.n_stages, loss_fn=token_loss_sum, tp_enabled=dims.tp > 1,
+                        loss_mesh=meshes.loss, device=device,
+                    )  # fmt: skip
             records.append(record)
-            if step % cfg.run.log_every == 0 or step == t.steps:
+            if step % cfg.run.log_every == 0 or step == t.steps or "val_loss" in record:
                 writer.log(record)
                 if is_logger:
                     print(format_step(record), flush=True)
@@ -338,7 +350,7 @@ def stop_after(cfg: Config, step: int, signum: int, checkpoints, parts, optimize
     raise StopRequested(signum, f"stopped by {name} after step {step}; {saved}; {how}")
 
 
-def print_banner(cfg: Config, plan: LayoutPlan, meshes: Meshes, params, device: torch.device) -> None:
+def print_banner(cfg: Config, plan: LayoutPlan, meshes: Meshes, params, device: torch.device, data: str) -> None:
     local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
     stages = f"; pipeline stages {list(plan.stage_ids)} of {plan.n_stages} on rank 0" if plan.dims.pp > 1 else ""
     print(
@@ -346,7 +358,8 @@ def print_banner(cfg: Config, plan: LayoutPlan, meshes: Meshes, params, device: 
         f"{cfg.training.mixed_precision}\n"
         f"{mesh_banner(meshes.world)}\n"
         f"  parameters    {plan.model.num_params():,} total, {local_params:,} on rank 0{stages}\n"
-        f"  batch         {plan.batch_line()}",
+        f"  batch         {plan.batch_line()}\n"
+        f"  data          {data}",
         flush=True,
     )
 

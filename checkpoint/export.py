@@ -10,6 +10,10 @@
    stitches each tensor from the shards every rank wrote, whatever the layout was. Only ``model.*`` entries
    are read; the optimizer state stays on disk.
 4. Write ``model.safetensors`` (HF names, checkpoint/hf.py) and a ``config.json`` for LlamaForCausalLM.
+5. When the run used a tokenizer.json (meshloom.json records its path and SHA-256), copy it and write a
+   tokenizer_config.json beside the weights, so that ``AutoModelForCausalLM.from_pretrained(out)`` and
+   ``AutoTokenizer.from_pretrained(out)`` both work. ``--tokenizer`` points at the file when it has moved;
+   its hash must still match.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpoint.folder import published
-from checkpoint.hf import export_safetensors
+from checkpoint.hf import export_safetensors, export_tokenizer
 from checkpoint.resume import META_FILE, inspect
 from checkpoint.state import MODEL, split
 from checkpoint.verify import METADATA, digest_problems
@@ -87,22 +91,52 @@ def load_model_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], object]:
     return split(state, MODEL), args
 
 
+def checkpoint_tokenizer(step_dir: Path, override: str = ""):
+    """Step 5: the tokenizer a checkpoint was trained with (bytes for checkpoints that predate tokenizers)."""
+    from data.tokenizers import load_tokenizer
+
+    stream = json.loads((step_dir / META_FILE).read_text()).get("data", {})
+    spec = stream.get("tokenizer", "bytes")
+    if spec == "bytes" and not override:
+        return load_tokenizer("bytes")
+    path = override or stream.get("tokenizer_file") or spec
+    recorded = stream.get("tokenizer_sha256")
+    try:
+        tokenizer = load_tokenizer(path, stream.get("eos_token") or "", field="--tokenizer")
+    except ConfigError as exc:
+        raise ConfigError(
+            f"checkpoint {step_dir} was trained with the tokenizer {spec!r} ({path}), which cannot be loaded: {exc} "
+            "Pass --tokenizer with the tokenizer.json it was trained with."
+        ) from exc
+    if recorded and tokenizer.sha256 != recorded:
+        raise ConfigError(
+            f"--tokenizer {path}: its SHA-256 {tokenizer.sha256[:12]} is not the {recorded[:12]} that checkpoint "
+            f"{step_dir} was trained with; pass the tokenizer.json the run used."
+        )
+    return tokenizer
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m checkpoint.export", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a step-N folder, or a checkpoint folder (newest)")
     parser.add_argument("--out", required=True, help="output folder for model.safetensors and config.json")
     parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing export in --out")
+    parser.add_argument("--tokenizer", default="", help="the run's tokenizer.json, if it moved since training")
     opts = parser.parse_args(argv)
     try:
         check_out(opts.out, opts.overwrite)
         step_dir = choose_checkpoint(opts.checkpoint)
+        tokenizer = checkpoint_tokenizer(step_dir, opts.tokenizer)
         state, args = load_model_state(step_dir)
-        file = export_safetensors(state, args, opts.out)
+        file = export_safetensors(state, args, opts.out, eos_token_id=tokenizer.eos_id)
+        written = [file, Path(opts.out) / "config.json"]
+        if tokenizer.file is not None:
+            written += export_tokenizer(tokenizer, opts.out, args.max_seq_len)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"meshloom export: error: {exc}", file=sys.stderr, flush=True)
         return 2
     size = sum(t.numel() for t in state.values())
-    print(f"exported {step_dir} ({size:,} parameters) to {file} and {Path(opts.out) / 'config.json'}")
+    print(f"exported {step_dir} ({size:,} parameters) to {', '.join(str(w) for w in written)}")
     return 0
 
 

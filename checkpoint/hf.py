@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -64,8 +65,12 @@ def hf_name(name: str) -> str:
     raise ValueError(f"{name!r} has no Hugging Face Llama name: only dense Llama models export (MoE layers do not map)")
 
 
-def hf_config(args: ModelArgs) -> dict:
-    """A config.json that ``LlamaForCausalLM.from_pretrained`` reads as this architecture."""
+def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
+    """A config.json that ``LlamaForCausalLM.from_pretrained`` reads as this architecture.
+
+    ``bos_token_id`` is None (meshloom packs documents with an EOS after each and no BOS), and
+    ``eos_token_id`` is the tokenizer's (None for bytes), so ``generate`` stops where our generate.py does.
+    """
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -85,7 +90,42 @@ def hf_config(args: ModelArgs) -> dict:
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
     }
+
+
+def model_args_from_hf_config(config: dict) -> ModelArgs:
+    """The inverse of ``hf_config``: meshloom's ModelArgs for an exported (dense Llama) config.json."""
+    args = ModelArgs(
+        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
+        n_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]), vocab_size=config["vocab_size"],
+        ffn_dim=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-5),
+        rope_theta=config.get("rope_theta", 10000.0), max_seq_len=config.get("max_position_embeddings", 2048),
+    )  # fmt: skip
+    if config.get("head_dim", args.head_dim) != args.head_dim or config.get("tie_word_embeddings"):
+        raise ValueError("config.json has a head_dim other than hidden_size / num_attention_heads, or tied "
+                         "embeddings; meshloom's Llama has neither")  # fmt: skip
+    return args
+
+
+def export_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> list[Path]:
+    """tokenizer.json (copied) and a tokenizer_config.json, so that ``AutoTokenizer.from_pretrained`` loads it.
+
+    ``PreTrainedTokenizerFast`` takes tokenizer.json as it is (pre-tokenizer, normalizer, decoder), instead
+    of a model-specific class that might rebuild them. A tokenizer.json with a post-processor that adds a
+    BOS still adds it there; meshloom's packing never does (pass ``add_special_tokens=False`` to match).
+    """
+    out = Path(out_dir)
+    shutil.copyfile(tokenizer.file, out / "tokenizer.json")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": tokenizer.eos_token,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return [out / "tokenizer.json", out / "tokenizer_config.json"]
 
 
 def expected_hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:
@@ -95,7 +135,9 @@ def expected_hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:
     return {hf_name(name): p.shape for name, p in model.named_parameters()}
 
 
-def export_safetensors(model_state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path) -> Path:
+def export_safetensors(
+    model_state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path, eos_token_id: int | None = None
+) -> Path:
     """Write ``model_state`` (full tensors, meshloom names) as out_dir/model.safetensors + config.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,7 +147,7 @@ def export_safetensors(model_state: dict[str, torch.Tensor], args: ModelArgs, ou
         raise ValueError(f"the state does not match the model: missing {sorted(set(expected) - set(tensors))[:5]}")
     # metadata format=pt: what transformers checks to accept a safetensors file as PyTorch weights.
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(args), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config(args, eos_token_id), indent=2) + "\n")
     return out / "model.safetensors"
 
 

@@ -56,6 +56,7 @@ from checkpoint.resume import FORMAT, META_FILE, Resume, check_usable, inspect, 
 from checkpoint.state import apply_training_state, training_state
 from checkpoint.verify import METADATA, digest_problems, file_digests
 from config import Config, ConfigError
+from data.dataset import stream_identity
 from mesh.runtime import ControlPlane, new_cpu_group
 
 # Test hook: "STEP:SECONDS" makes rank 0 sleep after step STEP is fully written, before it is published,
@@ -345,7 +346,7 @@ class CheckpointManager:
                 "ep": d.ep,
                 "pp_schedule": self.plan.pp_schedule,
             },
-            "data": {"source": self.cfg.data.source, "seq_len": t.seq_len, "global_batch": t.global_batch},
+            "data": {**stream_identity(self.cfg), "seq_len": t.seq_len, "global_batch": t.global_batch},
             "meshloom_version": meshloom_version(),
             "torch_version": torch.__version__,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -148,9 +148,11 @@ def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, args: ModelArgs)
             f"checkpoint {path} does not fit this model:\n  - " + "\n  - ".join(problems) + "\n"
             "Resume with the [model] settings it was saved with, or start a new --checkpoint.folder."
         )
-    stream = meta.get("data", {})
-    for key, now in (("source", cfg.data.source), ("seq_len", cfg.training.seq_len)):
-        name = f"data.{key}" if key == "source" else f"training.{key}"
+    stream, d = meta.get("data", {}), cfg.data
+    for name, now in (("data.source", d.source), ("training.seq_len", cfg.training.seq_len),
+                      ("data.tokenizer", d.tokenizer), ("data.val_source", d.val_source),
+                      ("data.val_fraction", d.val_fraction)):  # fmt: skip
+        key = name.split(".")[1]
         if key in stream and stream[key] != now:
             raise ConfigError(
                 f"checkpoint {path} was saved with {name}={stream[key]!r}, this run has {name}={now!r}: its "

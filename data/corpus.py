@@ -3,7 +3,8 @@
 ``data.source = "default"`` reads the Python standard library's own ``.py`` files, sorted by name, so
 every machine with Python has the same corpus (for a given Python version) and nothing is downloaded.
 Otherwise ``data.source`` is a text file, or a folder whose regular files are read in sorted order.
-Files are concatenated as bytes; the byte tokenizer turns them into token ids.
+With the byte tokenizer the files are concatenated as bytes; data/dataset.py tokenizes them with a
+tokenizer.json instead when one is configured. Large datasets go through data/prepare.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from config import ConfigError
 from data.tokenizer import encode
 
 
-def corpus_files(source: str) -> list[Path]:
+def corpus_files(source: str, field: str = "data.source") -> list[Path]:
     """The files of ``source`` in the fixed order they are read."""
     if source == "default":
         stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -28,19 +29,12 @@ def corpus_files(source: str) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
         if not files:
-            raise ConfigError(f"data.source={source!r} is a folder with no files; point it at text files.")
+            raise ConfigError(f"{field}={source!r} is a folder with no files; point it at text files.")
         return files
-    raise ConfigError(f"data.source={source!r} does not exist; give a text file, a folder of text files, or 'default'.")
-
-
-def check_corpus(source: str, seq_len: int) -> None:
-    """Fail before any process group if the corpus is missing or shorter than one training window."""
-    size = sum(f.stat().st_size for f in corpus_files(source))
-    if size < seq_len + 2:
-        raise ConfigError(
-            f"data.source={source!r} holds {size} bytes, fewer than training.seq_len + 2 = {seq_len + 2}; "
-            "use more text or a smaller training.seq_len."
-        )
+    raise ConfigError(
+        f"{field}={source!r} does not exist; give a text file, a folder of text files, a folder written by "
+        "python -m data.prepare, or 'default'."
+    )
 
 
 def load_corpus(source: str, max_bytes: int) -> torch.Tensor:

@@ -8,10 +8,15 @@ on every rank, whatever D is.
 
 So two runs with different data-parallel degrees see the same global batches in the same order, and a
 checkpoint that stores ``tokens_consumed`` resumes the same stream under any other layout.
+
+The tokens are a torch tensor (a raw corpus tokenized in memory) or a numpy array, usually the read-only
+memory map of a prepared token file (data/token_file.py): a step then reads just its windows' pages from
+disk, so memory does not grow with the dataset.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from config import ConfigError
@@ -28,10 +33,11 @@ class GlobalBatchLoader:
         dp_rank: int,
         dp_size: int,
     ):
-        if tokens.numel() < seq_len + 2:
+        self.num_tokens = int(tokens.shape[0])
+        if self.num_tokens < global_batch * seq_len + 1:
             raise ConfigError(
-                f"the corpus has {tokens.numel()} tokens, fewer than training.seq_len + 2 = {seq_len + 2}; "
-                "use a larger data.source or a smaller training.seq_len."
+                f"the token stream has {self.num_tokens} tokens, fewer than one global batch: training.global_batch x "
+                f"training.seq_len + 1 = {global_batch * seq_len + 1}; use a larger data.source or smaller sizes."
             )
         if global_batch % dp_size:
             raise ConfigError(f"training.global_batch={global_batch} is not divisible by the dp degree {dp_size}.")
@@ -51,12 +57,16 @@ class GlobalBatchLoader:
         first = self.dp_rank * self.local_batch
         offsets = position + (first + torch.arange(self.local_batch, dtype=torch.int64)) * self.seq_len
         # Wrap around at the end of the corpus so that every window has seq_len + 1 tokens.
-        return offsets % (self.tokens.numel() - self.seq_len)
+        return offsets % (self.num_tokens - self.seq_len)
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's (inputs, targets) micro-batches for one optimizer step; advances the position."""
         starts = self.window_starts(self.tokens_consumed)
-        windows = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
+        index = starts[:, None] + torch.arange(self.seq_len + 1)
+        if isinstance(self.tokens, torch.Tensor):
+            windows = self.tokens[index].long()
+        else:  # numpy / memory map: reads only the pages these windows touch
+            windows = torch.from_numpy(self.tokens[index.numpy()].astype(np.int64))
         self.tokens_consumed += self.global_batch * self.seq_len
         inputs, targets = windows[:, :-1], windows[:, 1:]
         return list(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch), strict=True))

@@ -14,6 +14,9 @@ Three choices make the model easy to parallelize without changing it:
    mesh/materialize.materialize_weights once it is sharded. Either way each parameter's initial value
    is a function of (seed, parameter name) only (``initial_value``), never of the layout or of the order
    in which parameters are created, so every parallel layout starts from the same weights.
+
+For generation (generate.py, one device) ``forward`` also takes a ``KVCache``: the tokens given are the
+positions after the cached ones, so a prompt is run once and then one new token per call.
 """
 
 from __future__ import annotations
@@ -123,6 +126,41 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
+class KVCache:
+    """Keys and values of the positions seen so far, per layer, for incremental decoding on one device.
+
+    ``Transformer.forward(tokens, cache)`` treats ``tokens`` as positions ``length .. length + seq - 1``:
+    each attention layer rotates its queries and keys by those absolute positions, writes the new keys and
+    values into its buffers, and attends over everything cached so far; then ``length`` advances by seq.
+    """
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, device=None, dtype=torch.float32):
+        shape = (batch, max_len, args.n_kv_heads, args.head_dim)
+        self.keys = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
+        self.values = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
+        self.max_len = max_len
+        self.length = 0
+
+    def layer(self, key: str) -> LayerCache:
+        return LayerCache(self.keys[key], self.values[key], self.length)
+
+
+class LayerCache:
+    """One layer's view of a KVCache during one forward: its buffers and where the new positions start."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: int):
+        self.keys, self.values, self.start = keys, values, start
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (batch, seq, kv_heads, head_dim) at start.. and return every cached position's k, v."""
+        end = self.start + k.shape[1]
+        if end > self.keys.shape[1]:
+            raise ValueError(f"KV cache holds {self.keys.shape[1]} positions; position {end - 1} does not fit")
+        self.keys[:, self.start : end] = k
+        self.values[:, self.start : end] = v
+        return self.keys[:, :end], self.values[:, :end]
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
 
@@ -135,18 +173,31 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
+    ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        cos, sin = cos[:seqlen], sin[:seqlen]  # seqlen of the full sequence, even if the caller holds a shard
+        start = 0 if cache is None else cache.start
+        # seqlen of the full sequence, even if the caller holds a shard; offset by the cached positions.
+        cos, sin = cos[start : start + seqlen], sin[start : start + seqlen]
         # -1 heads: under tensor parallelism these are the local heads of this rank.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        mask = None
+        if cache is not None:
+            k, v = cache.update(k, v)
+            # query i (position start + i) sees keys 0 .. start + i
+            mask = torch.arange(start, start + seqlen, device=x.device)[:, None] >= torch.arange(
+                k.shape[1], device=x.device
+            )
         # Each key/value head serves n_rep consecutive query heads.
         k = k.repeat_interleave(self.n_rep, dim=2)
         v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
+        )
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -174,8 +225,12 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        # The cache is passed only when there is one: parallel styles (PrepareModuleInput) count the inputs.
+        extra = () if cache is None else (cache,)
+        h = x + self.attention(self.attention_norm(x), cos, sin, *extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -194,11 +249,19 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (batch, seq) int64 -> logits (batch, seq, vocab); a later pipeline stage takes hidden states."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab); a later pipeline stage takes hidden states.
+
+        With a ``cache`` (whole model, one device), ``tokens`` continue the cached positions (see KVCache).
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+        for key, layer in self.layers.items():
+            if cache is None:
+                h = layer(h, self.rope_cos, self.rope_sin)
+            else:
+                h = layer(h, self.rope_cos, self.rope_sin, cache.layer(key))
+        if cache is not None:
+            cache.length += tokens.shape[1]
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -99,10 +99,10 @@ def test_out_of_range_values_are_refused(overrides, expected, tmp_path):
     assert expected in msg
 
 
-def test_a_corpus_shorter_than_one_window_is_refused_before_any_process_group(tmp_path):
+def test_a_corpus_shorter_than_one_global_batch_is_refused_before_any_process_group(tmp_path):
     (tmp_path / "tiny.txt").write_text("too short")
     msg = refusal(1, data__source=str(tmp_path / "tiny.txt"), run__dir=str(tmp_path / "run"))
-    assert "holds 9 bytes, fewer than training.seq_len + 2 = 130" in msg
+    assert "holds 9 training tokens, fewer than one global batch" in msg and "8 x 128 + 1 = 1,025" in msg
 
 
 def test_a_failure_on_rank_0_alone_is_raised_on_every_rank(tmp_path):

@@ -1,0 +1,185 @@
+"""The training and validation token streams of a run, checked before any process group exists.
+
+``data.source`` (and ``data.val_source``) is one of:
+
+- a folder written by ``python -m data.prepare`` (it has a ``header.json``): memory-mapped, any size;
+  its header must name the tokenizer of ``data.tokenizer`` (same file hash and EOS id);
+- ``default`` (the Python standard library's sources), a text file, or a folder of text files: the first
+  ``data.max_bytes`` bytes, tokenized in memory when the run starts (one document per file, each followed by
+  the EOS token); meant for small runs.
+
+The validation split is ``data.val_source`` when set, else the last ``data.val_fraction`` of the source's
+tokens (the training stream is then the rest, whether or not evaluation is on, so turning ``eval.interval``
+on or off never changes the training data).
+
+``check_data`` runs on every rank in train.check_config. Every problem is a ConfigError naming the field,
+the value and the fix, raised identically on every rank before the first collective: a missing or foreign
+tokenizer, a header that does not match it, a vocabulary larger than ``model.vocab_size``, a training
+stream smaller than one global batch, and an empty validation split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from config import Config, ConfigError
+from data.token_file import TOKENS, check_header_tokenizer, is_token_folder, open_tokens, read_header
+from data.tokenizers import ByteTokenizer, check_vocab, load_tokenizer
+
+
+@dataclass
+class Splits:
+    tokenizer: object
+    train: object  # a 1-D token array: numpy (memmap for prepared folders) or a torch uint8 tensor (bytes)
+    val: object | None
+    description: str
+
+
+def _length(tokens) -> int:
+    return int(tokens.shape[0])
+
+
+def _raw_tokens(source: str, tokenizer, max_bytes: int, field: str):
+    """Tokens of a raw text source: its first max_bytes bytes, one document per file (see the docstring)."""
+    from data.corpus import corpus_files, load_corpus
+
+    files = corpus_files(source, field)
+    prepare_first = [f for f in files if f.name.lower().endswith((".jsonl", ".ndjson", ".parquet"))]
+    if prepare_first:
+        raise ConfigError(
+            f"{field}={source!r} holds JSONL/Parquet files ({prepare_first[0].name}); tokenize them first: "
+            f"python -m data.prepare --source {source} --tokenizer {tokenizer.name} --out DIR, then --{field} DIR."
+        )
+    if isinstance(tokenizer, ByteTokenizer):
+        return load_corpus(source, max_bytes)  # bytes, concatenated as they always were
+    from data.prepare import encode_chunk
+
+    texts, total = [], 0
+    for file in files:
+        raw = file.read_bytes()[: max_bytes - total]
+        texts.append(raw.decode("utf-8", errors="replace"))
+        total += len(raw)
+        if total >= max_bytes:
+            break
+    return encode_chunk([t for t in texts if t], tokenizer)
+
+
+def open_stream(source: str, tokenizer, max_bytes: int, field: str):
+    """(tokens, description) of one source (a prepared folder, or raw text)."""
+    path = Path(source).expanduser()
+    if source != "default" and path.is_dir() and (path / (TOKENS + ".tmp")).exists() and not is_token_folder(path):
+        raise ConfigError(
+            f"{field}={source!r} holds an unfinished {TOKENS}.tmp and no header.json (data.prepare did not finish); "
+            "run python -m data.prepare again into a new --out folder."
+        )
+    if source != "default" and is_token_folder(path):
+        header = read_header(path, field)
+        check_header_tokenizer(header, tokenizer, field, source)
+        tokens = open_tokens(path, header)
+        return (
+            tokens,
+            f"{header['num_tokens']:,} tokens ({header['dtype']}, memory-mapped, {header['num_documents']:,} documents)",
+        )
+    tokens = _raw_tokens(source, tokenizer, max_bytes, field)
+    return tokens, f"{_length(tokens):,} tokens (raw text, in memory)"
+
+
+_raw_cache: dict = {}
+
+
+def _cached_stream(source: str, tokenizer, max_bytes: int, field: str):
+    """open_stream, tokenizing a raw source once per process (check_data and the loader both ask for it)."""
+    if source != "default" and is_token_folder(source):
+        return open_stream(source, tokenizer, max_bytes, field)  # a memory map: nothing worth caching
+    from data.corpus import corpus_files
+
+    stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in corpus_files(source, field))
+    key = (source, tokenizer.sha256, tokenizer.eos_id, max_bytes, stamp)
+    if key not in _raw_cache:
+        _raw_cache.clear()  # one raw corpus at a time
+        _raw_cache[key] = open_stream(source, tokenizer, max_bytes, field)
+    return _raw_cache[key]
+
+
+def load_data(cfg: Config) -> Splits:
+    """The tokenizer and the train / validation streams of ``cfg``, every rule checked (module docstring)."""
+    d, t = cfg.data, cfg.training
+    tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
+    check_vocab(tokenizer, cfg.model.vocab_size)
+    errors = []
+    if not 0.0 <= d.val_fraction < 1.0:
+        errors.append(f"data.val_fraction={d.val_fraction} must be >= 0 and < 1 (e.g. 0.01).")
+    if d.val_source and d.val_fraction:
+        errors.append(
+            f"data.val_source={d.val_source!r} and data.val_fraction={d.val_fraction} are both set; "
+            "keep one (val_fraction=0 with a val_source)."
+        )
+    if cfg.eval.interval < 0 or cfg.eval.steps < 1:
+        errors.append(
+            f"eval.interval={cfg.eval.interval} must be >= 0 (0: never) and eval.steps={cfg.eval.steps} >= 1."
+        )
+    if cfg.eval.interval > 0 and not (d.val_source or d.val_fraction):
+        errors.append(
+            f"eval.interval={cfg.eval.interval} needs a validation split: set --data.val_source (a prepared folder "
+            "or text) or --data.val_fraction (e.g. 0.01 holds out the last 1% of data.source)."
+        )
+    if errors:
+        raise ConfigError("invalid data settings:\n  - " + "\n  - ".join(errors))
+
+    train, about = _cached_stream(d.source, tokenizer, d.max_bytes, "data.source")
+    val, val_about = None, ""
+    if d.val_source:
+        val, val_about = _cached_stream(d.val_source, tokenizer, d.max_bytes, "data.val_source")
+        val_about = f"data.val_source: {val_about}"
+    elif d.val_fraction:
+        n = _length(train)
+        n_val = int(n * d.val_fraction)
+        train, val = train[: n - n_val], train[n - n_val :]
+        val_about = f"the last {n_val:,} tokens ({d.val_fraction:g})"
+
+    one_batch = t.global_batch * t.seq_len + 1
+    if _length(train) < one_batch:
+        held = f" after holding out data.val_fraction={d.val_fraction:g}" if d.val_fraction else ""
+        raise ConfigError(
+            f"data.source={d.source!r} holds {_length(train):,} training tokens{held}, fewer than one global batch: "
+            f"training.global_batch x training.seq_len + 1 = {t.global_batch} x {t.seq_len} + 1 = {one_batch:,}; "
+            "use more data, or lower training.global_batch or training.seq_len."
+        )
+    if val is not None and _length(val) < one_batch:
+        what = (
+            f"data.val_source={d.val_source!r}"
+            if d.val_source
+            else f"data.val_fraction={d.val_fraction:g} of data.source"
+        )
+        size = "is empty" if _length(val) == 0 else f"holds only {_length(val):,} tokens"
+        raise ConfigError(
+            f"the validation split ({what}) {size}; an evaluation needs at least one global batch, "
+            f"training.global_batch x training.seq_len + 1 = {one_batch:,} tokens: "
+            + ("give a larger data.val_source." if d.val_source else "raise data.val_fraction or use more data.")
+        )
+    eos = f", EOS id {tokenizer.eos_id}" if tokenizer.eos_id is not None else ""
+    description = f"{d.source}: {about} | tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size:,}{eos})" + (
+        f" | validation: {val_about}" if val is not None else ""
+    )
+    return Splits(tokenizer, train, val, description)
+
+
+def check_data(cfg: Config) -> None:
+    """Every data rule, before any process group (raises the same ConfigError on every rank)."""
+    load_data(cfg)
+
+
+def stream_identity(cfg: Config) -> dict:
+    """What a checkpoint records about its token stream (checkpoint.manager); resuming compares it."""
+    d = cfg.data
+    tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
+    return {
+        "source": d.source,
+        "tokenizer": d.tokenizer,
+        "tokenizer_file": str(tokenizer.file) if tokenizer.file else None,
+        "tokenizer_sha256": tokenizer.sha256,
+        "eos_token": tokenizer.eos_token,
+        "val_source": d.val_source,
+        "val_fraction": d.val_fraction,
+    }

@@ -1,0 +1,325 @@
+"""Tokenize a text dataset once into a memory-mappable token file (data/token_file.py).
+
+    python -m data.prepare --source corpus.jsonl --tokenizer tokenizer.json --out data/corpus
+    python -m data.prepare --source shards/ --tokenizer tokenizer.json --out data/shards --text-field content
+    python -m data.prepare --source default --tokenizer bytes --out data/stdlib-bytes
+
+1. **Documents.** ``--source`` is a file, a folder (every regular file below it, sorted by path; hidden
+   files skipped) or ``default`` (the Python standard library's sources, data/corpus.py). Each file is read
+   by its extension: ``.jsonl`` / ``.ndjson``: one JSON object per line, the text in ``--text-field``
+   (default ``text``); ``.parquet``: the ``--text-field`` column (needs ``pyarrow``, the ``data`` extra);
+   anything else: a UTF-8 text file that is one document. Empty documents are skipped. A line without the
+   field, a value that is not a string, or a file that is not readable stops the run with the file, the
+   line or row, and the fix.
+2. **Tokenize in parallel.** Documents go to ``--workers`` processes in chunks; the results come back
+   in submission order (at most two chunks per worker in flight, so memory stays bounded), so the token
+   file does not depend on the number of workers.
+3. **Pack.** Each document's ids are followed by the tokenizer's EOS id (none for ``bytes``) and
+   appended to ``tokens.bin``; ``header.json`` is written last (data/token_file.py).
+
+A progress line on stderr shows the files done, documents, tokens and tokens/s; the last line on stdout
+is the summary. Exit status 0, or 2 with one message naming what to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from config import ConfigError
+from data.token_file import TokenFileWriter, dtype_for
+from data.tokenizers import load_tokenizer
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+CHUNK_BYTES = 1 << 20  # text per task sent to a worker
+CHUNK_DOCS = 1024
+
+
+def source_files(source: str) -> list[Path]:
+    """The files of ``--source`` in the order they are read."""
+    if source == "default":
+        from data.corpus import corpus_files  # imported here: it imports torch, which the workers never need
+
+        return corpus_files("default")
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(
+            p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+        )
+        if files:
+            return files
+        raise ConfigError(f"--source {source!r} is a folder with no files; point it at text, JSONL or Parquet files.")
+    raise ConfigError(f"--source {source!r} does not exist; give a file, a folder, or 'default'.")
+
+
+def file_kind(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return "text"
+
+
+def jsonl_documents(path: Path, field: str, progress: Progress) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            progress.bytes_done += len(raw)
+            line = raw.decode("utf-8", errors="replace")
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"{path}:{lineno} is not valid JSON ({exc.msg}); each line of a JSONL file must be one JSON object."
+                ) from exc
+            if not isinstance(record, dict) or field not in record:
+                keys = ", ".join(map(repr, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+                raise ConfigError(
+                    f"{path}:{lineno} has no {field!r} field (it has {keys or 'no fields'}); pass --text-field with "
+                    "the field that holds the text, or fix the line."
+                )
+            text = record[field]
+            if not isinstance(text, str):
+                raise ConfigError(
+                    f"{path}:{lineno}: field {field!r} is {type(text).__name__}, not a string; pass --text-field with "
+                    "the field that holds the text."
+                )
+            yield text
+
+
+def import_parquet():
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ConfigError(
+            'Parquet sources need `pyarrow`, which is missing; install the data extra: pip install -e ".[data]" '
+            "(or pip install pyarrow)."
+        ) from exc
+    return pq
+
+
+def parquet_documents(path: Path, field: str, progress: Progress) -> Iterator[str]:
+    pq = import_parquet()
+    unreadable = f"{path} is not a readable Parquet file ({{}}); check or re-download it, or move it out of --source."
+    try:
+        parquet = pq.ParquetFile(path)
+        columns = parquet.schema_arrow.names
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... for damaged files
+        raise ConfigError(unreadable.format(f"{type(exc).__name__}: {exc}")) from exc
+    if field not in columns:
+        raise ConfigError(
+            f"{path} has no {field!r} column (it has {', '.join(map(repr, columns))}); pass --text-field with the "
+            "column that holds the text."
+        )
+    row, start, size, rows = 0, progress.bytes_done, path.stat().st_size, max(1, parquet.metadata.num_rows)
+    try:
+        batches = parquet.iter_batches(columns=[field], batch_size=1024)
+        for batch in batches:
+            progress.bytes_done = start + size * min(1.0, (row + batch.num_rows) / rows)
+            for text in batch.column(0).to_pylist():
+                row += 1
+                if not isinstance(text, str):
+                    shown = "null" if text is None else type(text).__name__
+                    raise ConfigError(
+                        f"{path} row {row}: column {field!r} is {shown}, not a string; pass --text-field with the "
+                        "column that holds the text, or drop such rows."
+                    )
+                yield text
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged row group fails while reading
+        raise ConfigError(unreadable.format(f"row {row + 1}: {type(exc).__name__}: {exc}")) from exc
+
+
+def documents(files: list[Path], field: str, progress: Progress) -> Iterator[str]:
+    """Every non-empty document of ``files`` in order (step 1 of the module docstring)."""
+    for path in files:
+        start = progress.bytes_done
+        kind = file_kind(path)
+        if kind == "jsonl":
+            texts = jsonl_documents(path, field, progress)
+        elif kind == "parquet":
+            texts = parquet_documents(path, field, progress)
+        else:
+            try:
+                raw = path.read_bytes()
+            except OSError as exc:
+                raise ConfigError(
+                    f"{path} cannot be read ({exc}); fix its permissions or remove it from --source."
+                ) from exc
+            progress.bytes_done += len(raw)
+            texts = iter([raw.decode("utf-8", errors="replace")])
+        for text in texts:
+            if text:
+                yield text
+        progress.files_done += 1
+        progress.bytes_done = start + path.stat().st_size
+
+
+def chunks(texts: Iterator[str]) -> Iterator[list[str]]:
+    chunk, size = [], 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if size >= CHUNK_BYTES or len(chunk) >= CHUNK_DOCS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+# ---- workers -------------------------------------------------------------------------------------------
+
+_worker_tokenizer = None
+
+
+def _init_worker(spec: str, eos_token: str) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the parallelism is ours: one thread per worker process
+    _worker_tokenizer = load_tokenizer(spec, eos_token)
+
+
+def encode_chunk(texts: list[str], tokenizer=None) -> np.ndarray:
+    """The packed ids of ``texts``: each document's ids, then the EOS id (step 3)."""
+    tokenizer = tokenizer or _worker_tokenizer
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    ids = [i for doc in tokenizer.encode_batch(texts) for i in (*doc, *eos)]
+    return np.asarray(ids, dtype=np.uint32)
+
+
+def tokenized(
+    texts: Iterator[str], spec: str, eos_token: str, workers: int, tokenizer
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(documents, packed ids) per chunk, in document order, from ``workers`` processes (step 2)."""
+    if workers <= 1:
+        for chunk in chunks(texts):
+            yield len(chunk), encode_chunk(chunk, tokenizer)
+        return
+    import multiprocessing
+
+    # spawn: the workers import only this module and the tokenizer (not torch), whatever the parent holds.
+    with ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(spec, eos_token)
+    ) as pool:
+        pending: deque = deque()
+        try:
+            for chunk in chunks(texts):
+                pending.append((len(chunk), pool.submit(encode_chunk, chunk)))
+                if len(pending) >= 2 * workers:
+                    n, future = pending.popleft()
+                    yield n, future.result()
+            while pending:
+                n, future = pending.popleft()
+                yield n, future.result()
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+
+class Progress:
+    """A progress bar on stderr by bytes of the source read: rewritten in place on a terminal, otherwise a
+    line every 10 s. Bytes count when a document is read, a chunk or two ahead of its tokenization."""
+
+    def __init__(self, files: list[Path], stream=sys.stderr):
+        self.n_files, self.files_done, self.stream = len(files), 0, stream
+        self.bytes_total, self.bytes_done = sum(f.stat().st_size for f in files), 0
+        self.tty = stream is not None and stream.isatty()
+        self.start = self.last = time.perf_counter()
+
+    def update(self, docs: int, tokens: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if self.stream is None or (not final and now - self.last < (0.5 if self.tty else 10.0)):
+            return
+        self.last = now
+        rate = tokens / max(now - self.start, 1e-9)
+        width, fraction = 24, min(1.0, self.bytes_done / max(1, self.bytes_total))
+        filled = int(width * fraction)
+        line = (
+            f"[{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%} | {self.files_done}/{self.n_files} files | "
+            f"{docs:,} documents | {tokens:,} tokens | {rate:,.0f} tokens/s"
+        )
+        self.stream.write(("\r" + line + ("\n" if final else "")) if self.tty else line + "\n")
+        self.stream.flush()
+
+
+def prepare(
+    source: str, tokenizer_spec: str, out: str, *, text_field: str = "text", workers: int = 0, eos_token: str = "",
+    quiet: bool = False,
+) -> dict:  # fmt: skip
+    """Tokenize ``source`` into ``out`` (see the module docstring); returns the header written."""
+    tokenizer = load_tokenizer(tokenizer_spec, eos_token, field="--tokenizer")
+    files = source_files(source)
+    workers = workers or min(8, os.cpu_count() or 1)
+    progress = Progress(files, stream=None if quiet else sys.stderr)
+    writer = TokenFileWriter(out, dtype_for(tokenizer.vocab_size))
+    n_docs = 0
+    try:
+        texts = documents(files, text_field, progress)
+        for count, ids in tokenized(texts, tokenizer_spec, eos_token, workers, tokenizer):
+            writer.append(ids)
+            n_docs += count
+            progress.update(n_docs, writer.num_tokens)
+    except BaseException:
+        writer.abort()
+        raise
+    progress.update(n_docs, writer.num_tokens, final=True)
+    if writer.num_tokens == 0:
+        writer.abort()
+        raise ConfigError(f"--source {source!r} holds no text (no non-empty documents); point it at your data.")
+    header = {
+        "num_documents": n_docs,
+        "tokenizer": tokenizer.describe(),
+        "source": source if source == "default" else str(Path(source).expanduser().resolve()),
+        "files": len(files),
+        "text_field": text_field,
+    }
+    writer.finish(header)
+    seconds = time.perf_counter() - progress.start
+    header.update(dtype=writer.dtype, num_tokens=writer.num_tokens, seconds=seconds)
+    return header
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0])
+    parser.add_argument("--source", required=True, help="a text/JSONL/Parquet file, a folder of them, or 'default'")
+    parser.add_argument("--tokenizer", required=True, help="'bytes' or a tokenizer.json (or the folder holding it)")
+    parser.add_argument("--out", required=True, help="a new folder for tokens.bin and header.json")
+    parser.add_argument(
+        "--text-field", default="text", help="JSONL field / Parquet column with the text (default: text)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=0, help="tokenizing processes (default: the CPU count, at most 8)"
+    )
+    parser.add_argument("--eos-token", default="", help="end-of-document token (default: found in the tokenizer)")
+    opts = parser.parse_args(argv)
+    try:
+        h = prepare(opts.source, opts.tokenizer, opts.out, text_field=opts.text_field, workers=opts.workers,
+                    eos_token=opts.eos_token)  # fmt: skip
+    except ConfigError as exc:
+        print(f"meshloom prepare: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    rate = h["num_tokens"] / max(h["seconds"], 1e-9)
+    print(
+        f"prepared {h['num_documents']:,} documents, {h['num_tokens']:,} tokens ({h['dtype']}) in {h['seconds']:.1f} s, "
+        f"{rate:,.0f} tokens/s -> {Path(opts.out) / 'tokens.bin'}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

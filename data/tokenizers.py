@@ -1,0 +1,170 @@
+"""Tokenizers: raw bytes (the default) or a Hugging Face ``tokenizer.json``.
+
+``data.tokenizer = "bytes"``: token id = byte value, 256 ids, no end-of-document token; files are
+concatenated byte for byte, exactly as before tokenizers existed here.
+
+``data.tokenizer = "path/to/tokenizer.json"`` (or the folder holding it): loaded with the ``tokenizers``
+library (the ``data`` extra: ``pip install -e ".[data]"``). Every document is followed by the tokenizer's
+end-of-document token (EOS), so the model sees where one text stops and the next begins. The EOS is taken
+from ``data.eos_token`` when set, else from a ``tokenizer_config.json`` beside the file (its
+``eos_token``), else from the first special token named like an end of text (``EOS_NAMES``).
+
+A tokenizer is identified by the SHA-256 of its ``tokenizer.json``: token files (data/token_file.py) and
+checkpoints record it, so a mismatch is caught before training, not discovered in the loss curve.
+
+This module does not import torch: data.prepare's tokenizing worker processes start in a fraction of a
+second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from config import ConfigError
+
+# Special tokens that end a text in common tokenizers (GPT-2 / Llama 3 base / Llama 2, Mistral / Gemma).
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+INSTALL_HINT = 'install the data extra: pip install -e ".[data]" (or pip install tokenizers)'
+
+
+def import_tokenizers():
+    """The ``tokenizers`` module, or a ConfigError that names the extra to install."""
+    try:
+        import tokenizers
+    except ImportError as exc:
+        raise ConfigError(
+            f"a tokenizer.json needs the `tokenizers` library, which is missing; {INSTALL_HINT}."
+        ) from exc
+    return tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (0..255). No EOS: documents are concatenated as they are."""
+
+    name = "bytes"
+    vocab_size = 256
+    eos_id: int | None = None
+    eos_token: str | None = None
+    sha256 = "bytes"
+    file: Path | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def describe(self) -> dict:
+        return {"name": self.name, "sha256": self.sha256, "vocab_size": self.vocab_size, "eos_id": None}
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (BPE, Unigram, WordPiece: whatever ``tokenizers`` reads)."""
+
+    def __init__(self, file: Path, eos_token: str = "", field: str = "data.tokenizer"):
+        tokenizers = import_tokenizers()
+        self.file = file.resolve()
+        self.name = str(file)
+        raw = file.read_bytes()
+        self.sha256 = hashlib.sha256(raw).hexdigest()
+        try:
+            self.tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions for malformed files
+            raise ConfigError(
+                f"{field}={str(file)!r} is not a readable tokenizer.json ({exc}); point it at a Hugging Face "
+                "tokenizer.json (or use 'bytes')."
+            ) from exc
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token = eos_token or self._find_eos()
+        if not self.eos_token:
+            raise ConfigError(
+                f"{field}={str(file)!r} has no end-of-document token: no tokenizer_config.json eos_token beside it "
+                f"and none of the special tokens {', '.join(EOS_NAMES)}; name one with --data.eos_token "
+                "(data.prepare: --eos-token)."
+            )
+        self.eos_id = self.tok.token_to_id(self.eos_token)
+        if self.eos_id is None:
+            raise ConfigError(
+                f"data.eos_token={self.eos_token!r} is not in the vocabulary of {file}; name a token it has."
+            )
+
+    def _find_eos(self) -> str:
+        config = self.file.parent / "tokenizer_config.json"
+        if config.is_file():
+            try:
+                eos = json.loads(config.read_text()).get("eos_token")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                eos = None
+            if isinstance(eos, dict):  # the long form {"content": "</s>", ...}
+                eos = eos.get("content")
+            if isinstance(eos, str) and self.tok.token_to_id(eos) is not None:
+                return eos
+        special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
+        return next((name for name in EOS_NAMES if name in special), "")
+
+    def encode(self, text: str) -> list[int]:
+        # No special tokens from the post-processor (BOS etc.): the packing adds exactly one EOS per document.
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "file": str(self.file),
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "eos_token": self.eos_token,
+        }
+
+
+def tokenizer_file(spec: str, field: str = "data.tokenizer") -> Path:
+    """The tokenizer.json that ``spec`` names (the file, or a folder holding one)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"{field}={spec!r}: no such tokenizer.json; give 'bytes' or the path of a Hugging Face tokenizer.json "
+            "(or of the folder holding it)."
+        )
+    return path
+
+
+def load_tokenizer(spec: str, eos_token: str = "", field: str = "data.tokenizer"):
+    """``"bytes"`` or a path to a tokenizer.json (or its folder) -> a tokenizer object (see the module docstring)."""
+    if spec == "bytes":
+        if eos_token:
+            raise ConfigError(
+                f"data.eos_token={eos_token!r} but {field}='bytes' has no special tokens; leave data.eos_token empty."
+            )
+        return ByteTokenizer()
+    file = tokenizer_file(spec, field)
+    stat = file.stat()
+    key = (str(file.resolve()), stat.st_mtime_ns, stat.st_size, spec, eos_token)
+    if key not in _loaded:  # parsed once per process: a checkpoint save records it, a run loads it several times
+        _loaded[key] = HFTokenizer(file, eos_token, field)
+    return _loaded[key]
+
+
+_loaded: dict = {}
+
+
+def check_vocab(tokenizer, vocab_size: int) -> None:
+    """``model.vocab_size`` must hold every id the tokenizer can produce."""
+    if vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary of {tokenizer.vocab_size} "
+            f"(data.tokenizer={tokenizer.name!r}); set --model.vocab_size {tokenizer.vocab_size} or more "
+            "(a multiple of parallel.tp; round up to a multiple of 64 for fast matmuls)."
+        )

@@ -1,0 +1,194 @@
+"""Sample text from a trained model, streaming it to the console.
+
+    python -m generate --checkpoint runs/debug/checkpoints --prompt "def main(" --max-new-tokens 200
+    python -m generate --checkpoint runs/debug/checkpoints --step 20 --prompt "import " --temperature 0
+    python -m generate --checkpoint runs/debug/hf --prompt "class " --top-k 20 --seed 7
+
+1. **Load, on one process.** ``--checkpoint`` is a DCP checkpoint written by any layout (a step-N folder,
+   or a checkpoint folder whose newest complete step is taken, or ``--step N`` of it): DCP stitches every
+   full tensor from the shards without a process group (checkpoint/export.py). Or it is a folder written by
+   ``python -m checkpoint.export`` (model.safetensors + config.json, tokenizer files when there were some).
+2. **Tokenizer.** The one the run was trained with: bytes, or the tokenizer.json whose path and SHA-256 the
+   checkpoint recorded (``--tokenizer`` when it has moved), or the one beside an exported model.
+3. **Prefill, then decode with a KV cache** (models/llama.KVCache): the prompt runs once, then each new
+   token is one forward of one position that attends to the cached keys and values.
+4. **Pick each token:** temperature 0 takes the most likely token (greedy, deterministic); otherwise the
+   logits are divided by the temperature, cut to the ``--top-k`` most likely (0: no cut) and sampled with a
+   generator seeded by ``--seed``, so a run is reproducible. Generation stops after ``--max-new-tokens``,
+   at the tokenizer's EOS, or at ``model.max_seq_len``.
+5. **Stream.** The text is decoded as tokens arrive; a character whose bytes are still incomplete waits
+   for the next token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from config import ConfigError
+from models.llama import KVCache, Transformer
+
+
+def is_export(path: Path) -> bool:
+    return (path / "model.safetensors").is_file() and (path / "config.json").is_file()
+
+
+def load_export(path: Path, tokenizer_override: str = ""):
+    """Step 1-2 for an exported folder: (model, tokenizer)."""
+    from safetensors.torch import load_file
+
+    from checkpoint.hf import hf_name, model_args_from_hf_config
+    from data.tokenizers import load_tokenizer
+
+    args = model_args_from_hf_config(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.reset_buffers("cpu")
+    tensors = load_file(str(path / "model.safetensors"))
+    model.load_state_dict({name: tensors[hf_name(name)] for name in model.state_dict()})
+    spec = tokenizer_override or (str(path) if (path / "tokenizer.json").is_file() else "bytes")
+    return model, load_tokenizer(spec, field="--tokenizer")
+
+
+def load_checkpoint(path: Path, step: int | None, tokenizer_override: str = ""):
+    """Step 1-2 for a DCP checkpoint: (model, tokenizer, the step folder)."""
+    from checkpoint.export import checkpoint_tokenizer, choose_checkpoint, load_model_state
+
+    if step is not None:
+        path = path / f"step-{step}"
+        if not path.is_dir():
+            raise ConfigError(f"--step {step}: there is no {path}; list the folder for the saved steps.")
+    step_dir = choose_checkpoint(path)
+    tokenizer = checkpoint_tokenizer(step_dir, tokenizer_override)
+    state, args = load_model_state(step_dir)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.reset_buffers("cpu")
+    model.load_state_dict(state)  # the RoPE tables are not state: reset_buffers rebuilt them
+    return model, tokenizer, step_dir
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
+    """Step 4 for one position's logits (vocab,)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate_tokens(
+    model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+    seed: int = 1234, eos_id: int | None = None,
+) -> Iterator[int]:  # fmt: skip
+    """The new token ids after ``prompt``, one at a time (steps 3-4 of the module docstring)."""
+    if not prompt:
+        raise ConfigError("--prompt is empty; give at least one character (it is tokenized to at least one token).")
+    limit = model.args.max_seq_len - len(prompt)
+    if limit <= 0:
+        raise ConfigError(
+            f"the prompt has {len(prompt)} tokens, no fewer than model.max_seq_len={model.args.max_seq_len}."
+        )
+    max_new_tokens = min(max_new_tokens, limit)
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    cache = KVCache(model.args, 1, len(prompt) + max_new_tokens, device=device, dtype=next(model.parameters()).dtype)
+    logits = model(torch.tensor([prompt], device=device), cache)[0, -1]
+    for i in range(max_new_tokens):
+        token = next_token(logits, temperature, top_k, generator)
+        yield token
+        if token == eos_id or i == max_new_tokens - 1:
+            return
+        logits = model(torch.tensor([[token]], device=device), cache)[0, -1]
+
+
+def stream_text(tokenizer, tokens: Iterator[int], out=sys.stdout) -> list[int]:
+    """Step 5: print the decoded text as it grows; returns the ids."""
+    ids, shown = [], 0
+    for token in tokens:
+        if token == tokenizer.eos_id:
+            break
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its remaining bytes
+            continue
+        out.write(text[shown:])
+        out.flush()
+        shown = len(text)
+    out.write(tokenizer.decode(ids)[shown:] + "\n")
+    out.flush()
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m generate", description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="a DCP checkpoint (folder or step-N) or an exported folder")
+    parser.add_argument("--step", type=int, default=None, help="which step-N of a checkpoint folder (default: newest)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--tokenizer", default="", help="the run's tokenizer.json, if it moved since training")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    opts = parser.parse_args(argv)
+    try:
+        if opts.max_new_tokens < 1 or opts.temperature < 0 or opts.top_k < 0:
+            raise ConfigError("--max-new-tokens must be >= 1, --temperature >= 0 and --top-k >= 0.")
+        path = Path(opts.checkpoint).expanduser()
+        if opts.step is None and is_export(path):
+            model, tokenizer = load_export(path, opts.tokenizer)
+            source = str(path)
+        elif path.is_dir():
+            model, tokenizer, step_dir = load_checkpoint(path, opts.step, opts.tokenizer)
+            source = str(step_dir)
+        else:
+            raise ConfigError(f"--checkpoint {opts.checkpoint}: no such folder; give a checkpoint or an export folder.")
+        if model.args.vocab_size < tokenizer.vocab_size:
+            raise ConfigError(
+                f"the model's vocabulary ({model.args.vocab_size}) is smaller than the tokenizer's "
+                f"({tokenizer.vocab_size}); pass the --tokenizer the model was trained with."
+            )
+        device = torch.device(
+            "cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()) else "cpu"
+        )
+        model = model.to(device).eval()
+        prompt = tokenizer.encode(opts.prompt)
+        print(f"[{source} | {model.args.num_params():,} parameters | tokenizer {tokenizer.name} | "
+              f"temperature {opts.temperature} top-k {opts.top_k} seed {opts.seed}]", file=sys.stderr, flush=True)  # fmt: skip
+        start = time.perf_counter()
+        sys.stdout.write(opts.prompt)
+        ids = stream_text(
+            tokenizer,
+            generate_tokens(
+                model,
+                prompt,
+                opts.max_new_tokens,
+                temperature=opts.temperature,
+                top_k=opts.top_k,
+                seed=opts.seed,
+                eos_id=tokenizer.eos_id,
+            ),  # fmt: skip
+        )
+    except (ConfigError, ValueError) as exc:
+        print(f"meshloom generate: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    seconds = time.perf_counter() - start
+    print(f"[{len(ids)} tokens in {seconds:.2f} s, {len(ids) / seconds:,.1f} tokens/s]", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
