@@ -58,12 +58,19 @@ def expert_parallel(x: torch.Tensor, counts: torch.Tensor, local_experts, group=
     return AllToAll.apply(arrival_order, send_splits, recv_splits, group)  # 4. combine
 
 
-def run(n_experts: int = 4, dim: int = 8) -> dict:
-    rank, ep = dist.get_rank(), dist.get_world_size()
-    gen = torch.Generator().manual_seed(0)  # every rank builds all experts (a linear map each) and every token
+def example_routing(ep: int, n_experts: int = 4, dim: int = 8, tokens_per_rank: int = 6):
+    """Every rank builds all experts (a linear map each) and every rank's tokens with their expert (top-1).
+    docs/img/ep_dispatch.svg draws this same example."""
+    gen = torch.Generator().manual_seed(0)
     weights = torch.randn(n_experts, dim, dim, generator=gen) * 0.3
-    tokens = [torch.randn(6, dim, generator=gen) for _ in range(ep)]
-    choice = [torch.randint(0, n_experts, (6,), generator=gen) for _ in range(ep)]  # top-1 routing, given
+    tokens = [torch.randn(tokens_per_rank, dim, generator=gen) for _ in range(ep)]
+    choice = [torch.randint(0, n_experts, (tokens_per_rank,), generator=gen) for _ in range(ep)]
+    return weights, tokens, choice
+
+
+def run(n_experts: int = 4) -> dict:
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    weights, tokens, choice = example_routing(ep, n_experts)
     n_local = n_experts // ep
     mine = weights[rank * n_local : (rank + 1) * n_local].clone().requires_grad_()
 

@@ -23,10 +23,12 @@ RTOL = 1e-6
 # ---- meshloom's API path, behind small helpers: when a mesh/ signature changes, the fix is one line here ----
 
 
-def api_meshes(dp_replicate: int, dp_shard: int):
+def api_meshes(dp_replicate: int, dp_shard: int, tp: int = 1, pp: int = 1, ep: int = 1, has_experts: bool = False):
+    """meshloom's meshes for a layout; ``.world[dim]`` per dim, ``.dp``, ``.fsdp``, ``.ep`` (with experts)."""
     from mesh.dims import ParallelDims, build_mesh
 
-    return build_mesh(ParallelDims(dp_replicate, dp_shard, 1, 1, 1, dist.get_world_size()), "cpu")
+    dims = ParallelDims(dp_replicate, dp_shard, tp, pp, ep, dist.get_world_size())
+    return build_mesh(dims, "cpu", has_experts=has_experts)
 
 
 def api_fsdp(model, meshes, reshard_after_forward: str = "default"):
@@ -35,10 +37,10 @@ def api_fsdp(model, meshes, reshard_after_forward: str = "default"):
     return apply_fsdp(model, meshes, reshard_after_forward=reshard_after_forward)
 
 
-def api_tensor_parallel(model, tp_mesh):
+def api_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False):
     from mesh.tensor_parallel import apply_tensor_parallel
 
-    return apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)
+    return apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
 
 
 def api_pipeline(stage_module, stage_id: int, n_stages: int, microbatches: int, loss_fn):
