@@ -13,6 +13,7 @@ import torch
 from examples import (
     collectives,
     ddp_from_scratch,
+    ddp_no_sync,
     device_mesh,
     dtensor_placements,
     hello_ranks,
@@ -32,7 +33,7 @@ EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py") if not p.stem
 
 def test_every_example_is_tested_here():
     tested = {m.__name__.split(".")[-1] for m in (
-        collectives, ddp_from_scratch, device_mesh, dtensor_placements, hello_ranks, loss_bookkeeping,
+        collectives, ddp_from_scratch, ddp_no_sync, device_mesh, dtensor_placements, hello_ranks, loss_bookkeeping,
         moe_from_scratch, pipeline_1f1b_from_scratch, ring_allreduce, tp_from_scratch, zero1_from_scratch,
         zero3_from_scratch,
     )}  # fmt: skip
@@ -95,6 +96,14 @@ def test_loss_bookkeeping_global_count_and_sum_is_exact():
     for r in run_on_ranks(loss_bookkeeping.run, 2):
         assert r["global count, summed: max error"] < 1e-6  # same sums in another order
         assert r["per-rank mean, averaged: max error"] > 1e-3  # 2 and 5 tokens weighted equally: wrong
+
+
+def test_no_sync_skips_the_reduction_only_when_the_forward_runs_inside_it():
+    for r in run_on_ranks(ddp_no_sync.run, 2):
+        assert r["no no_sync: all-reduces"] == 2
+        assert r["backward inside, forward outside: all-reduces"] == 2  # the misuse: nothing saved
+        assert r["forward and backward inside: all-reduces"] == 1
+        assert r["same final gradient"]
 
 
 def check_ddp(results):
