@@ -1,7 +1,7 @@
 """What a DCP checkpoint of meshloom holds on disk, and how long training stands still per save.
 
     python -m bench.dcp_files            # docs/checkpointing.md, section 2 (about 30 s)
-    python -m bench.dcp_files --timing   # section 5: sync vs async save, 1 process and dp_shard 4 (about 2 min)
+    python -m bench.dcp_files --timing   # section 7: sync vs async save, 1 process and dp_shard 4 (about 2 min)
 
 The first form trains the debug model for 4 steps on dp_shard = 4 gloo ranks, saving at step 4, then lists
 the checkpoint's files with their sizes, counts ``.metadata``'s entries (tensors and small Python values) and

@@ -1,4 +1,4 @@
-"""What gloo does when a rank misbehaves: the troubleshooting table of docs/combining.md, section 8.
+"""What gloo does when a rank misbehaves: the troubleshooting table of docs/combining.md, section 9.
 
     python -m bench.failure_modes        # four 2-rank torchrun launches, about a minute
 

@@ -1,8 +1,8 @@
-"""The numbers of docs/pipeline_parallel.md that are not in bench/pipeline_bubble.py, from one command each.
+"""The numbers of docs/pipeline_parallel.md that are not in bench/pipeline_bubble.py, one command each.
 
     python -m bench.pipeline_facts split          # section 1: stage contents and layers per stage
-    python -m bench.pipeline_facts scale-grads    # section 2: what torch's default scale_grads=True would do
-    python -m docs.figures pipeline --pp 4 --microbatches 8   # section 6: activations in flight (and bubbles)
+    python -m bench.pipeline_facts scale-grads    # section 7: what torch's default scale_grads=True would do
+    python -m docs.figures pipeline --pp 4 --microbatches 8   # sections 3-4: activations in flight (and bubbles)
 
 ``split`` is arithmetic on ``mesh/pipeline.py: split_layers`` and ``build_stage_module``. ``scale-grads`` trains
 the debug model for 3 steps on 2 gloo ranks (ZBVZeroBubble, pp 2, m 4) twice: as meshloom builds it

@@ -249,7 +249,7 @@ def main_ac() -> None:
         print(f"{mode:<31} {kept:>11,} {kept / bsh:>8.2f} {kept / none:>7.3f}")
 
 
-# Time model (arithmetic, docs/combining.md section 4): vendor peak, link bandwidths per GPU and direction.
+# Time model (arithmetic, docs/combining.md section 7): vendor peak, link bandwidths per GPU and direction.
 PEAK_FLOPS = 989e12  # H100 dense bf16
 IB_BYTES_S, NVLINK_BYTES_S = 50e9, 450e9  # 400 Gb/s InfiniBand; NVLink 900 GB/s bidirectional
 

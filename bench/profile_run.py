@@ -1,4 +1,4 @@
-"""Profile a whole meshloom run with torch.profiler, from outside train.py (docs/combining.md, section 8).
+"""Profile a whole meshloom run with torch.profiler, from outside train.py (docs/combining.md, section 9).
 
     PYTHONPATH=. torchrun --standalone --nproc-per-node 2 bench/profile_run.py --config configs/debug.toml \\
         --training.steps 2 --run.dir runs/profiled [--record-shapes]

@@ -150,7 +150,7 @@ def test_idealized_idle_fraction_is_the_textbook_bubble(pp, m):
 
 
 def test_activations_in_flight_pp4_m8():
-    # docs/pipeline_parallel.md, section 6: chunks whose forward ran and whose backward has not started
+    # docs/pipeline_parallel.md, section 4: chunks whose forward ran and whose backward has not started
     expected = {"GPipe": [8] * 4, "1F1B": [4, 3, 2, 1], "Interleaved1F1B": [11, 9, 7, 5], "LoopedBFS": [16] * 4,
                 "InterleavedZeroBubble": [8, 7, 6, 5], "ZBVZeroBubble": [8] * 4, "DualPipeV": [9] * 4}  # fmt: skip
     for schedule, v in SCHEDULES.items():

@@ -97,7 +97,7 @@ def test_the_bubble_is_under_20_percent_exactly_when_m_exceeds_4_times_pp_minus_
 
 
 def test_time_model_of_the_1t_layouts():
-    # docs/combining.md, section 4 (arithmetic): tp 8 x pp 32 x dp 2 against tp 8 x pp 1 x dp 64
+    # docs/combining.md, section 7 (arithmetic): tp 8 x pp 32 x dp 2 against tp 8 x pp 1 x dp 64
     from bench.plan_layout import time_estimate
 
     args = MODELS["dense-1t"]

@@ -129,7 +129,7 @@ def test_a_tp_that_does_not_fit_the_model_is_refused(overrides, expected):
 
 
 def block_backward_all_reduces_without_prepare_module_input() -> dict:
-    """docs/tensor_parallel.md section 4: without the sub-layers' PrepareModuleInput (no SP), each Colwise
+    """docs/tensor_parallel.md section 9: without the sub-layers' PrepareModuleInput (no SP), each Colwise
     linear wraps the input on its own and reduces its own input gradient."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -154,7 +154,7 @@ def test_without_prepare_module_input_each_colwise_linear_reduces_its_own_input_
 
 
 def sp_optimizer_all_reduces(reduce_first: bool) -> dict:
-    """docs/tensor_parallel.md section 5: the SP norms' Partial gradients under TP alone, and AdamW's step."""
+    """docs/tensor_parallel.md section 10: the SP norms' Partial gradients under TP alone, and AdamW's step."""
     from mesh.tensor_parallel import reduce_partial_gradients
 
     model = tp_model(sequence_parallel=True)
@@ -186,7 +186,7 @@ def test_sp_norm_gradients_are_reduced_once_not_inside_every_adamw_op():
 
 
 def placements_on_fsdp2_x_tp2() -> dict:
-    """docs/tensor_parallel.md section 8: placements and local shapes of the debug model on dp_shard 2 x tp 2."""
+    """docs/tensor_parallel.md section 12: placements and local shapes of the debug model on dp_shard 2 x tp 2."""
     from tests.api_path import api_fsdp, api_meshes, api_tensor_parallel
 
     args = ModelArgs(dim=128, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64)
