@@ -44,6 +44,7 @@ def fsdp_step_collectives(dp_replicate: int, dp_shard: int, policy: str) -> dict
 @pytest.mark.parametrize(
     "policy, regathered",
     [("always", lambda units: units), ("default", lambda units: units - 2), ("never", lambda units: 0)],
+    ids=["always", "default", "never"],
 )
 def test_fsdp_gathers_each_unit_before_use_and_reduce_scatters_its_gradients_once(policy, regathered):
     r = run_on_ranks(fsdp_step_collectives, 2, 1, 2, policy)[0]
