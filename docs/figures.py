@@ -11,6 +11,10 @@ the same row-major rule as ``init_device_mesh`` (the test compares it with meshl
 example from examples/moe_from_scratch.py; the DCP chunks from the placements meshloom gives a weight (the
 test reads them off a real 2 x 2 run); the pipeline schedules from torch's own action lists
 (docs/schedule_ir.py). Plain SVG strings, no dependencies.
+
+The *measured* pictures in docs/img come from runs, not from this file: the pipeline timelines
+``pp<P>_m<M>_<schedule>.svg`` from ``python -m bench.pipeline_bubble --pp P --microbatches M`` and the expert
+load ``moe_load.svg`` from ``python -m bench.moe_load``.
 """
 
 from __future__ import annotations
