@@ -44,13 +44,31 @@ def api_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False):
 
 
 def api_pipeline(stage_module, stage_id: int, n_stages: int, microbatches: int, loss_fn):
+    schedule, _ = api_pipeline_stages([stage_module], [stage_id], n_stages, "1F1B", microbatches, loss_fn)
+    return schedule
+
+
+def api_pipeline_stages(modules, stage_ids, n_stages: int, schedule: str, microbatches: int, loss_fn):
+    """(schedule, PipelineStages) over the world as the pp group."""
     from mesh.pipeline import build_pipeline_schedule
 
-    schedule, _ = build_pipeline_schedule(
-        [stage_module], [stage_id], n_stages, schedule="1F1B", microbatches=microbatches,
+    return build_pipeline_schedule(
+        modules, stage_ids, n_stages, schedule=schedule, microbatches=microbatches,
         pp_group=dist.group.WORLD, device=torch.device("cpu"), loss_fn=loss_fn,
     )  # fmt: skip
-    return schedule
+
+
+def api_stage(args, layers: list[int], is_first: bool, is_last: bool):
+    """A pipeline stage of ``args`` holding ``layers``, materialised (no DTensors)."""
+    from mesh.pipeline import build_stage_module
+
+    return materialize(build_stage_module(args, layers, is_first, is_last))
+
+
+def api_stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
+    from mesh.pipeline import stage_ids_of_rank
+
+    return stage_ids_of_rank(pp_rank, pp, stages_per_rank, schedule)
 
 
 def api_expert_parallel(experts, ep_mesh):

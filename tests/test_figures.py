@@ -23,7 +23,7 @@ from docs.schedule_ir import (
     simulate,
 )
 from examples import collectives, moe_from_scratch
-from tests.api_path import api_fsdp, api_meshes, api_tensor_parallel
+from tests.api_path import api_fsdp, api_meshes, api_pipeline_stages, api_stage, api_stage_ids, api_tensor_parallel
 from tests.harness import run_on_ranks
 from tests.training_runs import ROOT
 
@@ -95,8 +95,6 @@ def recorded_order(microbatches: int) -> dict:
     """Run every schedule for two steps on this rank (pp = world) and record the second step's F/B/I/W order."""
     import torch.nn.functional as F
 
-    from mesh.materialize import materialize_weights
-    from mesh.pipeline import build_pipeline_schedule, build_stage_module, stage_ids_of_rank
     from mesh.pipeline_timeline import PipelineTimeline
     from models.llama import ModelArgs
 
@@ -104,18 +102,11 @@ def recorded_order(microbatches: int) -> dict:
     rank, pp = dist.get_rank(), dist.get_world_size()
     orders = {}
     for name, v in SCHEDULES.items():
-        n_stages, ids = pp * v, stage_ids_of_rank(rank, pp, v, name)
+        n_stages, ids = pp * v, api_stage_ids(rank, pp, v, name)
         per = args.n_layers // n_stages
-        modules = []
-        for s in ids:
-            module = build_stage_module(args, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1)
-            materialize_weights(module, torch.device("cpu"), 0)
-            modules.append(module)
+        modules = [api_stage(args, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1) for s in ids]
         loss_fn = lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten(), reduction="sum")  # noqa: E731
-        schedule, stages = build_pipeline_schedule(
-            modules, ids, n_stages, schedule=name, microbatches=microbatches, pp_group=dist.group.WORLD,
-            device=torch.device("cpu"), loss_fn=loss_fn,
-        )  # fmt: skip
+        schedule, stages = api_pipeline_stages(modules, ids, n_stages, name, microbatches, loss_fn)
         timeline = PipelineTimeline(rank)
         for stage in stages:
             timeline.instrument(stage)

@@ -33,6 +33,7 @@ from tests.api_path import (
     api_fsdp,
     api_meshes,
     api_pipeline,
+    api_stage,
     api_tensor_parallel,
     comm_counts,
     count_calls,
@@ -217,13 +218,11 @@ def test_tp_sketch_equals_colwise_rowwise_parallel():
 
 
 def pipeline_vs_schedule(microbatches: int = 4) -> dict:
-    from mesh.pipeline import build_stage_module
-
     rank, world = dist.get_rank(), dist.get_world_size()
     inputs, targets = global_batch(world)  # pure pipeline: both ranks see the whole batch
     tokens = targets.numel()
     loss_fn = lambda logits, t: loss_share(logits, t, tokens)  # noqa: E731
-    stage = lambda: materialize(build_stage_module(TINY, [rank], rank == 0, rank == world - 1))  # noqa: E731
+    stage = lambda: api_stage(TINY, [rank], rank == 0, rank == world - 1)  # noqa: E731
     sketch = stage()
     mb = inputs.shape[0] // microbatches
     losses, _ = one_f_one_b(sketch, list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)), loss_fn,
