@@ -1,9 +1,11 @@
 """Every pipeline schedule side by side: measured idle fraction vs the textbook bubble, and a timeline each.
 
-    python -m bench.pipeline_bubble [--pp 2] [--microbatches 4] [--out docs/img]
+    python -m bench.pipeline_bubble [--pp 2] [--microbatches 4] [--out docs/img] [--details]
 
 Runs one short training (3 steps) per schedule on ``pp`` gloo ranks with ``run.pp_timeline true`` and reports
-the last step. The model is larger than the debug one (8 layers, dim 256, seq 256) so that compute, not
+the last step: the idle fraction against the textbook prediction and the idealized run of the same schedule
+(docs/figures.py: torch's own action order with unit times), the logged losses (equal for every schedule:
+they all train the same model), and with ``--details`` each rank's seconds of F, B, I, W and idle. The model is larger than the debug one (8 layers, dim 256, seq 256) so that compute, not
 Python overhead, dominates each box. On a CPU with fewer cores than ranks, ranks also wait for a core: use
 pp <= cores for numbers that mean something. The same picture for any single layout comes from
 ``torchrun ... train.py --parallel.pp P --run.pp_timeline true`` (written to run.dir).
@@ -42,24 +44,37 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--out", default=str(ROOT / "docs" / "img"))
+    parser.add_argument("--details", action="store_true", help="per-rank F/B/I/W/idle seconds of the last step")
     args = parser.parse_args()
+    from docs.figures import pipeline_ideal
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"pp={args.pp}, m={args.microbatches}; idle fraction of the last step, mean over ranks")
-    print(f"{'schedule':<22} {'stages/rank':>11} {'predicted':>10} {'measured':>9}  picture")
+    print(
+        f"{'schedule':<22} {'stages/rank':>11} {'predicted':>10} {'idealized':>10} {'measured':>9}  {'losses':<26} picture"
+    )
     for schedule in SCHEDULES:
         with tempfile.TemporaryDirectory() as run_dir:
             run_on_ranks(run_schedule, args.pp, schedule, args.pp, args.microbatches, run_dir, timeout=600)
             summary = json.loads((Path(run_dir) / "pipeline_bubble.json").read_text())
+            records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
             picture = out / f"pp{args.pp}_m{args.microbatches}_{schedule}.svg"
             shutil.copy(Path(run_dir) / "pipeline_timeline.svg", picture)
         predicted = summary["predicted_idle_fraction"]
         shown = "n/a" if predicted is None else f"{predicted:.1%}"
+        ideal = pipeline_ideal(schedule, args.pp, args.microbatches)["idle"]
+        losses = " ".join(f"{r['loss']:.4f}" for r in records)
         print(
-            f"{schedule:<22} {summary['stages_per_rank']:>11} {shown:>10} "
-            f"{summary['measured_idle_fraction']:>9.1%}  {picture.relative_to(ROOT) if picture.is_relative_to(ROOT) else picture}",
+            f"{schedule:<22} {summary['stages_per_rank']:>11} {shown:>10} {ideal:>10.1%} "
+            f"{summary['measured_idle_fraction']:>9.1%}  {losses:<26} "
+            f"{picture.relative_to(ROOT) if picture.is_relative_to(ROOT) else picture}",
             flush=True,
         )
+        if args.details:
+            for row in summary["ranks"]:
+                busy = "  ".join(f"{k} {row[k] * 1000:6.0f} ms" for k in ("F", "B", "I", "W"))
+                print(f"    rank {row['rank']}: {busy}  idle {row['idle'] * 1000:6.0f} ms ({row['idle_fraction']:.1%})")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.plan_layout [--gpus 8,64,512] [--gpu-mem-gb 80] [--seq-len 8192]
                                           [--global-batch-tokens 4e6] [--commands] [--model dense-1t]
     .venv/bin/python -m bench.plan_layout --ac     # measure what activation checkpointing keeps (CPU, seconds)
+    .venv/bin/python -m bench.plan_layout --model dense-1t --gpus 512 --time   # a time model per layout
 
 Everything but --ac is arithmetic. Per GPU, in bytes, for Ψ parameters, L layers, width h, vocabulary V,
 sequence length s, one sequence per micro-batch, and the worst pipeline stage:
@@ -24,8 +25,9 @@ sequence length s, one sequence per micro-batch, and the worst pipeline stage:
 
 Batch, in sequences: B = global_batch_tokens / s, a cap set by convergence, split as micro-batch (1 sequence)
 x dp x accumulation: every dp rank takes m = floor(B/dp) micro-batches per step, so dp <= B. A pipeline
-needs m >= pp (1F1B) and m >= 4·pp to keep its bubble (pp-1)/(m+pp-1) under 20%: dp x pp x 4 sequences is
-a floor on the global batch. DP and PP consume batch; TP does not (its ranks share the same tokens).
+needs m >= pp (1F1B), and its bubble (pp-1)/(m+pp-1) is under 20% exactly when m > 4(pp-1), i.e.
+m >= 4·pp - 3: dp x (4·pp - 3) sequences is then a floor on the global batch. DP and PP consume batch; TP does
+not (its ranks share the same tokens).
 
 FSDP traffic per GPU per step (ring, over dp): pp = 1 all-gathers bf16 weights for forward and again for
 backward and reduce-scatters fp32 gradients on every micro-batch, 8Ψ/tp·m·(dp-1)/dp; pp > 1 does it once
@@ -152,8 +154,13 @@ HEADER = (
 )
 
 
+def bubble_above_20_percent(e: dict) -> bool:
+    """(pp-1)/(m+pp-1) >= 0.2 exactly when m <= 4(pp-1)."""
+    return e["pp"] > 1 and e["m"] <= 4 * (e["pp"] - 1)
+
+
 def row(lead: str, e: dict) -> str:
-    low = "*" if e["pp"] > 1 and e["m"] < 4 * e["pp"] else " "
+    low = "*" if bubble_above_20_percent(e) else " "
     return (
         f"{lead} {e['tp']:>3} {e['pp']:>3} {e['dp']:>5} {'full' if e['ac'] else 'none':>4} {e['global_batch']:>5} "
         f"{e['m']:>4} {e['bubble']:>6.1%}{low}{e['states'] / GB:>7.1f} {e['weights'] / GB:>8.1f} "
@@ -165,7 +172,7 @@ def main_plan(gpu_counts, mem_gb: float, seq_len: int, tokens: float, only: str 
     batch = int(tokens // seq_len)
     print(f"global batch {tokens:,.0f} tokens / seq_len {seq_len:,} = B = {batch:,} sequences per step (a cap)")
     print("  B >= micro-batch (1 sequence) x dp x accumulation; every dp rank runs m = floor(B/dp) micro-batches")
-    print(f"  pipeline bubble (pp-1)/(m+pp-1) < 20% needs m >= 4·pp: dp x pp x 4 <= {batch:,}")
+    print(f"  pipeline bubble (pp-1)/(m+pp-1) < 20% needs m > 4(pp-1): dp x (4·pp-3) <= {batch:,}")
     print(f"GPU memory {mem_gb:g} GB; bf16 + fp32 master weights + Adam, FSDP (ZeRO-3) over dp; 1F1B for pp > 1")
     print("all arithmetic (see the docstring); batch = sequences used per step\n" + HEADER)
     commands = []
@@ -183,7 +190,7 @@ def main_plan(gpu_counts, mem_gb: float, seq_len: int, tokens: float, only: str 
                 continue
             print(row(lead, e))
             commands.append(f"# {name} on {gpus} GPUs\n{command(args, e, gpus, seq_len)}")
-    print("* m < 4·pp: the bubble is above 20%; a larger global batch (or fewer dp ranks) would shrink it")
+    print("* m <= 4(pp-1): the bubble is 20% or more; a larger global batch (or fewer dp ranks) would shrink it")
     if show_commands:
         print("\n" + "\n".join(commands))
 
@@ -242,6 +249,45 @@ def main_ac() -> None:
         print(f"{mode:<31} {kept:>11,} {kept / bsh:>8.2f} {kept / none:>7.3f}")
 
 
+# Time model (arithmetic, docs/combining.md section 7): vendor peak, link bandwidths per GPU and direction.
+PEAK_FLOPS = 989e12  # H100 dense bf16
+IB_BYTES_S, NVLINK_BYTES_S = 50e9, 450e9  # 400 Gb/s InfiniBand; NVLink 900 GB/s bidirectional
+
+
+def time_estimate(args: ModelArgs, e: dict, seq_len: int) -> dict:
+    """Seconds per step for one layout, each term alone (nothing overlapped): compute at peak (8Ψ FLOP per token
+    with full AC, 6Ψ without; attention ignored), FSDP traffic over InfiniBand (tp = 8 fills a node, so dp
+    crosses nodes), TP traffic over NVLink (4 collectives per layer and micro-batch forward, 4 backward, 4 more
+    in the recomputed forward with AC, each (tp-1)/tp·s·h·2 bytes), PP send/recv over InfiniBand (one s·h·2
+    activation each way per micro-batch), and the step stretched by the bubble: compute / (1 - bubble)."""
+    psi, h, layers = args.num_params(), args.dim, args.n_layers
+    tokens = e["global_batch"] * seq_len
+    compute = (8 if e["ac"] else 6) * psi * tokens / (e["tp"] * e["pp"] * e["dp"]) / PEAK_FLOPS
+    per_collective = (e["tp"] - 1) / e["tp"] * seq_len * h * 2
+    tp_bytes = (12 if e["ac"] else 8) * per_collective * (layers // e["pp"]) * e["m"] if e["tp"] > 1 else 0.0
+    pp_bytes = 2 * seq_len * h * 2 * e["m"] if e["pp"] > 1 else 0.0
+    return {
+        "compute": compute, "fsdp_bytes": e["fsdp"], "fsdp": e["fsdp"] / IB_BYTES_S,
+        "tp_bytes": tp_bytes, "tp": tp_bytes / NVLINK_BYTES_S, "pp_bytes": pp_bytes, "pp": pp_bytes / IB_BYTES_S,
+        "with_bubble": compute / (1 - e["bubble"]),
+    }  # fmt: skip
+
+
+def main_time(name: str, gpus: int, mem_gb: float, seq_len: int, tokens: float) -> None:
+    args, batch = MODELS[name], int(tokens // seq_len)
+    print(f"{name} on {gpus} GPUs, every layout that fits; seconds per step, each term alone (docstring of "
+          "time_estimate)")  # fmt: skip
+    print(f"{'tp x pp x dp':<14} {'m':>4} {'compute':>8} {'FSDP over IB':>19} {'TP over NVLink':>19} "
+          f"{'PP over IB':>17} {'bubble':>15}")  # fmt: skip
+    for e in fitting(args, gpus, mem_gb, seq_len, batch):
+        t = time_estimate(args, e, seq_len)
+        pp = f"{t['pp_bytes'] / GB:,.0f} GB {t['pp']:5.1f} s" if e["pp"] > 1 else "-"
+        tp = f"{t['tp_bytes'] / 1e12:,.1f} TB {t['tp']:5.1f} s" if e["tp"] > 1 else "-"
+        bubble = f"{e['bubble']:.1%} -> {t['with_bubble']:.0f} s" if e["pp"] > 1 else "0"
+        print(f"{e['tp']} x {e['pp']} x {e['dp']:<7} {e['m']:>4} {t['compute']:>7.0f}s "
+              f"{t['fsdp_bytes'] / GB:>9,.1f} GB {t['fsdp']:>5.2f} s {tp:>19} {pp:>17} {bubble:>15}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpus", default="8,64,512,4096", help="comma-separated GPU counts")
@@ -251,9 +297,14 @@ def main() -> None:
     p.add_argument("--model", choices=list(MODELS), help="list every layout that fits, not just the chosen one")
     p.add_argument("--commands", action="store_true", help="print the meshloom command line of each plan")
     p.add_argument("--ac", action="store_true", help="measure one block's kept bytes under each AC mode")
+    p.add_argument("--time", action="store_true", help="with --model and one --gpus: seconds per step of each layout")
     a = p.parse_args()
     if a.ac:
         main_ac()
+    elif a.time:
+        if "," in a.gpus or not a.model:
+            p.error("--time needs --model NAME and a single --gpus count")
+        main_time(a.model, int(a.gpus), a.gpu_mem_gb, a.seq_len, a.global_batch_tokens)
     else:
         counts = [int(g) for g in a.gpus.split(",")]
         main_plan(counts, a.gpu_mem_gb, a.seq_len, a.global_batch_tokens, a.model, a.commands)

@@ -71,13 +71,25 @@ def rank_from_env() -> int:
 
 
 def device_backend(device: torch.device) -> str:
-    """The backend of the device plane: NCCL for CUDA tensors, gloo for CPU tensors."""
+    """The backend of the device plane: NCCL for CUDA tensors, gloo for CPU tensors.
+
+    A default group whose backend already serves ``device`` (torch's fake backend in tests that lay out
+    meshes without processes) keeps its own backend.
+    """
+    if dist.is_initialized():
+        default = str(dist.get_backend())
+        if default not in ("gloo", "nccl") and device.type in dist.Backend.backend_capability.get(default, []):
+            return default
     return "nccl" if device.type == "cuda" else "gloo"
 
 
 def mesh_backend_options(device: torch.device, timeout_s: float):
-    """``(backend, options)`` for DeviceMesh's ``backend_override``: the device plane's backend, our timeout."""
-    return backend_options(device_backend(device), timeout_s)
+    """``(backend, options)`` for DeviceMesh's ``backend_override``: the device plane's backend, our timeout.
+
+    (A fake backend takes no options, and needs no timeout: it never waits.)
+    """
+    backend = device_backend(device)
+    return backend_options(backend, timeout_s) if backend in ("gloo", "nccl") else backend
 
 
 def _free_port() -> int:

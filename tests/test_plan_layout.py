@@ -84,3 +84,26 @@ def test_activation_checkpointing_keeps_only_the_block_input():
     assert none == formula_bytes(small, batch, seq)
     assert full == 4 * batch * seq * small.dim
     assert full < selective < none
+
+
+def test_the_bubble_is_under_20_percent_exactly_when_m_exceeds_4_times_pp_minus_1():
+    from bench.plan_layout import bubble_above_20_percent
+
+    for pp in range(2, 65):
+        for m in range(1, 300):
+            bubble = (pp - 1) / (m + pp - 1)
+            assert (bubble >= 0.2) == (m <= 4 * (pp - 1)) == bubble_above_20_percent({"pp": pp, "m": m}), (pp, m)
+    # the old rule "m >= 4·pp" was too strict: at pp = 8, m = 29 already gives 7/36 = 19.4%
+    assert not bubble_above_20_percent({"pp": 8, "m": 29})
+
+
+def test_time_model_of_the_1t_layouts():
+    # docs/combining.md, section 7 (arithmetic): tp 8 x pp 32 x dp 2 against tp 8 x pp 1 x dp 64
+    from bench.plan_layout import time_estimate
+
+    args = MODELS["dense-1t"]
+    piped = time_estimate(args, estimate(args, 8, 32, 2, True, SEQ, BATCH), SEQ)
+    flat = time_estimate(args, estimate(args, 8, 1, 64, True, SEQ, BATCH), SEQ)
+    assert round(flat["compute"]) == 62 and round(flat["fsdp"]) == 147 and round(flat["tp"], 1) == 8.8
+    assert round(piped["compute"]) == 67 and round(piped["fsdp"], 2) == 0.25 and round(piped["pp"], 1) == 4.1
+    assert round(piped["with_bubble"]) == 76

@@ -5,6 +5,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import loss_parallel
 
 from config import ConfigError, load_config
 from mesh.materialize import materialize_weights
@@ -122,3 +123,89 @@ def test_a_tp_that_does_not_fit_the_model_is_refused(overrides, expected):
         check_config(cfg, cfg.parallel.tp)
     message = str(err.value)
     assert expected in message and ("choose" in message or "change" in message)
+
+
+# ---- counterfactuals the chapter describes ----------------------------------------------------------------
+
+
+def block_backward_all_reduces_without_prepare_module_input() -> dict:
+    """docs/tensor_parallel.md section 9: without the sub-layers' PrepareModuleInput (no SP), each Colwise
+    linear wraps the input on its own and reduces its own input gradient."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from mesh.tensor_parallel import block_plan
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    with torch.device("meta"):
+        model = Transformer(TINY)
+    plan = {k: v for k, v in block_plan(sequence_parallel=False).items() if k not in ("attention", "feed_forward")}
+    parallelize_module(model.layers["0"], mesh, plan)
+    materialize_weights(model, torch.device("cpu"), seed=0)
+    x = torch.randn(2, 16, TINY.dim, requires_grad=True)
+    out = model.layers["0"](x, model.rope_cos, model.rope_sin)
+    with CommDebugMode() as backward:
+        out.sum().backward()
+    return {str(op).split(".")[-1]: n for op, n in backward.get_comm_counts().items()}
+
+
+def test_without_prepare_module_input_each_colwise_linear_reduces_its_own_input_gradient():
+    # wq, wk, wv each all-reduce their input's gradient (3), w1 and w3 theirs (2): 5 instead of the plan's 2
+    assert run_on_ranks(block_backward_all_reduces_without_prepare_module_input, 2)[0] == {"all_reduce": 5}
+
+
+def sp_optimizer_all_reduces(reduce_first: bool) -> dict:
+    """docs/tensor_parallel.md section 10: the SP norms' Partial gradients under TP alone, and AdamW's step."""
+    from mesh.tensor_parallel import reduce_partial_gradients
+
+    model = tp_model(sequence_parallel=True)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with loss_parallel():
+        torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    params = list(model.parameters())
+    partial = [n for n, p in model.named_parameters() if any(pl.is_partial() for pl in p.grad.placements)]
+    with CommDebugMode() as reduce:
+        if reduce_first:
+            reduce_partial_gradients(params)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    with CommDebugMode() as step:
+        optimizer.step()
+    names = lambda mode: {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}  # noqa: E731
+    still = [n for n, p in model.named_parameters() if any(pl.is_partial() for pl in p.grad.placements)]
+    return {"partial": partial, "reduce": names(reduce), "step": names(step), "partial after": still}
+
+
+def test_sp_norm_gradients_are_reduced_once_not_inside_every_adamw_op():
+    norms = ["layers.0.attention_norm.weight", "layers.0.ffn_norm.weight", "norm.weight"]
+    lazy = run_on_ranks(sp_optimizer_all_reduces, 2, False)[0]
+    assert sorted(lazy["partial"]) == sorted(norms) and lazy["reduce"] == {}
+    # DTensor reduces a Partial gradient inside each op that reads it: 3 all-reduces per norm weight, and the
+    # gradients are still Partial afterwards
+    assert lazy["step"] == {"all_reduce": 3 * len(norms)} and sorted(lazy["partial after"]) == sorted(norms)
+    once = run_on_ranks(sp_optimizer_all_reduces, 2, True)[0]
+    assert once["reduce"] == {"all_reduce": len(norms)} and once["step"] == {} and once["partial after"] == []
+
+
+def placements_on_fsdp2_x_tp2() -> dict:
+    """docs/tensor_parallel.md section 12: placements and local shapes of the debug model on dp_shard 2 x tp 2."""
+    from tests.api_path import api_fsdp, api_meshes, api_tensor_parallel
+
+    args = ModelArgs(dim=128, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64)
+    meshes = api_meshes(1, 2, tp=2)
+    with torch.device("meta"):
+        model = Transformer(args)
+    api_tensor_parallel(model, meshes.world["tp"], sequence_parallel=True)
+    api_fsdp(model, meshes)
+    materialize_weights(model, torch.device("cpu"), seed=0)
+    return {n.replace("layers.0.", ""): ([repr(pl) for pl in p.placements], tuple(p.to_local().shape))
+            for n, p in model.named_parameters()}  # fmt: skip
+
+
+def test_fsdp_over_tp_placements():
+    found = run_on_ranks(placements_on_fsdp2_x_tp2, 4)[0]
+    strided = "_StridedShard(dim=0, sf=2)"
+    assert found["attention.wq.weight"] == ([strided, "Shard(dim=0)"], (32, 128))
+    assert found["attention.wo.weight"] == (["Shard(dim=0)", "Shard(dim=1)"], (64, 64))
+    assert found["feed_forward.w2.weight"] == (["Shard(dim=0)", "Shard(dim=1)"], (64, 192))
+    assert found["attention_norm.weight"] == (["Shard(dim=0)", "Replicate()"], (64,))
+    assert found["tok_embeddings.weight"] == ([strided, "Shard(dim=0)"], (64, 128))
+    assert found["output.weight"] == ([strided, "Shard(dim=0)"], (64, 128))
