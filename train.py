@@ -10,6 +10,13 @@ losses over the global batch divided by the global token count.
 
 from __future__ import annotations
 
+from mesh.signals import StopSignals  # standard library only, so it can come first
+
+# Under torchrun, a worker whose peer fails at start-up gets SIGTERM, maybe while it is still importing torch;
+# recording signals from the very start lets every worker still finish its own checks and exit with its own
+# code (mesh/signals.py, step 1).
+STARTUP_SIGNALS = StopSignals().install() if __name__ == "__main__" else None
+
 import json
 import math
 import os
@@ -49,7 +56,7 @@ from mesh.runtime import (
     sum_over,
     world_size_from_env,
 )
-from mesh.signals import ParentWatch, StopSignals
+from mesh.signals import ParentWatch
 from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value, reduce_partial_gradients
 from metrics import MetricsWriter, format_step, peak_memory_bytes
 from models.llama import Transformer
@@ -175,7 +182,7 @@ def train(cfg: Config) -> list[dict]:
         world_size, rank = world_size_from_env(), rank_from_env()
     plan, resume = check_config(cfg, world_size, rank)
     t, dims, timeout_s = cfg.training, plan.dims, cfg.parallel.collective_timeout_s
-    signals = StopSignals().install()  # from here on, SIGTERM/SIGINT stop the run after a step
+    signals = (STARTUP_SIGNALS or StopSignals()).install()  # SIGTERM/SIGINT stop the run after a step
     watch = ParentWatch(grace_s=timeout_s + 60).start() if "TORCHELASTIC_RUN_ID" in os.environ else None
     device = select_device(t.device)
     control = init_process_group(device, timeout_s)
@@ -229,6 +236,7 @@ def train(cfg: Config) -> list[dict]:
         model_groups = "device plane: " + ", ".join(
             n for n in ("pp", "dp_replicate", "dp_shard", "tp") if getattr(dims, n) > 1
         )
+        signals.announce = True
         for step in range(start_step + 1, t.steps + 1):
             start = device_time(device)
             loss_sum = torch.zeros((), device=device)
@@ -451,4 +459,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    status = main(sys.argv[1:])
+    # Exit now: everything was closed above, and the interpreter's own teardown (hundreds of ms with torch)
+    # runs with default signal handlers, so torchrun's SIGTERM to the last workers would replace their exit
+    # status with -15.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

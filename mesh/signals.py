@@ -3,9 +3,11 @@
 Preemption (SLURM, Kubernetes, spot instances) arrives as SIGTERM, usually with tens of seconds to spare;
 Ctrl-C arrives as SIGINT. torchrun forwards SIGTERM to its workers and kills them 30 s later. So:
 
-1. ``StopSignals.install`` replaces the handlers of SIGTERM and SIGINT (main thread only). The first signal
-   only records itself; a collective or a half-written checkpoint is never interrupted. A second signal
-   exits at once with 128 + signal (the user insists).
+1. ``StopSignals.install`` replaces the handlers of SIGTERM and SIGINT (main thread only); ``python
+   train.py`` installs it before its slow imports, so a signal during start-up is recorded too (torchrun
+   stops the other workers with SIGTERM when one fails its config check: they still exit with their own
+   code 2). The first signal only records itself; a collective or a half-written checkpoint is never
+   interrupted. A second signal exits at once with 128 + signal (the user insists).
 2. At the end of every step the ranks agree on the control plane (``agreed_stop``: one all-reduce of the
    signal number, MAX), because the signal reaches ranks at slightly different moments and all of them
    must stop after the *same* step. train.py then saves that step (when checkpointing is configured),
@@ -29,9 +31,12 @@ HANDLED = (signal.SIGTERM, signal.SIGINT)
 class StopSignals:
     def __init__(self):
         self.received: int | None = None
+        self.announce = False  # say so on the console (from the first training step on)
         self._previous: dict[int, object] = {}
 
     def install(self) -> StopSignals:
+        if self._previous:
+            return self  # installed already
         if threading.current_thread() is not threading.main_thread():
             return self  # signal handlers can only be set from the main thread (e.g. not in a test thread)
         for sig in HANDLED:
@@ -49,6 +54,8 @@ class StopSignals:
                   flush=True)  # fmt: skip
             os._exit(128 + signum)
         self.received = signum
+        if not self.announce:
+            return
         rank = os.environ.get("RANK", "0")
         print(f"meshloom: rank {rank} got {signal.Signals(signum).name}: stopping after this step (again to "
               "exit at once)", file=sys.stderr, flush=True)  # fmt: skip
