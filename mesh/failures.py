@@ -48,11 +48,8 @@ def phase(what: str, groups: str):
     """Record ``what`` this rank is doing, and on which ``groups``, while the block runs."""
     before = dict(_PHASE)
     set_phase(what, groups)
-    try:
-        yield
-    finally:
-        if _PHASE["what"] == what:  # leave a failure's phase in place for ``explain``
-            _PHASE.update(before)
+    yield  # on an exception the phase stays set: ``explain`` reports where it happened
+    _PHASE.update(before)
 
 
 def current_phase() -> dict:

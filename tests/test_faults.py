@@ -1,0 +1,258 @@
+"""Faults an operator meets, each ending the way docs/troubleshooting.md promises.
+
+- A stalled rank (SIGSTOP) makes every surviving rank print one line naming the operation and the groups it
+  was waiting on, and exit, within the collective timeout (plus a second or two); the job then ends after
+  torchrun's own grace: in torch 2.13 it waits a fixed 30 s for a failed job's other workers before it
+  SIGKILLs them (``--shutdown-timeout`` only applies to a signalled launcher), and a stopped worker never
+  exits on its own.
+- SIGTERM to the launcher (preemption) mid-step or mid-save: the ranks finish the step, save it, say how to
+  resume and exit with 128 + 15; resuming continues the uninterrupted run's loss curve exactly.
+- A worker killed with SIGKILL under ``torchrun --max-restarts 1 ... --checkpoint.resume auto``: torchrun
+  restarts the workers, they resume the newest checkpoint, and the run ends on the uninterrupted curve.
+- The launcher killed with SIGKILL: its workers notice, save, and exit (no orphans).
+
+Every test drives the real command line (torchrun over train.py) and has hard deadlines.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from checkpoint.folder import published
+from tests.training_runs import DEBUG_CONFIG, ROOT, assert_same_curve, run_train_cli
+
+TIMEOUT_S = 15  # parallel.collective_timeout_s in these tests
+TORCHRUN_GRACE_S = 30  # torchrun 2.13 waits this long after a worker failed before it SIGKILLs the others
+SLACK_S = 5  # noticing the failure, exiting, torchrun's 0.1 s monitor interval: measured ~1-3 s here
+
+
+class Launch:
+    """``torchrun ... train.py ARGS`` in the background, its output in a file we can watch."""
+
+    def __init__(self, tmp_path: Path, nproc: int, *args: str, restarts: int = 0, env: dict | None = None):
+        self.log = tmp_path / f"launch-{time.monotonic_ns()}.log"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={restarts}", "train.py", "--config", DEBUG_CONFIG,
+            "--run.tensorboard", "false", *args,
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        self.out = open(self.log, "w")  # noqa: SIM115 - closed in wait()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.out, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def seconds_until(self, pattern: str, timeout: float) -> float:
+        """Seconds from now until ``pattern`` appears in the output (even if the launcher exits meanwhile)."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if re.search(pattern, self.text()):
+                return time.monotonic() - start
+            time.sleep(0.1)
+        return float("inf")
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.search(pattern, self.text())
+            if found:
+                return found
+            assert self.proc.poll() is None, f"exited before {pattern!r}:\n{self.text()[-4000:]}"
+            time.sleep(0.1)
+        self.kill()
+        raise AssertionError(f"no {pattern!r} after {timeout} s:\n{self.text()[-4000:]}")
+
+    def workers(self) -> dict[int, int]:
+        """rank -> pid of the launcher's worker processes (read from /proc)."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == self.proc.pid:
+                rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
+                if rank is not None:
+                    found[rank] = int(entry.name)
+        return found
+
+    def wait(self, timeout: float) -> tuple[int, float]:
+        start = time.monotonic()
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running after {timeout} s:\n{self.text()[-4000:]}") from None
+        finally:
+            self.out.close()
+        return code, time.monotonic() - start
+
+    def kill(self) -> None:
+        for pid in self.workers().values():
+            os.kill(pid, signal.SIGKILL)
+        self.proc.kill()
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 12-step run every interrupted one must end on (one process: fsdp2 matches it)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    proc = run_train_cli(1, "--config", DEBUG_CONFIG, "--training.steps", "12", "--run.dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return records(run_dir)
+
+
+# ---- a stalled rank ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_a_dp2_x_tp2_job_within_the_timeout(tmp_path):
+    run = Launch(
+        tmp_path, 4, "--parallel.dp_shard", "2", "--parallel.tp", "2", "--training.steps", "500",
+        "--parallel.collective_timeout_s", str(TIMEOUT_S), "--run.dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    run.wait_for(r"step +3 \|")
+    stalled, start = 3, time.monotonic()
+    os.kill(run.workers()[stalled], signal.SIGSTOP)
+    noticed = run.seconds_until(r"meshloom: rank \d: ", timeout=TIMEOUT_S + 60)
+    code, _ = run.wait(timeout=TIMEOUT_S + TORCHRUN_GRACE_S + 60)
+    ended = time.monotonic() - start
+    assert noticed < TIMEOUT_S + SLACK_S, f"the first rank reported after {noticed:.0f} s"
+    # what is left is torchrun's: its grace for the stopped worker, counted from the first worker's exit
+    assert code != 0 and ended - noticed < TORCHRUN_GRACE_S + SLACK_S, f"noticed {noticed:.0f} s, ended {ended:.0f} s"
+    text = run.text()
+    for rank in (0, 1, 2):  # every surviving rank says what it was doing, on which groups
+        line = re.search(
+            rf"meshloom: rank {rank}: (a collective timed out|a peer closed).* during (.+?) \(groups: ", text
+        )
+        assert line, f"rank {rank} printed no failure line:\n{text[-4000:]}"
+    assert f"meshloom: rank {stalled}:" not in text
+    assert "timed out after parallel.collective_timeout_s=15 s" in text
+
+
+@pytest.mark.slow
+def test_a_rank_stalled_mid_save_ends_the_job_within_the_timeout(tmp_path):
+    from checkpoint.manager import PAUSE_ENV
+
+    run = Launch(
+        tmp_path, 2, "--parallel.dp_shard", "2", "--training.steps", "50", "--checkpoint.interval", "2",
+        "--parallel.collective_timeout_s", str(TIMEOUT_S), "--run.dir", str(tmp_path / "run"),
+        env={PAUSE_ENV: "4:3"},
+    )  # fmt: skip
+    run.wait_for("pausing 3 s before publishing")  # rank 0 is inside the save of step 4
+    start = time.monotonic()
+    os.kill(run.workers()[1], signal.SIGSTOP)
+    noticed = run.seconds_until(r"meshloom: rank 0: ", timeout=TIMEOUT_S + 60)
+    code, _ = run.wait(timeout=TIMEOUT_S + TORCHRUN_GRACE_S + 60)
+    ended = time.monotonic() - start
+    pause = 3  # rank 0 waits for rank 1 only once its publishing pause is over
+    assert noticed < pause + TIMEOUT_S + SLACK_S, f"rank 0 reported after {noticed:.0f} s"
+    assert code != 0 and ended - noticed < TORCHRUN_GRACE_S + SLACK_S, f"noticed {noticed:.0f} s, ended {ended:.0f} s"
+    assert re.search(r"meshloom: rank 0: a collective timed out after .* during saving step 4", run.text()), run.text()[
+        -3000:
+    ]
+    # the step that was being saved was published before the stall hit the agreement; nothing half-written stays
+    assert 4 in published(tmp_path / "run" / "checkpoints")
+
+
+# ---- SIGTERM (preemption) -------------------------------------------------------------------------------------
+
+
+def interrupted_then_resumed(tmp_path, reference, *, pause: str | None, wait_pattern: str) -> None:
+    run_dir = tmp_path / "run"
+    common = ["--parallel.dp_shard", "2", "--training.steps", "12", "--run.dir", str(run_dir)]
+    from checkpoint.manager import PAUSE_ENV
+
+    run = Launch(tmp_path, 2, *common, "--checkpoint.interval", "4", env={PAUSE_ENV: pause} if pause else {})
+    run.wait_for(wait_pattern)
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    code, _ = run.wait(timeout=60)
+    elapsed = time.monotonic() - sent
+    text = run.text()
+    assert elapsed < 30, f"took {elapsed:.0f} s after SIGTERM"
+    stopped = re.search(r"meshloom: stopped by SIGTERM after step (\d+); step \1 is saved in .*; resume with: .*"
+                        r"--checkpoint.resume auto", text)  # fmt: skip
+    assert stopped, text[-4000:]
+    step = int(stopped.group(1))
+    assert re.search(r"exitcode\s*:\s*143", text) or code != 0, text[-3000:]
+    assert step in published(run_dir / "checkpoints") and step < 12
+    # the workers print no traceback; torchrun prints one of its own (SignalException) as it exits
+    assert text.count("Traceback") == text.count("SignalException: Process") <= 1, text[-4000:]
+    # Resume on another layout (one process): the whole metrics.jsonl is the uninterrupted curve.
+    proc = run_train_cli(
+        1, "--config", DEBUG_CONFIG, *common[2:], "--checkpoint.interval", "4", "--checkpoint.resume", "auto"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_curve(records(run_dir), reference)
+
+
+def test_sigterm_mid_run_saves_the_step_and_the_resume_continues_the_curve(tmp_path, reference):
+    interrupted_then_resumed(tmp_path, reference, pause=None, wait_pattern=r"step +5 \|")
+
+
+@pytest.mark.slow
+def test_sigterm_mid_save_finishes_that_save_and_stops(tmp_path, reference):
+    interrupted_then_resumed(tmp_path, reference, pause="4:3", wait_pattern="pausing 3 s before publishing")
+
+
+# ---- restarts and a dead launcher ----------------------------------------------------------------------------
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_on_the_uninterrupted_curve(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    run = Launch(
+        tmp_path, 2, "--parallel.dp_shard", "2", "--training.steps", "12", "--checkpoint.interval", "3",
+        "--checkpoint.resume", "auto", "--run.dir", str(run_dir), restarts=1,
+    )  # fmt: skip
+    run.wait_for(r"step +5 \|")
+    os.kill(run.workers()[1], signal.SIGKILL)
+    code, _ = run.wait(timeout=240)
+    text = run.text()
+    assert code == 0, text[-4000:]
+    assert re.search(r"checkpoint: resumed .*step-\d+ at step \d+", text), "the restarted workers must resume"
+    assert_same_curve(records(run_dir), reference)
+
+
+def test_workers_whose_launcher_was_killed_save_and_exit(tmp_path):
+    run_dir = tmp_path / "run"
+    run = Launch(
+        tmp_path, 2, "--parallel.dp_shard", "2", "--training.steps", "2000", "--checkpoint.interval", "1000",
+        "--run.dir", str(run_dir),
+    )  # fmt: skip
+    run.wait_for(r"step +3 \|")
+    workers = run.workers()
+    assert sorted(workers) == [0, 1]
+    run.proc.kill()  # SIGKILL: torchrun forwards nothing
+    run.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while any(alive(pid) for pid in workers.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in workers.values()), "orphaned workers are still running"
+    text = run.text()
+    assert "the launcher (pid" in text and "is gone; stopping" in text, text[-3000:]
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); step \1 is saved", text)
+    assert stopped and int(stopped.group(1)) in published(run_dir / "checkpoints"), text[-3000:]
