@@ -88,19 +88,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _describe(error: BaseException) -> str:
-    """One line for a failed save: the OS error, wherever DCP wrapped it."""
+def _describe(error: BaseException) -> tuple[int | None, str]:
+    """(the rank where it failed, if DCP says; one line): the OS error, wherever DCP wrapped it."""
     if isinstance(error, CheckpointException):
-        for failure in error.failures.values():
-            return _describe(failure)
+        for rank, failure in error.failures.items():  # (exception, traceback) per failed rank
+            return rank, _describe(failure[0] if isinstance(failure, tuple) else failure)[1]
     cause = error
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     if isinstance(cause, OSError):
         reason = "the disk is full" if cause.errno == errno.ENOSPC else (cause.strerror or str(cause))
         where = f" writing {cause.filename}" if cause.filename else ""
-        return f"{reason}{where} ({errno.errorcode.get(cause.errno, 'OSError')})"
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return None, f"{reason}{where} ({errno.errorcode.get(cause.errno, 'OSError')})"
+    return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 class CheckpointManager:
@@ -275,14 +275,16 @@ class CheckpointManager:
     def _agree(self, error: BaseException | None, step: int, tmp: Path) -> None:
         """Step 5: all ranks learn whether the save worked, and a failed save leaves nothing behind."""
         mine = None if error is None else _describe(error)
-        failures = [(rank, text) for rank, text in enumerate(self.control.all_gather_object(mine)) if text]
+        reports = self.control.all_gather_object(mine)
+        failures = [(origin if origin is not None else rank, text) for rank, r in enumerate(reports) if r
+                    for origin, text in [r]]  # fmt: skip
         if not failures:
             self.last_saved = step
             return
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         self.control.barrier()
-        rank, text = failures[0]
+        rank, text = min(failures)
         newest = max(published(self.folder), default=None)
         keep = f"the newest good checkpoint is step-{newest}" if newest else "no checkpoint was saved yet"
         raise CheckpointSaveError(

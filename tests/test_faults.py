@@ -256,3 +256,42 @@ def test_workers_whose_launcher_was_killed_save_and_exit(tmp_path):
     assert "the launcher (pid" in text and "is gone; stopping" in text, text[-3000:]
     stopped = re.search(r"stopped by SIGTERM after step (\d+); step \1 is saved", text)
     assert stopped and int(stopped.group(1)) in published(run_dir / "checkpoints"), text[-3000:]
+
+
+# ---- a full disk during a save --------------------------------------------------------------------------------
+
+
+def train_with_a_full_disk_at(step: int, run_dir: str):
+    """Rank body: rank 1's writes of checkpoint ``step`` fail with ENOSPC, as on a full disk."""
+    import errno
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from checkpoint.manager import CheckpointSaveError
+    from tests.training_runs import run_training
+
+    original = FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        if dist.get_rank() == 1 and str(self.path).endswith(f"step-{step}.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path) + "/__1_0.distcp")
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = full_disk
+    try:
+        run_training({"parallel.dp_shard": 2, "checkpoint.interval": 2}, run_dir)
+    except CheckpointSaveError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_full_disk_during_a_save_removes_the_partial_save_and_says_so(tmp_path):
+    from tests.harness import run_on_ranks
+
+    messages = run_on_ranks(train_with_a_full_disk_at, 2, 4, str(tmp_path / "run"), timeout=180)
+    for message in messages:  # every rank stops with the same one-line explanation
+        assert message and message.startswith("saving step 4 to ") and "failed on rank 1: the disk is full" in message
+        assert "removed the partial step-4.tmp" in message and "the newest good checkpoint is step-2" in message
+    folder = tmp_path / "run" / "checkpoints"
+    assert list(published(folder)) == [2] and not (folder / "step-4.tmp").exists()
