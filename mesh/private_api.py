@@ -1,7 +1,10 @@
 """The one place meshloom touches private torch APIs (torch 2.13), each wrapped with the reason it is needed.
 
 Prefer public APIs everywhere else. When torch renames or removes one of these, ``tests/test_private_api.py``
-fails here, loudly, instead of a training run failing somewhere deep inside a collective.
+fails here, loudly, instead of a training run failing somewhere deep inside a collective. (The docs tooling
+has its own such place, docs/schedule_ir.py, for the pipeline schedules' action lists that the pictures draw;
+selective activation checkpointing names ops of torch's ``_c10d_functional`` namespace, which are op
+identifiers, not Python APIs.)
 
 | what                                   | why no public API serves                                              |
 |----------------------------------------|-----------------------------------------------------------------------|
