@@ -153,6 +153,18 @@ def test_step_sync_on_hsdp_all_reduces_across_replicas_once_per_step_at_parity(o
     assert_same_curve(once["records"], one_process[0])
 
 
+@pytest.mark.slow  # ~10 s: two scans of every live object per rank; the bench prints the same numbers
+def test_step_sync_holds_the_unsharded_gradient_between_micro_batches():
+    from bench.grad_sync_memory import held_after_backward
+
+    layout = {"parallel.dp_shard": 2}
+    # Live tensor bytes after one micro-batch's backward (bench/grad_sync_memory.py): reduced, the rank keeps
+    # its gradient shards, 4Ψ/2; not reduced, FSDP keeps every unit's whole gradient, 4Ψ. Exact: the debug
+    # model's dims divide by 2 and the gradients are fp32.
+    for reduce, expected in ((True, 4 * 853_120 // 2), (False, 4 * 853_120)):
+        assert [r["held"] for r in run_on_ranks(held_after_backward, 2, layout, reduce)] == [expected] * 2
+
+
 # ---- compression: fewer bytes, a bounded loss gap ---------------------------------------------------------
 
 GAP_STEPS = 12  # PowerSGD reduces exactly for 2 steps, then compresses 10
