@@ -230,6 +230,22 @@ def test_cpu_offload_trains_at_parity(layout, one_process, tmp_path):
     assert_same_curve(train_on(world, offload, tmp_path), one_process[0])
 
 
+def offload_bench_on_cpu() -> dict:
+    import torch
+
+    from bench.offload_memory import measure
+
+    tiny = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.multiple_of": 32}
+    return measure(True, 2, 16, 2, torch.device("cpu"), tiny)  # 2 steps: Adam state exists at the second
+
+
+def test_the_offload_bench_runs_on_cpu():
+    # The GPU bench (bench/offload_memory.py) has not run here (no GPU); this keeps its code path alive:
+    # on a CPU "device" all of the (4 + 4 + 8) Ψ / N bytes of state are host memory, and none is CUDA.
+    for r in run_on_ranks(offload_bench_on_cpu, 2):
+        assert r["host_state"] == 16 * r["psi"] // 2 and r["device_state"] == 0
+
+
 # ---- checkpoints ------------------------------------------------------------------------------------------
 
 
