@@ -249,16 +249,21 @@ def test_the_offload_bench_runs_on_cpu():
 # ---- checkpoints ------------------------------------------------------------------------------------------
 
 
-def test_offload_and_step_sync_save_and_resume_on_another_layout(one_process, tmp_path):
+def test_offload_step_sync_and_bf16_reduction_save_and_resume_on_another_layout(one_process, tmp_path):
     reference, _ = one_process
     folder = {"checkpoint.folder": str(tmp_path / "ckpt")}
     saving = {"parallel.dp_shard": 2, "parallel.fsdp_cpu_offload": True, "parallel.grad_sync": "step",
               "training.micro_batch": 2, "checkpoint.interval": 3, "training.steps": 3, **folder}  # fmt: skip
     assert_same_curve(train_on(2, saving, tmp_path / "a"), reference[:3])
-    resuming = {**REPLICATE2, "parallel.fsdp_cpu_offload": True, "parallel.grad_sync": "step", "training.micro_batch": 2, "checkpoint.resume": "auto", **folder}  # fmt: skip
+    resuming = {**REPLICATE2, "parallel.fsdp_cpu_offload": True, "parallel.grad_sync": "step",
+                "parallel.grad_compression": "bf16", "training.micro_batch": 2, "checkpoint.resume": "auto",
+                **folder}  # fmt: skip
     resumed = train_on(2, resuming, tmp_path / "b")
     assert [r["step"] for r in resumed] == [4, 5, 6]
-    assert_same_curve(resumed, reference[3:])
+    # Step 4's loss comes from the restored weights alone: exact. Its update and the later ones reduce in bf16:
+    # within the bf16 bound of test_compressed_reduction_sends_fewer_bytes_and_stays_close_to_exact.
+    assert_same_curve(resumed[:1], reference[3:4], keys=("loss",))
+    assert_same_curve(resumed, reference[3:], rtol=GAP_BOUNDS["bf16"], keys=("loss",))
 
 
 def test_powersgd_resumes_from_a_checkpoint_and_its_checkpoint_resumes_elsewhere(one_process, tmp_path):
