@@ -142,10 +142,10 @@ def one_process_gradients(world: int) -> dict:
 @pytest.mark.parametrize(
     "dp_replicate, dp_shard, per_step",
     [
-        (1, 2, {"microbatch": {"reduce_scatter_single@mesh_dp_shard": 3 * K},
-                "step": {"reduce_scatter_single@mesh_dp_shard": 3}}),
-        (2, 2, {"microbatch": {"reduce_scatter_single@mesh_dp_shard": 3 * K, "all_reduce@mesh_dp_replicate": 3 * K},
-                "step": {"reduce_scatter_single@mesh_dp_shard": 3 * K, "all_reduce@mesh_dp_replicate": 3}}),
+        (1, 2, {"microbatch": {"reduce_scatter_single@shard": 3 * K},
+                "step": {"reduce_scatter_single@shard": 3}}),
+        (2, 2, {"microbatch": {"reduce_scatter_single@shard": 3 * K, "all_reduce@replicate": 3 * K},
+                "step": {"reduce_scatter_single@shard": 3 * K, "all_reduce@replicate": 3}}),
     ],
     ids=["fsdp2", "hsdp2x2"],
 )  # fmt: skip
@@ -168,10 +168,10 @@ def test_powersgd_replica_reduces_once_per_step_only_when_the_forward_is_inside_
         for forward_outside in (False, True)
     )
     # PowerSGD's first iterations reduce exactly: one all-reduce of DDP's one bucket per reducing backward.
-    assert inside["calls"] == {"all_reduce@mesh_dp_replicate": 1}
+    assert inside["calls"] == {"all_reduce@replicate": 1}
     for name, grad in one_process_gradients(world).items():
         assert rel_error(inside["grads"][name], grad) < 1e-5, name
     # DDP arms the reduction in the forward: with only the backward inside, every micro-batch reduces. K = 3
     # reductions: PowerSGD's two exact ones (one all-reduce each), then its first compressed one (three: the
     # uncompressed 1-D gradients, then P, then Q).
-    assert outside["calls"] == {"all_reduce@mesh_dp_replicate": 1 + 1 + 3}
+    assert outside["calls"] == {"all_reduce@replicate": 1 + 1 + 3}
