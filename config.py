@@ -89,6 +89,17 @@ class ParallelConfig:
         "default", "free gathered FSDP weights after forward (default: all but the last block)"
     )
     collective_timeout_s: int = opt(300, "seconds a collective may wait for a peer before the job fails", ge=1)
+    # Communication and memory savers (mesh/savers.py; docs/data_parallel.md, sections 16-18).
+    grad_sync: Literal["microbatch", "step"] = opt(
+        "microbatch", "reduce gradients after every micro-batch, or once per step (accumulate locally until the last)"
+    )
+    grad_compression: Literal["none", "bf16", "powersgd"] = opt(
+        "none", "gradient reduction: exact fp32, in bf16 (half the bytes), or PowerSGD (pure data parallel only)"
+    )
+    powersgd_rank: int = opt(1, "PowerSGD's low-rank approximation rank (grad_compression=powersgd)", ge=1)
+    fsdp_cpu_offload: bool = opt(
+        False, "keep sharded parameters, gradients and Adam state in host memory; the optimizer steps there"
+    )
 
 
 @dataclass

@@ -56,6 +56,7 @@ from mesh.runtime import (
     sum_over,
     world_size_from_env,
 )
+from mesh.savers import apply_powersgd, offload_policy, reduce_dtype, reduction_window
 from mesh.signals import ParentWatch
 from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value, reduce_partial_gradients
 from metrics import MetricsWriter, format_step, peak_memory_bytes
@@ -110,16 +111,23 @@ def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes,
     if cfg.training.compile:
         for block in model.layers.values():
             block.compile()
-    # FSDP whenever there is data parallelism, and also for bf16 on one rank: its MixedPrecisionPolicy is
-    # where bf16 compute with fp32 master weights and fp32 gradient reduction lives.
-    if dims.dp > 1 or cfg.training.mixed_precision == "bf16":
+    p = cfg.parallel
+    if p.grad_compression == "powersgd":  # a pure data-parallel layout, replicated with DDP (mesh/savers.py)
+        materialize_weights(model, device, cfg.training.seed)
+        return apply_powersgd(model, meshes.world["dp_replicate"], p.powersgd_rank, device)
+    # FSDP whenever there is data parallelism, and also for bf16 or CPU offload on one rank: its policies are
+    # where bf16 compute with fp32 master weights and fp32 gradient reduction, and offloading, live.
+    if dims.dp > 1 or cfg.training.mixed_precision == "bf16" or p.fsdp_cpu_offload:
         apply_fsdp(
             model, meshes,
             mixed_precision=cfg.training.mixed_precision,
-            reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
             pipelined=dims.pp > 1,
+            reduce_dtype=reduce_dtype(p.grad_compression),
+            offload=offload_policy(p.fsdp_cpu_offload, device),
         )  # fmt: skip
-    materialize_weights(model, device, cfg.training.seed)
+    # Under CPU offload FSDP wants its sharded parameters created in host memory.
+    materialize_weights(model, device, cfg.training.seed, torch.device("cpu") if p.fsdp_cpu_offload else None)
     return model
 
 
@@ -191,7 +199,9 @@ def train(cfg: Config) -> list[dict]:
     try:
         lock_run_folders(cfg, control, locks)
         torch.manual_seed(t.seed)
-        meshes = build_mesh(dims, device, timeout_s, has_experts=plan.model.moe is not None)
+        meshes = build_mesh(
+            dims, device, timeout_s, has_experts=plan.model.moe is not None, host_tensors=cfg.parallel.fsdp_cpu_offload
+        )
         assert meshes.pp.get_local_rank() == plan.pp_rank, "the plan's pp rank must match the mesh coordinate"
         is_logger = dist.get_rank() == 0
         checkpoints = CheckpointManager(cfg, plan, resume, control)
@@ -244,10 +254,13 @@ def train(cfg: Config) -> list[dict]:
             with phase(f"step {step}: forward and backward", model_groups or "none (one process)"):
                 if timeline is not None:
                     timeline.begin_step()  # after data loading: the window holds only the pipeline's work
-                for inputs, targets in batch:
-                    loss_sum += forward_backward(
-                        parts, schedule, plan, inputs.to(device), targets.to(device), dims.tp > 1
-                    )
+                for index, (inputs, targets) in enumerate(batch):
+                    # grad_sync=step: only the last micro-batch reduces; forward and backward inside the window
+                    reduce = cfg.parallel.grad_sync == "microbatch" or index == len(batch) - 1
+                    with reduction_window(parts, reduce=reduce, hsdp=dims.dp_replicate > 1):
+                        loss_sum += forward_backward(
+                            parts, schedule, plan, inputs.to(device), targets.to(device), dims.tp > 1
+                        )
                 if timeline is not None:
                     timeline.end_step()
                 if dims.tp > 1:

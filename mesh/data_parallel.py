@@ -11,6 +11,8 @@
    groups; a gradient is reduce-scattered inside the group, then all-reduced across the replicas.
 3. Mixed precision: with ``training.mixed_precision = bf16`` the all-gathered parameters and the compute are
    bf16, while gradients are reduced in fp32 and the sharded master weights and Adam states stay fp32.
+   (``parallel.grad_compression = bf16`` reduces in bf16 instead, and ``parallel.fsdp_cpu_offload`` keeps the
+   shards in host memory: mesh/savers.py.)
 4. Gradients are *summed*, not averaged, across data-parallel ranks. The loss each rank backpropagates is
    already its share of the global mean (its token-loss sum divided by the global token count), so the sum
    of the ranks' gradients is exactly the gradient of the global mean: the scaling happens once, in the
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from mesh.dims import Meshes
 from models.moe import MoE
@@ -56,13 +58,20 @@ def apply_fsdp(
     mixed_precision: str = "fp32",
     reshard_after_forward: str = "default",
     pipelined: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
+    offload: OffloadPolicy | None = None,
 ) -> nn.Module:
-    """Shard ``model`` over ``meshes.fsdp`` (see the module docstring for the steps)."""
+    """Shard ``model`` over ``meshes.fsdp`` (see the module docstring for the steps).
+
+    ``reduce_dtype`` (bf16 for ``parallel.grad_compression=bf16``) and ``offload`` (``CPUOffloadPolicy`` for
+    ``parallel.fsdp_cpu_offload``) come from mesh/savers.py.
+    """
     fsdp_mesh = meshes.fsdp
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mixed_precision == "bf16" else None,
-        reduce_dtype=torch.float32,
+        reduce_dtype=reduce_dtype,
     )
+    offload = offload or OffloadPolicy()
     blocks = list(model.layers.values())
     expert_units = []
     if meshes.expert_fsdp is not None:
@@ -71,7 +80,7 @@ def apply_fsdp(
         for block in blocks:
             for module in block.modules():
                 if isinstance(module, MoE):
-                    fully_shard(module.experts, mesh=meshes.expert_fsdp, mp_policy=policy,
+                    fully_shard(module.experts, mesh=meshes.expert_fsdp, mp_policy=policy, offload_policy=offload,
                                 reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, False, pipelined))  # fmt: skip
                     expert_units.append(module.experts)
     for i, block in enumerate(blocks):
@@ -79,12 +88,13 @@ def apply_fsdp(
             block,
             mesh=fsdp_mesh,
             mp_policy=policy,
+            offload_policy=offload,
             reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, i == len(blocks) - 1, pipelined),
         )
     # The root holds the embedding, final norm and head: used at the start of forward and again at the end
     # (the head), then first in backward, so by default it stays gathered like the last block.
     root_reshard = reshard_after_forward_policy(reshard_after_forward, True, pipelined)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=root_reshard)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=root_reshard)
     for module in [*expert_units, *blocks, model]:
         sum_gradients_across_replicas(module)
     for block, next_block in zip(blocks, blocks[1:], strict=False):

@@ -100,9 +100,14 @@ class Meshes:
         return {name: mesh for name, mesh in vars(self).items() if mesh is not None}
 
 
-def build_mesh(dims: ParallelDims, device: torch.device, timeout_s: float, has_experts: bool = False) -> Meshes:
-    """The world mesh with named dims (pp, dp_replicate, dp_shard, tp), and its named views (one root)."""
-    options = mesh_backend_options(device, timeout_s)
+def build_mesh(
+    dims: ParallelDims, device: torch.device, timeout_s: float, has_experts: bool = False, host_tensors: bool = False
+) -> Meshes:
+    """The world mesh with named dims (pp, dp_replicate, dp_shard, tp), and its named views (one root).
+
+    ``host_tensors``: FSDP CPU offload; the groups must also reduce CPU tensors (``mesh_backend_options``).
+    """
+    options = mesh_backend_options(device, timeout_s, host_tensors)
     world = init_device_mesh(
         device.type,
         (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),

@@ -127,7 +127,8 @@ def step_expert_load(parts: list[nn.Module], moe_layer_ids: list[int], loss_mesh
     local = moe_modules(parts)
     row_of = {str(layer_id): row for row, layer_id in enumerate(moe_layer_ids)}
     n_experts = parts[0].args.moe.n_experts
-    device = next(p.device for part in parts for p in part.parameters())
+    # On the device the loss mesh reduces (parameters may live in host memory under FSDP CPU offload).
+    device = torch.device(loss_mesh.device_type)
     stats = torch.zeros(len(moe_layer_ids), n_experts + 2, dtype=torch.float32, device=device)
     for layer_id, moe in local.items():
         stats[row_of[layer_id]] = torch.cat(

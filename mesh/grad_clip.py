@@ -45,7 +45,8 @@ def global_grad_norm(params: list[nn.Parameter], pp_mesh: DeviceMesh | None = No
             norm = norm.full_tensor()
         squared += norm.float() ** 2
     if pp_mesh is not None:
-        sum_over(squared, pp_mesh)
+        # Offloaded (FSDP CPU offload) gradients give a host tensor; the pp group reduces device tensors.
+        squared = sum_over(squared.to(pp_mesh.device_type), pp_mesh)
     return squared.sqrt()
 
 

@@ -30,11 +30,18 @@ def canonical_name(name: str) -> str:
 
 
 @torch.no_grad()
-def materialize_weights(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate ``model``'s storage on ``device`` and fill it with the layout-independent initial weights."""
-    model.to_empty(device=device)
+def materialize_weights(
+    model: nn.Module, device: torch.device, seed: int, param_device: torch.device | None = None
+) -> None:
+    """Allocate ``model``'s storage on ``device`` and fill it with the layout-independent initial weights.
+
+    ``param_device``: where the parameters live when that is not ``device`` (the host, under FSDP's CPU
+    offload, which requires its sharded parameters there); buffers always go to ``device``.
+    """
+    param_device = param_device or device
+    model.to_empty(device=param_device)
     for name, param in model.named_parameters():
-        full = model.initial_value(canonical_name(name), param.shape, seed).to(device=device, dtype=param.dtype)
+        full = model.initial_value(canonical_name(name), param.shape, seed).to(device=param_device, dtype=param.dtype)
         if isinstance(param, DTensor):
             piece = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(piece.to_local())

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from config import Config, ConfigError, model_args
 from mesh.dims import ParallelDims
 from mesh.pipeline import default_microbatches, pipeline_errors, split_layers, stage_ids_of_rank, stages_per_rank
+from mesh.savers import saver_errors
 from models.llama import ModelArgs
 
 
@@ -154,6 +155,10 @@ def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: in
                 f"training.micro_batch={t.micro_batch} does not divide the per-rank batch {local} "
                 f"(global_batch {t.global_batch} / dp {dims.dp}); use a divisor of {local} or 0 for all of it."
             )
+    # Gradient-sync, compression and offload settings against the layout (mesh/savers.py).
+    local = None if t.global_batch % dims.dp else t.global_batch // dims.dp
+    micro_ok = local is not None and t.micro_batch >= 0 and not (t.micro_batch and local % t.micro_batch)
+    errors += saver_errors(dims, cfg, local // (t.micro_batch or local) if micro_ok else None)
     if t.seq_len > model.max_seq_len:
         errors.append(
             f"training.seq_len={t.seq_len} exceeds model.max_seq_len={model.max_seq_len}; raise "

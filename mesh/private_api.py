@@ -17,6 +17,10 @@ identifiers, not Python APIs.)
 | ``PipelineStage._post_metadata_inference_cleanup`` | the only hook at the end of the stage's shape inference   |
 | ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` | activation checkpointing that keeps the module  |
 |                                        | tree (FSDP units and state-dict names see through it)                 |
+| ``torch.distributed._composable.replicate`` | DDP's reducer and communication hooks (PowerSGD) on the model    |
+|                                        | itself: no wrapper module, so names and attributes stay the model's   |
+| ``FSDPParam.offload_to_cpu``           | whether a unit really offloads (tests and the offload bench: on a CPU |
+|                                        | device an offloaded shard looks like any other)                       |
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def backend_options(backend: str, timeout_s: float):
     backend's default (30 minutes for gloo, 10 for NCCL) whatever the default group was given.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
+    if "nccl" in backend:  # "nccl", or "cuda:nccl,cpu:gloo" (whose gloo half takes the timeout DeviceMesh
+        # reads from these options)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return backend, options
@@ -101,6 +106,26 @@ def checkpoint_wrapper(module, **kwargs):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(module, **kwargs)
+
+
+# ---- DDP without a wrapper module ------------------------------------------------------------------------
+def replicate_with_ddp(model, group, device: torch.device, **ddp_kwargs):
+    """DDP over ``group`` applied to ``model`` in place (torch's composable ``replicate``, DDP-based).
+
+    ``DistributedDataParallel(model)`` would hide the model behind ``.module`` (parameter names gain a
+    ``module.`` prefix, attributes such as ``model.args`` disappear). The composable form keeps the model's
+    class and names, takes DDP's arguments, and offers ``register_comm_hook`` and
+    ``set_requires_gradient_sync`` (read by the next forward, like ``no_sync``).
+    """
+    from torch.distributed._composable import replicate
+
+    return replicate(model, process_group=group, device_id=device, **ddp_kwargs)
+
+
+def offloads_to_host(module) -> bool:
+    """True when every parameter of FSDP unit ``module`` is managed with FSDP2's CPU offload."""
+    params = [p for group in module._get_fsdp_state()._fsdp_param_groups for p in group.fsdp_params]
+    return bool(params) and all(p.offload_to_cpu for p in params)
 
 
 def group_timeout(group, device_type: str = "cpu") -> datetime.timedelta:

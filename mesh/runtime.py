@@ -83,13 +83,18 @@ def device_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def mesh_backend_options(device: torch.device, timeout_s: float):
+def mesh_backend_options(device: torch.device, timeout_s: float, host_tensors: bool = False):
     """``(backend, options)`` for DeviceMesh's ``backend_override``: the device plane's backend, our timeout.
 
+    ``host_tensors``: the model's sharded state lives in host memory (FSDP CPU offload), so some device-plane
+    collectives reduce CPU tensors (the gradient norm's partial sums of offloaded gradients). On a GPU the
+    groups then get a gloo backend for CPU tensors beside NCCL for CUDA ones: ``cuda:nccl,cpu:gloo``.
     (A fake backend takes no options, and needs no timeout: it never waits.)
     """
     backend = device_backend(device)
-    return backend_options(backend, timeout_s) if backend in ("gloo", "nccl") else backend
+    if backend == "nccl" and host_tensors:
+        backend = "cuda:nccl,cpu:gloo"
+    return backend_options(backend, timeout_s) if backend in ("gloo", "nccl", "cuda:nccl,cpu:gloo") else backend
 
 
 def _free_port() -> int:

@@ -4,6 +4,9 @@ FSDP2 (docs/data_parallel.md, ZeRO-3 / FSDP): per unit, one all-gather before it
 its backward when the unit resharded after forward, and one reduce-scatter of its gradients. HSDP adds one
 all-reduce per unit across the replicas. Expert parallelism (docs/expert_parallel.md): per MoE layer, a
 count exchange and two token all-to-alls in forward, and the two reverse all-to-alls in backward.
+Gradient accumulation with ``parallel.grad_sync step`` (docs/data_parallel.md section 16): one reduction per
+unit and step instead of one per micro-batch (on HSDP: the all-reduce across replicas), and on PowerSGD's
+replicated model only when the forward runs inside the window too.
 (Tensor parallelism's counts are in tests/test_tensor_parallel.py.)
 """
 
@@ -18,14 +21,18 @@ from torch.distributed.tensor.debug import CommDebugMode
 from models.llama import ModelArgs, Transformer
 from models.moe import MoEArgs
 from tests.api_path import (
+    PER_RANK,
     api_fsdp,
     api_meshes,
     comm_counts,
+    full,
     global_batch,
     loss_share,
     materialize,
     meta_model,
     my_slice,
+    plain_model,
+    rel_error,
 )
 from tests.harness import run_on_ranks
 
@@ -91,3 +98,80 @@ def test_expert_parallel_exchanges_counts_then_two_all_to_alls_each_way():
         # all functional all_to_all_single: the integer count exchange, then the two autograd token exchanges
         assert r["forward"] == {"all_to_all_single": 3 * layers}
         assert r["backward"] == {"all_to_all_single": 2 * layers}
+
+
+# ---- gradient accumulation: one reduction per step with grad_sync=step (mesh/savers.py) ----------------------
+
+K = 3  # micro-batches accumulated per step
+
+
+def accumulate_counting_reductions(
+    dp_replicate: int, dp_shard: int, grad_sync: str, powersgd: bool = False, forward_outside: bool = False
+) -> dict:
+    """K micro-batches through meshloom's FSDP (or PowerSGD's replicated model), each inside reduction_window
+    (``forward_outside``: only the backward inside, the common mistake); returns the gradient reductions by
+    (collective, group) and the full gradients."""
+    from bench.grad_traffic import GradientTraffic
+    from mesh.savers import apply_powersgd, reduction_window
+
+    meshes = api_meshes(dp_replicate, dp_shard)
+    if powersgd:
+        model = apply_powersgd(materialize(meta_model()), meshes.world["dp_replicate"], 1, torch.device("cpu"))
+    else:
+        model = materialize(api_fsdp(meta_model(), meshes))
+    inputs, targets = global_batch(dist.get_world_size() * K)  # PER_RANK * K sequences per rank
+    mine = slice(PER_RANK * K * dist.get_rank(), PER_RANK * K * (dist.get_rank() + 1))
+    with GradientTraffic() as traffic:
+        for i, (x, y) in enumerate(zip(inputs[mine].chunk(K), targets[mine].chunk(K), strict=True)):
+            reduce = grad_sync == "microbatch" or i == K - 1
+            out = model(x) if forward_outside else None
+            with reduction_window([model], reduce=reduce, hsdp=dp_replicate > 1 and not powersgd):
+                out = model(x) if out is None else out
+                loss_share(out, y, targets.numel()).backward()
+    grads = {name: full(p.grad) for name, p in model.named_parameters()}
+    return {"calls": {f"{n}@{g}": c for (n, g), c in traffic.calls.items()}, "grads": grads}
+
+
+def one_process_gradients(world: int) -> dict:
+    model = plain_model()
+    inputs, targets = global_batch(world * K)
+    loss_share(model(inputs), targets, targets.numel()).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "dp_replicate, dp_shard, per_step",
+    [
+        (1, 2, {"microbatch": {"reduce_scatter_single@shard": 3 * K},
+                "step": {"reduce_scatter_single@shard": 3}}),
+        (2, 2, {"microbatch": {"reduce_scatter_single@shard": 3 * K, "all_reduce@replicate": 3 * K},
+                "step": {"reduce_scatter_single@shard": 3 * K, "all_reduce@replicate": 3}}),
+    ],
+    ids=["fsdp2", "hsdp2x2"],
+)  # fmt: skip
+def test_step_sync_reduces_each_unit_once_per_step_instead_of_once_per_micro_batch(dp_replicate, dp_shard, per_step):
+    world = dp_replicate * dp_shard
+    expected = one_process_gradients(world)
+    for grad_sync, calls in per_step.items():
+        result = run_on_ranks(accumulate_counting_reductions, world, dp_replicate, dp_shard, grad_sync)[0]
+        # 3 units (2 blocks + root): FSDP reduce-scatters each unit K times, or once (K-1 fewer); HSDP keeps
+        # the reduce-scatter inside the shard group per micro-batch and all-reduces across replicas once.
+        assert result["calls"] == calls, grad_sync
+        for name, grad in expected.items():
+            assert rel_error(result["grads"][name], grad) < 1e-5, (grad_sync, name)  # the same summed gradient
+
+
+def test_powersgd_replica_reduces_once_per_step_only_when_the_forward_is_inside_the_window():
+    world = 2
+    inside, outside = (
+        run_on_ranks(accumulate_counting_reductions, world, world, 1, "step", True, forward_outside)[0]
+        for forward_outside in (False, True)
+    )
+    # PowerSGD's first iterations reduce exactly: one all-reduce of DDP's one bucket per reducing backward.
+    assert inside["calls"] == {"all_reduce@replicate": 1}
+    for name, grad in one_process_gradients(world).items():
+        assert rel_error(inside["grads"][name], grad) < 1e-5, name
+    # DDP arms the reduction in the forward: with only the backward inside, every micro-batch reduces. K = 3
+    # reductions: PowerSGD's two exact ones (one all-reduce each), then its first compressed one (three: the
+    # uncompressed 1-D gradients, then P, then Q).
+    assert outside["calls"] == {"all_reduce@replicate": 1 + 1 + 3}

@@ -115,3 +115,49 @@ def test_save_on_fsdp2_and_resume_on_tp2_on_gpus(cpu_reference, tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert list(published(run_dir / "checkpoints"))[-1] == PARITY_STEPS
     assert_close(records(run_dir), cpu_reference, FP32_RTOL)
+
+
+# ---- savers (docs/data_parallel.md sections 16-18); written without a GPU at hand, not run yet ----------------
+
+
+def test_cpu_offload_on_one_gpu_matches_the_cpu_reference_with_less_device_memory(cpu_reference, tmp_path):
+    # Parameters, gradients and Adam state in pinned host memory, the optimizer step on the host: the same
+    # fp32 arithmetic, so the GPU tolerance. The debug model's 16 B/param of state (13.6 MB) leaves the device;
+    # its activations (a few MB) stay, so the peak must drop.
+    offload = launch(tmp_path, "offload", 1, "--training.device", "cuda", "--parallel.fsdp_cpu_offload", "true")
+    assert_close(offload, cpu_reference, FP32_RTOL, keys=("loss", "grad_norm"))
+    plain = launch(tmp_path, "plain", 1, "--training.device", "cuda")
+    assert offload[-1]["peak_mem_bytes"] < plain[-1]["peak_mem_bytes"]
+
+
+@two_gpus
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        ["--parallel.dp_shard", "2", "--parallel.fsdp_cpu_offload", "true", "--parallel.grad_sync", "step",
+         "--training.micro_batch", "2"],
+        ["--parallel.dp_shard", "2", "--parallel.fsdp_cpu_offload", "true",
+         "--training.grad_clip", "0.05"],
+    ],
+    ids=["fsdp2-offload-step", "fsdp2-offload-clipping"],
+)  # fmt: skip
+def test_cpu_offload_on_two_gpus_matches_the_cpu_reference(knobs, cpu_reference, tmp_path):
+    # The offloaded gradients' norm is reduced over the cpu:gloo half of the device-plane groups
+    # (mesh/runtime.py: mesh_backend_options); a clip far below the norm makes every step depend on it.
+    run = launch(tmp_path, "offload2", 2, "--training.device", "cuda", *knobs)
+    if "0.05" not in knobs:
+        assert_close(run, cpu_reference, FP32_RTOL, keys=("loss", "grad_norm"))
+    else:
+        clipped = launch(tmp_path, "clip-cpu", 1, "--training.device", "cpu", "--training.grad_clip", "0.05")
+        assert_close(run, clipped, FP32_RTOL, keys=("loss", "grad_norm"))
+
+
+@two_gpus
+def test_powersgd_over_nccl_reduces_exactly_first_then_compresses(cpu_reference, tmp_path):
+    run = launch(
+        tmp_path, "psgd", 2, "--training.device", "cuda", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+        "--parallel.grad_compression", "powersgd",
+    )  # fmt: skip
+    # Steps 1-2 reduce exactly, so losses 1-3 (each computed before its own reduction) match the reference.
+    assert_close(run[:3], cpu_reference[:3], FP32_RTOL)
+    assert run[3]["loss"] != pytest.approx(cpu_reference[3]["loss"], rel=FP32_RTOL)

@@ -63,3 +63,35 @@ def test_checkpoint_wrapper_keeps_names_loadable():
     x = torch.randn(2, 4, requires_grad=True)
     wrapped(x).sum().backward()
     assert x.grad is not None
+
+
+def replicate_and_offload_on_two_ranks() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from mesh import private_api as api
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    names = [n for n, _ in model.named_parameters()]
+    api.replicate_with_ddp(model, dist.group.WORLD, torch.device("cpu"), broadcast_buffers=False)
+    model.set_requires_gradient_sync(False)  # read by the next forward: no all-reduce in this backward
+    x = torch.full((1, 4), float(dist.get_rank() + 1))
+    model(x).sum().backward()
+    local = model[0].weight.grad.clone()
+    mesh = init_device_mesh("cpu", (2,))
+    offloaded = fully_shard(torch.nn.Linear(4, 4), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    plain = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+    return {
+        "names": [n for n, _ in model.named_parameters()] == names,
+        "is_sequential": isinstance(model, torch.nn.Sequential),
+        "local_grad_row": local[0].tolist(),
+        "offloads": (api.offloads_to_host(offloaded), api.offloads_to_host(plain)),
+    }
+
+
+def test_ddp_replicate_in_place_and_the_offload_flag():
+    r0, r1 = run_on_ranks(replicate_and_offload_on_two_ranks, 2)
+    assert r0["names"] and r0["is_sequential"]  # no wrapper module: same class, same parameter names
+    # gradient sync off: each rank keeps its own gradient (its input was rank + 1 everywhere)
+    assert r0["local_grad_row"] == [1.0] * 4 and r1["local_grad_row"] == [2.0] * 4
+    assert r0["offloads"] == (True, False)
