@@ -5,24 +5,29 @@ is decided before any process group exists in checkpoint/resume.py; checksums ar
 
 Starting (``start``, every rank, right after the process group exists):
 
-1. Rank 0 moves aside the published steps ``find_resume`` found damaged (``step-N.damaged``: never
+1. Every rank checks that the folder is one folder shared by all ranks (``folder.check_shared``), and the
+   ranks compare what ``find_resume`` saw there: every rank must have seen the same steps. (Each rank
+   decided on its own, before any process group; a folder that differs between ranks would otherwise
+   make them issue different collectives.)
+2. Rank 0 moves aside the published steps ``find_resume`` found damaged (``step-N.damaged``: never
    deleted, never read again) and removes ``.tmp``/``.deleting`` folders left by killed runs.
-2. Every rank checks that the folder is one folder shared by all ranks (``folder.check_shared``).
 3. ``choose``: the ranks hash the resume candidate's shards, each rank a share of the files, and agree on
    the result on the control plane. A damaged shard is reported by name; under ``resume auto`` the run
    falls back to the next good step (said loudly), under an explicit step it stops.
 
 Saving step N (every ``checkpoint.interval`` steps, at the last step, and when a signal stops the run):
 
-1. Every rank checks that step-N does not exist: the same answer everywhere, before any collective, so a
-   published checkpoint is never overwritten.
+1. The ranks agree that step-N does not exist, so a published checkpoint is never overwritten.
 2. Rank 0 removes a stale step-N.tmp; a barrier on the control plane (mesh/runtime.py).
 3. ``dcp.save`` (or ``dcp.async_save``, which copies the state to CPU memory first and writes from a
    thread while training goes on) into step-N.tmp. Each rank writes its shards; rank 0 writes .metadata
    only after every rank reported its writes, so when rank 0's save returns, everything is on disk.
-4. Rank 0 publishes: meshloom.json (step, model config, layout, tokens consumed, versions, and the size and
-   SHA-256 of every file) into the folder, then ``rename(step-N.tmp, step-N)``, atomic on POSIX. A reader
-   sees the whole checkpoint or none of it. Then it deletes all but the newest ``keep_last``.
+4. Each rank hashes the files it wrote (``__<rank>_*.distcp``; rank 0 also ``.metadata``) while they are
+   still in the page cache, and the digests are gathered on the checkpoint group, so no rank reads more
+   than its share. Rank 0 publishes: meshloom.json (step, model config, layout, tokens consumed, versions,
+   and the size and SHA-256 of every file) into the folder, then ``rename(step-N.tmp, step-N)``, atomic
+   on POSIX. A reader sees the whole checkpoint or none of it. Then it deletes all but the newest
+   ``keep_last`` (a failure there is a warning: the new step is already safe).
 5. The ranks agree on the control plane that it worked. If any rank failed (a full disk, a read-only
    folder), rank 0 removes step-N.tmp, so the failed save keeps no disk space, and every rank raises
    ``CheckpointSaveError`` with one line naming the error, the folder and the newest good checkpoint.
@@ -57,7 +62,7 @@ from checkpoint.state import apply_training_state, training_state
 from checkpoint.verify import METADATA, digest_problems, file_digests
 from config import Config, ConfigError
 from data.dataset import stream_identity
-from mesh.runtime import ControlPlane, new_cpu_group
+from mesh.runtime import ControlPlane, all_gather_objects, new_cpu_group
 
 # Test hook: "STEP:SECONDS" makes rank 0 sleep after step STEP is fully written, before it is published,
 # so a test can kill or signal the run in the middle of a save (tests/test_checkpoint.py, tests/test_faults.py).
@@ -112,7 +117,9 @@ class CheckpointManager:
         self.resume_dir: Path | None = None
         self.resumed_step: int | None = None
         self.last_saved: int | None = None
-        self.enabled = bool(resume.candidates) or bool(resume.damaged) or cfg.checkpoint.interval > 0
+        # Agreed: every rank must create the same groups, whatever its own view of the folder (see start).
+        local = bool(resume.candidates) or bool(resume.damaged) or cfg.checkpoint.interval > 0
+        self.enabled = control.any_true(local)
         self.group = None
         if self.enabled:
             # DCP's collectives get their own gloo group: an async save runs them from a thread while the
@@ -127,6 +134,16 @@ class CheckpointManager:
         if not self.enabled:
             return
         rank = dist.get_rank()
+        check_shared(self.folder, self.control)
+        seen = [([p.name for p in self.resume.candidates], [p.name for p in self.resume.damaged])]
+        views = self.control.all_gather_object(seen[0])
+        if any(view != views[0] for view in views):
+            other = next(r for r, view in enumerate(views) if view != views[0])
+            raise ConfigError(
+                f"the ranks see different checkpoints in {self.folder}: rank 0 {views[0][0]} (damaged: {views[0][1]}), "
+                f"rank {other} {views[other][0]} (damaged: {views[other][1]}). It must be one folder, the same for "
+                "every rank, and nothing else may write to it while a run starts."
+            )
         if rank == 0:
             for path in self.resume.damaged:
                 self._move_aside(path)
@@ -134,7 +151,6 @@ class CheckpointManager:
             if removed:
                 self._log(f"checkpoint: removed {len(removed)} unfinished save(s) left by an earlier run: {removed}")
         self.control.barrier()
-        check_shared(self.folder, self.control)
         self.resume_dir = self.choose()
 
     def choose(self) -> Path | None:
@@ -211,8 +227,10 @@ class CheckpointManager:
     def save(self, step: int, parts, optimizers, loader) -> None:
         """Steps 1-5 of "Saving" (module docstring)."""
         self.wait()  # one save at a time: the previous async save is written and published first
+        if self.last_saved == step:
+            return  # that save was this step's (an async save, then a stop signal after the same step)
         final, tmp = self.folder / f"step-{step}", self.folder / f"step-{step}.tmp"
-        if final.exists():
+        if self.control.any_true(final.exists()):
             raise FileExistsError(f"{final} already exists; meshloom never overwrites a saved checkpoint.")
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this step
@@ -221,24 +239,35 @@ class CheckpointManager:
         state = training_state(parts, optimizers, loader, step)
         meta = self._metadata(step, loader.tokens_consumed)
         if not self.cfg.checkpoint.async_:
-            try:
-                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
-                error = self._publish_on_rank0(tmp, final, meta)
-            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on, then raised on every rank
-                error = exc
-            self._agree(error, step, tmp)
+            self._agree(self._write_and_publish(lambda: dcp.save(state, checkpoint_id=str(tmp),
+                                                                  process_group=self.group), tmp, final, meta),
+                        step, tmp)  # fmt: skip
             return
         # async_save stages a CPU copy before it returns, so training may change the live tensors at once.
         written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
         self.executor = self.executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshloom-publish")
-        self.pending = (self.executor.submit(self._after_write, written, tmp, final, meta), step, tmp)
+        future = self.executor.submit(self._write_and_publish, written.result, tmp, final, meta)
+        self.pending = (future, step, tmp)
 
-    def _after_write(self, written, tmp: Path, final: Path, meta: dict) -> BaseException | None:
+    def _write_and_publish(self, write, tmp: Path, final: Path, meta: dict) -> BaseException | None:
+        """Steps 3-4 on this rank (the training thread for a sync save, the publish thread for an async one).
+
+        Every rank reaches the digest gather exactly once, whether its write worked or not, so that the
+        gather can never leave a rank waiting; publishing happens only when every rank wrote and hashed.
+        """
+        mine, error = None, None
         try:
-            written.result()  # raises if this rank's write failed
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on in wait()
-            return exc
-        return self._publish_on_rank0(tmp, final, meta)
+            write()  # raises if a rank's write failed (DCP reports it on every rank)
+            mine = file_digests(tmp, prefix=f"__{dist.get_rank()}_")
+            if dist.get_rank() == 0:
+                mine.update(file_digests(tmp, prefix=METADATA))
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on in _agree
+            error = exc
+        gathered = all_gather_objects(mine, self.group)  # the checkpoint group: this thread's own
+        if error is not None or any(d is None for d in gathered):
+            return error  # a rank without digests failed, and reports it itself
+        files = {name: entry for digests in gathered for name, entry in digests.items()}
+        return self._publish_on_rank0(tmp, final, {**meta, "files": files})
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) is written and published, on every rank."""
@@ -274,10 +303,12 @@ class CheckpointManager:
 
     def _agree(self, error: BaseException | None, step: int, tmp: Path) -> None:
         """Step 5: all ranks learn whether the save worked, and a failed save leaves nothing behind."""
-        mine = None if error is None else _describe(error)
-        reports = self.control.all_gather_object(mine)
-        failures = [(origin if origin is not None else rank, text) for rank, r in enumerate(reports) if r
-                    for origin, text in [r]]  # fmt: skip
+        reports = self.control.all_gather_object(None if error is None else _describe(error))
+        failures = []  # (the rank where it failed, one line)
+        for reporter, report in enumerate(reports):
+            if report is not None:
+                origin, text = report
+                failures.append((reporter if origin is None else origin, text))
         if not failures:
             self.last_saved = step
             return
@@ -303,8 +334,7 @@ class CheckpointManager:
         return None
 
     def _publish(self, tmp: Path, final: Path, meta: dict) -> None:
-        """Step 4: checksums and metadata, then the atomic rename, then keep-last-K (rank 0 only)."""
-        meta = {**meta, "files": file_digests(tmp, skip=(META_FILE, META_FILE + ".part"))}
+        """Step 4 on rank 0: the manifest with every file's checksum, the atomic rename, then keep-last-K."""
         part = tmp / (META_FILE + ".part")
         with open(part, "w") as f:
             json.dump(meta, f, indent=1)
@@ -319,8 +349,11 @@ class CheckpointManager:
         # rename() of a folder onto a non-empty folder fails (ENOTEMPTY): it cannot clobber a checkpoint.
         os.rename(tmp, final)
         _fsync_dir(self.folder)
-        self._prune()
         print(f"checkpoint: saved step {meta['step']} to {final}", flush=True)
+        try:
+            self._prune()
+        except OSError as exc:  # the new step is published and safe; an old one was not removed
+            warn(f"checkpoint: could not remove an old checkpoint ({exc}); remove it by hand if disk is short")
 
     def _prune(self) -> None:
         keep = self.cfg.checkpoint.keep_last

@@ -4,8 +4,9 @@ DCP's ``.metadata`` is a Python pickle, and its shards hold ``torch.save`` recor
 with a 180-line unpickler traceback, silently load wrong numbers (a flipped bit inside a tensor), or, if
 crafted, run code when unpickled. So:
 
-1. At publish time, rank 0 records the size and SHA-256 of every file of the step folder in the JSON
-   manifest ``meshloom.json`` (``file_digests``), before the atomic rename that makes the step visible.
+1. At save time every rank hashes the files it wrote (``file_digests``), and rank 0 records the size and
+   SHA-256 of every file of the step folder in the JSON manifest ``meshloom.json``, before the atomic
+   rename that makes the step visible.
 2. Before a step is used, ``manifest_problems`` checks that every listed file exists with its size and that
    ``.metadata``'s digest matches (cheap: it is small), *before* ``.metadata`` is unpickled.
 3. ``digest_problems`` hashes the shards themselves. For a resume the ranks split the files between them
@@ -33,12 +34,13 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def file_digests(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, dict]:
-    """{file name: {"bytes": size, "sha256": hex}} of every regular file directly in ``folder``."""
+def file_digests(folder: Path, prefix: str = "") -> dict[str, dict]:
+    """{file name: {"bytes": size, "sha256": hex}} of the regular files directly in ``folder`` whose names
+    start with ``prefix``."""
     return {
         p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
         for p in sorted(folder.iterdir())
-        if p.is_file() and p.name not in skip
+        if p.is_file() and p.name.startswith(prefix)
     }
 
 

@@ -154,6 +154,13 @@ def new_cpu_group(timeout_s: float):
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def all_gather_objects(obj, group) -> list:
+    """Every rank's ``obj`` on every rank, over a CPU (gloo) ``group`` (the control or checkpoint group)."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 class ControlPlane:
     """Small CPU messages on one gloo group over the whole world (rule 2 of the module docstring)."""
 
@@ -166,9 +173,7 @@ class ControlPlane:
 
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, in rank order, on every rank."""
-        out: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return all_gather_objects(obj, self.group)
 
     def broadcast_object(self, obj, src: int = 0):
         """Rank ``src``'s ``obj`` on every rank."""

@@ -7,7 +7,10 @@ Ctrl-C arrives as SIGINT. torchrun forwards SIGTERM to its workers and kills the
    train.py`` installs it before its slow imports, so a signal during start-up is recorded too (torchrun
    stops the other workers with SIGTERM when one fails its config check: they still exit with their own
    code 2). The first signal only records itself; a collective or a half-written checkpoint is never
-   interrupted. A second signal exits at once with 128 + signal (the user insists).
+   interrupted. A signal that comes again more than ``INSIST_AFTER_S`` later exits at once with 128 + signal
+   (the user insists). A repeat within that window is the same request delivered twice: SLURM's
+   ``--signal`` reaches every process of a job step, and torchrun then forwards its own copy to the workers
+   milliseconds later; that must not cancel the save.
 2. At the end of every step the ranks agree on the control plane (``agreed_stop``: one all-reduce of the
    signal number, MAX), because the signal reaches ranks at slightly different moments and all of them
    must stop after the *same* step. train.py then saves that step (when checkpointing is configured),
@@ -26,12 +29,14 @@ import threading
 import time
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
+INSIST_AFTER_S = 2.0  # a second signal sooner than this is a duplicate delivery, not the user insisting
 
 
 class StopSignals:
     def __init__(self):
         self.received: int | None = None
-        self.announce = False  # say so on the console (from the first training step on)
+        self.received_at = 0.0
+        self.announce = False  # say so on the console (once the configuration was accepted)
         self._previous: dict[int, object] = {}
 
     def install(self) -> StopSignals:
@@ -50,10 +55,12 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         if self.received is not None:
+            if time.monotonic() - self.received_at < INSIST_AFTER_S:
+                return  # the same request, delivered twice (module docstring, step 1)
             print(f"meshloom: second {signal.Signals(signum).name}: exiting now, without saving", file=sys.stderr,
                   flush=True)  # fmt: skip
             os._exit(128 + signum)
-        self.received = signum
+        self.received, self.received_at = signum, time.monotonic()
         if not self.announce:
             return
         rank = os.environ.get("RANK", "0")
