@@ -190,14 +190,16 @@ def train(cfg: Config) -> list[dict]:
         world_size, rank = world_size_from_env(), rank_from_env()
     plan, resume = check_config(cfg, world_size, rank)
     t, dims, timeout_s = cfg.training, plan.dims, cfg.parallel.collective_timeout_s
-    signals = (STARTUP_SIGNALS or StopSignals()).install()  # SIGTERM/SIGINT stop the run after a step
-    watch = ParentWatch(grace_s=timeout_s + 60).start() if "TORCHELASTIC_RUN_ID" in os.environ else None
-    device = select_device(t.device)
-    control = init_process_group(device, timeout_s)
     locks: list[RunLock] = []
-    writer, records, checkpoints = None, [], None
+    writer, records, checkpoints, watch = None, [], None, None
+    signals = (STARTUP_SIGNALS or StopSignals()).install()  # SIGTERM/SIGINT stop the run after a step
+    signals.announce = True  # the configuration is accepted: from here on a signal is a stop request
     try:
-        lock_run_folders(cfg, control, locks)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: stop if torchrun dies
+            watch = ParentWatch(grace_s=timeout_s + 60).start()
+        device = select_device(t.device)
+        control = init_process_group(device, timeout_s)
+        lock_run_folders(cfg, resume, control, locks)
         torch.manual_seed(t.seed)
         meshes = build_mesh(
             dims, device, timeout_s, has_experts=plan.model.moe is not None, host_tensors=cfg.parallel.fsdp_cpu_offload
@@ -246,7 +248,6 @@ def train(cfg: Config) -> list[dict]:
         model_groups = "device plane: " + ", ".join(
             n for n in ("pp", "dp_replicate", "dp_shard", "tp") if getattr(dims, n) > 1
         )
-        signals.announce = True
         for step in range(start_step + 1, t.steps + 1):
             start = device_time(device)
             loss_sum = torch.zeros((), device=device)
@@ -328,14 +329,14 @@ def train(cfg: Config) -> list[dict]:
     return records
 
 
-def lock_run_folders(cfg: Config, control: ControlPlane, locks: list[RunLock]) -> None:
-    """Rank 0 locks run.dir (and a checkpoint folder outside it); every rank learns the verdict together."""
+def lock_run_folders(cfg: Config, resume: Resume, control: ControlPlane, locks: list[RunLock]) -> None:
+    """Rank 0 locks run.dir, and the checkpoint folder when the run uses one (another run may point its
+    checkpoint.folder there); every rank learns the verdict together."""
     error = None
     if dist.get_rank() == 0:
         folders = [Path(cfg.run.dir)]
-        ckpt = checkpoint_folder(cfg)
-        if cfg.checkpoint.folder and Path(cfg.run.dir).resolve() not in ckpt.resolve().parents:
-            folders.append(ckpt)
+        if cfg.checkpoint.interval > 0 or resume.candidates or resume.damaged:
+            folders.append(checkpoint_folder(cfg))
         try:
             for folder in folders:
                 lock = RunLock(str(folder)).acquire()

@@ -4,7 +4,8 @@
     python -m checkpoint.export --checkpoint runs/debug/checkpoints/step-20 --out runs/debug/hf
 
 1. Pick the checkpoint: ``--checkpoint`` is a step-N folder, or a checkpoint folder whose newest complete
-   step-N is taken. Check that it is complete (checkpoint.manager.inspect).
+   step-N is taken. Check that it is whole: every file against its checksum (checkpoint/resume.py: inspect,
+   checkpoint/verify.py).
 2. Rebuild the model's shapes from its meshloom.json (the [model] section it was saved with).
 3. Allocate one full, plain tensor per parameter and let ``dcp.load(..., no_dist=True)`` fill them: DCP
    stitches each tensor from the shards every rank wrote, whatever the layout was. Only ``model.*`` entries

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -85,6 +86,24 @@ def remove_stale(folder: Path) -> list[str]:
     return removed
 
 
+def _missing_markers(markers: Path, world: int, patience_s: float) -> list[int]:
+    """Ranks whose marker this rank cannot open. Each is opened by name (NFS revalidates a name on open,
+    while a directory listing may be served from a cache for tens of seconds), and the check is retried for
+    ``patience_s`` before a rank is declared missing."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        missing = []
+        for r in range(world):
+            try:
+                with open(markers / f"rank-{r}"):
+                    pass
+            except OSError:
+                missing.append(r)
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.5)
+
+
 def check_shared(folder: Path, control) -> None:
     """Step 3: every rank must see every rank's marker (a collective on the control plane)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -98,8 +117,7 @@ def check_shared(folder: Path, control) -> None:
         error = ConfigError(f"checkpoint.folder={str(folder)!r} cannot be written on {socket.gethostname()} ({exc}).")
     control.raise_if_any_failed(error, "checking the checkpoint folder", ConfigError)
     control.barrier()  # every rank has written its marker
-    seen = {p.name for p in markers.iterdir()}
-    missing = [r for r in range(world) if f"rank-{r}" not in seen]
+    missing = _missing_markers(markers, world, patience_s=min(30.0, control.timeout_s / 4))
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
         error = ConfigError(

@@ -25,17 +25,15 @@ import torch.distributed as dist
 
 _PHASE = {"what": "starting up", "groups": "the default group", "since": time.monotonic()}
 
-# Substrings of the messages gloo, NCCL and the c10d stores raise when a peer stalls or dies.
-_TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded")
+# Phrases of the messages gloo, NCCL and the c10d stores raise when a peer stalls or dies (specific enough
+# not to match an unrelated RuntimeError such as CUDA's "launch timed out").
+_TIMEOUT_WORDS = ("timed out waiting", "collective operation timeout", "wait timeout", "socket timeout")
 _BROKEN_WORDS = (
     "connection closed by peer",
     "connection reset by peer",
     "broken pipe",
-    "connection refused",
-    "socket closed",
+    "connectfullmesh failed",
     "nccl communicator was aborted",
-    "read error",
-    "write error",
 )
 
 
@@ -70,7 +68,7 @@ def explain(exc: BaseException, timeout_s: float) -> str:
     """One line for the console: which operation, which group, how long, and the fix."""
     text = str(exc).strip()
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
-    timed_out = any(w in text.lower() for w in _TIMEOUT_WORDS)
+    timed_out = any(w in text.lower() for w in _TIMEOUT_WORDS) or "timeout" in type(exc).__name__.lower()
     rank = dist.get_rank() if dist.is_initialized() else "?"
     waited = time.monotonic() - _PHASE["since"]
     what = (

@@ -14,7 +14,9 @@
    before any collective could hang.
 
 Everything else (train.py, the checkpoint metadata, the pipeline timeline) reads these fields instead of
-recomputing them.
+recomputing them. Two names to keep apart: ``micro_batch`` is the number of *sequences* one call of the
+training loop's forward/backward takes (``accumulation`` such calls per step); ``pp_microbatches`` is how
+many *pieces* the pipeline schedule cuts each of those calls into.
 """
 
 from __future__ import annotations

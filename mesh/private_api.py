@@ -33,16 +33,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 
 # ---- DeviceMesh ------------------------------------------------------------------------------------------
-def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str, backend_options) -> DeviceMesh:
-    """A 1-D view over ``dims`` of ``mesh``, registered on the root mesh under ``name``."""
-    return mesh[dims]._flatten(name, backend_override=backend_options)
+def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str, options) -> DeviceMesh:
+    """A 1-D view over ``dims`` of ``mesh``, registered on the root mesh under ``name``.
+
+    ``options``: the new group's ``(backend, Options)``, as ``mesh.runtime.mesh_backend_options`` gives them.
+    """
+    return mesh[dims]._flatten(name, backend_override=options)
 
 
-def unflatten_mesh(
-    mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...], backend_options
-) -> DeviceMesh:
+def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...], options) -> DeviceMesh:
     """``mesh`` with dim ``dim`` split into ``names`` of ``sizes`` (row-major, so rank order is kept)."""
-    return mesh._unflatten(dim, sizes, names, backend_override={name: backend_options for name in names})
+    return mesh._unflatten(dim, sizes, names, backend_override=dict.fromkeys(names, options))
 
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:

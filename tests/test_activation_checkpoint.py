@@ -44,8 +44,12 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def block_collectives(kind: str, mode: str) -> dict:
-    """Rank body: collectives of one forward and one backward of a 1-layer model on 2 ranks."""
+def block_collectives(kind: str, mode: str, move_bias: bool = False) -> dict:
+    """Rank body: collectives of one forward and one backward of a 1-layer model on 2 ranks.
+
+    ``move_bias``: between forward and backward, shift the MoE expert bias hard towards expert 0, so a
+    recomputed routing (one that did not keep topk's output) would choose other experts than the forward did.
+    """
     import torch.distributed as dist
 
     from mesh.activation_checkpoint import apply_activation_checkpointing
@@ -76,6 +80,10 @@ def block_collectives(kind: str, mode: str) -> dict:
         with CollectiveCounter() as forward:
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        if move_bias:
+            for module in model.modules():
+                if isinstance(module, MoE):
+                    module.expert_bias[0] += 100.0
         with CollectiveCounter() as backward:
             loss.backward()
     out = {"forward": dict(forward.counts), "backward": dict(backward.counts), "loss": loss_value(loss.detach()).item()}
@@ -115,10 +123,21 @@ def test_selective_checkpointing_repeats_no_collective(kind, request):
     assert selective["loss"] == none["loss"] == full["loss"]
 
 
-def test_moe_routing_and_counts_survive_recompute(ep_counts):
+def test_moe_counts_survive_recompute(ep_counts):
     tokens, top_k = 2 * SEQ, 2
     for mode in ("none", "selective", "full"):
         # each token counted once (top_k assignments), not again when the block is recomputed
         assert ep_counts[mode]["counted"] == tokens * top_k, mode
-        # the same routing in the recomputed forward: identical router gradients
         torch.testing.assert_close(ep_counts[mode]["grad"], ep_counts["none"]["grad"], rtol=0, atol=0)
+
+
+def test_selective_checkpointing_keeps_the_forward_routing():
+    """The expert bias moves between forward and backward: selective AC, which keeps topk's output, still
+    computes the gradients of the forward's routing; full AC reroutes in its recompute, and torch notices
+    that the recomputed tensors (other token counts per expert) differ from the forward's."""
+    from tests.harness import RankFailure
+
+    grads = {mode: run_on_ranks(block_collectives, 2, "ep", mode, True)[0]["grad"] for mode in ("none", "selective")}
+    torch.testing.assert_close(grads["selective"], grads["none"], rtol=0, atol=0)
+    with pytest.raises(RankFailure, match="Recomputed values for the following tensors have different metadata"):
+        run_on_ranks(block_collectives, 2, "ep", "full", True)

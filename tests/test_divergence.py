@@ -40,3 +40,31 @@ def test_a_diverging_run_stops_before_the_step_and_saves_nothing_after_the_last_
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == list(range(1, diverged))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in logged)
+
+
+def diverge_counting_optimizer_steps(run_dir: str) -> tuple[int, int]:
+    """Rank body: the diverging run, counting the optimizer steps actually taken; (steps taken, diverged)."""
+    import optim
+    from tests.training_runs import run_training
+    from train import DivergenceError
+
+    taken, plain = [], optim.Optimizers.step
+
+    def counted(self):
+        taken.append(1)
+        plain(self)
+
+    optim.Optimizers.step = counted
+    try:
+        run_training({"training.lr": 1e6, "training.grad_clip": 0.0, "training.steps": 10}, run_dir)
+    except DivergenceError as exc:
+        return len(taken), int(re.search(r"at step (\d+)", str(exc)).group(1))
+    raise AssertionError("the run did not diverge")
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["one-process", "fsdp2"])
+def test_the_diverged_step_never_reaches_the_optimizer(world, tmp_path):
+    from tests.harness import run_on_ranks
+
+    for taken, diverged in run_on_ranks(diverge_counting_optimizer_steps, world, str(tmp_path), timeout=180):
+        assert taken == diverged - 1, f"{taken} optimizer steps for a run that diverged at step {diverged}"

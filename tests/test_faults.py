@@ -181,12 +181,14 @@ def test_a_rank_stalled_mid_save_ends_the_job_within_the_timeout(tmp_path):
 # ---- SIGTERM (preemption) -------------------------------------------------------------------------------------
 
 
-def interrupted_then_resumed(tmp_path, reference, *, pause: str | None, wait_pattern: str) -> None:
+def interrupted_then_resumed(
+    tmp_path, reference, *, pause: str | None, wait_pattern: str, saving=("--checkpoint.interval", "4")
+) -> None:
     run_dir = tmp_path / "run"
     common = ["--parallel.dp_shard", "2", "--training.steps", "12", "--run.dir", str(run_dir)]
     from checkpoint.manager import PAUSE_ENV
 
-    run = Launch(tmp_path, 2, *common, "--checkpoint.interval", "4", env={PAUSE_ENV: pause} if pause else {})
+    run = Launch(tmp_path, 2, *common, *saving, env={PAUSE_ENV: pause} if pause else {})
     run.wait_for(wait_pattern)
     sent = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
@@ -212,6 +214,12 @@ def interrupted_then_resumed(tmp_path, reference, *, pause: str | None, wait_pat
 
 def test_sigterm_mid_run_saves_the_step_and_the_resume_continues_the_curve(tmp_path, reference):
     interrupted_then_resumed(tmp_path, reference, pause=None, wait_pattern=r"step +5 \|")
+
+
+def test_sigterm_with_async_saves_every_step_publishes_that_step_once(tmp_path, reference):
+    # the stop lands on a step whose async save is still in flight: it is published once, not saved again
+    saving = ("--checkpoint.interval", "1", "--checkpoint.async", "true", "--checkpoint.keep_last", "2")
+    interrupted_then_resumed(tmp_path, reference, pause=None, wait_pattern=r"step +5 \|", saving=saving)
 
 
 @pytest.mark.slow
@@ -295,3 +303,62 @@ def test_a_full_disk_during_a_save_removes_the_partial_save_and_says_so(tmp_path
         assert "removed the partial step-4.tmp" in message and "the newest good checkpoint is step-2" in message
     folder = tmp_path / "run" / "checkpoints"
     assert list(published(folder)) == [2] and not (folder / "step-4.tmp").exists()
+
+
+# ---- the supervisor (multi-node restarts) -------------------------------------------------------------------
+
+
+def supervise(tmp_path, *train_args: str, relaunches: int = 2) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "launch.supervise", "--max-relaunches", str(relaunches), "--wait", "1", "--",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
+        "--config", DEBUG_CONFIG, "--run.tensorboard", "false", *train_args,
+    ]  # fmt: skip
+    log = open(tmp_path / "supervise.log", "w")  # noqa: SIM115 - the test reads it back
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def test_the_supervisor_relaunches_a_failed_run_until_it_completes(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    proc = supervise(tmp_path, "--parallel.dp_shard", "2", "--training.steps", "12", "--checkpoint.interval", "3",
+                     "--checkpoint.resume", "auto", "--run.dir", str(run_dir))  # fmt: skip
+    log = tmp_path / "supervise.log"
+    deadline = time.monotonic() + 180
+    while not re.search(r"step +5 \|", log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    launcher = next(p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_child_torchrun(p, proc.pid))
+    worker = next(p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == int(launcher.name))
+    os.kill(int(worker.name), signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    assert "meshloom supervise: failed (exit code 1); relaunch 1 of 2" in text
+    assert re.search(r"checkpoint: resumed .*step-\d+ at step \d+", text)
+    assert_same_curve(records(run_dir), reference)
+
+
+def test_the_supervisor_does_not_relaunch_bad_input(tmp_path):
+    proc = supervise(tmp_path, "--parallel.dp_shard", "3", "--checkpoint.resume", "auto",
+                     "--run.dir", str(tmp_path / "run"))  # fmt: skip
+    assert proc.wait(timeout=120) == 2
+    text = (tmp_path / "supervise.log").read_text()
+    assert "meshloom supervise: bad input (exit code 2); a relaunch would not help" in text
+    assert "relaunch 1" not in text
+    missing_resume = subprocess.run([sys.executable, "-m", "launch.supervise", "--", "python", "train.py"], cwd=ROOT,
+                                    capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert missing_resume.returncode == 2 and "--checkpoint.resume auto" in missing_resume.stderr
+
+
+def _parent(proc_dir: Path) -> int:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _is_child_torchrun(proc_dir: Path, supervisor: int) -> bool:
+    try:
+        return _parent(proc_dir) == supervisor and b"torch.distributed.run" in (proc_dir / "cmdline").read_bytes()
+    except OSError:
+        return False

@@ -1,0 +1,1 @@
+"""Launching meshloom: a SLURM batch script, and a supervisor that relaunches a run until it completes."""
