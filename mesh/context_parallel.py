@@ -17,8 +17,8 @@ local tokens unchanged, and lets only attention communicate:
 
    - ``allgather``: all-gather K and V over cp (``GatherSequence``: its backward reduce-scatters dK and
      dV back to their owners), put the chunks in global order, and attend each local query chunk c to the
-     keys 0 .. (c+1)·L − 1 with the single-device ``causal_attention`` and a query offset of c·L. Simple,
-     one collective per layer each way, but every rank holds all s keys and values.
+     keys 0 .. (c+1)·L − 1 with the single-device ``causal_attention`` (its queries are the last L of those
+     positions). Simple, one collective per layer each way, but every rank holds all s keys and values.
    - ``ring``: K and V travel around the ring of cp ranks, one block per step (``RingAttention``). At step i
      rank r holds the block of rank r − i, attends its queries to it, and merges the partial result into
      the running one with the log-sum-exp rule; meanwhile the next block is already in flight
@@ -129,9 +129,9 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     k_all, v_all = in_order[0], in_order[1]
     outs = []
     for c, q_chunk in zip(chunk_ids(rank, cp), q.split(chunk, dim=1), strict=True):
-        # Chunk c's queries sit at positions c·L ..; they see keys 0 .. (c+1)·L - 1, causally.
+        # Chunk c's queries are the last L of the positions 0 .. (c+1)·L - 1: causal, aligned at the bottom right.
         end = (c + 1) * chunk
-        outs.append(causal_attention(q_chunk, k_all[:, :end], v_all[:, :end], start=c * chunk))
+        outs.append(causal_attention(q_chunk, k_all[:, :end], v_all[:, :end]))
     return torch.cat(outs, dim=1)
 
 
@@ -245,7 +245,9 @@ class RingAttention(torch.autograd.Function):
                 arrived, requests = incoming
                 _wait(requests)
                 kv = arrived
-        out = out.to(q.dtype)
+        # Stored as (b, n, heads, d) in memory: the model's (b, n, heads, d) view of it is then contiguous, so
+        # wo's input is this same storage, not a second copy.
+        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.group = group
         ctx.save_for_backward(q, k, v, out, lse)
         return out

@@ -161,21 +161,23 @@ class LayerCache:
         return self.keys[:, :end], self.values[:, :end]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q kᵀ / sqrt(d), causal) v on one device: q (batch, seq, heads, head_dim), k and v
-    (batch, kv_seq, kv_heads, head_dim) -> (batch, seq, heads, head_dim). Query i sits at position start + i and
-    sees keys 0 .. start + i; each key/value head serves heads / kv_heads consecutive query heads.
+    (batch, kv_seq, kv_heads, head_dim) -> (batch, seq, heads, head_dim). The queries are the *last* seq of the
+    kv_seq positions (a KV cache's new tokens, or a context-parallel chunk after the keys that precede it):
+    query i sees keys 0 .. kv_seq - seq + i. Each key/value head serves heads / kv_heads consecutive query heads.
 
     ``Attention.attend`` points here. Context parallelism points it at a version that also attends to the
     keys other ranks hold (mesh/context_parallel.py); the model does not know.
     """
     n_rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+    # Fewer queries than keys: the causal mask aligned at the bottom right, built explicitly. (torch's
+    # causal_lower_right would spare building it on CUDA, but it is a tensor subclass that cannot be created
+    # under a TorchDispatchMode, which selective activation checkpointing is.)
     mask = None
-    if start or q.shape[1] != k.shape[1]:
-        mask = torch.arange(start, start + q.shape[1], device=q.device)[:, None] >= torch.arange(
-            k.shape[1], device=q.device
-        )
+    if q.shape[1] != k.shape[1]:
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - q.shape[1])
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
     )
@@ -211,7 +213,7 @@ class Attention(nn.Module):
             out = self.attend(q, k, v)
         else:
             k, v = cache.update(k, v)
-            out = causal_attention(q, k, v, start)  # query i (position start + i) sees keys 0 .. start + i
+            out = causal_attention(q, k, v)  # the new queries are the last positions of the cached keys
         return self.wo(out.reshape(bsz, seqlen, -1))
 
 

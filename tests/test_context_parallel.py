@@ -136,6 +136,12 @@ def attention_parity(cp: int) -> dict:
             dist.all_reduce(p.grad, group=group)  # what FSDP's reduce-scatter over cp does
             worst = max(worst, ((p.grad - ref.grad).abs().max() / ref.grad.abs().max()).item())
         result["model"][name] = worst
+
+    # bench/context_parallel.py's measurements at a small size: saved bytes of one block, bytes sent per layer
+    from bench.context_parallel import measure_block, measure_comm
+
+    result["saved"] = {name: measure_block(TINY, 2, 8 * cp, name)["bytes"] for name in ("allgather", "ring")}
+    result["sent"] = {name: measure_comm(TINY, 2, 8 * cp, name)["bytes"] for name in ("allgather", "ring")}
     return result
 
 
@@ -178,6 +184,20 @@ def test_the_ring_never_holds_more_than_s_over_cp_keys(parity):
         # while the all-gather holds the whole sequence
         assert result["largest"]["ring"] == 10
         assert result["largest"]["allgather"] == 10 * cp
+
+
+def test_the_bench_formulas_hold_to_the_byte(parity):
+    from bench.context_parallel import formula_bytes, formula_comm, measure_block
+
+    cp, ranks = parity
+    one = measure_block(TINY, 2, 8 * cp, "none")["bytes"]  # this process: no group, cp = 1
+    assert one == formula_bytes(TINY, 2, 8 * cp, 1, 0, "none")
+    for rank, result in enumerate(ranks):
+        for name in ("allgather", "ring"):
+            assert result["saved"][name] == formula_bytes(TINY, 2, 8 * cp, cp, rank, name), (rank, name)
+            assert result["sent"][name] == formula_comm(TINY, 2, 8 * cp, cp, name), (rank, name)
+        # the ring keeps exactly 1/cp of one process's per-token activations, and less for attention (GQA's k, v)
+        assert result["saved"]["ring"] < one / cp < result["saved"]["allgather"]
 
 
 # ---- 3. training parity ------------------------------------------------------------------------------------
