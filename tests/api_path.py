@@ -77,6 +77,14 @@ def api_expert_parallel(experts, ep_mesh):
     ExpertParallel()._apply(experts, ep_mesh)
 
 
+def api_cp_attention(q, k, v, algorithm: str):
+    """meshloom's context-parallel attention over the world: q (b, n, heads, d), k/v (b, n, kv_heads, d)."""
+    from mesh.context_parallel import allgather_attention, ring_attention
+
+    attend = allgather_attention if algorithm == "allgather" else ring_attention
+    return attend(q, k, v, group=dist.group.WORLD)
+
+
 def materialize(model):
     from mesh.materialize import materialize_weights
 

@@ -255,3 +255,21 @@ def test_sp_figure_shows_the_collectives_the_tp_tests_count():
     # tests/test_tensor_parallel.py: 2 all-gathers + 2 reduce-scatters per block forward with SP, 2 all-reduces without
     assert with_sp.count("all-gather") == 2 and with_sp.count("reduce-scatter") == 2 and "all-reduce" not in with_sp
     assert without.count("all-reduce") == 2 and "all-gather" not in without
+
+
+# ---- context parallelism ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_ring_steps_cover_the_causal_mask_once_with_equal_work(cp):
+    # The cells the figure colours are mesh/context_parallel.py's own: each rank's positions and, per ring step,
+    # the rows and keys ``visible`` pairs up. Together they must be the causal mask, each pair exactly once.
+    seq = 8 * cp
+    chunk = seq // (2 * cp)
+    cells = figures.ring_cells(seq, cp)
+    union = set().union(*cells.values())
+    assert union == {(q, k) for q in range(seq) for k in range(q + 1)}
+    assert sum(len(c) for c in cells.values()) == len(union)  # disjoint: no pair computed twice
+    for (rank, step), pairs in cells.items():
+        # step 0: the rank's own causal 2L x 2L block; every later step: half a block (2L^2 pairs), on every rank
+        assert len(pairs) == (chunk * (2 * chunk + 1) if step == 0 else 2 * chunk * chunk), (rank, step)
