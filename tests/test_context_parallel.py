@@ -200,6 +200,49 @@ def test_the_bench_formulas_hold_to_the_byte(parity):
         assert result["saved"]["ring"] < one / cp < result["saved"]["allgather"]
 
 
+def checkpointed_block_sends() -> dict:
+    """Rank body (cp = 2): collectives and sends of one checkpointed 1-layer model, per algorithm and AC mode."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mesh.activation_checkpoint import apply_activation_checkpointing
+    from mesh.context_parallel import apply_context_parallel
+    from models.llama import Transformer
+    from tests.test_activation_checkpoint import CollectiveCounter
+
+    cp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    args = ModelArgs(dim=48, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    mine = split_sequence(tokens, dist.get_rank(), 2)
+    counts = {}
+    for algorithm in ("allgather", "ring"):
+        for mode in ("none", "selective", "full"):
+            with torch.device("meta"):
+                model = Transformer(args)
+            apply_activation_checkpointing(model, mode)
+            model.to_empty(device="cpu")
+            model.init_weights(seed=1)
+            apply_context_parallel(model, cp_mesh, algorithm, 16)
+            with CollectiveCounter() as forward:
+                loss = model(mine).sum()
+            with CollectiveCounter() as backward:
+                loss.backward()
+            counts[algorithm, mode] = (dict(forward.counts), dict(backward.counts))
+    return counts
+
+
+def test_selective_checkpointing_keeps_the_gather_and_repeats_the_ring():
+    counts = run_on_ranks(checkpointed_block_sends, 2)[0]
+    gather = {mode: counts["allgather", mode] for mode in ("none", "selective", "full")}
+    ring = {mode: counts["ring", mode] for mode in ("none", "selective", "full")}
+    # all-gather: functional collectives, so selective checkpointing saves the gathered K/V ...
+    assert gather["selective"] == gather["none"] == ({"all_gather_into_tensor": 1}, {"reduce_scatter_tensor": 1})
+    # ... which full checkpointing gathers again in backward
+    assert gather["full"][1] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+    # ring: point-to-point sends cannot be saved; any recompute repeats the cp - 1 = 1 forward hop (all ranks alike)
+    assert ring["none"] == ({"send": 1, "recv_": 1}, {"send": 3, "recv_": 3})
+    assert ring["selective"][1] == ring["full"][1] == {"send": 4, "recv_": 4}
+
+
 # ---- 3. training parity ------------------------------------------------------------------------------------
 
 
