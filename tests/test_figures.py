@@ -156,6 +156,7 @@ LAYOUTS = [
     ({"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}, 1),
     ({"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}, 2),
     ({"pp": 1, "dp_replicate": 2, "dp_shard": 4, "tp": 1}, 2),
+    ({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}, 1),
 ]
 
 
@@ -164,10 +165,12 @@ def test_mesh_figure_groups_are_meshloom_process_groups(sizes, ep):
     from docs.schedule_ir import fake_world
 
     drawn = figures.layout_groups(sizes, ep)
-    world = sizes["pp"] * sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"]
+    world = sizes["pp"] * sizes["dp_replicate"] * sizes["dp_shard"] * sizes.get("cp", 1) * sizes["tp"]
     for rank in range(world):
         with fake_world(world, rank):
-            meshes = api_meshes(sizes["dp_replicate"], sizes["dp_shard"], sizes["tp"], sizes["pp"], ep, ep > 1)
+            meshes = api_meshes(
+                sizes["dp_replicate"], sizes["dp_shard"], sizes["tp"], sizes["pp"], ep, ep > 1, cp=sizes.get("cp", 1)
+            )
             real = {d: meshes.world[d] for d in figures.MESH_ORDER}
             real["dp"] = meshes.dp
             if ep > 1:
