@@ -1,6 +1,6 @@
 """Context parallelism, measured: activation memory per rank against cp, and the bytes each algorithm sends.
 
-    .venv/bin/python -m bench.context_parallel        # from the repository root (about a minute on 2 cores)
+    .venv/bin/python -m bench.context_parallel        # from the repository root (10-45 s on 2 cores)
 
 1. **Activation memory.** What autograd keeps from one TransformerBlock's forward on one rank, counted with
    bench/activation_memory.py's ``SavedBytes`` (distinct storages, parameters and buffers left out), for
