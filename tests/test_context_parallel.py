@@ -332,35 +332,45 @@ def test_moe_with_context_parallel_matches_one_process(tmp_path):
 # ---- 4. meshes ---------------------------------------------------------------------------------------------
 
 
-def cp_meshes(dp_replicate: int, dp_shard: int, cp: int, tp: int) -> dict:
+def cp_meshes() -> dict:
+    """Rank body (4 ranks): the meshes of cp 2 x tp 2, and of dp_replicate 2 x cp 2 (HSDP with cp)."""
     from mesh.dims import ParallelDims, build_mesh
     from mesh.private_api import group_timeout, root_mesh
 
-    dims = ParallelDims(dp_replicate, dp_shard, tp, 1, 1, dist.get_world_size(), cp=cp)
-    meshes = build_mesh(dims, torch.device("cpu"), 43)
-    ranks = {name: dist.get_process_group_ranks(m.get_group()) for name, m in meshes.all().items() if m.ndim == 1}
-    return {
-        "ranks": ranks,
-        "fsdp": (meshes.fsdp.mesh_dim_names, tuple(meshes.fsdp.shape)),
-        "dp_rank": meshes.dp.get_local_rank(),
-        "roots": all(root_mesh(m) is meshes.world for m in meshes.all().values()),
-        "timeouts": {
-            group_timeout(m.get_group(i)).total_seconds() for m in meshes.all().values() for i in range(m.ndim)
-        },
-    }
+    facts = {}
+    for name, (dp_replicate, cp, tp) in {"cp2xtp2": (1, 2, 2), "hsdp2xcp2": (2, 2, 1)}.items():
+        dims = ParallelDims(dp_replicate, 1, tp, 1, 1, dist.get_world_size(), cp=cp)
+        meshes = build_mesh(dims, torch.device("cpu"), 43)
+        groups = {n: dist.get_process_group_ranks(m.get_group()) for n, m in meshes.all().items() if m.ndim == 1}
+        facts[name] = {
+            "ranks": groups,
+            "fsdp": (meshes.fsdp.mesh_dim_names, tuple(meshes.fsdp.shape)),
+            "dp_rank": meshes.dp.get_local_rank(),
+            "roots": all(root_mesh(m) is meshes.world for m in meshes.all().values()),
+            "timeouts": {
+                group_timeout(m.get_group(i)).total_seconds() for m in meshes.all().values() for i in range(m.ndim)
+            },
+        }
+    return facts
 
 
 def test_cp_sits_between_dp_shard_and_tp_and_fsdp_shards_over_dp_shard_x_cp():
-    # world 8 = dp_replicate 2 x cp 2 x tp 2: ranks are (rep, cp, tp) row-major
-    results = run_on_ranks(cp_meshes, 8, 2, 1, 2, 2)
-    for rank, facts in enumerate(results):
-        rep, cp, tp = rank // 4, (rank // 2) % 2, rank % 2
-        assert facts["ranks"]["cp"] == [rep * 4 + tp, rep * 4 + 2 + tp]  # cp neighbours: 2 apart (tp inside)
-        assert facts["ranks"]["tp"] == [rep * 4 + cp * 2, rep * 4 + cp * 2 + 1]
-        assert facts["ranks"]["loss"] == [tp, 2 + tp, 4 + tp, 6 + tp]  # every (rep, cp) of my tp coordinate
-        assert facts["fsdp"] == (("dp_replicate", "dp_shard_cp"), (2, 2))  # HSDP over (replicas, shard x cp)
-        assert facts["dp_rank"] == rep  # cp ranks of one dp rank read the same sequences
-        assert facts["roots"] and facts["timeouts"] == {43.0}
+    for rank, facts in enumerate(run_on_ranks(cp_meshes, 4, timeout=300)):
+        # cp 2 x tp 2: ranks are (cp, tp) row-major, so cp neighbours are 2 apart and tp groups consecutive ranks
+        cp, tp = divmod(rank, 2)
+        mine = facts["cp2xtp2"]
+        assert mine["ranks"]["cp"] == [tp, 2 + tp] and mine["ranks"]["tp"] == [2 * cp, 2 * cp + 1]
+        assert mine["ranks"]["loss"] == [tp, 2 + tp]  # every cp rank of my tp coordinate sums the loss
+        assert mine["fsdp"] == (("dp_shard_cp",), (2,))  # parameters are sharded over dp_shard x cp
+        assert mine["dp_rank"] == 0  # both cp ranks read the same sequences
+        # dp_replicate 2 x cp 2: HSDP over (replicas, dp_shard x cp), a 2-D mesh made of the existing groups
+        rep, cp = divmod(rank, 2)
+        hsdp = facts["hsdp2xcp2"]
+        assert hsdp["fsdp"] == (("dp_replicate", "dp_shard_cp"), (2, 2))
+        assert hsdp["ranks"]["cp"] == [2 * rep, 2 * rep + 1] and hsdp["ranks"]["dp"] == [cp, 2 + cp]
+        assert hsdp["dp_rank"] == rep and hsdp["ranks"]["loss"] == [0, 1, 2, 3]
+        for layout in facts.values():
+            assert layout["roots"] and layout["timeouts"] == {43.0}
 
 
 # ---- 5. misfits are refused before any process group ----------------------------------------------------
