@@ -690,14 +690,13 @@ def cp_mask_svg(cp: int = 4, seq: int = 32) -> str:
         svg.text(x0, y0 - 22, title, size=12, weight="bold")
         svg.text(x0 + side / 2, y0 - 6, "key position →", anchor="middle", size=10)
         svg.text(x0 - 4, y0 + side + 14, "query ↓", size=10)
-        for q in range(seq):
-            for k in range(seq):
-                if k > q:
-                    svg.rect(x0 + k * cell, y0 + q * cell, cell, cell, LIGHT, stroke="white")
-                else:
-                    tip = f"query {q}, key {k}: rank {owner[q]}" + (f", ring step {step_of[q, k]}" if owner is
-                                                                       balanced_owner else "")  # fmt: skip
-                    svg.rect(x0 + k * cell, y0 + q * cell, cell, cell, colour(owner[q]), tooltip=tip)
+        svg.rect(x0, y0, side, side, LIGHT, stroke=LIGHT)  # masked: key after query
+        for q in range(seq):  # query q sees keys 0 .. q: one run of its rank's colour
+            svg.rect(x0, y0 + q * cell, (q + 1) * cell, cell, colour(owner[q]), stroke=colour(owner[q]),
+                     tooltip=f"query {q} (rank {owner[q]}) sees keys 0-{q}")  # fmt: skip
+        for i in range(1, seq):  # the cell grid
+            svg.line(x0 + i * cell, y0, x0 + i * cell, y0 + side, stroke="white", width=0.6)
+            svg.line(x0, y0 + i * cell, x0 + side, y0 + i * cell, stroke="white", width=0.6)
         for c in range(1, 2 * cp):  # chunk boundaries
             svg.line(x0 + c * chunk * cell, y0, x0 + c * chunk * cell, y0 + side, stroke=DARK, width=0.5)
             svg.line(x0, y0 + c * chunk * cell, x0 + side, y0 + c * chunk * cell, stroke=DARK, width=0.5)
