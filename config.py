@@ -80,6 +80,11 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel degree (inside a node)", ge=1)
     pp: int = opt(1, "pipeline-parallel degree", ge=1)
     ep: int = opt(1, "expert-parallel degree, carved from dp_shard (MoE models)", ge=1)
+    cp: int = opt(1, "context-parallel degree: each sequence split over cp ranks (between dp_shard and tp)", ge=1)
+    cp_attention: Literal["allgather", "ring"] = opt(
+        "allgather",
+        "context-parallel attention: all-gather K/V, or pass K/V around a ring (see mesh/context_parallel.py)",
+    )
     pp_schedule: PipelineSchedule = opt("1F1B", "pipeline schedule")
     pp_microbatches: int = opt(0, "pipeline micro-batches per step; 0: one per pipeline stage", ge=0)
     pp_stages_per_rank: int = opt(0, "stages per pp rank; 0: from the schedule (2 for looped and V)", ge=0)

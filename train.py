@@ -37,6 +37,7 @@ from data.dataset import check_data, load_data
 from data.loader import GlobalBatchLoader
 from evaluation import eval_due, evaluate
 from mesh.activation_checkpoint import apply_activation_checkpointing
+from mesh.context_parallel import apply_context_parallel, load_balanced_positions
 from mesh.data_parallel import apply_fsdp
 from mesh.dims import Meshes, build_mesh, mesh_banner
 from mesh.expert_parallel import apply_expert_parallel, load_metrics, step_expert_load
@@ -101,7 +102,8 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
 
 
 def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes, device: torch.device) -> nn.Module:
-    """The fixed order: TP -> EP -> activation checkpointing -> compile -> FSDP -> layout-independent weights."""
+    """The fixed order: TP -> EP -> activation checkpointing -> compile -> FSDP -> layout-independent weights
+    -> CP (which swaps each attention's kernel and cuts the rotary tables to this rank's positions)."""
     dims = plan.dims
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel)
@@ -115,9 +117,10 @@ def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes,
     if p.grad_compression == "powersgd":  # a pure data-parallel layout, replicated with DDP (mesh/savers.py)
         materialize_weights(model, device, cfg.training.seed)
         return apply_powersgd(model, meshes.world["dp_replicate"], p.powersgd_rank, device)
-    # FSDP whenever there is data parallelism, and also for bf16 or CPU offload on one rank: its policies are
-    # where bf16 compute with fp32 master weights and fp32 gradient reduction, and offloading, live.
-    if dims.dp > 1 or cfg.training.mixed_precision == "bf16" or p.fsdp_cpu_offload:
+    # FSDP whenever there is data or context parallelism (both need their gradients summed), and also for bf16
+    # or CPU offload on one rank: its policies are where bf16 compute with fp32 master weights and fp32
+    # gradient reduction, and offloading, live.
+    if dims.dp > 1 or dims.cp > 1 or cfg.training.mixed_precision == "bf16" or p.fsdp_cpu_offload:
         apply_fsdp(
             model, meshes,
             mixed_precision=cfg.training.mixed_precision,
@@ -128,6 +131,8 @@ def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes,
         )  # fmt: skip
     # Under CPU offload FSDP wants its sharded parameters created in host memory.
     materialize_weights(model, device, cfg.training.seed, torch.device("cpu") if p.fsdp_cpu_offload else None)
+    if dims.cp > 1:
+        apply_context_parallel(model, meshes.cp, p.cp_attention, plan.seq_len)
     return model
 
 
@@ -228,13 +233,15 @@ def train(cfg: Config) -> list[dict]:
         params = [p for part in parts for p in part.parameters()]
         moe_layer_ids = [i for i in range(plan.model.n_layers) if plan.model.is_moe_layer(i)]
         data = load_data(cfg)
+        # cp ranks of one dp rank read the same windows; each keeps its chunks of every sequence
+        positions = load_balanced_positions(t.seq_len, meshes.cp.get_local_rank(), dims.cp) if dims.cp > 1 else None
         loader = GlobalBatchLoader(
             data.train, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=plan.micro_batch,
-            dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp,
+            dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp, positions=positions,
         )  # fmt: skip
         val_loader = None if data.val is None else GlobalBatchLoader(
             data.val, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=plan.micro_batch,
-            dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp,
+            dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp, positions=positions,
         )  # fmt: skip
         # Weights, optimizer, LR schedule, data position and RNG from the checkpoint (or init_from weights).
         with phase("loading the checkpoint", "checkpoint group"):
@@ -246,7 +253,7 @@ def train(cfg: Config) -> list[dict]:
             metrics_from = 0  # a restart before the first checkpoint replays everything
         writer = open_metrics(cfg, control, is_logger, metrics_from)
         model_groups = "device plane: " + ", ".join(
-            n for n in ("pp", "dp_replicate", "dp_shard", "tp") if getattr(dims, n) > 1
+            n for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, n) > 1
         )
         for step in range(start_step + 1, t.steps + 1):
             start = device_time(device)
@@ -266,10 +273,10 @@ def train(cfg: Config) -> list[dict]:
                     timeline.end_step()
                 if dims.tp > 1:
                     reduce_partial_gradients(params)
-            with phase(f"step {step}: loss sum and gradient norm", "device plane: the loss mesh (pp x dp), pp"):
+            with phase(f"step {step}: loss sum and gradient norm", "device plane: the loss mesh (pp x dp x cp), pp"):
                 # The step's global numbers, before anything changes: the loss is the global mean (sum the
-                # token-loss sums over the dp ranks and the pp stages; only last-stage ranks hold a non-zero
-                # sum), the gradient norm the norm of the whole model's gradient.
+                # token-loss sums over the dp and cp ranks and the pp stages; only last-stage ranks hold a
+                # non-zero sum), the gradient norm the norm of the whole model's gradient.
                 sum_over(loss_sum, meshes.loss)
                 grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp)
                 loss, norm = (loss_sum / plan.global_tokens).item(), grad_norm.item()
@@ -286,7 +293,7 @@ def train(cfg: Config) -> list[dict]:
             lr = optimizers.lr
             optimizers.step()
             # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
-            with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp)"):
+            with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)"):
                 moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss) if moe_layer_ids else {}
             elapsed = device_time(device) - start
             record = {

@@ -209,7 +209,7 @@ class CheckpointManager:
         self._log(
             f"checkpoint: resumed {self.resume_dir} at step {step}, {loader.tokens_consumed:,} tokens consumed; "
             f"saved on pp={saved['pp']} dp_replicate={saved['dp_replicate']} dp_shard={saved['dp_shard']} "
-            f"tp={saved['tp']}, now {self.plan.dims.describe()}"
+            f"cp={saved.get('cp', 1)} tp={saved['tp']}, now {self.plan.dims.describe()}"
         )
         self.resumed_step = self.last_saved = step
         return step
@@ -377,6 +377,7 @@ class CheckpointManager:
                 "pp": d.pp,
                 "dp_replicate": d.dp_replicate,
                 "dp_shard": d.dp_shard,
+                "cp": d.cp,
                 "tp": d.tp,
                 "ep": d.ep,
                 "pp_schedule": self.plan.pp_schedule,

@@ -9,6 +9,9 @@ on every rank, whatever D is.
 So two runs with different data-parallel degrees see the same global batches in the same order, and a
 checkpoint that stores ``tokens_consumed`` resumes the same stream under any other layout.
 
+Under context parallelism the cp ranks of one data-parallel rank read the same windows, and each keeps
+only its ``positions`` of every window (inputs and targets alike; mesh/context_parallel.py chooses them).
+
 The tokens are a torch tensor (a raw corpus tokenized in memory) or a numpy array, usually the read-only
 memory map of a prepared token file (data/token_file.py): a step then reads just its windows' pages from
 disk, so memory does not grow with the dataset.
@@ -32,6 +35,7 @@ class GlobalBatchLoader:
         micro_batch: int,
         dp_rank: int,
         dp_size: int,
+        positions: torch.Tensor | None = None,
     ):
         self.num_tokens = int(tokens.shape[0])
         if self.num_tokens < global_batch * seq_len + 1:
@@ -50,6 +54,7 @@ class GlobalBatchLoader:
         self.tokens = tokens
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.positions = positions  # the positions of each window this rank trains on; None: all of them
         self.tokens_consumed = 0  # position in the global stream, identical on every rank
 
     def window_starts(self, position: int) -> torch.Tensor:
@@ -69,6 +74,8 @@ class GlobalBatchLoader:
             windows = torch.from_numpy(self.tokens[index.numpy()].astype(np.int64))
         self.tokens_consumed += self.global_batch * self.seq_len
         inputs, targets = windows[:, :-1], windows[:, 1:]
+        if self.positions is not None:
+            inputs, targets = inputs[:, self.positions], targets[:, self.positions]
         return list(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch), strict=True))
 
     def state_dict(self) -> dict:

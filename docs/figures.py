@@ -322,57 +322,69 @@ def sp_svg(tp: int = 2) -> str:
 
 # ---- 4. the rank grid of a layout --------------------------------------------------------------------------
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def layout_groups(sizes: dict[str, int], ep: int = 1) -> dict[str, list[list[int]]]:
     """The process groups of each mesh dim: ranks are laid out row-major over MESH_ORDER (init_device_mesh's rule),
-    and a dim's group is the ranks that differ only in that dim. With ep > 1, dp_shard = efsdp x ep (ep inner)."""
+    and a dim's group is the ranks that differ only in that dim. With ep > 1, dp_shard = efsdp x ep (ep inner).
+    A missing dim (``cp`` in older layouts) has size 1."""
     import torch
 
+    sizes = {d: sizes.get(d, 1) for d in MESH_ORDER}
     shape = [sizes[d] for d in MESH_ORDER]
     grid = torch.arange(math.prod(shape)).view(shape)
     groups = {}
     for i, dim in enumerate(MESH_ORDER):
         groups[dim] = grid.movedim(i, -1).reshape(-1, shape[i]).tolist()
-    groups["dp"] = grid.permute(0, 3, 1, 2).reshape(-1, sizes["dp_replicate"] * sizes["dp_shard"]).tolist()
+    groups["dp"] = grid.permute(0, 3, 4, 1, 2).reshape(-1, sizes["dp_replicate"] * sizes["dp_shard"]).tolist()
     if ep > 1:
-        split = grid.view(shape[0], shape[1], shape[2] // ep, ep, shape[3])
+        split = grid.view(shape[0], shape[1], shape[2] // ep, ep, shape[3], shape[4])
         groups["ep"] = split.movedim(3, -1).reshape(-1, ep).tolist()
         groups["efsdp"] = split.movedim(2, -1).reshape(-1, shape[2] // ep).tolist()
     return groups
 
 
 def mesh_svg(sizes: dict[str, int], ep: int = 1) -> str:
-    pp, rep, shard, tp = (sizes[d] for d in MESH_ORDER)
+    sizes = {d: sizes.get(d, 1) for d in MESH_ORDER}
+    pp, rep, shard, cp, tp = (sizes[d] for d in MESH_ORDER)
     box, gap = 58, 8
-    panel_w = 120 + tp * (box + gap)
+    cols = cp * tp
+    panel_w = 120 + cols * (box + gap)
     rows = rep * shard
     groups = layout_groups(sizes, ep)
     listed = [d for d in (*MESH_ORDER, "dp", "ep", "efsdp") if d in groups and len(groups[d][0]) > 1]
     svg = Svg(max(20 + pp * (panel_w + 20), 720), 90 + rows * (box + gap) + 40 + 16 * len(listed) + 20)
-    layout = " x ".join(f"{d} {sizes[d]}" for d in MESH_ORDER) + (f" (ep {ep} inside dp_shard)" if ep > 1 else "")
+    shown_dims = [d for d in MESH_ORDER if d != "cp" or cp > 1]
+    layout = " x ".join(f"{d} {sizes[d]}" for d in shown_dims) + (f" (ep {ep} inside dp_shard)" if ep > 1 else "")
     svg.text(10, 22, f"DeviceMesh {layout}: {math.prod(sizes.values())} ranks, row-major", size=14, weight="bold")
     for p in range(pp):
         x0 = 20 + p * (panel_w + 20)
         svg.text(x0, 50, f"pp = {p}" + (" (pipeline stage)" if pp > 1 else ""), size=12, weight="bold")
-        for t in range(tp):
-            svg.text(x0 + 110 + t * (box + gap) + box / 2, 70, f"tp {t}", anchor="middle", size=11)
+        for col in range(cols):
+            c, t = divmod(col, tp)
+            label = f"cp {c} tp {t}" if cp > 1 else f"tp {t}"
+            svg.text(x0 + 110 + col * (box + gap) + box / 2, 70, label, anchor="middle", size=11 if cp == 1 else 9)
         for row in range(rows):
             r_i, s_i = divmod(row, shard)
             y = 78 + row * (box + gap)
             name = f"rep {r_i} shard {s_i}" if rep > 1 else f"dp_shard {s_i}"
             svg.text(x0 + 104, y + box / 2 + 4, name, anchor="end", size=10)
-            for t in range(tp):
-                rank = ((p * rep + r_i) * shard + s_i) * tp + t
+            for col in range(cols):
+                c, t = divmod(col, tp)
+                rank = (((p * rep + r_i) * shard + s_i) * cp + c) * tp + t
                 fill = colour(s_i % ep) if ep > 1 else colour(row)
-                svg.rect(x0 + 110 + t * (box + gap), y, box, box, fill, text=str(rank), size=16,
-                         tooltip=f"rank {rank}: pp {p}, dp_replicate {r_i}, dp_shard {s_i}, tp {t}")  # fmt: skip
+                where = f"dp_shard {s_i}, cp {c}, tp {t}" if cp > 1 else f"dp_shard {s_i}, tp {t}"
+                svg.rect(x0 + 110 + col * (box + gap), y, box, box, fill, text=str(rank), size=16,
+                         tooltip=f"rank {rank}: pp {p}, dp_replicate {r_i}, {where}")  # fmt: skip
     y = 90 + rows * (box + gap) + 20
     meaning = {"pp": "pipeline neighbours (send/recv)", "dp_replicate": "HSDP replicas (gradient all-reduce)",
                "dp_shard": "FSDP shard group (all-gather, reduce-scatter)", "tp": "tensor parallel (consecutive ranks)",
+               "cp": "context parallel (K/V all-gather or ring)",
                "dp": "all data-parallel ranks (loader, loss)", "ep": "expert parallel (all-to-all)",
                "efsdp": "FSDP of expert weights"}  # fmt: skip
+    if cp > 1:  # the loss mesh adds cp: cp ranks of one dp rank share its sequences
+        meaning["dp"] = "data-parallel ranks (loader; loss adds cp)"
     for d in listed:
         shown = " ".join(str(g) for g in groups[d][:8]) + (" ..." if len(groups[d]) > 8 else "")
         svg.text(20, y, f"{d:<13} {meaning[d]:<46} {shown}".replace(" ", "\u00a0"), size=11)
@@ -636,11 +648,86 @@ def pipeline_table(pp: int, microbatches: int) -> str:
     return "\n".join(lines)
 
 
+# ---- 7. context parallelism: who computes which part of the causal mask -----------------------------------------
+
+
+def ring_cells(seq: int, cp: int) -> dict[tuple[int, int], set[tuple[int, int]]]:
+    """(rank, ring step) -> the (query position, key position) pairs that rank computes at that step, read from
+    mesh/context_parallel.py: each rank's positions, and ``visible`` (which local query rows meet which keys
+    of the block it holds; a causal block keeps only key <= query)."""
+    from mesh.context_parallel import load_balanced_positions, visible
+
+    n = seq // cp
+    cells = {}
+    for rank in range(cp):
+        mine = load_balanced_positions(seq, rank, cp).tolist()
+        for step in range(cp):
+            src = (rank - step) % cp
+            theirs = load_balanced_positions(seq, src, cp).tolist()
+            rows, keys, causal = visible(src, rank, n)
+            cells[rank, step] = {(q, k) for q in mine[rows] for k in theirs[keys] if not causal or k <= q}
+    return cells
+
+
+def cp_mask_svg(cp: int = 4, seq: int = 32) -> str:
+    """The causal mask of one sequence, coloured by the rank that computes each (query, key) pair: a plain split
+    into cp pieces next to meshloom's balanced one, whose blocks carry the ring step that computes them."""
+    from mesh.context_parallel import load_balanced_positions
+
+    cell, chunk = 12, seq // (2 * cp)
+    side = seq * cell
+    svg = Svg(2 * side + 200, side + 215)
+    svg.text(10, 22, f"Context parallelism, cp = {cp}: who computes which part of the causal mask "
+             f"(s = {seq}, {2 * cp} chunks of {chunk})", size=14, weight="bold")  # fmt: skip
+    ring = ring_cells(seq, cp)
+    plain_owner = {q: q // (seq // cp) for q in range(seq)}
+    balanced_owner = {q: r for r in range(cp) for q in load_balanced_positions(seq, r, cp).tolist()}
+    step_of = {pair: step for (_, step), pairs in ring.items() for pair in pairs}
+    panels = (("plain split: rank r holds tokens r·s/cp ..", plain_owner, 20),
+              ("balanced: rank r holds chunks r and 2cp-1-r", balanced_owner, side + 160))  # fmt: skip
+    for title, owner, x0 in panels:
+        y0 = 70
+        svg.text(x0, y0 - 22, title, size=12, weight="bold")
+        svg.text(x0 + side / 2, y0 - 6, "key position →", anchor="middle", size=10)
+        svg.text(x0 - 4, y0 + side + 14, "query ↓", size=10)
+        svg.rect(x0, y0, side, side, LIGHT, stroke=LIGHT)  # masked: key after query
+        for q in range(seq):  # query q sees keys 0 .. q: one run of its rank's colour
+            svg.rect(x0, y0 + q * cell, (q + 1) * cell, cell, colour(owner[q]), stroke=colour(owner[q]),
+                     tooltip=f"query {q} (rank {owner[q]}) sees keys 0-{q}")  # fmt: skip
+        for i in range(1, seq):  # the cell grid
+            svg.line(x0 + i * cell, y0, x0 + i * cell, y0 + side, stroke="white", width=0.6)
+            svg.line(x0, y0 + i * cell, x0 + side, y0 + i * cell, stroke="white", width=0.6)
+        for c in range(1, 2 * cp):  # chunk boundaries
+            svg.line(x0 + c * chunk * cell, y0, x0 + c * chunk * cell, y0 + side, stroke=DARK, width=0.5)
+            svg.line(x0, y0 + c * chunk * cell, x0 + side, y0 + c * chunk * cell, stroke=DARK, width=0.5)
+        if owner is balanced_owner:  # the ring step of each chunk block
+            for qc in range(2 * cp):
+                for kc in range(qc + 1):
+                    q, k = qc * chunk + chunk - 1, kc * chunk
+                    x = x0 + (kc + (0.35 if kc == qc else 0.5)) * chunk * cell  # diagonal blocks: left of the edge
+                    svg.text(x, y0 + (qc + 0.7) * chunk * cell, f"t{step_of[q, k]}",
+                             anchor="middle", fill="white", size=11, weight="bold")  # fmt: skip
+        work = [sum(q + 1 for q in range(seq) if owner[q] == r) for r in range(cp)]
+        svg.text(x0, y0 + side + 32, "pairs per rank: " + ", ".join(f"rank {r} {w}" for r, w in enumerate(work)),
+                 size=11)  # fmt: skip
+    notes = [
+        "Colour: the rank that owns the query row and computes the pair. Grey: masked (key after query).",
+        "t0, t1, ...: the ring step at which that rank computes the block (it then holds the K/V of rank r - t);",
+        "the all-gather algorithm computes them all at once after gathering. Steps and cells: mesh/context_parallel.py.",
+    ]
+    for i, line in enumerate(notes):
+        svg.text(20, side + 130 + i * 16, line, size=11)
+    for r in range(cp):  # legend
+        svg.rect(20 + r * 62, side + 184, 56, 16, colour(r), text=f"rank {r}", size=10)
+    return svg.render()
+
+
 # ---- all of them -------------------------------------------------------------------------------------------
 
 MESH_FIGURES = {
     "mesh_dp2x2_tp2.svg": ({"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}, 1),
     "mesh_pp2_dp2_tp2_ep2.svg": ({"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}, 2),
+    "mesh_dp2_cp2_tp2.svg": ({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}, 1),
 }
 
 
@@ -652,6 +739,7 @@ def all_figures() -> dict[str, Callable[[], str]]:
         "sp_transitions.svg": sp_svg,
         "ep_dispatch.svg": ep_svg,
         "dcp_reshard.svg": dcp_svg,
+        "cp_causal_mask.svg": cp_mask_svg,
     }
     for name, (sizes, ep) in MESH_FIGURES.items():
         figures[name] = lambda sizes=sizes, ep=ep: mesh_svg(sizes, ep)
@@ -676,7 +764,7 @@ def main(argv: list[str]) -> None:
     everything = sub.add_parser("all", help="regenerate every picture (the default)")
     everything.add_argument("--out", default=str(IMG))
     mesh = sub.add_parser("mesh", help="draw the rank grid of a layout and list its process groups")
-    for dim in ("pp", "dp-replicate", "dp-shard", "tp", "ep"):
+    for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
         mesh.add_argument(f"--{dim}", type=int, default=1)
     mesh.add_argument("--out", default="mesh.svg")
     pipe = sub.add_parser("pipeline", help="idealized idle fraction and memory of every schedule")
@@ -684,12 +772,19 @@ def main(argv: list[str]) -> None:
     pipe.add_argument("--microbatches", type=int, default=8)
     args = parser.parse_args(argv)
     if args.command == "mesh":
-        sizes = {"pp": args.pp, "dp_replicate": args.dp_replicate, "dp_shard": args.dp_shard, "tp": args.tp}
+        sizes = {
+            "pp": args.pp,
+            "dp_replicate": args.dp_replicate,
+            "dp_shard": args.dp_shard,
+            "cp": args.cp,
+            "tp": args.tp,
+        }
         if args.dp_shard % args.ep:
             parser.error(f"--ep {args.ep} must divide --dp-shard {args.dp_shard} (ep is carved from dp_shard)")
         Path(args.out).write_text(mesh_svg(sizes, args.ep))
         for dim, groups in layout_groups(sizes, args.ep).items():
-            print(f"{dim:<13} {groups}")
+            if dim != "cp" or args.cp > 1:
+                print(f"{dim:<13} {groups}")
         print(f"picture: {args.out}")
     elif args.command == "pipeline":
         print(pipeline_table(args.pp, args.microbatches))

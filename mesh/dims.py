@@ -2,18 +2,25 @@
 
 1. ``ParallelDims.resolve`` turns the config's degrees into numbers (dp_shard = -1 takes the rest of the
    world). The rules a layout must satisfy against the model and the batch live in mesh/plan.py.
-2. ``build_mesh`` creates one DeviceMesh with named dims ``(pp, dp_replicate, dp_shard, tp)``. Size-1 dims
-   are kept so that every rank has the same four coordinates. Every other mesh is a view of that one root,
-   so no communicator is created twice:
+2. ``build_mesh`` creates one DeviceMesh with named dims ``(pp, dp_replicate, dp_shard, cp, tp)``. Size-1
+   dims are kept so that every rank has the same five coordinates. Every other mesh is a view of that one
+   root, so no communicator is created twice:
 
-   - ``dp``:   dp_replicate x dp_shard flattened; the loader's data-parallel rank and size.
-   - ``fsdp``: the dims FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, else (dp_shard,).
-   - ``tp``, ``pp``: their own dims.
-   - ``loss``: pp x dp_replicate x dp_shard flattened, where the logged loss sum and the MoE expert load are
-               reduced (only the last pipeline stage holds a non-zero loss; tp ranks hold copies).
+   - ``dp``:   dp_replicate x dp_shard flattened; the loader's data-parallel rank and size. The cp ranks of
+               one dp rank read the same sequences (each keeps its chunks of them), so cp is not in it.
+   - ``fsdp``: the dims FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, else (dp_shard,). With cp > 1,
+               dp_shard x cp flattened takes dp_shard's place: parameters are replicated over cp like over
+               dp, so FSDP shards them over both and reduces their gradients over both.
+   - ``tp``, ``pp``, ``cp``: their own dims.
+   - ``loss``: pp x dp_replicate x dp_shard x cp flattened, where the logged loss sum and the MoE expert load
+               are reduced (only the last pipeline stage holds a non-zero loss; each cp rank holds the sum
+               over its own tokens; tp ranks hold copies).
    - ``ep``, ``expert_fsdp``: with expert parallelism, dp_shard is *unflattened* into (efsdp, ep) within the
                same root: ep ranks are consecutive dp_shard ranks, and expert weights are FSDP-sharded over
-               (dp_replicate, efsdp).
+               (dp_replicate, efsdp). (Not with cp > 1: mesh/plan.py refuses ep with cp.)
+
+   cp sits between dp_shard and tp: tp innermost keeps a tp group on consecutive ranks (inside a node),
+   and cp next to it keeps the K/V exchange, which runs in every attention layer, as close as tp allows.
 
 Every sub-group gets the configured collective timeout (``mesh_backend_options``); without it DeviceMesh's
 groups would wait 30 minutes for a dead peer on gloo.
@@ -27,10 +34,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from config import Config, ConfigError
-from mesh.private_api import flatten_mesh, unflatten_mesh
+from mesh.private_api import concatenate_meshes, flatten_mesh, unflatten_mesh
 from mesh.runtime import mesh_backend_options
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -41,14 +48,21 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    cp: int = 1
 
     @classmethod
     def resolve(cls, cfg: Config, world_size: int) -> ParallelDims:
-        """Degrees from ``cfg.parallel``; dp_shard = -1 becomes world / (dp_replicate * tp * pp)."""
+        """Degrees from ``cfg.parallel``; dp_shard = -1 becomes world / (dp_replicate * cp * tp * pp)."""
         p = cfg.parallel
         errors = [
             f"parallel.{name}={value} must be >= 1 (or -1 for dp_shard)."
-            for name, value in (("dp_replicate", p.dp_replicate), ("tp", p.tp), ("pp", p.pp), ("ep", p.ep))
+            for name, value in (
+                ("dp_replicate", p.dp_replicate),
+                ("cp", p.cp),
+                ("tp", p.tp),
+                ("pp", p.pp),
+                ("ep", p.ep),
+            )  # fmt: skip
             if value < 1
         ]
         if p.dp_shard == 0 or p.dp_shard < -1:
@@ -57,14 +71,14 @@ class ParallelDims:
             raise ConfigError("invalid parallel layout:\n  - " + "\n  - ".join(errors))
         dp_shard = p.dp_shard
         if dp_shard == -1:
-            others = p.dp_replicate * p.tp * p.pp
+            others = p.dp_replicate * p.cp * p.tp * p.pp
             if world_size % others:
                 raise ConfigError(
                     f"parallel.dp_shard=-1 cannot fill the world: WORLD_SIZE={world_size} is not divisible by "
-                    f"dp_replicate*tp*pp={others}; choose degrees whose product divides {world_size}."
+                    f"dp_replicate*cp*tp*pp={others}; choose degrees whose product divides {world_size}."
                 )
             dp_shard = world_size // others
-        return cls(p.dp_replicate, dp_shard, p.tp, p.pp, p.ep, world_size)
+        return cls(p.dp_replicate, dp_shard, p.tp, p.pp, p.ep, world_size, cp=p.cp)
 
     @property
     def dp(self) -> int:
@@ -73,6 +87,7 @@ class ParallelDims:
 
     @property
     def fsdp_dims(self) -> tuple[str, ...]:
+        """The dims FSDP2 shards over (with cp > 1, dp_shard stands for the flattened dp_shard x cp)."""
         return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
 
     def pp_rank_of(self, rank: int) -> int:
@@ -80,7 +95,8 @@ class ParallelDims:
         return rank // (self.world_size // self.pp)
 
     def describe(self) -> str:
-        return f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} ep={self.ep}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}{cp} tp={self.tp} ep={self.ep}"
 
 
 @dataclass(frozen=True)
@@ -89,10 +105,11 @@ class Meshes:
 
     world: DeviceMesh
     dp: DeviceMesh  # flattened (dp_replicate, dp_shard): loader rank/size
-    fsdp: DeviceMesh  # what FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, else (dp_shard,)
+    fsdp: DeviceMesh  # what FSDP2 shards over: (dp_replicate, dp_shard[_cp]) for HSDP, else (dp_shard[_cp],)
     tp: DeviceMesh
     pp: DeviceMesh
-    loss: DeviceMesh  # flattened (pp, dp_replicate, dp_shard): loss sum and MoE load
+    cp: DeviceMesh  # the ranks that split this rank's sequences (context parallelism; size 1 without it)
+    loss: DeviceMesh  # flattened (pp, dp_replicate, dp_shard, cp): loss sum and MoE load
     ep: DeviceMesh | None = None  # MoE with ep > 1: the expert-parallel ranks (carved from dp_shard)
     expert_fsdp: DeviceMesh | None = None  # ... and what FSDP shards expert weights over: (dp_replicate, efsdp)
 
@@ -103,17 +120,18 @@ class Meshes:
 def build_mesh(
     dims: ParallelDims, device: torch.device, timeout_s: float, has_experts: bool = False, host_tensors: bool = False
 ) -> Meshes:
-    """The world mesh with named dims (pp, dp_replicate, dp_shard, tp), and its named views (one root).
+    """The world mesh with named dims (pp, dp_replicate, dp_shard, cp, tp), and its named views (one root).
 
     ``host_tensors``: FSDP CPU offload; the groups must also reduce CPU tensors (``mesh_backend_options``).
     """
     options = mesh_backend_options(device, timeout_s, host_tensors)
     world = init_device_mesh(
         device.type,
-        (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
+        (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
         mesh_dim_names=MESH_DIMS,
         backend_override=dict.fromkeys(MESH_DIMS, options),
     )
+    fsdp = world[dims.fsdp_dims] if dims.cp == 1 else _fsdp_with_cp(world, dims, options)
     ep = expert_fsdp = None
     if has_experts and dims.ep > 1:
         # dp_shard = efsdp x ep, row-major: ep groups are runs of consecutive dp_shard ranks.
@@ -123,13 +141,24 @@ def build_mesh(
     return Meshes(
         world=world,
         dp=flatten_mesh(world, ("dp_replicate", "dp_shard"), "dp", options),
-        fsdp=world[dims.fsdp_dims],
+        fsdp=fsdp,
         tp=world["tp"],
         pp=world["pp"],
-        loss=flatten_mesh(world, ("pp", "dp_replicate", "dp_shard"), "pp_dp", options),
+        cp=world["cp"],
+        loss=flatten_mesh(world, ("pp", "dp_replicate", "dp_shard", "cp"), "pp_dp_cp", options),
         ep=ep,
         expert_fsdp=expert_fsdp,
     )
+
+
+def _fsdp_with_cp(world: DeviceMesh, dims: ParallelDims, options) -> DeviceMesh:
+    """FSDP's mesh when cp > 1: dp_shard x cp flattened into one dim, after dp_replicate for HSDP.
+
+    Parameters are replicated over cp exactly as over data-parallel ranks (each cp rank computes the gradient
+    of its own tokens' loss), so FSDP shards over the cp ranks as well and sums their gradients.
+    """
+    shard = flatten_mesh(world, ("dp_shard", "cp"), "dp_shard_cp", options)
+    return concatenate_meshes([world["dp_replicate"], shard]) if dims.dp_replicate > 1 else shard
 
 
 def mesh_banner(mesh: DeviceMesh) -> str:

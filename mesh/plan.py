@@ -6,7 +6,8 @@
 2. Derive the batch arithmetic: global batch = micro-batch x dp x accumulation. The local batch is
    global_batch / dp sequences per step; without pipelining the loop runs ``accumulation`` forward/backward
    passes of ``micro_batch`` sequences, with pipelining the schedule splits the local batch into
-   ``pp_microbatches`` pieces itself.
+   ``pp_microbatches`` pieces itself. Context parallelism consumes no batch: the cp ranks of one dp rank
+   split each of its sequences (``context_parallel_errors`` holds cp's rules).
 3. Derive the pipeline: stages per rank (1, or 2 for looped and V schedules), the number of stages, the
    layers of each stage (``pp_split``) and this rank's stage ids.
 4. Check every rule against the world size, the model and the batch (``layout_errors``), and raise one
@@ -79,9 +80,10 @@ class LayoutPlan:
         )  # fmt: skip
 
     def batch_line(self) -> str:
+        cp = f" ({self.seq_len // self.dims.cp} per cp rank)" if self.dims.cp > 1 else ""
         return (
             f"global {self.global_batch} = micro {self.micro_batch} x dp {self.dims.dp} x accumulation "
-            f"{self.accumulation}; seq_len {self.seq_len}; {self.global_tokens:,} tokens/step"
+            f"{self.accumulation}; seq_len {self.seq_len}{cp}; {self.global_tokens:,} tokens/step"
         )
 
 
@@ -89,11 +91,12 @@ def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: in
     """Every rule the layout breaks, as messages naming the field, the value and the fix."""
     errors: list[str] = []
     t = cfg.training
-    product = dims.pp * dims.dp_replicate * dims.dp_shard * dims.tp
+    product = dims.pp * dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp
     if product != dims.world_size:
+        cp, cp_value = ("*cp", f"*{dims.cp}") if dims.cp > 1 else ("", "")
         errors.append(
-            f"pp*dp_replicate*dp_shard*tp = {dims.pp}*{dims.dp_replicate}*{dims.dp_shard}*{dims.tp} = {product} "
-            f"but WORLD_SIZE={dims.world_size}; make the product equal the number of processes "
+            f"pp*dp_replicate*dp_shard{cp}*tp = {dims.pp}*{dims.dp_replicate}*{dims.dp_shard}{cp_value}*{dims.tp} = "
+            f"{product} but WORLD_SIZE={dims.world_size}; make the product equal the number of processes "
             f"(or set parallel.dp_shard=-1 to take the rest)."
         )
 
@@ -113,11 +116,12 @@ def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: in
     ):
         if value % dims.tp:
             errors.append(f"parallel.tp={dims.tp} does not divide {field}={value}; choose a tp that divides it.")
-    if dims.tp > 1 and cfg.parallel.sequence_parallel and t.seq_len % dims.tp:
+    if dims.tp > 1 and cfg.parallel.sequence_parallel and dims.cp == 1 and t.seq_len % dims.tp:
         errors.append(
             f"training.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp}, which sequence "
             "parallelism needs; change seq_len or set parallel.sequence_parallel=false."
         )
+    errors += context_parallel_errors(dims, cfg)
 
     # Pipeline and expert degrees against the model.
     if dims.pp > 1:
@@ -165,5 +169,45 @@ def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: in
         errors.append(
             f"training.seq_len={t.seq_len} exceeds model.max_seq_len={model.max_seq_len}; raise "
             "model.max_seq_len or shorten training.seq_len."
+        )
+    return errors
+
+
+def context_parallel_errors(dims: ParallelDims, cfg: Config) -> list[str]:
+    """The rules of context parallelism (mesh/context_parallel.py), as messages naming the field and the fix."""
+    if dims.cp == 1:
+        return []
+    errors: list[str] = []
+    t, m = cfg.training, cfg.model
+    if t.seq_len % (2 * dims.cp):
+        errors.append(
+            f"training.seq_len={t.seq_len} is not divisible by 2*parallel.cp={2 * dims.cp}: each cp rank holds two "
+            f"equal chunks of every sequence (chunks r and 2cp-1-r, for the causal load balance); use a multiple "
+            f"of {2 * dims.cp} or another parallel.cp."
+        )
+    elif dims.tp > 1 and cfg.parallel.sequence_parallel and (t.seq_len // dims.cp) % dims.tp:
+        errors.append(
+            f"training.seq_len={t.seq_len} / parallel.cp={dims.cp} = {t.seq_len // dims.cp} tokens per cp rank, "
+            f"not divisible by parallel.tp={dims.tp}, which sequence parallelism needs; make seq_len a multiple of "
+            f"cp*tp={dims.cp * dims.tp} (and of 2*cp) or set parallel.sequence_parallel=false."
+        )
+    if dims.ep > 1:
+        errors.append(
+            f"parallel.ep={dims.ep} with parallel.cp={dims.cp} is not supported: expert weights would be sharded over "
+            "ep and FSDP-sharded over the dp_shard ranks outside ep times cp, a set of mesh dims with ep in between "
+            "that DTensor cannot reduce over; use parallel.ep=1 (experts FSDP-sharded over dp_shard x cp) or "
+            "parallel.cp=1."
+        )
+    if m.n_experts and m.moe_aux_loss_coef > 0:
+        errors.append(
+            f"model.moe_aux_loss_coef={m.moe_aux_loss_coef} with parallel.cp={dims.cp}: the auxiliary loss is computed "
+            "per whole sequence, and a cp rank holds only part of each; set model.moe_aux_loss_coef=0 (the "
+            "aux-loss-free bias, model.moe_bias_update_rate, works with cp) or parallel.cp=1."
+        )
+    if m.n_experts and m.moe_capacity_factor > 0:
+        errors.append(
+            f"model.moe_capacity_factor={m.moe_capacity_factor} with parallel.cp={dims.cp}: expert capacity is counted "
+            "per whole sequence, and a cp rank holds only part of each; set model.moe_capacity_factor=0 "
+            "(dropless) or parallel.cp=1."
         )
     return errors

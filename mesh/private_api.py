@@ -10,10 +10,13 @@ identifiers, not Python APIs.)
 |----------------------------------------|-----------------------------------------------------------------------|
 | ``DeviceMesh._flatten``                | a 1-D view over several mesh dims (the dp ranks, the loss ranks)      |
 | ``DeviceMesh._unflatten``              | split dp_shard into (efsdp, ep) inside the *same* root mesh           |
+| ``DeviceMesh._concatenate``            | (dp_replicate, dp_shard x cp) as one 2-D mesh for HSDP with cp, from  |
+|                                        | existing groups (slicing a flattened dim from the root is deprecated) |
 | ``DeviceMesh._get_root_mesh``          | check that every mesh of a run shares one root (tests)                |
 | ``Backend.Options._timeout``           | DeviceMesh passes a sub-group's timeout only through its options      |
-| ``_functional_collectives``            | differentiable uneven all-to-all, and a functional one that selective |
-|                                        | activation checkpointing can cache (c10d's in-place ops cannot be)    |
+| ``_functional_collectives``            | differentiable uneven all-to-all, and functional all-to-all,          |
+|                                        | all-gather and reduce-scatter that selective activation checkpointing |
+|                                        | can cache (c10d's in-place ops cannot be)                             |
 | ``PipelineStage._post_metadata_inference_cleanup`` | the only hook at the end of the stage's shape inference   |
 | ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` | activation checkpointing that keeps the module  |
 |                                        | tree (FSDP units and state-dict names see through it)                 |
@@ -44,6 +47,11 @@ def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str, options) ->
 def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...], options) -> DeviceMesh:
     """``mesh`` with dim ``dim`` split into ``names`` of ``sizes`` (row-major, so rank order is kept)."""
     return mesh._unflatten(dim, sizes, names, backend_override=dict.fromkeys(names, options))
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are those of ``meshes`` (views of one root, disjoint dims), reusing their groups."""
+    return DeviceMesh._concatenate(meshes)
 
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -83,6 +91,20 @@ def all_to_all_functional(x: torch.Tensor, group) -> torch.Tensor:
     from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
 
     return wait_tensor(all_to_all_single(x, None, None, group))
+
+
+def all_gather_functional(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along dim 0 into a new tensor (rank order); selective checkpointing can cache its result."""
+    from torch.distributed._functional_collectives import all_gather_single, wait_tensor
+
+    return wait_tensor(all_gather_single(x, 0, group))
+
+
+def reduce_scatter_functional(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the ranks, then rank r keeps chunk r of dim 0: the reverse of ``all_gather_functional``."""
+    from torch.distributed._functional_collectives import reduce_scatter_single, wait_tensor
+
+    return wait_tensor(reduce_scatter_single(x, "sum", 0, group))
 
 
 # ---- pipelining ----------------------------------------------------------------------------------------

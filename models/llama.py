@@ -161,44 +161,60 @@ class LayerCache:
         return self.keys[:, :end], self.values[:, :end]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / sqrt(d), causal) v on one device: q (batch, seq, heads, head_dim), k and v
+    (batch, kv_seq, kv_heads, head_dim) -> (batch, seq, heads, head_dim). The queries are the *last* seq of the
+    kv_seq positions (a KV cache's new tokens, or a context-parallel chunk after the keys that precede it):
+    query i sees keys 0 .. kv_seq - seq + i. Each key/value head serves heads / kv_heads consecutive query heads.
+
+    ``Attention.attend`` points here. Context parallelism points it at a version that also attends to the
+    keys other ranks hold (mesh/context_parallel.py); the model does not know.
+    """
+    n_rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+    # Fewer queries than keys: the causal mask aligned at the bottom right, built explicitly. (torch's
+    # causal_lower_right would spare building it on CUDA, but it is a tensor subclass that cannot be created
+    # under a TorchDispatchMode, which selective activation checkpointing is.)
+    mask = None
+    if q.shape[1] != k.shape[1]:
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - q.shape[1])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
+    )
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.n_kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.attend = causal_attention  # the seam context parallelism replaces (not a module: no parameters)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         start = 0 if cache is None else cache.start
-        # seqlen of the full sequence, even if the caller holds a shard; offset by the cached positions.
+        # seqlen of the full sequence, even if the caller holds a shard; offset by the cached positions. (Under
+        # context parallelism the tables hold this rank's positions, in order: mesh/context_parallel.py.)
         cos, sin = cos[start : start + seqlen], sin[start : start + seqlen]
         # -1 heads: under tensor parallelism these are the local heads of this rank.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        mask = None
-        if cache is not None:
+        if cache is None:
+            out = self.attend(q, k, v)
+        else:
             k, v = cache.update(k, v)
-            # query i (position start + i) sees keys 0 .. start + i
-            mask = torch.arange(start, start + seqlen, device=x.device)[:, None] >= torch.arange(
-                k.shape[1], device=x.device
-            )
-        # Each key/value head serves n_rep consecutive query heads.
-        k = k.repeat_interleave(self.n_rep, dim=2)
-        v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
-        )
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+            out = causal_attention(q, k, v)  # the new queries are the last positions of the cached keys
+        return self.wo(out.reshape(bsz, seqlen, -1))
 
 
 class FeedForward(nn.Module):

@@ -23,11 +23,13 @@ RTOL = 1e-6
 # ---- meshloom's API path, behind small helpers: when a mesh/ signature changes, the fix is one line here ----
 
 
-def api_meshes(dp_replicate: int, dp_shard: int, tp: int = 1, pp: int = 1, ep: int = 1, has_experts: bool = False):
+def api_meshes(
+    dp_replicate: int, dp_shard: int, tp: int = 1, pp: int = 1, ep: int = 1, has_experts: bool = False, cp: int = 1
+):
     """meshloom's meshes for a layout; ``.world[dim]`` per dim, ``.dp``, ``.fsdp``, ``.ep`` (with experts)."""
     from mesh.dims import ParallelDims, build_mesh
 
-    dims = ParallelDims(dp_replicate, dp_shard, tp, pp, ep, dist.get_world_size())
+    dims = ParallelDims(dp_replicate, dp_shard, tp, pp, ep, dist.get_world_size(), cp=cp)
     return build_mesh(dims, torch.device("cpu"), timeout_s=120, has_experts=has_experts)
 
 
@@ -75,6 +77,14 @@ def api_expert_parallel(experts, ep_mesh):
     from mesh.expert_parallel import ExpertParallel
 
     ExpertParallel()._apply(experts, ep_mesh)
+
+
+def api_cp_attention(q, k, v, algorithm: str):
+    """meshloom's context-parallel attention over the world: q (b, n, heads, d), k/v (b, n, kv_heads, d)."""
+    from mesh.context_parallel import allgather_attention, ring_attention
+
+    attend = allgather_attention if algorithm == "allgather" else ring_attention
+    return attend(q, k, v, group=dist.group.WORLD)
 
 
 def materialize(model):

@@ -58,10 +58,17 @@ FSDP2_TP2 = {"parallel.dp_shard": 2, "parallel.tp": 2}
 PP2_FSDP2 = {"parallel.pp": 2, "parallel.dp_shard": 2}
 PP2_TP2 = {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 1}
 HSDP2X2 = {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}
+CP2 = {"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_attention": "ring"}
+TP2 = {"parallel.tp": 2, "parallel.dp_shard": 1}
+FIVE_D = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.cp": 2, "parallel.tp": 2}
 
 
 def world(layout: dict) -> int:
-    return 1 if not layout else 4
+    dims = ("parallel.pp", "parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.tp")
+    size = 1
+    for dim in dims:
+        size *= layout.get(dim, 1)
+    return size
 
 
 @pytest.mark.parametrize(
@@ -72,13 +79,19 @@ def world(layout: dict) -> int:
         (FSDP2_TP2, PP2_FSDP2, {"checkpoint.interval": N}),
         (PP2_TP2, {}, {"checkpoint.interval": N}),
         ({}, HSDP2X2, {"checkpoint.interval": N}),
+        # context parallelism: parameters replicated over cp and FSDP-sharded over dp_shard x cp
+        (CP2, TP2, {"checkpoint.interval": N}),
+        pytest.param(FIVE_D, {}, {"checkpoint.interval": N}, marks=pytest.mark.slow),
     ],
-    ids=["fsdp4-async-to-fsdp2xtp2", "fsdp2xtp2-to-pp2xfsdp2", "pp2xtp2-to-1", "1-to-hsdp2x2"],
-)
+    ids=["fsdp4-async-to-fsdp2xtp2", "fsdp2xtp2-to-pp2xfsdp2", "pp2xtp2-to-1", "1-to-hsdp2x2", "cp2-to-tp2",
+         "5d-to-1"],
+)  # fmt: skip
 def test_resume_on_another_layout_continues_the_same_run(before, after, saving, reference, tmp_path):
     ref, _ = reference
     folder = tmp_path / "ckpt"
-    first = train_on(world(before), {**before, **saving, **overrides(folder), "training.steps": N}, tmp_path / "a")
+    first = train_on(
+        world(before), {**before, **saving, **overrides(folder), "training.steps": N}, tmp_path / "a", timeout=600
+    )
     assert_same_curve(first, ref[:N])
     if saving["checkpoint.interval"] == 1:  # keep_last 2 removed step-1; nothing temporary is left behind
         assert sorted(p.name for p in folder.iterdir() if p.name != ".meshloom.lock") == ["step-2", "step-3"]

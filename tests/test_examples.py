@@ -21,6 +21,7 @@ from examples import (
     moe_from_scratch,
     pipeline_1f1b_from_scratch,
     ring_allreduce,
+    ring_attention_from_scratch,
     tp_from_scratch,
     zero1_from_scratch,
     zero3_from_scratch,
@@ -34,8 +35,8 @@ EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py") if not p.stem
 def test_every_example_is_tested_here():
     tested = {m.__name__.split(".")[-1] for m in (
         collectives, ddp_from_scratch, ddp_no_sync, device_mesh, dtensor_placements, hello_ranks, loss_bookkeeping,
-        moe_from_scratch, pipeline_1f1b_from_scratch, ring_allreduce, tp_from_scratch, zero1_from_scratch,
-        zero3_from_scratch,
+        moe_from_scratch, pipeline_1f1b_from_scratch, ring_allreduce, ring_attention_from_scratch, tp_from_scratch,
+        zero1_from_scratch, zero3_from_scratch,
     )}  # fmt: skip
     assert tested == set(EXAMPLES), f"examples without a test: {set(EXAMPLES) - tested}"
 
@@ -145,6 +146,13 @@ def check_moe(results):
     assert sum(r["rows my experts received"] for r in results) == 2 * 6  # every token once, top-1
 
 
+def check_context_parallel(results):
+    assert [r["my positions"] for r in results] == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+    for r in results:  # O(1) values, fp32 sums in another order: ~1e-7
+        assert r["gathered output error"] < 1e-5 and r["ring output error"] < 1e-5
+        assert max(r["gathered gradient error (q, k, v)"]) < 1e-5
+
+
 @pytest.mark.parametrize(
     "module, check",
     [
@@ -154,8 +162,9 @@ def check_moe(results):
         (tp_from_scratch, check_tp),
         (pipeline_1f1b_from_scratch, check_pipeline),
         (moe_from_scratch, check_moe),
+        (ring_attention_from_scratch, check_context_parallel),
     ],
-    ids=["ddp", "zero1", "zero3", "tp", "pipeline_1f1b", "moe"],
+    ids=["ddp", "zero1", "zero3", "tp", "pipeline_1f1b", "moe", "context_parallel"],
 )
 def test_from_scratch_examples_match_one_process(module, check):
     # Each example compares itself with one process on the whole batch: the same fp32 arithmetic summed in

@@ -156,6 +156,7 @@ LAYOUTS = [
     ({"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}, 1),
     ({"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}, 2),
     ({"pp": 1, "dp_replicate": 2, "dp_shard": 4, "tp": 1}, 2),
+    ({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}, 1),
 ]
 
 
@@ -164,10 +165,12 @@ def test_mesh_figure_groups_are_meshloom_process_groups(sizes, ep):
     from docs.schedule_ir import fake_world
 
     drawn = figures.layout_groups(sizes, ep)
-    world = sizes["pp"] * sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"]
+    world = sizes["pp"] * sizes["dp_replicate"] * sizes["dp_shard"] * sizes.get("cp", 1) * sizes["tp"]
     for rank in range(world):
         with fake_world(world, rank):
-            meshes = api_meshes(sizes["dp_replicate"], sizes["dp_shard"], sizes["tp"], sizes["pp"], ep, ep > 1)
+            meshes = api_meshes(
+                sizes["dp_replicate"], sizes["dp_shard"], sizes["tp"], sizes["pp"], ep, ep > 1, cp=sizes.get("cp", 1)
+            )
             real = {d: meshes.world[d] for d in figures.MESH_ORDER}
             real["dp"] = meshes.dp
             if ep > 1:
@@ -255,3 +258,21 @@ def test_sp_figure_shows_the_collectives_the_tp_tests_count():
     # tests/test_tensor_parallel.py: 2 all-gathers + 2 reduce-scatters per block forward with SP, 2 all-reduces without
     assert with_sp.count("all-gather") == 2 and with_sp.count("reduce-scatter") == 2 and "all-reduce" not in with_sp
     assert without.count("all-reduce") == 2 and "all-gather" not in without
+
+
+# ---- context parallelism ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_ring_steps_cover_the_causal_mask_once_with_equal_work(cp):
+    # The cells the figure colours are mesh/context_parallel.py's own: each rank's positions and, per ring step,
+    # the rows and keys ``visible`` pairs up. Together they must be the causal mask, each pair exactly once.
+    seq = 8 * cp
+    chunk = seq // (2 * cp)
+    cells = figures.ring_cells(seq, cp)
+    union = set().union(*cells.values())
+    assert union == {(q, k) for q in range(seq) for k in range(q + 1)}
+    assert sum(len(c) for c in cells.values()) == len(union)  # disjoint: no pair computed twice
+    for (rank, step), pairs in cells.items():
+        # step 0: the rank's own causal 2L x 2L block; every later step: half a block (2L^2 pairs), on every rank
+        assert len(pairs) == (chunk * (2 * chunk + 1) if step == 0 else 2 * chunk * chunk), (rank, step)

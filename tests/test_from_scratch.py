@@ -20,6 +20,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from examples.ddp_from_scratch import BucketedDDP
 from examples.moe_from_scratch import expert_parallel
 from examples.pipeline_1f1b_from_scratch import one_f_one_b
+from examples.ring_attention_from_scratch import gathered_attention, positions, ring_attention_forward
 from examples.tp_from_scratch import parallel_mlp, shard_mlp
 from examples.zero1_from_scratch import ZeRO1AdamW
 from examples.zero3_from_scratch import ShardedUnit
@@ -29,6 +30,7 @@ from tests.api_path import (
     RTOL,
     SEQ,
     TINY,
+    api_cp_attention,
     api_expert_parallel,
     api_fsdp,
     api_meshes,
@@ -299,3 +301,32 @@ def test_moe_sketch_equals_expert_parallel():
         # meshloom: the count exchange and two autograd token exchanges, all functional collectives (so that
         # selective activation checkpointing can keep their outputs)
         assert r["api"] == ({"all_to_all_single": 3}, {"all_to_all_single": 2})
+
+
+# ---- context parallelism: gathered K/V and the ring by hand vs mesh/context_parallel.py -----------------------
+
+
+def context_parallel_vs_api() -> dict:
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(6)  # the same full sequence on every rank; the sketch has heads == kv heads
+    q, k, v = (torch.randn(2, 4, 8 * cp, 8, generator=gen)[:, :, positions(8 * cp, rank, cp)] for _ in "qkv")
+    weight = torch.randn(2, 4, 8, 8, generator=gen)  # multiplies this rank's 8 outputs per head
+    sketch = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_sketch = gathered_attention(*sketch)
+    (out_sketch * weight).sum().backward()
+    result = {"ring forward": rel_error(ring_attention_forward(q, k, v), out_sketch.detach())}
+    for algorithm in ("allgather", "ring"):
+        api = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]  # meshloom's (b, n, heads, d)
+        out_api = api_cp_attention(*api, algorithm).transpose(1, 2)
+        (out_api * weight).sum().backward()
+        result[algorithm] = [rel_error(out_api, out_sketch)] + [
+            rel_error(a.grad.transpose(1, 2), s.grad) for a, s in zip(api, sketch, strict=True)
+        ]
+    return result
+
+
+def test_context_parallel_sketch_equals_both_algorithms():
+    for r in run_on_ranks(context_parallel_vs_api, 2):
+        assert r["ring forward"] < RTOL, r
+        for algorithm in ("allgather", "ring"):
+            assert max(r[algorithm]) < RTOL, (algorithm, r[algorithm])  # output, dq, dk, dv

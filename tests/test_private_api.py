@@ -27,6 +27,9 @@ def private_apis_on_two_ranks() -> dict:
     moved = api.all_to_all_autograd(x, [1, 1], [1, 1], mesh["a"].get_group())
     (moved * torch.tensor([1.0, 2.0])).sum().backward()
     counts = api.all_to_all_functional(torch.tensor([rank, 10 + rank]), mesh["a"].get_group())
+    gathered = api.all_gather_functional(torch.tensor([[rank, 10 + rank]]), mesh["a"].get_group())
+    scattered = api.reduce_scatter_functional(torch.tensor([[1, rank], [2, 10 * rank]]), mesh["a"].get_group())
+    joined = api.concatenate_meshes([split["a1"], split["a2"]])
     return {
         "flat_size": flat.size(),
         "split_names": split.mesh_dim_names,
@@ -35,6 +38,10 @@ def private_apis_on_two_ranks() -> dict:
         "moved": moved.detach().tolist(),
         "grad": x.grad.tolist(),
         "counts": counts.tolist(),
+        "gathered": gathered.tolist(),
+        "scattered": scattered.tolist(),
+        "joined": (joined.mesh_dim_names, tuple(joined.shape), api.root_mesh(joined) is mesh),
+        "joined_group": dist.get_process_group_ranks(joined.get_group("a2")),
     }
 
 
@@ -47,6 +54,11 @@ def test_mesh_and_functional_collective_apis():
     assert r0["moved"] == [0.0, 1.0] and r1["moved"] == [10.0, 11.0]
     assert r0["grad"] == [1.0, 1.0] and r1["grad"] == [2.0, 2.0]
     assert r0["counts"] == [0, 1] and r1["counts"] == [10, 11]
+    # functional all-gather along dim 0 in rank order, and reduce-scatter: sum, then rank r keeps row r
+    assert r0["gathered"] == r1["gathered"] == [[0, 10], [1, 11]]
+    assert r0["scattered"] == [[2, 1]] and r1["scattered"] == [[4, 10]]
+    # two views of one root joined into one mesh that reuses their groups (context parallel HSDP's fsdp mesh)
+    assert r0["joined"] == (("a1", "a2"), (1, 2), True) and r0["joined_group"] == [0, 1]
 
 
 def test_pipeline_stage_shape_inference_hook_exists():
