@@ -77,8 +77,27 @@ def test_control_plane_paths_work_on_an_accelerator_only_default_group(tmp_path)
     [
         ({"parallel.pp": 2, "parallel.dp_shard": 1, "run.pp_timeline": True}, DEBUG_CONFIG),
         ({"parallel.dp_shard": 2, "parallel.ep": 2}, str(ROOT / "configs" / "debug_moe.toml")),
+        (
+            {
+                "parallel.cp": 2,
+                "parallel.dp_shard": 1,
+                "parallel.cp_attention": "ring",
+                "eval.interval": 3,
+                "data.val_fraction": 0.05,
+            },
+            DEBUG_CONFIG,
+        ),
+        (
+            {
+                "parallel.dp_shard": 2,
+                "training.micro_batch": 2,
+                "parallel.grad_sync": "step",
+                "parallel.grad_compression": "bf16",
+            },
+            DEBUG_CONFIG,
+        ),
     ],
-    ids=["pp2-timeline", "moe-ep2"],
+    ids=["pp2-timeline", "moe-ep2", "cp2-ring-eval", "fsdp2-step-sync-bf16-reduce"],
 )
 def test_training_runs_on_an_accelerator_only_default_group(overrides, config, tmp_path):
     standin = run_on_ranks(run_training, 2, overrides, str(tmp_path / "standin"), config, backend=STANDIN, timeout=180)[
