@@ -374,7 +374,7 @@ def help_text() -> str:
             typ = hints[name]
             kind = "|".join(typing.get_args(typ)) if typing.get_origin(typ) is Literal else typ.__name__
             rule = _range_rule(f.metadata)
-            lines.append(f"  --{key:<36} {kind:<10} default {f.default!r:<14} {f.metadata.get('help', '')}")
+            lines.append(f"  --{key:<36} {kind:<20} default {f.default!r:<14} {f.metadata.get('help', '')}")
             if rule:
                 lines[-1] += f" ({rule})"
     return "\n".join(lines)
