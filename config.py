@@ -110,6 +110,9 @@ class TrainingConfig:
         "none", "recompute activations in backward: all of a block, or all but matmuls/attention/collectives"
     )
     compile: bool = opt(False, "torch.compile each transformer block")
+    peak_tflops: float = opt(
+        0.0, "peak TFLOP/s of one device for MFU; 0: from the GPU table in flops.py (CPU: no MFU)", ge=0
+    )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: this rank's GPU when CUDA is available")
 
 
@@ -139,6 +142,14 @@ class RunConfig:
 
 
 @dataclass
+class ProfileConfig:
+    enabled: bool = opt(False, "trace steps start_step.. with torch.profiler: <run.dir>/profile/rank<R>.pt.trace.json")
+    start_step: int = opt(3, "first profiled step (the steps before it warm up caches and allocators)", ge=1)
+    steps: int = opt(2, "how many steps to profile", ge=1)
+    memory_snapshot: bool = opt(False, "also record memory: CUDA allocator snapshot, or the CPU memory timeline")
+
+
+@dataclass
 class CheckpointConfig:
     folder: str = opt("", "checkpoint folder; '': <run.dir>/checkpoints (holds step-N/ folders)")
     interval: int = opt(0, "save every N steps and at the last step; 0: never save", ge=0)
@@ -157,6 +168,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -338,6 +350,11 @@ def check_values(cfg: Config) -> None:
         broken.append(
             f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings rotate pairs); "
             "change model.dim or model.n_heads."
+        )
+    if cfg.profile.enabled and cfg.profile.start_step > cfg.training.steps:
+        broken.append(
+            f"profile.start_step={cfg.profile.start_step} comes after the last step (training.steps="
+            f"{cfg.training.steps}); profile an earlier step or train longer."
         )
     if broken:
         raise ConfigError("invalid settings:\n  - " + "\n  - ".join(broken))

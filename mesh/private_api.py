@@ -14,6 +14,9 @@ fails here, loudly, instead of a training run failing somewhere deep inside a co
 | ``PipelineStage._post_metadata_inference_cleanup`` | the only hook at the end of the stage's shape inference   |
 | ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` | activation checkpointing that keeps the module  |
 |                                        | tree (FSDP units and state-dict names see through it)                 |
+| ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` | the CUDA allocator's history, the file that     |
+|                                        | pytorch.org/memory_viz opens (``profile.memory_snapshot``)            |
+| ``torch.profiler._memory_profiler._CATEGORY_TO_INDEX`` | the column order of the CPU memory timeline's JSON export  |
 """
 
 from __future__ import annotations
@@ -103,3 +106,28 @@ def checkpoint_wrapper(module, **kwargs):
 def group_timeout(group, device_type: str = "cpu") -> datetime.timedelta:
     """The timeout a process group was created with (for tests: every group must carry ours)."""
     return group._get_backend(torch.device(device_type)).options._timeout
+
+
+# ---- memory snapshots ------------------------------------------------------------------------------------
+def record_memory_history(enabled: bool, max_entries: int = 200_000) -> None:
+    """Start (or stop) recording every CUDA allocation and free, with its Python stack, for a snapshot."""
+    torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=max_entries)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Write the allocator's state and recorded history as a pickle that pytorch.org/memory_viz opens."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
+def memory_timeline_categories() -> list[str | None]:
+    """Column names of ``profile.export_memory_timeline``'s JSON rows ("parameter", "activation", ...).
+
+    torch writes [times, rows], each row [0, bytes of category 0, bytes of category 1, ...] in the order of a
+    private dict; the first column is always 0 (named None here), the last is memory it could not categorise.
+    """
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+
+    names: list[str | None] = [None] * (len(_CATEGORY_TO_INDEX) + 1)
+    for category, index in _CATEGORY_TO_INDEX.items():
+        names[index + 1] = "unknown" if category is None else category.name.lower().replace("_", " ")
+    return names

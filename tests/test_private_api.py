@@ -63,3 +63,21 @@ def test_checkpoint_wrapper_keeps_names_loadable():
     x = torch.randn(2, 4, requires_grad=True)
     wrapped(x).sum().backward()
     assert x.grad is not None
+
+
+def test_memory_snapshot_and_timeline_apis():
+    import inspect
+
+    from mesh.private_api import memory_timeline_categories
+
+    # profile.memory_snapshot on CUDA: start/stop the allocator history, then dump it (exercised on a GPU by
+    # tests/test_gpu.py::test_profiled_gpu_run_writes_a_memory_snapshot; a CPU wheel has no CUDA allocator).
+    record = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    assert list(record)[0] == "enabled" and "max_entries" in record
+    assert list(inspect.signature(torch.cuda.memory._dump_snapshot).parameters)[0] == "filename"
+    # the CPU memory timeline's columns, in torch's order
+    names = memory_timeline_categories()
+    assert names[0] is None and names[-1] == "unknown"
+    assert set(names[1:-1]) == {
+        "parameter", "optimizer state", "input", "temporary", "activation", "gradient", "autograd detail"
+    }  # fmt: skip
