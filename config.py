@@ -85,6 +85,9 @@ class ParallelConfig:
     pp_stages_per_rank: int = opt(0, "stages per pp rank; 0: from the schedule (2 for looped and V)", ge=0)
     pp_split: str = opt("params", "layer split: params | flops | layers per stage, e.g. '3,5'")
     sequence_parallel: bool = opt(True, "with tp > 1, also shard norms and the residual stream by sequence")
+    sp_regather: bool = opt(
+        False, "SP: keep only the sequence shard of each gathered matmul input, all-gather it again in backward"
+    )
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
         "default", "free gathered FSDP weights after forward (default: all but the last block)"
     )
@@ -350,6 +353,12 @@ def check_values(cfg: Config) -> None:
         broken.append(
             f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings rotate pairs); "
             "change model.dim or model.n_heads."
+        )
+    if p.sp_regather and (cfg.training.activation_checkpoint != "none" or cfg.training.compile):
+        broken.append(
+            "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false: a "
+            "checkpointed block keeps no gathered input to begin with (full) or keeps it by policy (selective), and "
+            "the re-gather hooks run in eager mode only; turn one of them off."
         )
     if cfg.profile.enabled and cfg.profile.start_step > cfg.training.steps:
         broken.append(

@@ -98,7 +98,9 @@ def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes,
     """The fixed order: TP -> EP -> activation checkpointing -> compile -> FSDP -> layout-independent weights."""
     dims = plan.dims
     if dims.tp > 1:
-        apply_tensor_parallel(model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+        apply_tensor_parallel(
+            model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel, regather=cfg.parallel.sp_regather
+        )
     if dims.ep > 1:
         apply_expert_parallel(model, meshes.ep)
     apply_activation_checkpointing(model, cfg.training.activation_checkpoint, compiled=cfg.training.compile)

@@ -17,6 +17,8 @@ fails here, loudly, instead of a training run failing somewhere deep inside a co
 | ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` | the CUDA allocator's history, the file that     |
 |                                        | pytorch.org/memory_viz opens (``profile.memory_snapshot``)            |
 | ``torch.profiler._memory_profiler._CATEGORY_TO_INDEX`` | the column order of the CPU memory timeline's JSON export  |
+| ``torch._C._autograd._top_saved_tensors_default_hooks`` | the saved-tensor hooks active now, so that SP's re-gather |
+|                                        | hooks hand every other tensor on to them (mesh/tensor_parallel.py)    |
 """
 
 from __future__ import annotations
@@ -131,3 +133,13 @@ def memory_timeline_categories() -> list[str | None]:
     for category, index in _CATEGORY_TO_INDEX.items():
         names[index + 1] = "unknown" if category is None else category.name.lower().replace("_", " ")
     return names
+
+
+# ---- autograd --------------------------------------------------------------------------------------------
+def outer_saved_tensors_hooks():
+    """The (pack, unpack) pair of the innermost ``saved_tensors_hooks`` active now, or None.
+
+    ``saved_tensors_hooks`` do not nest: only the innermost pair sees a saved tensor. A pair that handles
+    some tensors itself passes the rest to the pair it shadows, found here.
+    """
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)

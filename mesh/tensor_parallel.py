@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from mesh.private_api import outer_saved_tensors_hooks
 from models.moe import MoE
 
 
@@ -69,6 +70,87 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+class GatherSavingShard(PrepareModuleInput):
+    """SP: all-gather a sub-layer's input for its column-parallel matmuls, but let autograd keep only this rank's
+    sequence shard of it, and all-gather it again in backward (Megatron-LM's sequence parallelism).
+
+    With plain ``PrepareModuleInput`` the matmuls wq/wk/wv (or w1/w3) save the gathered (b, s, h) input for
+    their weight gradients: 2bsh per block that SP does not divide (docs/tensor_parallel.md, section 6). Here,
+    while the sub-layer runs forward, a saved-tensor hook recognises that gathered tensor (by its storage) and
+    saves the shard instead; the first matmul backward that needs it gathers it once more, and the others of
+    the sub-layer reuse that copy, which is freed with their graph nodes. Cost: one more all-gather of the
+    input per sub-layer in backward (``parallel.sp_regather``). Everything else goes to whatever saved-tensor
+    hooks were active outside (a memory probe, CPU offload), unchanged. Eager mode without activation
+    checkpointing only (config.check_values): a checkpointed block keeps no gathered input anyway, or keeps it
+    by policy, and its recomputation must see the same hooks as its forward.
+    """
+
+    def __init__(self):
+        super().__init__(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        active: list = []
+
+        def gather(_module, inputs):
+            x, *rest = inputs
+            shard = x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            full = shard.redistribute(placements=(Replicate(),))
+            hooks = torch.autograd.graph.saved_tensors_hooks(*_regather_hooks(shard.detach(), full))
+            hooks.__enter__()
+            active.append(hooks)
+            return (full, *rest)
+
+        def done(_module, _inputs, _output):
+            active.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(gather)
+        module.register_forward_hook(done)
+        return module
+
+
+class _Regathered:
+    """What autograd keeps of one gathered input: its shard (through the outer hooks), and the gathered copy
+    while the sub-layer's backward needs it."""
+
+    def __init__(self, shard: DTensor, outer):
+        self.outer, self.shard, self.packed, self.full = outer, shard, None, None
+
+    def pack(self) -> _Regathered:
+        if self.packed is None:  # the shard is saved once, however many views of the full tensor were
+            self.packed = self.outer[0](self.shard) if self.outer else self.shard
+            self.shard = None
+        return self
+
+    def local_full(self) -> torch.Tensor:
+        if self.full is None:
+            shard = self.outer[1](self.packed) if self.outer else self.packed
+            self.full = shard.redistribute(placements=(Replicate(),)).to_local()
+        return self.full
+
+
+def _regather_hooks(shard: DTensor, full: DTensor):
+    """(pack, unpack) for ``saved_tensors_hooks``: views of ``full``'s storage are saved as the shard plus their
+    geometry; everything else goes to the hooks that were active before (or is saved as itself)."""
+    ptr, mesh = full.to_local().untyped_storage().data_ptr(), full.device_mesh
+    outer = outer_saved_tensors_hooks()
+    record = _Regathered(shard, outer)
+
+    def pack(t: torch.Tensor):
+        if isinstance(t, DTensor) and t._local_tensor.untyped_storage().data_ptr() == ptr:
+            local = t._local_tensor
+            return ("regather", record.pack(), local.size(), local.stride(), local.storage_offset())
+        return ("outer", outer[0](t) if outer else t)
+
+    def unpack(packed):
+        if packed[0] == "outer":
+            return outer[1](packed[1]) if outer else packed[1]
+        _, saved, size, stride, offset = packed
+        view = saved.local_full().as_strided(size, stride, offset)
+        return DTensor.from_local(view, mesh, (Replicate(),), run_check=False)
+
+    return pack, unpack
+
+
 def moe_plan(sequence_parallel: bool, has_shared_expert: bool) -> dict:
     """The feed-forward part of the plan for an MoE block: the block runs replicated on the full sequence.
 
@@ -89,7 +171,7 @@ def moe_plan(sequence_parallel: bool, has_shared_expert: bool) -> dict:
     return plan
 
 
-def block_plan(sequence_parallel: bool) -> dict:
+def block_plan(sequence_parallel: bool, regather: bool = False) -> dict:
     """The TP plan of one TransformerBlock (keys are submodule paths inside the block).
 
     Without SP the residual stream is replicated; ``PrepareModuleInput`` still turns each sub-layer's input
@@ -112,6 +194,9 @@ def block_plan(sequence_parallel: bool) -> dict:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=between),
     }
+    if sequence_parallel and regather:
+        plan["attention"] = GatherSavingShard()
+        plan["feed_forward"] = GatherSavingShard()
     norm_style = SequenceParallel if sequence_parallel else ReplicateParallel
     plan["attention_norm"] = norm_style()
     plan["ffn_norm"] = norm_style()
@@ -132,7 +217,9 @@ def model_plan(sequence_parallel: bool) -> dict:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, regather: bool = False
+) -> nn.Module:
     """Shard ``model``'s blocks, embedding and head over ``tp_mesh`` (a 1-D mesh, one node's GPUs).
 
     A pipeline stage may lack the embedding or the head (they are None): their plan entries are skipped.
@@ -140,7 +227,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     plan = {name: style for name, style in model_plan(sequence_parallel).items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
-        plan = block_plan(sequence_parallel)
+        plan = block_plan(sequence_parallel, regather)
         if isinstance(block.feed_forward, MoE):
             plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
             plan.update(moe_plan(sequence_parallel, block.feed_forward.shared_expert is not None))

@@ -161,6 +161,19 @@ class LayerCache:
         return self.keys[:, :end], self.values[:, :end]
 
 
+def sdpa_reads_grouped_kv(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether ``scaled_dot_product_attention(..., enable_gqa=True)`` runs a fused kernel on grouped k/v heads.
+
+    CPU (torch 2.13): its flash kernel takes k/v with fewer heads, fp32 and bf16 alike, and saves them at their
+    own size. CUDA: only the flash kernel does, in bf16/fp16 with no mask and head_dim <= 256; in fp32 (or with
+    a mask) the memory-efficient and cuDNN kernels refuse unequal head counts and SDPA silently falls back to
+    the unfused math kernel, which materialises the s x s scores.
+    """
+    if q.device.type == "cpu":
+        return True
+    return q.dtype in (torch.bfloat16, torch.float16) and mask is None and q.shape[-1] <= 256
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
 
@@ -192,12 +205,16 @@ class Attention(nn.Module):
             mask = torch.arange(start, start + seqlen, device=x.device)[:, None] >= torch.arange(
                 k.shape[1], device=x.device
             )
-        # Each key/value head serves n_rep consecutive query heads.
-        k = k.repeat_interleave(self.n_rep, dim=2)
-        v = v.repeat_interleave(self.n_rep, dim=2)
+        # Each key/value head serves n_rep consecutive query heads: SDPA reads each k/v head for its n_rep query
+        # heads when its fused kernel can (no n_rep copies of k and v made, or saved for backward); otherwise
+        # repeat them here, since the kernel SDPA would fall back to is slower than the copies.
+        gqa = self.n_rep > 1 and sdpa_reads_grouped_kv(q, mask)
+        if self.n_rep > 1 and not gqa:
+            k, v = k.repeat_interleave(self.n_rep, dim=2), v.repeat_interleave(self.n_rep, dim=2)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
-        )
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+            enable_gqa=gqa,
+        )  # fmt: skip
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
