@@ -51,7 +51,13 @@ from mesh.runtime import (
     world_size_from_env,
 )
 from mesh.signals import ParentWatch, StopSignals
-from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value, reduce_partial_gradients
+from mesh.tensor_parallel import (
+    apply_tensor_parallel,
+    loss_context,
+    loss_value,
+    reduce_partial_gradients,
+    sum_token_split_gradients,
+)
 from metrics import MetricsWriter, format_step, peak_memory_bytes
 from models.llama import Transformer
 from optim import Optimizers
@@ -257,6 +263,8 @@ def train(cfg: Config) -> list[dict]:
                     timeline.end_step()
                 if dims.tp > 1:
                     reduce_partial_gradients(params)
+                    if moe_layer_ids:  # each tp rank computed its MoE blocks' gradients from its own tokens
+                        sum_token_split_gradients(parts, meshes.tp)
             with phase(f"step {step}: loss sum and gradient norm", "device plane: the loss mesh (pp x dp), pp"):
                 # The step's global numbers, before anything changes: the loss is the global mean (sum the
                 # token-loss sums over the dp ranks and the pp stages; only last-stage ranks hold a non-zero
@@ -280,7 +288,7 @@ def train(cfg: Config) -> list[dict]:
                 optimizers.step()
             # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
             with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp)"):
-                moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss) if moe_layer_ids else {}
+                moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss, meshes.tp) if moe_layer_ids else {}
             elapsed = device_time(device) - start
             record = {
                 "step": step, "loss": loss, "grad_norm": norm, "lr": lr,

@@ -115,6 +115,11 @@ def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: in
             f"training.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp}, which sequence "
             "parallelism needs; change seq_len or set parallel.sequence_parallel=false."
         )
+    elif dims.tp > 1 and model.moe is not None and t.seq_len % dims.tp:
+        errors.append(
+            f"training.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp}: under TP each tp rank runs the "
+            "MoE layers on its own chunk of every sequence (mesh/tensor_parallel.TokenSplitMoE); change seq_len."
+        )
 
     # Pipeline and expert degrees against the model.
     if dims.pp > 1:

@@ -81,6 +81,21 @@ def all_to_all_functional(x: torch.Tensor, group) -> torch.Tensor:
     return wait_tensor(all_to_all_single(x, None, None, group))
 
 
+def all_reduce_functional(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ``group`` into a new tensor (functional: selective activation checkpointing caches it)."""
+    from torch.distributed._functional_collectives import all_reduce, wait_tensor
+
+    return wait_tensor(all_reduce(x, "sum", group))
+
+
+def all_gather_functional(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``x`` stacked along a new leading dim, in rank order (functional, like the above)."""
+    from torch.distributed._functional_collectives import all_gather_tensor, wait_tensor
+
+    size = dist.get_world_size(group)
+    return wait_tensor(all_gather_tensor(x.contiguous(), 0, group)).view(size, *x.shape)
+
+
 # ---- pipelining ----------------------------------------------------------------------------------------
 def after_shape_inference(stage, callback) -> None:
     """Call ``callback()`` right after ``stage`` finished torch's shape inference (its first real step).

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -36,14 +37,13 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
 
-from mesh.private_api import outer_saved_tensors_hooks
+from mesh.private_api import all_gather_functional, all_reduce_functional, outer_saved_tensors_hooks
 from models.moe import MoE
 
 
@@ -151,24 +151,113 @@ def _regather_hooks(shard: DTensor, full: DTensor):
     return pack, unpack
 
 
-def moe_plan(sequence_parallel: bool, has_shared_expert: bool) -> dict:
-    """The feed-forward part of the plan for an MoE block: the block runs replicated on the full sequence.
+class SequenceChunks:
+    """models/moe.py's ``MoE.sequence`` under TP: each tp rank holds chunk r of every sequence (rank order).
 
-    Its input is gathered (SP: all-gather over the sequence) and its output re-sliced to the sequence
-    shard; the router and shared expert keep Replicate weights. Experts are *not* split by tp: expert
-    parallelism shards them (mesh/expert_parallel.py), identically on every tp rank.
+    ``sum`` adds a per-sequence quantity over the tp ranks: an all-reduce forward, and the identity backward,
+    since every rank computes the same loss from the sum and back-propagates it itself (Megatron's "g").
+    ``before`` gives, per sequence and expert, how many tokens chose the expert in the chunks of the ranks
+    before this one: an all-gather of the (batch, E) counts. Both are functional collectives, so selective
+    activation checkpointing saves their results instead of repeating them.
     """
-    between = Shard(1) if sequence_parallel else Replicate()
-    plan = {
-        "feed_forward": PrepareModuleInputOutput(
-            input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(between,), use_local_output=True,
-        ),
-        "feed_forward.router.gate": ReplicateParallel(),
-    }  # fmt: skip
-    if has_shared_expert:
-        plan["feed_forward.shared_expert"] = ReplicateParallel()
-    return plan
+
+    def __init__(self, tp_mesh: DeviceMesh):
+        self.group, self.chunks, self.rank = tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank()
+
+    def sum(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        return _SumOverRanks.apply(per_sequence, self.group)
+
+    def before(self, counts: torch.Tensor) -> torch.Tensor:
+        return all_gather_functional(counts, self.group)[: self.rank].sum(0)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce forward, identity backward (see SequenceChunks.sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        return all_reduce_functional(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class TokenSplitMoE(ParallelStyle):
+    """Under TP, an MoE block works on this tp rank's chunk of every sequence, like a data-parallel rank.
+
+    A dense MLP splits its *weights* over tp; an MoE block's cost is per (token, expert) pair, so here the
+    *tokens* are split instead, and each pair is computed exactly once across the tp ranks (before, every tp
+    rank ran the whole gathered sequence through the same experts: tp-fold redundant work).
+
+    1. Input: with SP the block's input already is this rank's sequence shard (no communication; before, it
+       was all-gathered). Without SP it is the full sequence on every rank, and the rank keeps its chunk.
+    2. Routing, capacity and the aux loss run on the chunk; the two per-sequence sums they need from the other
+       chunks come from ``SequenceChunks`` (models/moe.py, "Sequences in chunks").
+    3. Experts, EP dispatch/combine and the shared expert run on the chunk's tokens only.
+    4. Output: with SP it is this rank's shard already; without SP the chunks are all-gathered.
+    5. The block's weights (router, experts, shared expert) stay whole on every tp rank, but each rank's
+       gradient covers only its tokens: ``sum_token_split_gradients`` all-reduces them over tp once per step,
+       before clipping. The per-step expert-load statistics are summed over tp as well
+       (mesh/expert_parallel.step_expert_load).
+    """
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.sequence = SequenceChunks(device_mesh)
+        if self.sequence_parallel:  # the input is this rank's shard (a DTensor from the SP norm)
+            module.register_forward_pre_hook(lambda _m, inputs: tuple(_local(x) for x in inputs))
+            return module
+
+        def keep_chunk(_module, inputs):
+            x, *rest = inputs
+            chunk = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False).redistribute(
+                placements=(Shard(1),)
+            )
+            return (chunk.to_local(), *rest)
+
+        def gather_chunks(_module, _inputs, out):
+            return DTensor.from_local(out, device_mesh, (Shard(1),), run_check=False).full_tensor()
+
+        module.register_forward_pre_hook(keep_chunk)
+        module.register_forward_hook(gather_chunks)
+        return module
+
+
+def _local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def moe_plan(sequence_parallel: bool) -> dict:
+    """The feed-forward part of the plan for an MoE block: tokens split over tp (``TokenSplitMoE``); its
+    weights are not tp DTensors (expert parallelism may still shard the experts, mesh/expert_parallel.py)."""
+    return {"feed_forward": TokenSplitMoE(sequence_parallel)}
+
+
+@torch.no_grad()
+def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh) -> None:
+    """Sum over tp the gradients of every MoE block's weights (``TokenSplitMoE``, step 5): one all-reduce.
+
+    Local tensors are reduced: under FSDP each tp rank holds the same dp shard of a weight, so the sum of
+    the shards is the shard of the sum; expert-parallel shards likewise.
+    """
+    grads = [
+        _local(p.grad)
+        for part in parts
+        for module in part.modules()
+        if isinstance(module, MoE)
+        for p in module.parameters()
+        if p.grad is not None
+    ]
+    for dtype in {g.dtype for g in grads}:
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=tp_mesh.get_group())
+        for g, summed in zip(same, flat.split([g.numel() for g in same]), strict=True):
+            g.copy_(summed.view_as(g))
 
 
 def block_plan(sequence_parallel: bool, regather: bool = False) -> dict:
@@ -230,7 +319,7 @@ def apply_tensor_parallel(
         plan = block_plan(sequence_parallel, regather)
         if isinstance(block.feed_forward, MoE):
             plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
-            plan.update(moe_plan(sequence_parallel, block.feed_forward.shared_expert is not None))
+            plan.update(moe_plan(sequence_parallel))
         parallelize_module(block, tp_mesh, plan)
     return model
 
@@ -246,13 +335,31 @@ def reduce_partial_gradients(params: list[torch.Tensor]) -> None:
 
     A sequence-parallel norm sees only this rank's tokens, so its replicated weight gets a Partial gradient.
     DTensor would reduce it lazily on *every* use (the clipping norm, then each AdamW update), repeating the
-    same all-reduce; doing it here once gives every later use a Replicate gradient. Under FSDP the gradient
-    reduction already did this, and nothing is Partial.
+    same all-reduce; doing it here once gives every later use a Replicate gradient. The gradients that share
+    a mesh and placements go in one flat all-reduce (2 n_layers + 1 norm weights, one collective: a
+    collective's fixed cost is paid once, not per weight). Under FSDP the gradient reduction already did this,
+    and nothing is Partial.
     """
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         grad = p.grad
         if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
-            p.grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements])
+            groups.setdefault((grad.device_mesh, grad.placements), []).append(p)
+    for (mesh, placements), group in groups.items():
+        replicated = [Replicate() if pl.is_partial() else pl for pl in placements]
+        if any(pl.is_partial() and pl.reduce_op != "sum" for pl in placements):  # not a plain sum: one by one
+            for p in group:
+                p.grad = p.grad.redistribute(placements=replicated)
+            continue
+        locals_ = [p.grad.to_local() for p in group]
+        flat = torch.cat([g.reshape(-1) for g in locals_])
+        for dim, pl in enumerate(placements):
+            if pl.is_partial():
+                flat = all_reduce_functional(flat, mesh.get_group(dim))
+        for p, g, summed in zip(group, locals_, flat.split([g.numel() for g in locals_]), strict=True):
+            p.grad = DTensor.from_local(
+                summed.view_as(g), mesh, replicated, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
+            )
 
 
 def loss_value(loss: torch.Tensor) -> torch.Tensor:

@@ -198,11 +198,12 @@ def sp_optimizer_all_reduces(reduce_first: bool) -> dict:
         if reduce_first:
             reduce_partial_gradients(params)
     optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    grads = [p.grad.full_tensor() for p in params]  # the summed gradients, whichever way they were reduced
     with CommDebugMode() as step:
         optimizer.step()
     names = lambda mode: {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}  # noqa: E731
     still = [n for n, p in model.named_parameters() if any(pl.is_partial() for pl in p.grad.placements)]
-    return {"partial": partial, "reduce": names(reduce), "step": names(step), "partial after": still}
+    return {"partial": partial, "reduce": names(reduce), "step": names(step), "partial after": still, "grads": grads}
 
 
 def test_sp_norm_gradients_are_reduced_once_not_inside_every_adamw_op():
@@ -213,7 +214,9 @@ def test_sp_norm_gradients_are_reduced_once_not_inside_every_adamw_op():
     # gradients are still Partial afterwards
     assert lazy["step"] == {"all_reduce": 3 * len(norms)} and sorted(lazy["partial after"]) == sorted(norms)
     once = run_on_ranks(sp_optimizer_all_reduces, 2, True)[0]
-    assert once["reduce"] == {"all_reduce": len(norms)} and once["step"] == {} and once["partial after"] == []
+    # reduce_partial_gradients: one flat all-reduce for all of them, then AdamW communicates nothing
+    assert once["reduce"] == {"all_reduce": 1} and once["step"] == {} and once["partial after"] == []
+    assert all(torch.equal(a, b) for a, b in zip(once["grads"], lazy["grads"], strict=True))
 
 
 def placements_on_fsdp2_x_tp2() -> dict:
