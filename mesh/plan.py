@@ -146,6 +146,9 @@ def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: in
                 "carved from the data-parallel shard ranks."
             )
 
+    if t.compile:
+        errors += compile_errors(dims)
+
     # The batch must split evenly: global = micro x dp x accumulation.
     if t.global_batch % dims.dp:
         errors.append(
@@ -163,5 +166,28 @@ def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: in
         errors.append(
             f"training.seq_len={t.seq_len} exceeds model.max_seq_len={model.max_seq_len}; raise "
             "model.max_seq_len or shorten training.seq_len."
+        )
+    return errors
+
+
+def compile_errors(dims: ParallelDims) -> list[str]:
+    """Layouts that ``training.compile`` cannot run in torch 2.13 (measured on CPU; docs/profiling.md, section 6).
+
+    Each failed at its first step with the error quoted; they are refused here so that no run gets that far.
+    (Zero-bubble pipeline schedules are refused in mesh/pipeline.py, ``parallel.sp_regather`` in config.py.)
+    """
+    errors = []
+    if dims.tp > 1:
+        errors.append(
+            f"training.compile=true with parallel.tp={dims.tp}: in torch 2.13 the backward of a DTensor "
+            "redistribution outside the compiled blocks receives a plain tensor from them and fails "
+            "(\"AttributeError: 'Tensor' object has no attribute '_local_tensor'\"); run TP layouts eagerly "
+            "(training.compile=false)."
+        )
+    if dims.ep > 1:
+        errors.append(
+            f"training.compile=true with parallel.ep={dims.ep}: dynamo resumes the experts' forward after the graph "
+            'break at the token counts with the expert weights still DTensors ("aten.mm.default got mixed '
+            'torch.Tensor and DTensor"); run EP layouts eagerly (training.compile=false).'
         )
     return errors

@@ -171,3 +171,32 @@ def test_cpu_memory_timeline_shows_parameters_gradients_and_adam_states(tmp_path
     assert 2 * param_bytes <= peaks["optimizer state"] <= 2 * param_bytes + 4 * 64
     assert peaks["activation"] > param_bytes  # at batch 8 x 128 tokens the activations dominate
     assert peaks["total"] >= peaks["activation"] + peaks["parameter"]
+
+
+# ---- compile ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, overrides, world, expected",
+    [
+        (DEBUG_CONFIG, {"parallel.tp": 2, "parallel.dp_shard": 1}, 2, "training.compile=true with parallel.tp=2"),
+        (MOE_CONFIG, {"parallel.ep": 2, "parallel.dp_shard": 2}, 2, "training.compile=true with parallel.ep=2"),
+        (DEBUG_CONFIG, {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sp_regather": True}, 2,
+         "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false"),
+    ],
+    ids=["tp", "ep", "sp_regather"],
+)  # fmt: skip
+def test_layouts_that_cannot_compile_are_refused_before_any_process_group(config, overrides, world, expected):
+    from train import check_config
+
+    cfg = load_config(path=config, overrides={**overrides, "training.compile": True})
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg, world)
+    assert expected in str(err.value) and "training.compile=false" in str(err.value)
+
+
+def test_layouts_that_compile_pass_validation():
+    from train import check_config
+
+    for overrides, world in (({"parallel.dp_shard": 2}, 2), ({"parallel.pp": 2, "parallel.dp_shard": 1}, 2)):
+        check_config(load_config(path=DEBUG_CONFIG, overrides={**overrides, "training.compile": True}), world)
