@@ -8,19 +8,26 @@
 
 Every run is a fresh set of processes (tests/harness.run_on_ranks: gloo ranks from a forkserver that has
 imported torch already) training the same model on the same data. The runs are *interleaved*: round 1 runs
-every layout once, round 2 again, and so on; a layout's figure is the median over its rounds of the median
-step. This machine's speed drifts by up to 1.6x between minutes (other jobs share its 2 cores), so only
+every layout once, round 2 again in reverse order, and so on; a layout's figure is the median over its rounds
+of the median step. This machine's speed drifts by up to 1.6x between minutes (other jobs share its 2 cores), so only
 ratios taken from one invocation mean anything, and the per-round ratios show how stable they are.
 
 What is timed, per step (medians over steps > ``--warmup``):
 
-- ``plain``: a plain PyTorch loop on one process: ``models.llama.Transformer``, AdamW (foreach, no decay on
-  1-D weights), warmup + cosine, gradient clipping, the same loss, the same batches from ``data/``; the
-  time from one step's start to the next one's.
+- ``plain``: a plain PyTorch loop (``PlainLoop``): ``models.llama.Transformer``, AdamW (foreach, no decay on
+  1-D weights), warmup + cosine, gradient clipping, the same loss, the same batches from ``data/``. It runs
+  in the same process as the ``one`` layout, *step by step in turn with it*: after each meshloom step, one
+  plain step (its time is taken out of meshloom's). Two runs a minute apart can differ by 30% here; two
+  neighbouring steps of one process share the machine's state, so the overhead of meshloom against plain
+  PyTorch is read from these pairs.
 - meshloom layouts: ``train.train`` with the layout's overrides. ``full`` is the same start-to-start time
   (measured by wrapping ``train.device_time``, which train.py calls at the start and the end of each
   step's timed window), so it includes everything train.py does per step: logging, checkpoint checks, the
   stop agreement. ``tokens_per_s`` in metrics.jsonl times only the window, and is printed as ``window``.
+
+For the one-process pair the bench also prints *CPU time* per step (``time.process_time`` at the same points):
+a one-process run's CPU time is the work its own code does, which other jobs on the machine barely change, so
+it shows meshloom's overhead even when the wall-clock ratios swing with the load.
 
 The plain loop and meshloom must compute the same thing: the bench prints the largest relative difference
 between their losses (same initial weights, same data, same arithmetic: it is 0 or round-off).
@@ -74,86 +81,117 @@ BASELINE = {"one": "plain", "tp2-noac": "one", "tp2-rg": "tp2-noac", "moe-tp2": 
 
 
 # ---- rank bodies -------------------------------------------------------------------------------------------
-def meshloom_steps(config: str, overrides: dict, run_dir: str) -> dict:
-    """Train with meshloom; per step: the start-to-start time and the window tokens/s of metrics.jsonl."""
+class PlainLoop:
+    """The same training in a plain PyTorch loop on one process (no mesh, no DTensor, no FSDP), one step a call."""
+
+    def __init__(self, config: str, overrides: dict, run_dir: str):
+        import torch
+
+        from config import load_config, model_args
+        from data.dataset import load_data
+        from data.loader import GlobalBatchLoader
+        from models.llama import Transformer
+        from optim import lr_factor
+
+        cfg = load_config(path=config, overrides={**overrides, "run.dir": run_dir})
+        self.t = t = cfg.training
+        self.device = torch.device("cuda" if t.device != "cpu" and torch.cuda.is_available() else "cpu")
+        with torch.device("meta"):
+            self.model = Transformer(model_args(cfg))
+        self.model.init_weights(t.seed, self.device)
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr_ratio)
+        )
+        self.loader = GlobalBatchLoader(load_data(cfg).train, seq_len=t.seq_len, global_batch=t.global_batch,
+                                        micro_batch=t.micro_batch or t.global_batch, dp_rank=0, dp_size=1)  # fmt: skip
+        self.losses: list[float] = []
+
+    def step(self) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        t, device = self.t, self.device
+        tokens = t.global_batch * t.seq_len
+        loss_sum = torch.zeros((), device=device)
+        for inputs, targets in self.loader.next_batch():
+            with torch.autocast(device.type, torch.bfloat16, enabled=t.mixed_precision == "bf16"):
+                logits = self.model(inputs.to(device))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum")
+            (loss / tokens).backward()
+            loss_sum += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip, foreach=True)
+        self.losses.append((loss_sum / tokens).item())
+        norm.item()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = False) -> dict:
+    """Train with meshloom; per step: the start-to-start wall and CPU time and the window tokens/s of
+    metrics.jsonl. ``paired``: after each meshloom step, one step of a PlainLoop in the same process (its time
+    is taken out of meshloom's), so the two alternate step by step under the same conditions."""
     import train
     from config import load_config
 
-    starts, calls = [], []
+    calls: list[tuple[float, float]] = []  # (wall, cpu) at each device_time call: a step's start, then its end
+    plain_spans: list[tuple[float, float]] = []  # (wall, cpu) a plain step took, inside meshloom's step k
+    plain = PlainLoop(config, overrides, run_dir + "-plain") if paired else None
     timed = train.device_time
 
     def recording(device):
         now = timed(device)
-        calls.append(now)
-        return now
+        calls.append((now, time.process_time()))
+        if plain is not None and len(calls) % 2 == 0:  # the end of meshloom's step: one plain step now
+            wall, cpu = clock()
+            plain.step()
+            plain_spans.append((time.perf_counter() - wall, time.process_time() - cpu))
+        return now  # meshloom's own window ends before the plain step
 
     train.device_time = recording  # train.py reads it at each step's start and end
     try:
         records = train.train(load_config(path=config, overrides={**overrides, "run.dir": run_dir}))
     finally:
         train.device_time = timed
-    if len(calls) == 2 * len(records):
-        starts = calls[::2]
-    return {
-        "full_s": [b - a for a, b in zip(starts, starts[1:], strict=False)],  # step k: start k .. start k+1
+    assert len(calls) == 2 * len(records), "train.py no longer calls device_time exactly twice a step"
+    starts = calls[::2]
+    inserted = plain_spans or [(0.0, 0.0)] * len(records)
+    result = {
+        # step k: from its start to step k+1's start, less any plain step run in between
+        "full_s": [b[0] - a[0] - p[0] for a, b, p in zip(starts, starts[1:], inserted, strict=False)],
+        "cpu_s": [b[1] - a[1] - p[1] for a, b, p in zip(starts, starts[1:], inserted, strict=False)],
         "window_tokens_per_s": [r["tokens_per_s"] for r in records],
         "loss": [r["loss"] for r in records],
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
     }
+    if plain is not None:
+        result["plain"] = {"full_s": [w for w, _ in plain_spans], "cpu_s": [c for _, c in plain_spans],
+                           "window_tokens_per_s": [], "loss": plain.losses, "peak_mem_bytes": 0}  # fmt: skip
+    return result
 
 
 def plain_steps(config: str, overrides: dict, run_dir: str) -> dict:
-    """The same training in a plain PyTorch loop on one process (no mesh, no DTensor, no FSDP)."""
-    import torch
-    import torch.nn.functional as F
-
-    from config import load_config, model_args
-    from data.dataset import load_data
-    from data.loader import GlobalBatchLoader
-    from models.llama import Transformer
-    from optim import lr_factor
-
-    cfg = load_config(path=config, overrides={**overrides, "run.dir": run_dir})
-    t = cfg.training
-    device = torch.device("cuda" if t.device != "cpu" and torch.cuda.is_available() else "cpu")
-    with torch.device("meta"):
-        model = Transformer(model_args(cfg))
-    model.init_weights(t.seed, device)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr_ratio))
-    loader = GlobalBatchLoader(load_data(cfg).train, seq_len=t.seq_len, global_batch=t.global_batch,
-                               micro_batch=t.micro_batch or t.global_batch, dp_rank=0, dp_size=1)  # fmt: skip
-    bf16 = t.mixed_precision == "bf16"
-    tokens = t.global_batch * t.seq_len
-    starts, losses = [], []
-    for _ in range(t.steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        starts.append(time.perf_counter())
-        loss_sum = torch.zeros((), device=device)
-        for inputs, targets in loader.next_batch():
-            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-                logits = model(inputs.to(device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten(), reduction="sum")
-            (loss / tokens).backward()
-            loss_sum += loss.detach()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip, foreach=True)
-        losses.append((loss_sum / tokens).item())
-        norm.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    starts.append(time.perf_counter())
+    """The PlainLoop alone, in a process of its own (``--gpu-1b``)."""
     from metrics import peak_memory_bytes
 
-    peak = peak_memory_bytes(device)  # as train.py logs it: allocated on CUDA, the process's peak RSS on CPU
-    return {"full_s": [b - a for a, b in zip(starts, starts[1:], strict=False)], "window_tokens_per_s": [],
-            "loss": losses, "peak_mem_bytes": peak}  # fmt: skip
+    plain = PlainLoop(config, overrides, run_dir)
+    spans = []
+    for _ in range(plain.t.steps):
+        wall, cpu = clock()
+        plain.step()
+        spans.append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {"full_s": [w for w, _ in spans], "cpu_s": [c for _, c in spans], "window_tokens_per_s": [],
+            "loss": plain.losses, "peak_mem_bytes": peak_memory_bytes(plain.device)}  # fmt: skip
 
 
 def run_layout(name: str, shape: dict, steps: int, extra: dict, timeout: float) -> dict:
@@ -162,9 +200,12 @@ def run_layout(name: str, shape: dict, steps: int, extra: dict, timeout: float) 
     shape = {**(MOE_SHAPE if config == MOE else shape)}
     merged = {**shape, "training.activation_checkpoint": "selective", **overrides, **extra,
               "training.steps": steps, "run.tensorboard": False, "run.log_every": steps}  # fmt: skip
-    body = plain_steps if name.startswith("plain") else meshloom_steps
     with tempfile.TemporaryDirectory(prefix="meshloom-throughput-") as run_dir:
-        return run_on_ranks(body, ranks, config, merged, run_dir, timeout=timeout)[0]
+        if name == "plain":  # run with "one", step by step in its process (module docstring)
+            name, paired = "one", True
+        else:
+            paired = False
+        return run_on_ranks(meshloom_steps, ranks, config, merged, run_dir + "/run", paired, timeout=timeout)[0]
 
 
 # ---- the table ----------------------------------------------------------------------------------------------
@@ -200,17 +241,26 @@ def main(argv: list[str] | None = None) -> None:
         runs += [(n + "+compile", {"training.compile": True}) for n in names if n != "plain"]
     extra = dict(kv.split("=", 1) for kv in args.set)
     shape = {**SHAPE, "training.seq_len": args.seq_len, "model.max_seq_len": args.seq_len}
+    if "plain" in names and "one" not in names:
+        runs.insert(names.index("plain") + 1, ("one", {}))
     results: dict[str, list[dict]] = {name: [] for name, _ in runs}
     started = time.monotonic()
     refused: dict[str, str] = {}
     for round_ in range(args.rounds):
-        for name, more in runs:
-            if name in refused:
+        # Odd rounds run the layouts in reverse (A B C, C B A, ...): a drift in the machine's speed over the
+        # invocation then hits every layout about equally.
+        for name, more in runs if round_ % 2 == 0 else runs[::-1]:
+            if name in refused or (name == "one" and "plain" in results):  # "one" runs paired with "plain"
                 continue
             layout = name.split("+")[0]
             t0 = time.monotonic()
             try:
-                results[name].append(run_layout(layout, shape, args.steps, {**more, **extra}, timeout=900))
+                result = run_layout(layout, shape, args.steps, {**more, **extra}, timeout=900)
+                if name == "plain":
+                    results["plain"].append(result.pop("plain"))
+                    results.setdefault("one", []).append(result)
+                else:
+                    results[name].append(result)
             except RankFailure as exc:  # a layout meshloom refuses (ConfigError before any collective)
                 if "ConfigError" not in str(exc):
                     raise
@@ -272,6 +322,14 @@ def print_table(results: dict, runs: list, shape: dict, args) -> None:
             f"1-process overhead of meshloom against the plain loop: {overhead:+.1%} of the plain loop's tokens/s "
             f"(per round: {', '.join(f'{o:+.1%}' for o in per_round)}; same losses: max relative difference "
             f"{max(diffs):.1e})"
+        )
+        # CPU time of the one process per step: what meshloom's code costs, whatever else shares the cores
+        cpu = {n: [median_after(r["cpu_s"], args.warmup) for r in results[n]] for n in ("plain", "one")}
+        extra = statistics.median(cpu["one"]) / statistics.median(cpu["plain"]) - 1
+        print(
+            f"CPU time per step: plain {statistics.median(cpu['plain']):.3f} s, meshloom {statistics.median(cpu['one']):.3f} s: "
+            f"meshloom spends {extra:+.1%} (per round: "
+            f"{', '.join(f'{a / b - 1:+.1%}' for a, b in zip(cpu['one'], cpu['plain'], strict=True))})"
         )
 
 

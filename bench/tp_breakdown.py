@@ -89,12 +89,14 @@ def breakdown(path: str) -> dict:
             covered += e["dur"]
         e["self"] = e["dur"]
         stack.append((start, end, e))
-    cats = defaultdict(float)
+    cats, waits = defaultdict(float), defaultdict(float)
     collectives: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    phase_of = lambda e: next((p for a, b, p in phases if a <= e["ts"] < b and p in PHASES), "between")  # noqa: E731
     for e in ops:
         name = e["name"]
         if COMM_CALL.match(name):
             cats["collectives"] += e["self"]
+            waits[phase_of(e)] += e["self"]
         elif name in MATMUL:
             cats["matmul"] += e["self"]
         elif "scaled_dot_product" in name:
@@ -104,7 +106,7 @@ def breakdown(path: str) -> dict:
         else:
             cats["other ops"] += e["self"]
         if name in ISSUE:
-            phase = next((p for a, b, p in phases if a <= e["ts"] < b and p in PHASES), "between")
+            phase = phase_of(e)
             kind = "all_gather" if "gather" in name else "reduce_scatter" if "scatter" in name else "all_reduce"
             # the whole tensor: the gathered output, the input of a reduce-scatter, an all-reduce's tensor
             arg = 1 if kind == "reduce_scatter" else 0
@@ -120,6 +122,7 @@ def breakdown(path: str) -> dict:
         "step_ms": step_us / 1e3,
         "ms": {k: v / 1e3 for k, v in cats.items()},
         "collectives": {f"{p}/{k}": (c / n, b / n) for (p, k), (c, b) in sorted(collectives.items())},
+        "collective_ms_by_phase": {p: w / n / 1e3 for p, w in sorted(waits.items())},
     }
 
 
@@ -142,9 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'ms per step':<20} {'step':>8} " + " ".join(f"{c:>12}" for c in cats))
     for name, r in rows.items():
         print(f"{name:<20} {r['step_ms']:8.1f} " + " ".join(f"{r['ms'].get(c, 0.0):12.1f}" for c in cats))
-    print("\ncollectives issued per step on tp=2 rank 0 (phase/kind: count, MiB):")
-    for key, (count, nbytes) in rows["tp=2, rank 0"]["collectives"].items():
-        print(f"  {key:<30} {count:5.0f} {nbytes / 2**20:9.2f}")
+    for rank in (0, 1):
+        r = rows[f"tp=2, rank {rank}"]
+        print(f"\ntp=2 rank {rank}, collectives per step (phase/kind: count, MiB of the whole tensor):")
+        for key, (count, nbytes) in r["collectives"].items():
+            print(f"  {key:<30} {count:5.0f} {nbytes / 2**20:9.2f}")
+        print("  time in collective calls and waits, ms per step: "
+              + ", ".join(f"{p} {ms:.1f}" for p, ms in r["collective_ms_by_phase"].items()))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -141,6 +141,24 @@ def test_comm_share_table_and_json_are_consistent(layout, request, capsys):
         assert r["under_30_percent_rule"] == (r["exposed_share"] < 0.30)
 
 
+def test_the_sketch_in_the_chapter_equals_comm_share(fsdp2_run):
+    # docs/profiling.md section 5: a sweep over event edges, written independently of comm_share's interval sets
+    chapter = (ROOT / "docs" / "profiling.md").read_text()
+    section = chapter[chapter.index("## 5. From scratch") :]
+    code = section[section.index("```python") + len("```python") : section.index("```", section.index("```python") + 9)]
+    namespace: dict = {}
+    exec(compile(code, "docs/profiling.md", "exec"), namespace)
+    run_dir, _ = fsdp2_run
+    for rank in (0, 1):
+        path = trace_path(run_dir, rank)
+        by_hand = namespace["exposed_by_hand"](str(path))
+        shares = comm_share.step_shares(comm_share.load_trace(path))
+        assert [step for step, _, _ in by_hand] == [r["step"] for r in shares] == [3, 4]
+        for (_, step_ms, exposed_ms), r in zip(by_hand, shares, strict=True):
+            assert step_ms == pytest.approx(r["step_ms"], abs=1e-6)
+            assert exposed_ms == pytest.approx(r["exposed_ms"], abs=1e-6) and exposed_ms > 0
+
+
 def test_comm_share_explains_a_run_without_traces(tmp_path, capsys):
     assert comm_share.main([str(tmp_path)]) == 2
     assert "--profile.enabled true" in capsys.readouterr().err
