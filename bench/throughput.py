@@ -29,6 +29,10 @@ For the one-process pair the bench also prints *CPU time* per step (``time.proce
 a one-process run's CPU time is the work its own code does, which other jobs on the machine barely change, so
 it shows meshloom's overhead even when the wall-clock ratios swing with the load.
 
+``CPU s`` is the CPU time of rank 0's process per step: the work a rank does, compute and its share of the
+collectives, without the time it waits; where the wall-clock ratios swing with the machine's load, it shows
+what a change removed from each rank's work.
+
 The plain loop and meshloom must compute the same thing: the bench prints the largest relative difference
 between their losses (same initial weights, same data, same arithmetic: it is 0 or round-off).
 
@@ -289,10 +293,11 @@ def print_table(results: dict, runs: list, shape: dict, args) -> None:
     print(
         f"\nmodel dim {shape['model.dim']}, {shape['model.n_layers']} layers, seq {shape['training.seq_len']}, "
         f"{shape['training.global_batch']} sequences/step; {args.rounds} rounds x {args.steps} steps, median over "
-        f"steps > {args.warmup}; full = step start to next step start, window = metrics.jsonl's tokens_per_s"
+        f"steps > {args.warmup}; full = step start to next step start, window = metrics.jsonl's tokens_per_s; "
+        "CPU s = CPU time of rank 0's process per step"
     )
     header = f"{'layout':<18} {'ranks':>5} {'tok/s full':>10} {'window':>8} {'vs':>10} {'ratio':>6}  per round"
-    header += f" {'TFLOP/s/dev':>11}" + ("   MFU" if args.peak_tflops else "")
+    header += f"      {'CPU s':>6} {'TFLOP/s/dev':>11}" + ("   MFU" if args.peak_tflops else "")
     print(header)
     for name, _ in runs:
         layout = name.split("+")[0]
@@ -308,29 +313,28 @@ def print_table(results: dict, runs: list, shape: dict, args) -> None:
         cfg = load_config(path=config, overrides={**(MOE_SHAPE if config == MOE else shape)})
         tflops = flops_per_token(model_args(cfg), shape["training.seq_len"]) * full / ranks / 1e12
         shown = f"{window:8,.0f}" if window else f"{'':>8}"
+        cpu = statistics.median(median_after(r["cpu_s"], args.warmup) for r in results[name])
         line = f"{name:<18} {ranks:>5} {full:10,.0f} {shown} {base if ratio else '':>10} {ratio:>6}  {per:<14}"
-        line += f" {tflops:11.4f}" + (f" {tflops / args.peak_tflops:6.1%}" if args.peak_tflops else "")
+        line += f" {cpu:6.2f} {tflops:11.4f}" + (f" {tflops / args.peak_tflops:6.1%}" if args.peak_tflops else "")
         print(line)
     if "plain" in results and "one" in results:
         diffs = [
             max(abs(a - b) / abs(b) for a, b in zip(m["loss"], p["loss"], strict=True))
             for m, p in zip(results["one"], results["plain"], strict=True)
         ]
-        overhead = 1 - rates["one"][0] / rates["plain"][0]
-        per_round = [1 - a / b for a, b in zip(rates["one"][2], rates["plain"][2], strict=True)]
-        print(
-            f"1-process overhead of meshloom against the plain loop: {overhead:+.1%} of the plain loop's tokens/s "
-            f"(per round: {', '.join(f'{o:+.1%}' for o in per_round)}; same losses: max relative difference "
-            f"{max(diffs):.1e})"
-        )
-        # CPU time of the one process per step: what meshloom's code costs, whatever else shares the cores
-        cpu = {n: [median_after(r["cpu_s"], args.warmup) for r in results[n]] for n in ("plain", "one")}
-        extra = statistics.median(cpu["one"]) / statistics.median(cpu["plain"]) - 1
-        print(
-            f"CPU time per step: plain {statistics.median(cpu['plain']):.3f} s, meshloom {statistics.median(cpu['one']):.3f} s: "
-            f"meshloom spends {extra:+.1%} (per round: "
-            f"{', '.join(f'{a / b - 1:+.1%}' for a, b in zip(cpu['one'], cpu['plain'], strict=True))})"
-        )
+        # Paired: meshloom's step k against the plain step k that ran right after it, in the same process.
+        for clock_name, key in (("wall-clock", "full_s"), ("CPU", "cpu_s")):
+            ratios = [
+                [a / b for a, b in zip(m[key][args.warmup :], p[key][args.warmup :], strict=False)]
+                for m, p in zip(results["one"], results["plain"], strict=True)
+            ]
+            overall = statistics.median(r for per in ratios for r in per) - 1
+            print(
+                f"meshloom's 1-process overhead against the plain loop, {clock_name} time per step, median over "
+                f"{sum(map(len, ratios))} step pairs: {overall:+.1%} (per round: "
+                f"{', '.join(f'{statistics.median(per) - 1:+.1%}' for per in ratios)})"
+            )
+        print(f"same losses in both loops: max relative difference {max(diffs):.1e}")
 
 
 # ---- one GPU, a 1B model ---------------------------------------------------------------------------------------
