@@ -90,6 +90,9 @@ class ParallelConfig:
     pp_stages_per_rank: int = opt(0, "stages per pp rank; 0: from the schedule (2 for looped and V)", ge=0)
     pp_split: str = opt("params", "layer split: params | flops | layers per stage, e.g. '3,5'")
     sequence_parallel: bool = opt(True, "with tp > 1, also shard norms and the residual stream by sequence")
+    sp_regather: bool = opt(
+        False, "SP: keep only the sequence shard of each gathered matmul input, all-gather it again in backward"
+    )
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
         "default", "free gathered FSDP weights after forward (default: all but the last block)"
     )
@@ -126,6 +129,9 @@ class TrainingConfig:
         "none", "recompute activations in backward: all of a block, or all but matmuls/attention/collectives"
     )
     compile: bool = opt(False, "torch.compile each transformer block")
+    peak_tflops: float = opt(
+        0.0, "peak TFLOP/s of one device for MFU; 0: from the GPU table in flops.py (CPU: no MFU)", ge=0
+    )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: this rank's GPU when CUDA is available")
 
 
@@ -155,6 +161,14 @@ class RunConfig:
 
 
 @dataclass
+class ProfileConfig:
+    enabled: bool = opt(False, "trace steps start_step.. with torch.profiler: <run.dir>/profile/rank<R>.pt.trace.json")
+    start_step: int = opt(3, "first profiled step (the steps before it warm up caches and allocators)", ge=1)
+    steps: int = opt(2, "how many steps to profile", ge=1)
+    memory_snapshot: bool = opt(False, "also record memory: CUDA allocator snapshot, or the CPU memory timeline")
+
+
+@dataclass
 class CheckpointConfig:
     folder: str = opt("", "checkpoint folder; '': <run.dir>/checkpoints (holds step-N/ folders)")
     interval: int = opt(0, "save every N steps and at the last step; 0: never save", ge=0)
@@ -173,6 +187,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -354,6 +369,17 @@ def check_values(cfg: Config) -> None:
         broken.append(
             f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings rotate pairs); "
             "change model.dim or model.n_heads."
+        )
+    if p.sp_regather and (cfg.training.activation_checkpoint != "none" or cfg.training.compile):
+        broken.append(
+            "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false: a "
+            "checkpointed block keeps no gathered input to begin with (full) or keeps it by policy (selective), and "
+            "the re-gather hooks run in eager mode only; turn one of them off."
+        )
+    if cfg.profile.enabled and cfg.profile.start_step > cfg.training.steps:
+        broken.append(
+            f"profile.start_step={cfg.profile.start_step} comes after the last step (training.steps="
+            f"{cfg.training.steps}); profile an earlier step or train longer."
         )
     if broken:
         raise ConfigError("invalid settings:\n  - " + "\n  - ".join(broken))

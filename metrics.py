@@ -76,6 +76,8 @@ def format_step(record: dict) -> str:
     return (
         f"step {record['step']:>5} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
         f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
-        f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB"
+        + (f"{record['tflops']:.3g} TFLOP/s | " if "tflops" in record else "")
+        + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
+        + f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB"
         + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
     )

@@ -36,6 +36,7 @@ from config import Config, ConfigError, check_values, help_text, load_config
 from data.dataset import check_data, load_data
 from data.loader import GlobalBatchLoader
 from evaluation import eval_due, evaluate
+from flops import Throughput, peak_tflops
 from mesh.activation_checkpoint import apply_activation_checkpointing
 from mesh.context_parallel import apply_context_parallel, load_balanced_positions
 from mesh.data_parallel import apply_fsdp
@@ -59,10 +60,17 @@ from mesh.runtime import (
 )
 from mesh.savers import apply_powersgd, offload_policy, reduce_dtype, reduction_window
 from mesh.signals import ParentWatch
-from mesh.tensor_parallel import apply_tensor_parallel, loss_context, loss_value, reduce_partial_gradients
+from mesh.tensor_parallel import (
+    apply_tensor_parallel,
+    loss_context,
+    loss_value,
+    reduce_partial_gradients,
+    sum_token_split_gradients,
+)
 from metrics import MetricsWriter, format_step, peak_memory_bytes
 from models.llama import Transformer
 from optim import Optimizers
+from profiling import named_range, step_profiler
 from rundir import RunLock, check_run_dir
 
 
@@ -106,7 +114,9 @@ def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes,
     -> CP (which swaps each attention's kernel and cuts the rotary tables to this rank's positions)."""
     dims = plan.dims
     if dims.tp > 1:
-        apply_tensor_parallel(model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+        apply_tensor_parallel(
+            model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel, regather=cfg.parallel.sp_regather
+        )
     if dims.ep > 1:
         apply_expert_parallel(model, meshes.ep)
     apply_activation_checkpointing(model, cfg.training.activation_checkpoint, compiled=cfg.training.compile)
@@ -173,15 +183,18 @@ def forward_backward(parts, schedule, plan: LayoutPlan, inputs, targets, tp_enab
     """
     with loss_context(tp_enabled):  # vocab-sharded cross-entropy under TP: forward *and* backward inside
         if schedule is None:
-            loss = token_loss_sum(parts[0](inputs), targets)
-            (loss / plan.global_tokens).backward()
+            with named_range("forward"):
+                loss = token_loss_sum(parts[0](inputs), targets)
+            with named_range("backward"):
+                (loss / plan.global_tokens).backward()
             return loss_value(loss.detach())
         losses: list[torch.Tensor] = []
         is_first, is_last = 0 in plan.stage_ids, plan.n_stages - 1 in plan.stage_ids
-        schedule.step(
-            *((inputs,) if is_first else ()),
-            **({"target": targets, "losses": losses} if is_last else {}),
-        )
+        with named_range("pipeline schedule"):  # the schedule's own per-action ranges nest inside
+            schedule.step(
+                *((inputs,) if is_first else ()),
+                **({"target": targets, "losses": losses} if is_last else {}),
+            )
         if not is_last:
             return torch.zeros((), device=inputs.device)
         return sum(loss_value(loss.detach()) for loss in losses) * plan.global_tokens
@@ -196,7 +209,7 @@ def train(cfg: Config) -> list[dict]:
     plan, resume = check_config(cfg, world_size, rank)
     t, dims, timeout_s = cfg.training, plan.dims, cfg.parallel.collective_timeout_s
     locks: list[RunLock] = []
-    writer, records, checkpoints, watch = None, [], None, None
+    writer, records, checkpoints, watch, profiler = None, [], None, None, None
     signals = (STARTUP_SIGNALS or StopSignals()).install()  # SIGTERM/SIGINT stop the run after a step
     signals.announce = True  # the configuration is accepted: from here on a signal is a stop request
     try:
@@ -255,10 +268,16 @@ def train(cfg: Config) -> list[dict]:
         model_groups = "device plane: " + ", ".join(
             n for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, n) > 1
         )
+        throughput = Throughput(
+            plan.model, t.seq_len, world_size, peak_tflops(t.peak_tflops, device, t.mixed_precision)
+        )
+        profiler = step_profiler(cfg, rank, device, first_step=start_step + 1)
         for step in range(start_step + 1, t.steps + 1):
+            profiler.begin_step(step)
             start = device_time(device)
             loss_sum = torch.zeros((), device=device)
-            batch = loader.next_batch()
+            with named_range("data loading"):
+                batch = loader.next_batch()
             with phase(f"step {step}: forward and backward", model_groups or "none (one process)"):
                 if timeline is not None:
                     timeline.begin_step()  # after data loading: the window holds only the pipeline's work
@@ -273,12 +292,15 @@ def train(cfg: Config) -> list[dict]:
                     timeline.end_step()
                 if dims.tp > 1:
                     reduce_partial_gradients(params)
+                    if moe_layer_ids:  # each tp rank computed its MoE blocks' gradients from its own tokens
+                        sum_token_split_gradients(parts, meshes.tp)
             with phase(f"step {step}: loss sum and gradient norm", "device plane: the loss mesh (pp x dp x cp), pp"):
                 # The step's global numbers, before anything changes: the loss is the global mean (sum the
                 # token-loss sums over the dp and cp ranks and the pp stages; only last-stage ranks hold a
                 # non-zero sum), the gradient norm the norm of the whole model's gradient.
                 sum_over(loss_sum, meshes.loss)
-                grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp)
+                with named_range("gradient clipping"):
+                    grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp)
                 loss, norm = (loss_sum / plan.global_tokens).item(), grad_norm.item()
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 # Every rank holds the same global numbers, so every rank stops here, together: the step is
@@ -291,14 +313,16 @@ def train(cfg: Config) -> list[dict]:
                     + ", then resume with --checkpoint.resume auto."
                 )
             lr = optimizers.lr
-            optimizers.step()
+            with named_range("optimizer"):
+                optimizers.step()
             # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
             with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)"):
-                moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss) if moe_layer_ids else {}
+                moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss, meshes.tp) if moe_layer_ids else {}
             elapsed = device_time(device) - start
             record = {
                 "step": step, "loss": loss, "grad_norm": norm, "lr": lr,
-                "tokens_per_s": plan.global_tokens / elapsed, "peak_mem_bytes": peak_memory_bytes(device),
+                "tokens_per_s": plan.global_tokens / elapsed, **throughput.fields(plan.global_tokens / elapsed),
+                "peak_mem_bytes": peak_memory_bytes(device),
                 "tokens_consumed": loader.tokens_consumed, **load_metrics(moe_load),
             }  # fmt: skip
             if eval_due(step, cfg.eval.interval, t.steps):
@@ -313,10 +337,11 @@ def train(cfg: Config) -> list[dict]:
                 writer.log(record)
                 if is_logger:
                     print(format_step(record), flush=True)
-            with phase(f"saving step {step}", "checkpoint group, control plane"):
+            with phase(f"saving step {step}", "checkpoint group, control plane"), named_range("checkpoint save"):
                 checkpoints.maybe_save(step, parts, optimizers, loader)
             with phase(f"step {step}: agreeing whether to stop", "control plane"):
                 signum = signals.agreed_stop(control) if step < t.steps else None
+            profiler.end_step(step)
             if signum is not None:
                 stop_after(cfg, step, signum, checkpoints, parts, optimizers, loader)
         with phase("finishing the last save", "checkpoint group, control plane"):
@@ -324,6 +349,8 @@ def train(cfg: Config) -> list[dict]:
         if timeline is not None:
             write_pipeline_timeline(cfg, plan, meshes, timeline, control, is_logger)
     finally:
+        if profiler is not None:
+            profiler.close()  # writes the trace when the run ended inside the profiled steps
         if checkpoints is not None:
             checkpoints.close()  # a save in flight finishes writing and its thread stops, on every exit path
         if writer is not None:

@@ -12,7 +12,7 @@ not estimated: ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor an
 - parameters and buffers (weights saved for the input gradient, the rotary tables) are model state, not
   activations: their storages are left out.
 
-Layouts: one process, tp=2 without SP, tp=2 with SP, tp=4 with SP. The block is built as the TP tests build
+Layouts: one process, tp=2 without SP, tp=2 and tp=4 with SP, each also with ``parallel.sp_regather``. The block is built as the TP tests build
 it (meta ``Transformer`` -> ``apply_tensor_parallel`` -> ``materialize_weights``); its input is this rank's
 (b, s/tp, h) sequence shard with SP and the full (b, s, h) without.
 
@@ -22,18 +22,22 @@ attention (``_scaled_dot_product_flash_attention_for_cpu``, which keeps a logsum
 
     each RMSNorm            x (bsh), rsqrt(mean x^2) (bs), x * rsqrt (bsh)                  x 2 norms
     wq/wk/wv (shared) input norm output (bsh)                  <- gathered in full under SP
-    SDPA                    q, k, v after rotary/repeat_interleave (3 bsh: k and v at a heads,
-                            not kv heads), output (bsh; wo's input is a view of it), logsumexp (abs)
+    SDPA                    q after rotary (bsh), k and v after rotary at their own kv heads (2 bsg, with
+                            g = n_kv_heads x head_dim: SDPA's enable_gqa, no repeated copies), output (bsh;
+                            wo's input is a view of it), logsumexp (abs)
     w1/w3 (shared) input    norm output (bsh)                  <- gathered in full under SP
     SwiGLU                  w1 out (bsH), silu(w1 out) (bsH), w3 out (bsH), product = w2 input (bsH)
 
-    one process:   10 bsh + 4 bsH + 2 bs + abs
-    TP, no SP:      6 bsh + 2 bs + (4 bsh + 4 bsH + abs) / t          norms and residual replicated
-    TP + SP:        2 bsh + (8 bsh + 4 bsH + 2 bs + abs) / t          only the two gathered inputs replicated
+    one process:   8 bsh + 2 bsg + 4 bsH + 2 bs + abs
+    TP, no SP:     6 bsh + 2 bs + (2 bsh + 2 bsg + 4 bsH + abs) / t          norms and residual replicated
+    TP + SP:       2 bsh + (6 bsh + 2 bsg + 4 bsH + 2 bs + abs) / t          only the two gathered inputs replicated
+    TP + SP, rg:   (8 bsh + 2 bsg + 4 bsH + 2 bs + abs) / t                  all / t
 
-times 4 bytes in fp32. Megatron-LM's sequence parallelism keeps the *sharded* input of the first
-column-parallel matmul and all-gathers it again in backward, so there everything is divided by t (the
-"all / t" column). DTensor's ColwiseParallel saves the all-gathered input it multiplied, so here 2 bsh stays.
+times 4 bytes in fp32. DTensor's ColwiseParallel saves the all-gathered input it multiplied, so with plain SP
+2 bsh stays. Megatron-LM's sequence parallelism keeps the *sharded* input of the first column-parallel matmul
+and all-gathers it again in backward, so there everything is divided by t (the "all / t" column);
+``parallel.sp_regather`` does the same here (mesh/tensor_parallel.GatherSavingShard), at the price of one more
+all-gather per sub-layer in backward.
 """
 
 from __future__ import annotations
@@ -45,7 +49,14 @@ from models.llama import ModelArgs
 # Big enough that the (b, s, h) terms dominate the small ones: 2 x 256 tokens of width 256.
 BENCH_ARGS = ModelArgs(dim=256, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64)
 BATCH, SEQ = 2, 256
-LAYOUTS = (("one process", 1, False), ("tp=2, no SP", 2, False), ("tp=2, SP", 2, True), ("tp=4, SP", 4, True))
+LAYOUTS = (
+    ("one process", 1, False, False),
+    ("tp=2, no SP", 2, False, False),
+    ("tp=2, SP", 2, True, False),
+    ("tp=2, SP+rg", 2, True, True),  # parallel.sp_regather
+    ("tp=4, SP", 4, True, False),
+    ("tp=4, SP+rg", 4, True, True),
+)
 
 
 class SavedBytes:
@@ -81,7 +92,9 @@ def storage_ptr(t: torch.Tensor) -> int:
     return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()
 
 
-def measure_block(args: ModelArgs, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False) -> dict:
+def measure_block(
+    args: ModelArgs, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False, regather: bool = False
+) -> dict:
     """Bytes autograd saves in one block's forward on this rank (tp > 1: inside a process group of tp ranks)."""
     from mesh.materialize import materialize_weights
     from models.llama import Transformer
@@ -94,7 +107,10 @@ def measure_block(args: ModelArgs, batch: int, seq: int, tp: int = 1, sequence_p
         from mesh.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(
-            model, init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)), sequence_parallel=sequence_parallel
+            model,
+            init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)),
+            sequence_parallel=sequence_parallel,
+            regather=regather,
         )
     materialize_weights(model, torch.device("cpu"), seed=0)
     block = model.layers["0"]
@@ -108,45 +124,57 @@ def measure_block(args: ModelArgs, batch: int, seq: int, tp: int = 1, sequence_p
     return {"bytes": saved.total, "shapes": [shape for shape, _ in saved.storages.values()]}
 
 
-def measure_on_ranks(args: ModelArgs, batch: int, seq: int, sequence_parallel: bool) -> dict:
+def measure_on_ranks(args: ModelArgs, batch: int, seq: int, sequence_parallel: bool, regather: bool = False) -> dict:
     """Rank body: ``measure_block`` with tp = the world size."""
     import torch.distributed as dist
 
-    return measure_block(args, batch, seq, dist.get_world_size(), sequence_parallel)
+    return measure_block(args, batch, seq, dist.get_world_size(), sequence_parallel, regather)
 
 
-def formula_terms(args: ModelArgs, batch: int, seq: int, tp: int, sequence_parallel: bool) -> dict[str, float]:
-    """Elements saved per rank, split by what divides them (see the module docstring for the list)."""
+def formula_terms(
+    args: ModelArgs, batch: int, seq: int, tp: int, sequence_parallel: bool, regather: bool = False
+) -> dict[str, float]:
+    """Elements saved per rank, split by what divides them (see the module docstring for the list).
+
+    ``regather`` (``parallel.sp_regather``, with SP): the gathered inputs are saved as their sequence shards.
+    """
     b, s, h, hidden, a = batch, seq, args.dim, args.hidden_dim, args.n_heads
-    t = tp
+    g, t = args.n_kv_heads * args.head_dim, tp
     norms = 4 * b * s * h + 2 * b * s  # 2 x (input, rsqrt, normalised input)
     gathered = 2 * b * s * h  # the inputs of wq/wk/wv and of w1/w3
-    inner = 4 * b * s * h + a * b * s + 4 * b * s * hidden  # q, k, v, attention out, logsumexp, SwiGLU
+    inner = 2 * b * s * h + 2 * b * s * g + a * b * s + 4 * b * s * hidden  # q, out; k, v; logsumexp; SwiGLU
     return {
         "norms": norms / t if sequence_parallel else norms,
-        "gathered": gathered,
+        "gathered": gathered / t if sequence_parallel and regather else gathered,
         "inner": inner / t,
     }
 
 
 def formula_bytes(
-    args: ModelArgs, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4
+    args: ModelArgs,
+    batch: int,
+    seq: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    dtype_bytes: int = 4,
+    regather: bool = False,
 ) -> float:
-    return dtype_bytes * sum(formula_terms(args, batch, seq, tp, sequence_parallel).values())
+    return dtype_bytes * sum(formula_terms(args, batch, seq, tp, sequence_parallel, regather).values())
 
 
 def table(args: ModelArgs = BENCH_ARGS, batch: int = BATCH, seq: int = SEQ, layouts=LAYOUTS) -> list[dict]:
     from tests.harness import run_on_ranks
 
     rows = []
-    for name, tp, sp in layouts:
+    for name, tp, sp, rg in layouts:
         if tp == 1:
             result = measure_block(args, batch, seq)
         else:
-            per_rank = run_on_ranks(measure_on_ranks, tp, args, batch, seq, sp, timeout=300)
+            per_rank = run_on_ranks(measure_on_ranks, tp, args, batch, seq, sp, rg, timeout=300)
             assert all(r["bytes"] == per_rank[0]["bytes"] for r in per_rank), "ranks saved different amounts"
             result = per_rank[0]
-        rows.append({"layout": name, "tp": tp, "sp": sp, **result, "formula": formula_bytes(args, batch, seq, tp, sp)})
+        formula = formula_bytes(args, batch, seq, tp, sp, regather=rg)
+        rows.append({"layout": name, "tp": tp, "sp": sp, "regather": rg, **result, "formula": formula})
     return rows
 
 
@@ -155,9 +183,10 @@ def main() -> None:
     b, s, h, hidden, a = BATCH, SEQ, args.dim, args.hidden_dim, args.n_heads
     rows = table()
     one = rows[0]["bytes"]
+    g = args.n_kv_heads * args.head_dim
     print(
-        f"one TransformerBlock forward, fp32: b={b} s={s} h={h} H={hidden} heads={a} kv_heads={args.n_kv_heads}; "
-        f"bsh = {b * s * h:,} elements = {4 * b * s * h:,} bytes"
+        f"one TransformerBlock forward, fp32: b={b} s={s} h={h} g={g} H={hidden} heads={a} "
+        f"kv_heads={args.n_kv_heads}; bsh = {b * s * h:,} elements = {4 * b * s * h:,} bytes"
     )
     print("bytes autograd saves per rank (parameters and buffers excluded)")
     print(f"{'layout':<13} {'measured':>11} {'/ 1 proc':>9} {'formula':>11} {'meas/form':>10} {'all / t':>8}")
@@ -167,10 +196,13 @@ def main() -> None:
             f"{r['bytes'] / r['formula']:>10.4f} {1 / r['tp']:>8.4f}"
         )
     print("formula, in elements (x 4 bytes):")
-    print("  one process  10bsh + 4bsH + 2bs + abs")
-    print("  TP, no SP    6bsh + 2bs + (4bsh + 4bsH + abs)/t")
-    print("  TP + SP      2bsh + (8bsh + 4bsH + 2bs + abs)/t")
-    print("'all / t': Megatron-LM's SP, which keeps the sharded, not the gathered, input of the first matmuls")
+    print("  one process  8bsh + 2bsg + 4bsH + 2bs + abs")
+    print("  TP, no SP    6bsh + 2bs + (2bsh + 2bsg + 4bsH + abs)/t")
+    print("  TP + SP      2bsh + (6bsh + 2bsg + 4bsH + 2bs + abs)/t")
+    print("  TP + SP, rg  (8bsh + 2bsg + 4bsH + 2bs + abs)/t   (parallel.sp_regather: the gathered inputs as shards)")
+    print(
+        "'all / t': Megatron-LM's SP (and SP+rg), which keeps the sharded, not the gathered, input of the first matmuls"
+    )
     for r in rows:
         counts: dict[tuple, int] = {}
         for shape in r["shapes"]:

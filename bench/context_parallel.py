@@ -16,9 +16,9 @@ Formulas, per layer and rank, in elements (x 4 bytes in fp32), for batch b, sequ
 rank, L = s/(2cp) per chunk, model dim h, kv width g = kv_heads x head_dim, SwiGLU hidden H, a query heads:
 
     outside attention (norms, matmul inputs, SwiGLU)   6bnh + 2bn + 4bnH          (n = s on one process)
-    one process:  q, k, v at a heads, output, lse      4bsh + abs
+    one process:  q; k, v at kv heads; output; lse     2bsh + 2bsg + abs
     ring:         q; k, v at kv heads; output; lse     2bnh + 2bng + abn          (nothing of size s)
-    allgather:    q; k, v at a heads for the keys each chunk sees, (2cp+1)L of them: 2b(2cp+1)Lh;
+    allgather:    q; the gathered k, v at kv heads, all s keys (each chunk attends to a view of them): 2bsg;
                   each chunk's output and their concatenation: 2bnh; lse: abn; and, for a chunk c > 0
                   (fewer queries than keys), SDPA's mask, made fp32 and kept: L(c+1)L; plus the s int64
                   positions that sort the gathered chunks
@@ -76,13 +76,12 @@ def formula_bytes(args: ModelArgs, batch: int, seq: int, cp: int, rank: int, alg
     n, chunk = seq // cp, seq // (2 * cp)
     outside = 6 * b * n * h + 2 * b * n + 4 * b * n * hidden
     if cp == 1:
-        return 4 * (outside + 4 * b * seq * h + a * b * seq)
+        return 4 * (outside + 2 * b * seq * h + 2 * b * seq * g + a * b * seq)
     if algorithm == "ring":
         return 4 * (outside + 2 * b * n * h + 2 * b * n * g + a * b * n)
     chunks = (rank, 2 * cp - 1 - rank)
-    keys = sum((c + 1) * chunk for c in chunks)  # (2cp + 1) L
     masks = sum(chunk * (c + 1) * chunk for c in chunks if c > 0)
-    return 4 * (outside + b * n * h + 2 * b * keys * h + 2 * b * n * h + a * b * n + masks) + 8 * seq
+    return 4 * (outside + b * n * h + 2 * b * seq * g + 2 * b * n * h + a * b * n + masks) + 8 * seq
 
 
 class SentBytes(TorchDispatchMode):

@@ -23,9 +23,9 @@ EP ranks are carved from the data-parallel *shard* ranks: ``dp_shard = efsdp x e
 world mesh's dp_shard dim (mesh/dims.build_mesh), so the ep groups belong to the one root mesh. Expert
 weights are then FSDP-sharded over the remaining ``efsdp`` (and replicated over ``dp_replicate``), dense weights over
 all of ``dp_shard`` as before. Ranks of one ep group hold different tokens (they are data-parallel), which
-is what makes the exchange worthwhile. Under tensor parallelism the MoE block runs replicated on the
-gathered sequence on every tp rank (mesh/tensor_parallel.moe_plan), each tp coordinate with its own ep
-group: simple, at the cost of tp-fold redundant expert compute.
+is what makes the exchange worthwhile. Under tensor parallelism each tp rank runs the MoE block on its own
+chunk of every sequence (mesh/tensor_parallel.TokenSplitMoE), each tp coordinate with its own ep group: the
+tp ranks act as further data-parallel ranks for the experts, and every (token, expert) pair is computed once.
 
 Both exchanges are functional collectives (they return new tensors): selective activation checkpointing
 saves their outputs, so recomputing a block in backward never repeats them (mesh/activation_checkpoint.py).
@@ -110,14 +110,17 @@ def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:
 
 
 @torch.no_grad()
-def step_expert_load(parts: list[nn.Module], moe_layer_ids: list[int], loss_mesh: DeviceMesh) -> dict:
+def step_expert_load(
+    parts: list[nn.Module], moe_layer_ids: list[int], loss_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None
+) -> dict:
     """Global per-layer expert load of the step, on every rank; resets the counters.
 
     1. Fill one (MoE layers of the whole model, n_experts + 2) tensor on the device: this rank's token counts,
        dropped assignments and aux loss in the rows of the layers it holds, zeros elsewhere (a pipeline
        stage without MoE layers contributes only zeros, but still joins the reduction).
-    2. Sum it over the ``loss`` mesh (pp x dp): data-parallel ranks add their tokens, pipeline stages fill
-       their own rows. tp ranks saw the same tokens, so tp is not in the sum. One device-plane all-reduce.
+    2. Sum it over the ``loss`` mesh (pp x dp x cp): data- and context-parallel ranks add their tokens, stages fill
+       their own rows; then over ``tp_mesh``: under TP each tp rank routed its own chunk of every sequence
+       (mesh/tensor_parallel.TokenSplitMoE) and holds that chunk's share. Device-plane all-reduces.
     3. Apply the aux-loss-free bias update to this rank's layers from the *global* load, so every layout
        updates identically.
     Returns {layer id: {"tokens": [...], "dropped": n, "aux_loss": x}} for every MoE layer of the model.
@@ -135,6 +138,8 @@ def step_expert_load(parts: list[nn.Module], moe_layer_ids: list[int], loss_mesh
             [moe.tokens_per_expert, moe.dropped_assignments.view(1), moe.aux_loss_sum.view(1)]
         ).float()
     sum_over(stats, loss_mesh)
+    if tp_mesh is not None:
+        sum_over(stats, tp_mesh)
     for layer_id, moe in local.items():
         load = stats[row_of[layer_id], :-2]
         rate = moe.args.bias_update_rate

@@ -121,6 +121,12 @@ def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: in
             f"training.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp}, which sequence "
             "parallelism needs; change seq_len or set parallel.sequence_parallel=false."
         )
+    elif dims.tp > 1 and model.moe is not None and (t.seq_len // dims.cp) % dims.tp:
+        errors.append(
+            f"training.seq_len={t.seq_len} (per cp rank: {t.seq_len // dims.cp}) is not divisible by "
+            f"parallel.tp={dims.tp}: under TP each tp rank runs the MoE layers on its own chunk of every sequence "
+            "(mesh/tensor_parallel.TokenSplitMoE); change seq_len."
+        )
     errors += context_parallel_errors(dims, cfg)
 
     # Pipeline and expert degrees against the model.
@@ -147,6 +153,9 @@ def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: in
                 f"parallel.ep={dims.ep} must divide parallel.dp_shard={dims.dp_shard}: expert-parallel ranks are "
                 "carved from the data-parallel shard ranks."
             )
+
+    if t.compile:
+        errors += compile_errors(dims)
 
     # The batch must split evenly: global = micro x dp x accumulation.
     if t.global_batch % dims.dp:
@@ -209,5 +218,28 @@ def context_parallel_errors(dims: ParallelDims, cfg: Config) -> list[str]:
             f"model.moe_capacity_factor={m.moe_capacity_factor} with parallel.cp={dims.cp}: expert capacity is counted "
             "per whole sequence, and a cp rank holds only part of each; set model.moe_capacity_factor=0 "
             "(dropless) or parallel.cp=1."
+        )
+    return errors
+
+
+def compile_errors(dims: ParallelDims) -> list[str]:
+    """Layouts that ``training.compile`` cannot run in torch 2.13 (measured on CPU; docs/profiling.md, section 6).
+
+    Each failed at its first step with the error quoted; they are refused here so that no run gets that far.
+    (Zero-bubble pipeline schedules are refused in mesh/pipeline.py, ``parallel.sp_regather`` in config.py.)
+    """
+    errors = []
+    if dims.tp > 1:
+        errors.append(
+            f"training.compile=true with parallel.tp={dims.tp}: in torch 2.13 the backward of a DTensor "
+            "redistribution outside the compiled blocks receives a plain tensor from them and fails "
+            "(\"AttributeError: 'Tensor' object has no attribute '_local_tensor'\"); run TP layouts eagerly "
+            "(training.compile=false)."
+        )
+    if dims.ep > 1:
+        errors.append(
+            f"training.compile=true with parallel.ep={dims.ep}: dynamo resumes the experts' forward after the graph "
+            'break at the token counts with the expert weights still DTensors ("aten.mm.default got mixed '
+            'torch.Tensor and DTensor"); run EP layouts eagerly (training.compile=false).'
         )
     return errors

@@ -24,6 +24,11 @@ identifiers, not Python APIs.)
 |                                        | itself: no wrapper module, so names and attributes stay the model's   |
 | ``FSDPParam.offload_to_cpu``           | whether a unit really offloads (tests and the offload bench: on a CPU |
 |                                        | device an offloaded shard looks like any other)                       |
+| ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` | the CUDA allocator's history, the file that     |
+|                                        | pytorch.org/memory_viz opens (``profile.memory_snapshot``)            |
+| ``torch.profiler._memory_profiler._CATEGORY_TO_INDEX`` | the column order of the CPU memory timeline's JSON export  |
+| ``torch._C._autograd._top_saved_tensors_default_hooks`` | the saved-tensor hooks active now, so that SP's re-gather |
+|                                        | hooks hand every other tensor on to them (mesh/tensor_parallel.py)    |
 """
 
 from __future__ import annotations
@@ -107,6 +112,19 @@ def reduce_scatter_functional(x: torch.Tensor, group) -> torch.Tensor:
     return wait_tensor(reduce_scatter_single(x, "sum", 0, group))
 
 
+def all_reduce_functional(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ``group`` into a new tensor (functional: selective activation checkpointing caches it)."""
+    from torch.distributed._functional_collectives import all_reduce, wait_tensor
+
+    return wait_tensor(all_reduce(x, "sum", group))
+
+
+def all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``x`` stacked along a new leading dim, in rank order (functional, like the above)."""
+    size = dist.get_world_size(group)
+    return all_gather_functional(x.contiguous(), group).view(size, *x.shape)
+
+
 # ---- pipelining ----------------------------------------------------------------------------------------
 def after_shape_inference(stage, callback) -> None:
     """Call ``callback()`` right after ``stage`` finished torch's shape inference (its first real step).
@@ -154,3 +172,38 @@ def offloads_to_host(module) -> bool:
 def group_timeout(group, device_type: str = "cpu") -> datetime.timedelta:
     """The timeout a process group was created with (for tests: every group must carry ours)."""
     return group._get_backend(torch.device(device_type)).options._timeout
+
+
+# ---- memory snapshots ------------------------------------------------------------------------------------
+def record_memory_history(enabled: bool, max_entries: int = 200_000) -> None:
+    """Start (or stop) recording every CUDA allocation and free, with its Python stack, for a snapshot."""
+    torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=max_entries)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Write the allocator's state and recorded history as a pickle that pytorch.org/memory_viz opens."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
+def memory_timeline_categories() -> list[str | None]:
+    """Column names of ``profile.export_memory_timeline``'s JSON rows ("parameter", "activation", ...).
+
+    torch writes [times, rows], each row [0, bytes of category 0, bytes of category 1, ...] in the order of a
+    private dict; the first column is always 0 (named None here), the last is memory it could not categorise.
+    """
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+
+    names: list[str | None] = [None] * (len(_CATEGORY_TO_INDEX) + 1)
+    for category, index in _CATEGORY_TO_INDEX.items():
+        names[index + 1] = "unknown" if category is None else category.name.lower().replace("_", " ")
+    return names
+
+
+# ---- autograd --------------------------------------------------------------------------------------------
+def outer_saved_tensors_hooks():
+    """The (pack, unpack) pair of the innermost ``saved_tensors_hooks`` active now, or None.
+
+    ``saved_tensors_hooks`` do not nest: only the innermost pair sees a saved tensor. A pair that handles
+    some tensors itself passes the rest to the pair it shadows, found here.
+    """
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -161,6 +161,19 @@ class LayerCache:
         return self.keys[:, :end], self.values[:, :end]
 
 
+def sdpa_reads_grouped_kv(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether ``scaled_dot_product_attention(..., enable_gqa=True)`` runs a fused kernel on grouped k/v heads.
+
+    CPU (torch 2.13): its flash kernel takes k/v with fewer heads, fp32 and bf16 alike, and saves them at their
+    own size. CUDA: only the flash kernel does, in bf16/fp16 with no mask and head_dim <= 256; in fp32 (or with
+    a mask) the memory-efficient and cuDNN kernels refuse unequal head counts and SDPA silently falls back to
+    the unfused math kernel, which materialises the s x s scores.
+    """
+    if q.device.type == "cpu":
+        return True
+    return q.dtype in (torch.bfloat16, torch.float16) and mask is None and q.shape[-1] <= 256
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q kᵀ / sqrt(d), causal) v on one device: q (batch, seq, heads, head_dim), k and v
     (batch, kv_seq, kv_heads, head_dim) -> (batch, seq, heads, head_dim). The queries are the *last* seq of the
@@ -171,16 +184,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     keys other ranks hold (mesh/context_parallel.py); the model does not know.
     """
     n_rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
     # Fewer queries than keys: the causal mask aligned at the bottom right, built explicitly. (torch's
     # causal_lower_right would spare building it on CUDA, but it is a tensor subclass that cannot be created
     # under a TorchDispatchMode, which selective activation checkpointing is.)
     mask = None
     if q.shape[1] != k.shape[1]:
         mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - q.shape[1])
+    # SDPA reads each k/v head for its n_rep query heads when its fused kernel can (no n_rep copies of k and v
+    # made, or saved for backward); otherwise repeat them here, since the kernel SDPA would fall back to is
+    # slower than the copies.
+    gqa = n_rep > 1 and sdpa_reads_grouped_kv(q, mask)
+    if n_rep > 1 and not gqa:
+        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
-    )
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+        enable_gqa=gqa,
+    )  # fmt: skip
     return out.transpose(1, 2)
 
 

@@ -28,6 +28,14 @@ Load balancing, both optional:
 The block accumulates the per-expert token counts, dropped assignments and aux loss of a step in buffers
 that the trainer reads and resets for metrics. ``count_stats`` switches that off: activation checkpointing
 reruns the forward inside backward, and the rerun must not count the same tokens twice.
+
+**Sequences in chunks.** Capacity and the aux loss are per *sequence*. When the block sees only a chunk of
+each sequence (tensor parallelism splits every sequence across the tp ranks, and each rank routes its own
+chunk: mesh/tensor_parallel.TokenSplitMoE), ``self.sequence`` supplies the two per-sequence sums that need the
+other chunks: how many tokens of the same sequence chose each expert in the chunks *before* this one (for
+the capacity ranking), and sums over all chunks (for the aux loss's fractions and mean probabilities). The
+default, ``WholeSequence``, is one chunk: nothing to add. The statistics buffers then hold this chunk's
+share (the aux loss divided by the number of chunks), so summing them over every rank gives the whole.
 """
 
 from __future__ import annotations
@@ -78,6 +86,20 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[-1])
 
 
+class WholeSequence:
+    """The block sees whole sequences: one chunk (see "Sequences in chunks" in the module docstring)."""
+
+    chunks = 1
+
+    def sum(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        """Sum of a per-sequence quantity over the chunks of each sequence (differentiable)."""
+        return per_sequence
+
+    def before(self, counts: torch.Tensor) -> torch.Tensor:
+        """counts (batch, E) of this chunk -> the same counts summed over the chunks before this one."""
+        return torch.zeros_like(counts)
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int):
         super().__init__()
@@ -116,6 +138,7 @@ class MoE(nn.Module):
         self.register_buffer("dropped_assignments", torch.zeros(()), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
         self.count_stats = True  # False while activation checkpointing recomputes the block
+        self.sequence = WholeSequence()  # tensor parallelism replaces it (module docstring)
 
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
@@ -142,11 +165,12 @@ class MoE(nn.Module):
         assigned = F.one_hot(chosen, a.n_experts).sum(2)  # (b, s, E): 1 where token chose expert
 
         # 2. Capacity: an assignment is kept if fewer than `capacity` earlier tokens of its sequence chose
-        #    the same expert.
+        #    the same expert (counting those in earlier chunks of the sequence, if it is split).
         keep = torch.ones_like(chosen, dtype=torch.bool)
         if a.capacity_factor > 0:
-            rank_in_expert = (assigned.cumsum(1) - 1).gather(-1, chosen)  # (b, s, k)
-            keep = rank_in_expert < self.capacity(seqlen)
+            earlier = self.sequence.before(assigned.sum(1))  # (b, E)
+            rank_in_expert = (assigned.cumsum(1) - 1 + earlier[:, None, :]).gather(-1, chosen)  # (b, s, k)
+            keep = rank_in_expert < self.capacity(seqlen * self.sequence.chunks)
 
         # 3. Dispatch: kept (token, slot) assignments sorted by expert.
         flat_expert = chosen.flatten()
@@ -175,14 +199,20 @@ class MoE(nn.Module):
         if a.aux_loss_coef > 0 and self.training:
             aux = self.aux_loss(scores, assigned)
             if self.count_stats:
-                self.aux_loss_sum += aux.detach()
+                self.aux_loss_sum += aux.detach() / self.sequence.chunks  # this chunk's share
             out = AddAuxLoss.apply(out, aux)
         return out
 
     def aux_loss(self, scores: torch.Tensor, assigned: torch.Tensor) -> torch.Tensor:
-        """Per-sequence Switch loss E * sum_i f_i P_i, summed over sequences, times coef * aux_loss_scale."""
+        """Per-sequence Switch loss E * sum_i f_i P_i, summed over sequences, times coef * aux_loss_scale.
+
+        f_i and P_i are means over the whole sequence: sums over its chunks (``self.sequence``) divided by its
+        length. With chunks, every chunk's rank computes the same loss; its gradient reaches each rank's own
+        tokens' probabilities only, and the router's gradient is summed over the chunks' ranks.
+        """
         a = self.args
+        length = scores.shape[1] * self.sequence.chunks
         probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores do not sum to 1 on their own
-        f = assigned.float().mean(1) / a.top_k  # (b, E): fraction of the sequence's assignments
-        p = probs.mean(1)  # (b, E): mean routing probability
+        f = self.sequence.sum(assigned.float().sum(1)) / (length * a.top_k)  # (b, E): share of the assignments
+        p = self.sequence.sum(probs.sum(1)) / length  # (b, E): mean routing probability
         return a.aux_loss_coef * a.aux_loss_scale * a.n_experts * (f * p).sum()

@@ -8,8 +8,10 @@ SMALL = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, m
 BATCH, SEQ = 2, 32
 
 
-def saved_bytes_without_and_with_sp() -> dict[bool, int]:
-    return {sp: measure_block(SMALL, BATCH, SEQ, tp=2, sequence_parallel=sp)["bytes"] for sp in (False, True)}
+def saved_bytes_without_and_with_sp() -> dict:
+    found = {sp: measure_block(SMALL, BATCH, SEQ, tp=2, sequence_parallel=sp)["bytes"] for sp in (False, True)}
+    found["regather"] = measure_block(SMALL, BATCH, SEQ, tp=2, sequence_parallel=True, regather=True)["bytes"]
+    return found
 
 
 def test_tp2_activation_bytes_per_rank_follow_the_derived_formula():
@@ -18,7 +20,7 @@ def test_tp2_activation_bytes_per_rank_follow_the_derived_formula():
     # Exact equality: every saved tensor is listed in the formula. A mismatch means the model, the TP plan or
     # the SDPA path (CPU fp32 keeps a logsumexp, no s x s scores) changed, and the chapter must be redone.
     assert one == formula_bytes(SMALL, BATCH, SEQ)
-    for no_sp, sp in ((r[False], r[True]) for r in per_rank):
+    for no_sp, sp, regather in ((r[False], r[True], r["regather"]) for r in per_rank):
         assert no_sp == formula_bytes(SMALL, BATCH, SEQ, tp=2, sequence_parallel=False)
         assert sp == formula_bytes(SMALL, BATCH, SEQ, tp=2, sequence_parallel=True)
         assert one > no_sp > sp  # TP divides the inner activations; SP also the norms and the residual stream
@@ -26,3 +28,6 @@ def test_tp2_activation_bytes_per_rank_follow_the_derived_formula():
         # ColwiseParallel saves in full. Everything else is exactly halved.
         gathered = 2 * BATCH * SEQ * SMALL.dim * 4
         assert sp - one / 2 == gathered / 2
+        # parallel.sp_regather saves those inputs as their sequence shards: exactly 1/tp of one process
+        assert regather == formula_bytes(SMALL, BATCH, SEQ, tp=2, sequence_parallel=True, regather=True)
+        assert regather * 2 == one

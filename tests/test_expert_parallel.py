@@ -82,6 +82,62 @@ def test_ep_block_equals_single_device_block(ep, starve):
             assert r["received"] > 0
 
 
+def moe_tp_layer_vs_single_device(sequence_parallel: bool) -> dict:
+    """The MoE block under TP (TokenSplitMoE) on 2 ranks against one device on the same whole sequences."""
+    from mesh.tensor_parallel import TokenSplitMoE, sum_token_split_gradients
+
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    # capacity (1.0: 3 per expert and sequence of 12) drops assignments; the aux loss is on: both need the
+    # whole sequence, which no rank holds under SP
+    args = MoEArgs(n_experts=8, top_k=2, hidden_dim=24, n_shared_experts=1, capacity_factor=1.0, aux_loss_coef=0.5)
+    reference, split = make_moe(args), make_moe(args)
+    TokenSplitMoE(sequence_parallel)._apply(split, init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)))
+    processed = []
+    plain_forward = split.experts.forward
+    split.experts.forward = lambda x, counts: processed.append(x.shape[0]) or plain_forward(x, counts)
+    gen = torch.Generator().manual_seed(1)
+    x_full, weight = torch.randn(2, 12, DIM, generator=gen), torch.randn(2, 12, DIM, generator=gen)
+    chunk = slice(rank * 12 // tp, (rank + 1) * 12 // tp)
+
+    x_ref = x_full.clone().requires_grad_()
+    out_ref = reference(x_ref)
+    (out_ref * weight).sum().backward()
+    x = (x_full[:, chunk] if sequence_parallel else x_full).clone().requires_grad_()
+    out = split(x)
+    (out * (weight[:, chunk] if sequence_parallel else weight)).sum().backward()
+    sum_token_split_gradients([split], init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)))
+    stats = torch.cat([split.tokens_per_expert, split.dropped_assignments.view(1), split.aux_loss_sum.view(1)])
+    dist.all_reduce(stats)  # what step_expert_load adds over tp
+    expected_out = out_ref[:, chunk] if sequence_parallel else out_ref
+    expected_grad = x_ref.grad[:, chunk] if sequence_parallel else x_ref.grad
+    return {
+        "received": processed[0],
+        "reference_pairs": int(reference.tokens_per_expert.sum()),
+        "dropped": int(reference.dropped_assignments),
+        "out": (out - expected_out).abs().max().item(),
+        "input_grad": (x.grad - expected_grad).abs().max().item(),
+        "param_grad": max(
+            (a.grad - b.grad).abs().max().item()
+            for a, b in zip(split.parameters(), reference.parameters(), strict=True)
+        ),
+        "stats": (stats - torch.cat([reference.tokens_per_expert, reference.dropped_assignments.view(1),
+                                     reference.aux_loss_sum.view(1)])).abs().max().item(),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+def test_moe_under_tp_computes_each_token_expert_pair_once(sequence_parallel):
+    results = run_on_ranks(moe_tp_layer_vs_single_device, 2, sequence_parallel)
+    for rank, r in enumerate(results):
+        # fp32, the same rows through the same weights; sums over the chunks add in another order
+        for key in ("out", "input_grad", "param_grad", "stats"):
+            assert r[key] < 1e-5, (rank, key, r[key])
+        assert r["dropped"] > 0  # the capacity ranking across chunks was exercised
+    # each kept (token, expert) pair ran on exactly one tp rank: between them, the reference's count, not 2x
+    assert sum(r["received"] for r in results) == results[0]["reference_pairs"]
+    assert all(0 < r["received"] < r["reference_pairs"] for r in results)
+
+
 # ---- single-device MoE behaviour ---------------------------------------------------------------------------
 
 
@@ -129,8 +185,9 @@ def moe_run(world, layout, tmp_path, **kw):
         (2, {"parallel.dp_shard": 2, "parallel.ep": 2}),
         (4, {"parallel.dp_shard": 4, "parallel.ep": 2}),
         (4, {"parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 2}),
+        (2, {"parallel.dp_shard": 1, "parallel.tp": 2}),
     ],
-    ids=["ep2", "efsdp2xep2", "ep2-in-dp2xtp2"],
+    ids=["ep2", "efsdp2xep2", "ep2-in-dp2xtp2", "tp2"],
 )
 def test_expert_parallel_training_matches_one_process(world, layout, one_process, tmp_path):
     run = moe_run(world, layout, tmp_path)

@@ -161,3 +161,20 @@ def test_powersgd_over_nccl_reduces_exactly_first_then_compresses(cpu_reference,
     # Steps 1-2 reduce exactly, so losses 1-3 (each computed before its own reduction) match the reference.
     assert_close(run[:3], cpu_reference[:3], FP32_RTOL)
     assert run[3]["loss"] != pytest.approx(cpu_reference[3]["loss"], rel=FP32_RTOL)
+
+
+def test_profiled_gpu_run_writes_a_memory_snapshot_and_logs_mfu(tmp_path):
+    import pickle
+
+    run_dir = tmp_path / "prof"
+    proc = run_train_cli(
+        1, "--config", DEBUG_CONFIG, "--training.steps", "3", "--run.dir", str(run_dir), "--training.device", "cuda",
+        "--profile.enabled", "true", "--profile.start_step", "2", "--profile.memory_snapshot", "true",
+        "--training.peak_tflops", "100",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    snapshot = pickle.loads((run_dir / "profile" / "rank0.memory_snapshot.pickle").read_bytes())
+    assert snapshot["segments"] and any(snapshot["device_traces"])  # what pytorch.org/memory_viz draws
+    trace = json.loads((run_dir / "profile" / "rank0.pt.trace.json").read_text())
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])  # CUDA kernels were recorded
+    assert all(r["mfu"] == r["tflops"] / 100 for r in records(run_dir))

@@ -107,3 +107,21 @@ def test_ddp_replicate_in_place_and_the_offload_flag():
     # gradient sync off: each rank keeps its own gradient (its input was rank + 1 everywhere)
     assert r0["local_grad_row"] == [1.0] * 4 and r1["local_grad_row"] == [2.0] * 4
     assert r0["offloads"] == (True, False)
+
+
+def test_memory_snapshot_and_timeline_apis():
+    import inspect
+
+    from mesh.private_api import memory_timeline_categories
+
+    # profile.memory_snapshot on CUDA: start/stop the allocator history, then dump it (exercised on a GPU by
+    # tests/test_gpu.py::test_profiled_gpu_run_writes_a_memory_snapshot; a CPU wheel has no CUDA allocator).
+    record = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    assert list(record)[0] == "enabled" and "max_entries" in record
+    assert list(inspect.signature(torch.cuda.memory._dump_snapshot).parameters)[0] == "filename"
+    # the CPU memory timeline's columns, in torch's order
+    names = memory_timeline_categories()
+    assert names[0] is None and names[-1] == "unknown"
+    assert set(names[1:-1]) == {
+        "parameter", "optimizer state", "input", "temporary", "activation", "gradient", "autograd detail"
+    }  # fmt: skip

@@ -30,8 +30,9 @@ def one_process(tmp_path_factory):
         {"parallel.tp": 2, "parallel.dp_shard": 2},
         {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.sequence_parallel": False},
         {"parallel.tp": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 1},
+        {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sp_regather": True},
     ],
-    ids=["tp2", "fsdp2xtp2-sp", "fsdp2xtp2-nosp", "hsdp-replicate2xtp2"],
+    ids=["tp2", "fsdp2xtp2-sp", "fsdp2xtp2-nosp", "hsdp-replicate2xtp2", "tp2-sp-regather"],
 )
 def test_tensor_parallel_matches_one_process(layout, one_process, tmp_path):
     world = layout["parallel.tp"] * layout["parallel.dp_shard"] * layout.get("parallel.dp_replicate", 1)
@@ -43,18 +44,18 @@ def test_tensor_parallel_matches_one_process(layout, one_process, tmp_path):
 TINY = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
 
 
-def tp_model(sequence_parallel: bool):
+def tp_model(sequence_parallel: bool, regather: bool = False):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     with torch.device("meta"):
         model = Transformer(TINY)
-    apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+    apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel, regather=regather)
     materialize_weights(model, torch.device("cpu"), seed=0)
     return model
 
 
-def block_collectives(sequence_parallel: bool) -> dict:
+def block_collectives(sequence_parallel: bool, regather: bool = False) -> dict:
     """Count the collectives of one TransformerBlock's forward and backward on 2 tp ranks."""
-    model = tp_model(sequence_parallel)
+    model = tp_model(sequence_parallel, regather)
     block = model.layers["0"]
     seq = 16 // 2 if sequence_parallel else 16  # with SP the block's input is this rank's sequence shard
     x = torch.randn(2, seq, TINY.dim, requires_grad=True)
@@ -89,6 +90,36 @@ def test_sequence_parallel_block_replaces_all_reduce_with_reduce_scatter_and_all
     # The norm saw only this rank's tokens: its weight gradient is a partial sum (train.py reduces it once,
     # mesh/tensor_parallel.reduce_partial_gradients; under FSDP the gradient reduce-scatter does).
     assert counts["norm_grad_placements"] == (Partial(),)
+
+
+def regathered_block_gradients() -> dict:
+    """The same SP block with and without parallel.sp_regather: gradients, and what backward communicates."""
+    results = {}
+    for regather in (False, True):
+        model = tp_model(sequence_parallel=True, regather=regather)
+        block = model.layers["0"]
+        x = torch.randn(2, 8, TINY.dim, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        out = block(x, model.rope_cos, model.rope_sin)
+        with CommDebugMode() as backward:
+            (out * out).sum().backward()
+        grads = {n: p.grad.to_local().clone() for n, p in block.named_parameters()}
+        results[regather] = {"x": x.grad, "grads": grads, "out": out.detach()}
+        results[regather]["backward"] = {str(op).split(".")[-1]: n for op, n in backward.get_comm_counts().items()}
+    same = all(torch.equal(results[False]["grads"][n], g) for n, g in results[True]["grads"].items())
+    return {
+        "same_out": torch.equal(results[False]["out"], results[True]["out"]),
+        "same_input_grad": torch.equal(results[False]["x"], results[True]["x"]),
+        "same_param_grads": same and len(results[True]["grads"]) == 9,
+        "backward": results[True]["backward"],
+    }
+
+
+def test_sp_regather_gives_identical_gradients_for_one_more_all_gather_per_sublayer():
+    for r in run_on_ranks(regathered_block_gradients, 2):
+        # the same numbers in the same order, only gathered twice: bitwise equal, not just close
+        assert r["same_out"] and r["same_input_grad"] and r["same_param_grads"]
+        # plain SP backward: 2 all-gathers + 2 reduce-scatters (test above); the re-gather adds one per sub-layer
+        assert r["backward"] == {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 2}
 
 
 def logits_layout() -> tuple:
@@ -167,11 +198,12 @@ def sp_optimizer_all_reduces(reduce_first: bool) -> dict:
         if reduce_first:
             reduce_partial_gradients(params)
     optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    grads = [p.grad.full_tensor() for p in params]  # the summed gradients, whichever way they were reduced
     with CommDebugMode() as step:
         optimizer.step()
     names = lambda mode: {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}  # noqa: E731
     still = [n for n, p in model.named_parameters() if any(pl.is_partial() for pl in p.grad.placements)]
-    return {"partial": partial, "reduce": names(reduce), "step": names(step), "partial after": still}
+    return {"partial": partial, "reduce": names(reduce), "step": names(step), "partial after": still, "grads": grads}
 
 
 def test_sp_norm_gradients_are_reduced_once_not_inside_every_adamw_op():
@@ -182,7 +214,9 @@ def test_sp_norm_gradients_are_reduced_once_not_inside_every_adamw_op():
     # gradients are still Partial afterwards
     assert lazy["step"] == {"all_reduce": 3 * len(norms)} and sorted(lazy["partial after"]) == sorted(norms)
     once = run_on_ranks(sp_optimizer_all_reduces, 2, True)[0]
-    assert once["reduce"] == {"all_reduce": len(norms)} and once["step"] == {} and once["partial after"] == []
+    # reduce_partial_gradients: one flat all-reduce for all of them, then AdamW communicates nothing
+    assert once["reduce"] == {"all_reduce": 1} and once["step"] == {} and once["partial after"] == []
+    assert all(torch.equal(a, b) for a, b in zip(once["grads"], lazy["grads"], strict=True))
 
 
 def placements_on_fsdp2_x_tp2() -> dict:
