@@ -3,7 +3,7 @@
 1. ``check_run_dir`` (every rank, before any process group): an existing ``metrics.jsonl`` belongs to an
    earlier run; a new run may not append to it unless it resumes that run's checkpoint or
    ``run.overwrite`` says so.
-2. ``RunLock`` (global rank 0, at start): an exclusive ``fcntl.flock`` on ``<run.dir>/.meshloom.lock``,
+2. ``RunLock`` (taken by ``lock_run_folders`` on global rank 0, at start): an exclusive ``fcntl.flock`` on ``<run.dir>/.meshloom.lock``,
    held for the whole run. A second live run on the same folder cannot take it and is refused, naming the
    holder; the kernel releases the lock when its holder dies, however it dies, so a stale lock from a
    killed run is simply taken over (and said so). Rank 0's verdict reaches every rank through the control
@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -73,6 +74,24 @@ class RunLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def lock_run_folders(folders: list[Path], control, locks: list[RunLock], is_rank0: bool) -> None:
+    """Rank 0 locks each folder (run.dir, and the checkpoint folder when the run uses one, since another run
+    may point its checkpoint.folder there) and appends the held locks to ``locks`` for the caller to release;
+    every rank learns the verdict together through ``control`` (a mesh.runtime.ControlPlane)."""
+    error = None
+    if is_rank0:
+        try:
+            for folder in folders:
+                lock = RunLock(str(folder)).acquire()
+                locks.append(lock)
+                if lock.took_over:
+                    print(f"meshloom: {folder} was locked by a run that is gone ({lock.took_over}); taking it over",
+                          file=sys.stderr, flush=True)  # fmt: skip
+        except (ConfigError, OSError) as exc:
+            error = exc if isinstance(exc, ConfigError) else ConfigError(f"run.dir={str(folders[0])!r}: {exc}")
+    control.raise_if_any_failed(error, "locking run.dir", ConfigError)
 
 
 def _read_record(fd: int) -> dict:

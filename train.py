@@ -17,11 +17,9 @@ from mesh.signals import StopSignals  # standard library only, so it can come fi
 # code (mesh/signals.py, step 1).
 STARTUP_SIGNALS = StopSignals().install() if __name__ == "__main__" else None
 
-import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -42,11 +40,11 @@ from mesh.context_parallel import apply_context_parallel, load_balanced_position
 from mesh.data_parallel import apply_fsdp
 from mesh.dims import Meshes, build_mesh, mesh_banner
 from mesh.expert_parallel import apply_expert_parallel, load_metrics, step_expert_load
-from mesh.failures import explain, is_communication_failure, phase
+from mesh.failures import explain, is_communication_failure, phase, report_to_launcher
 from mesh.grad_clip import clip_grad_norm
 from mesh.materialize import materialize_weights
 from mesh.pipeline import build_pipeline_schedule, build_stage_module
-from mesh.pipeline_timeline import PipelineTimeline, bubble_report, predicted_bubble, timeline_svg
+from mesh.pipeline_timeline import PipelineTimeline, write_pipeline_timeline
 from mesh.plan import LayoutPlan
 from mesh.runtime import (
     ControlPlane,
@@ -71,7 +69,7 @@ from metrics import MetricsWriter, format_step, peak_memory_bytes
 from models.llama import Transformer
 from optim import Optimizers
 from profiling import named_range, step_profiler
-from rundir import RunLock, check_run_dir
+from rundir import RunLock, check_run_dir, lock_run_folders
 
 
 class DivergenceError(FloatingPointError):
@@ -157,16 +155,10 @@ def build_model_parts(cfg: Config, plan: LayoutPlan, meshes: Meshes, device: tor
     """This rank's model parts: the whole model, or its pipeline stages (``plan.stage_ids``)."""
     if plan.dims.pp == 1:
         return [build_model(cfg, plan, meshes, device)]
-    return [
-        parallelize(
-            build_stage_module(plan.model, plan.stage_layers[s], s == 0, s == plan.n_stages - 1),
-            cfg,
-            plan,
-            meshes,
-            device,
-        )  # fmt: skip
-        for s in plan.stage_ids
+    stages = [
+        build_stage_module(plan.model, plan.stage_layers[s], s == 0, s == plan.n_stages - 1) for s in plan.stage_ids
     ]
+    return [parallelize(stage, cfg, plan, meshes, device) for stage in stages]
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -217,7 +209,9 @@ def train(cfg: Config) -> list[dict]:
             watch = ParentWatch(grace_s=timeout_s + 60).start()
         device = select_device(t.device)
         control = init_process_group(device, timeout_s)
-        lock_run_folders(cfg, resume, control, locks)
+        uses_checkpoints = cfg.checkpoint.interval > 0 or resume.candidates or resume.damaged
+        folders = [Path(cfg.run.dir)] + ([checkpoint_folder(cfg)] if uses_checkpoints else [])
+        lock_run_folders(folders, control, locks, is_rank0=dist.get_rank() == 0)
         torch.manual_seed(t.seed)
         meshes = build_mesh(
             dims, device, timeout_s, has_experts=plan.model.moe is not None, host_tensors=cfg.parallel.fsdp_cpu_offload
@@ -260,7 +254,9 @@ def train(cfg: Config) -> list[dict]:
         with phase("loading the checkpoint", "checkpoint group"):
             start_step = checkpoints.restore(parts, optimizers, loader)
         if is_logger:
-            print_banner(cfg, plan, meshes, params, device, data.description)
+            local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+            mesh_lines = mesh_banner(meshes.world)
+            print(plan.banner(mesh_lines, local_params, device, t.mixed_precision, data.description), flush=True)
         metrics_from = checkpoints.resumed_step
         if metrics_from is None and restart_attempt() > 0 and resume.mode == "auto":
             metrics_from = 0  # a restart before the first checkpoint replays everything
@@ -347,7 +343,8 @@ def train(cfg: Config) -> list[dict]:
         with phase("finishing the last save", "checkpoint group, control plane"):
             checkpoints.finish()
         if timeline is not None:
-            write_pipeline_timeline(cfg, plan, meshes, timeline, control, is_logger)
+            pp_ranks = dist.get_process_group_ranks(meshes.pp.get_group())
+            write_pipeline_timeline(cfg.run.dir, plan, timeline, pp_ranks, control, is_logger)
     finally:
         if profiler is not None:
             profiler.close()  # writes the trace when the run ended inside the profiled steps
@@ -361,26 +358,6 @@ def train(cfg: Config) -> list[dict]:
             watch.stop()
         signals.uninstall()
     return records
-
-
-def lock_run_folders(cfg: Config, resume: Resume, control: ControlPlane, locks: list[RunLock]) -> None:
-    """Rank 0 locks run.dir, and the checkpoint folder when the run uses one (another run may point its
-    checkpoint.folder there); every rank learns the verdict together."""
-    error = None
-    if dist.get_rank() == 0:
-        folders = [Path(cfg.run.dir)]
-        if cfg.checkpoint.interval > 0 or resume.candidates or resume.damaged:
-            folders.append(checkpoint_folder(cfg))
-        try:
-            for folder in folders:
-                lock = RunLock(str(folder)).acquire()
-                locks.append(lock)
-                if lock.took_over:
-                    print(f"meshloom: {folder} was locked by a run that is gone ({lock.took_over}); taking it over",
-                          file=sys.stderr, flush=True)  # fmt: skip
-        except (ConfigError, OSError) as exc:
-            error = exc if isinstance(exc, ConfigError) else ConfigError(f"run.dir={cfg.run.dir!r}: {exc}")
-    control.raise_if_any_failed(error, "locking run.dir", ConfigError)
 
 
 def stop_after(cfg: Config, step: int, signum: int, checkpoints, parts, optimizers, loader) -> None:
@@ -406,20 +383,6 @@ def stop_after(cfg: Config, step: int, signum: int, checkpoints, parts, optimize
     raise StopRequested(signum, f"stopped by {name} after step {step}; {saved}; {how}")
 
 
-def print_banner(cfg: Config, plan: LayoutPlan, meshes: Meshes, params, device: torch.device, data: str) -> None:
-    local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
-    stages = f"; pipeline stages {list(plan.stage_ids)} of {plan.n_stages} on rank 0" if plan.dims.pp > 1 else ""
-    print(
-        f"meshloom | world {plan.dims.world_size} | {plan.dims.describe()} | device {device} | "
-        f"{cfg.training.mixed_precision}\n"
-        f"{mesh_banner(meshes.world)}\n"
-        f"  parameters    {plan.model.num_params():,} total, {local_params:,} on rank 0{stages}\n"
-        f"  batch         {plan.batch_line()}\n"
-        f"  data          {data}",
-        flush=True,
-    )
-
-
 def open_metrics(cfg: Config, control: ControlPlane, is_logger: bool, resumed_step: int | None) -> MetricsWriter:
     """Rank 0 opens metrics.jsonl and TensorBoard; a failure there is raised on every rank, together."""
     # Every rank checked run.dir in check_config; wait for all of them before rank 0 creates files in it.
@@ -433,41 +396,6 @@ def open_metrics(cfg: Config, control: ControlPlane, is_logger: bool, resumed_st
         error = ConfigError(f"run.dir={cfg.run.dir!r} cannot be written ({exc}); choose a writable --run.dir.")
     control.raise_if_any_failed(error, "opening run.dir", error_type=ConfigError)
     return writer
-
-
-def write_pipeline_timeline(
-    cfg: Config, plan: LayoutPlan, meshes: Meshes, timeline, control: ControlPlane, is_logger: bool
-) -> None:
-    """The last step's pipeline timeline: bubble table on the console and in JSON, picture as SVG."""
-    events, windows = timeline.gather(control, dist.get_process_group_ranks(meshes.pp.get_group()))
-    if not is_logger:
-        return
-    schedule, n_local, microbatches = plan.pp_schedule, plan.stages_per_rank, plan.pp_microbatches
-    rows = bubble_report(events, windows)
-    predicted = predicted_bubble(schedule, plan.dims.pp, microbatches, n_local)
-    measured = sum(r["idle_fraction"] for r in rows) / len(rows)
-    title = f"{schedule}: pp={plan.dims.pp}, {n_local} stage(s)/rank, m={microbatches}"
-    out = Path(cfg.run.dir)
-    (out / "pipeline_timeline.svg").write_text(timeline_svg(events, windows, title))
-    summary = {"schedule": schedule, "pp": plan.dims.pp, "stages_per_rank": n_local, "microbatches": microbatches,
-               "measured_idle_fraction": measured, "predicted_idle_fraction": predicted, "ranks": rows}  # fmt: skip
-    (out / "pipeline_bubble.json").write_text(json.dumps(summary, indent=1))
-    print(f"pipeline timeline ({title}) -> {out / 'pipeline_timeline.svg'}")
-    for r in rows:
-        busy = " ".join(f"{k} {r[k] * 1000:7.1f} ms" for k in ("F", "B", "I", "W"))
-        print(f"  pp rank {r['rank']}: {busy}  idle {r['idle'] * 1000:7.1f} ms ({r['idle_fraction']:.1%})")
-    shown = "n/a" if predicted is None else f"{predicted:.1%}"
-    print(f"  bubble: measured {measured:.1%} (mean over ranks) vs predicted {shown}", flush=True)
-
-
-def report_to_launcher(message: str) -> None:
-    """Under torchrun, write ``message`` to the error file it reads, so its failure summary shows our one
-    line (not "<N/A>" and a hint to enable tracebacks)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        entry = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
-        with open(path, "w") as f:
-            json.dump({"message": entry}, f)
 
 
 def fail(message: str, code: int) -> int:

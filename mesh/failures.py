@@ -19,6 +19,8 @@ first rank that *reported* a failure: a healthy one.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
 
 import torch.distributed as dist
@@ -81,3 +83,13 @@ def explain(exc: BaseException, timeout_s: float) -> str:
         "Another rank stalled or died: it is the one that printed no such line (torchrun names the first "
         "rank to report, usually a healthy one). Fix or restart it, then resume with --checkpoint.resume auto."
     )
+
+
+def report_to_launcher(message: str) -> None:
+    """Under torchrun, write ``message`` to the error file it reads, so its failure summary shows our one
+    line (not "<N/A>" and a hint to enable tracebacks)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        entry = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+        with open(path, "w") as f:
+            json.dump({"message": entry}, f)

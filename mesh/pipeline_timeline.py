@@ -14,6 +14,8 @@
    plane, mesh/runtime.py: it works on every backend and never queues behind model traffic),
    ``bubble_report`` compares each rank's measured idle fraction with the schedule's textbook prediction,
    and ``timeline_svg`` draws one row per rank with a box per F/B/I/W, labelled by micro-batch.
+4. ``write_pipeline_timeline`` (called by train.py after the last step) does step 3 and writes the table
+   (``pipeline_bubble.json``) and the picture (``pipeline_timeline.svg``) into run.dir.
 
 Clocks: ``time.time()`` is shared by the processes of one machine; across machines the rows would be only
 as aligned as the machines' clocks. On a CPU with fewer cores than ranks, ranks also wait for a core, which
@@ -23,8 +25,10 @@ shows up as longer boxes, not as idle time.
 from __future__ import annotations
 
 import functools
+import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -179,3 +183,30 @@ def timeline_svg(events: list[Event], windows: list[tuple[float, float]], title:
     parts.append(f'<text x="{left + 460}" y="{legend_y}">grey: idle   ({span * 1000:.0f} ms shown)</text>')
     parts.append("</svg>")
     return "\n".join(parts)
+
+
+def write_pipeline_timeline(
+    run_dir: str, plan, timeline: PipelineTimeline, pp_ranks: list[int], control: ControlPlane, is_logger: bool
+) -> None:
+    """The last step's timeline, gathered from the pp group (``pp_ranks``, global ranks) on every rank; the
+    logger prints the bubble table and writes ``pipeline_bubble.json`` and ``pipeline_timeline.svg`` in run_dir.
+    ``plan`` is the run's mesh.plan.LayoutPlan."""
+    events, windows = timeline.gather(control, pp_ranks)
+    if not is_logger:
+        return
+    schedule, n_local, microbatches = plan.pp_schedule, plan.stages_per_rank, plan.pp_microbatches
+    rows = bubble_report(events, windows)
+    predicted = predicted_bubble(schedule, plan.dims.pp, microbatches, n_local)
+    measured = sum(r["idle_fraction"] for r in rows) / len(rows)
+    title = f"{schedule}: pp={plan.dims.pp}, {n_local} stage(s)/rank, m={microbatches}"
+    out = Path(run_dir)
+    (out / "pipeline_timeline.svg").write_text(timeline_svg(events, windows, title))
+    summary = {"schedule": schedule, "pp": plan.dims.pp, "stages_per_rank": n_local, "microbatches": microbatches,
+               "measured_idle_fraction": measured, "predicted_idle_fraction": predicted, "ranks": rows}  # fmt: skip
+    (out / "pipeline_bubble.json").write_text(json.dumps(summary, indent=1))
+    print(f"pipeline timeline ({title}) -> {out / 'pipeline_timeline.svg'}")
+    for r in rows:
+        busy = " ".join(f"{k} {r[k] * 1000:7.1f} ms" for k in ("F", "B", "I", "W"))
+        print(f"  pp rank {r['rank']}: {busy}  idle {r['idle'] * 1000:7.1f} ms ({r['idle_fraction']:.1%})")
+    shown = "n/a" if predicted is None else f"{predicted:.1%}"
+    print(f"  bubble: measured {measured:.1%} (mean over ranks) vs predicted {shown}", flush=True)

@@ -86,6 +86,17 @@ class LayoutPlan:
             f"{self.accumulation}; seq_len {self.seq_len}{cp}; {self.global_tokens:,} tokens/step"
         )
 
+    def banner(self, mesh_lines: str, local_params: int, device, precision: str, data: str) -> str:
+        """What rank 0 prints at start: the layout, each mesh dim with its coordinate, parameters, batch, data."""
+        stages = f"; pipeline stages {list(self.stage_ids)} of {self.n_stages} on rank 0" if self.dims.pp > 1 else ""
+        return (
+            f"meshloom | world {self.dims.world_size} | {self.dims.describe()} | device {device} | {precision}\n"
+            f"{mesh_lines}\n"
+            f"  parameters    {self.model.num_params():,} total, {local_params:,} on rank 0{stages}\n"
+            f"  batch         {self.batch_line()}\n"
+            f"  data          {data}"
+        )
+
 
 def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: int, microbatches: int) -> list[str]:
     """Every rule the layout breaks, as messages naming the field, the value and the fix."""
