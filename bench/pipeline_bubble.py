@@ -4,7 +4,7 @@
 
 Runs one short training (3 steps) per schedule on ``pp`` gloo ranks with ``run.pp_timeline true`` and reports
 the last step: the idle fraction against the textbook prediction and the idealized run of the same schedule
-(docs/figures.py: torch's own action order with unit times), the logged losses (equal for every schedule:
+(docs/figures/pipeline.py: torch's own action order with unit times), the logged losses (equal for every schedule:
 they all train the same model), and with ``--details`` each rank's seconds of F, B, I, W and idle. The model is larger than the debug one (8 layers, dim 256, seq 256) so that compute, not
 Python overhead, dominates each box. On a CPU with fewer cores than ranks, ranks also wait for a core: use
 pp <= cores for numbers that mean something. The same picture for any single layout comes from
