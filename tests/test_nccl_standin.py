@@ -96,8 +96,12 @@ def test_control_plane_paths_work_on_an_accelerator_only_default_group(tmp_path)
             },
             DEBUG_CONFIG,
         ),
+        (  # MoE under TP (tokens split over tp, load summed over it) with the profiler and its ranges on
+            {"parallel.tp": 2, "parallel.dp_shard": 1, "profile.enabled": True, "profile.start_step": 2},
+            str(ROOT / "configs" / "debug_moe.toml"),
+        ),
     ],
-    ids=["pp2-timeline", "moe-ep2", "cp2-ring-eval", "fsdp2-step-sync-bf16-reduce"],
+    ids=["pp2-timeline", "moe-ep2", "cp2-ring-eval", "fsdp2-step-sync-bf16-reduce", "moe-tp2-profiled"],
 )
 def test_training_runs_on_an_accelerator_only_default_group(overrides, config, tmp_path):
     standin = run_on_ranks(run_training, 2, overrides, str(tmp_path / "standin"), config, backend=STANDIN, timeout=180)[
@@ -107,6 +111,11 @@ def test_training_runs_on_an_accelerator_only_default_group(overrides, config, t
     assert_same_curve(standin, plain, rtol=0.0)  # the same groups do the same sums: bit for bit
     if overrides.get("run.pp_timeline"):
         assert (tmp_path / "standin" / "pipeline_timeline.svg").is_file()
+    if overrides.get("profile.enabled"):
+        assert sorted(p.name for p in (tmp_path / "standin" / "profile").glob("rank*.json")) == [
+            "rank0.pt.trace.json",
+            "rank1.pt.trace.json",
+        ]
 
 
 def test_checkpoint_save_and_resume_on_an_accelerator_only_default_group(tmp_path):
