@@ -320,12 +320,17 @@ def test_five_dimensional_layout_matches_one_process(one_process, tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_with_context_parallel_matches_one_process(tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [{"parallel.cp": 2, "parallel.dp_shard": 2}, {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp_shard": 1}],
+    ids=["cp2xfsdp2", "cp2xtp2"],  # cp2xtp2: the tp ranks split each cp rank's tokens for the experts
+)
+def test_moe_with_context_parallel_matches_one_process(layout, tmp_path):
     # dropless, no aux loss (both per whole sequence, refused with cp), aux-loss-free bias on: its load is global
     moe = str(ROOT / "configs" / "debug_moe.toml")
     knobs = {"model.moe_aux_loss_coef": 0.0, "model.moe_bias_update_rate": 0.01}
     reference = train_on(1, knobs, tmp_path / "one", config=moe)
-    run = train_on(4, {**knobs, "parallel.cp": 2, "parallel.dp_shard": 2}, tmp_path / "cp", config=moe, timeout=400)
+    run = train_on(4, {**knobs, **layout}, tmp_path / "cp", config=moe, timeout=400)
     assert_same_curve(run, reference)
     assert [r["expert_load"] for r in run] == [r["expert_load"] for r in reference]
 
