@@ -376,6 +376,12 @@ def check_values(cfg: Config) -> None:
             "checkpointed block keeps no gathered input to begin with (full) or keeps it by policy (selective), and "
             "the re-gather hooks run in eager mode only; turn one of them off."
         )
+    if p.sp_regather and (p.tp == 1 or not p.sequence_parallel):
+        broken.append(
+            f"parallel.sp_regather=true re-gathers sequence-parallel inputs, but parallel.tp={p.tp} and "
+            f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}: there is nothing to re-gather; set "
+            "parallel.tp > 1 with parallel.sequence_parallel=true, or parallel.sp_regather=false."
+        )
     if cfg.profile.enabled and cfg.profile.start_step > cfg.training.steps:
         broken.append(
             f"profile.start_step={cfg.profile.start_step} comes after the last step (training.steps="

@@ -261,6 +261,7 @@ def train(cfg: Config) -> list[dict]:
         if metrics_from is None and restart_attempt() > 0 and resume.mode == "auto":
             metrics_from = 0  # a restart before the first checkpoint replays everything
         writer = open_metrics(cfg, control, is_logger, metrics_from)
+        tp_label = ", then tp (its ranks split the tokens)" if dims.tp > 1 else ""
         model_groups = "device plane: " + ", ".join(
             n for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, n) > 1
         )
@@ -312,7 +313,7 @@ def train(cfg: Config) -> list[dict]:
             with named_range("optimizer"):
                 optimizers.step()
             # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
-            with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)"):
+            with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)" + tp_label):
                 moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss, meshes.tp) if moe_layer_ids else {}
             elapsed = device_time(device) - start
             record = {

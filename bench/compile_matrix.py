@@ -31,6 +31,8 @@ LAYOUTS = {
     "pp2-1F1B": (2, DEBUG, {"parallel.pp": 2, "parallel.dp_shard": 1}),
     "pp2-Interleaved1F1B": (2, DEBUG, {"parallel.pp": 2, "parallel.dp_shard": 1,
                                        "parallel.pp_schedule": "Interleaved1F1B"}),
+    "cp2-allgather": (2, DEBUG, {"parallel.cp": 2, "parallel.dp_shard": 1}),
+    "cp2-ring": (2, DEBUG, {"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_attention": "ring"}),
     "moe-one": (1, MOE, {}),
     "moe-ep2": (2, MOE, {"parallel.dp_shard": 2, "parallel.ep": 2}),
     "moe-tp2": (2, MOE, {"parallel.tp": 2, "parallel.dp_shard": 1}),

@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.toml")
 MOE = str(ROOT / "configs" / "debug_moe.toml")
 
-# The shape of the measurements (docs/profiling.md, section 5).
+# The shape of the measurements (docs/profiling.md, section 7).
 SHAPE = {
     "model.dim": 256, "model.n_layers": 6, "model.n_heads": 16, "model.n_kv_heads": 4, "model.vocab_size": 2048,
     "model.ffn_dim": 768, "training.seq_len": 512, "training.global_batch": 8, "model.max_seq_len": 512,

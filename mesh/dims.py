@@ -14,7 +14,8 @@
    - ``tp``, ``pp``, ``cp``: their own dims.
    - ``loss``: pp x dp_replicate x dp_shard x cp flattened, where the logged loss sum and the MoE expert load
                are reduced (only the last pipeline stage holds a non-zero loss; each cp rank holds the sum
-               over its own tokens; tp ranks hold copies).
+               over its own tokens; tp ranks hold copies of the loss, but split the tokens of each MoE
+               layer, so mesh/expert_parallel.step_expert_load sums the load over tp as well).
    - ``ep``, ``expert_fsdp``: with expert parallelism, dp_shard is *unflattened* into (efsdp, ep) within the
                same root: ep ranks are consecutive dp_shard ranks, and expert weights are FSDP-sharded over
                (dp_replicate, efsdp). (Not with cp > 1: mesh/plan.py refuses ep with cp.)

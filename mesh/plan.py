@@ -132,9 +132,17 @@ def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: in
             f"training.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp}, which sequence "
             "parallelism needs; change seq_len or set parallel.sequence_parallel=false."
         )
-    elif dims.tp > 1 and model.moe is not None and (t.seq_len // dims.cp) % dims.tp:
+    elif (
+        dims.tp > 1
+        and model.moe is not None
+        and (t.seq_len // dims.cp) % dims.tp
+        # with cp, a seq_len that breaks 2*cp, or SP's own per-cp-rank rule, is reported once, below
+        and not (dims.cp > 1 and (t.seq_len % (2 * dims.cp) or cfg.parallel.sequence_parallel))
+    ):
         errors.append(
-            f"training.seq_len={t.seq_len} (per cp rank: {t.seq_len // dims.cp}) is not divisible by "
+            f"training.seq_len={t.seq_len}"
+            + (f" (per cp rank: {t.seq_len // dims.cp})" if dims.cp > 1 else "")
+            + " is not divisible by "
             f"parallel.tp={dims.tp}: under TP each tp rank runs the MoE layers on its own chunk of every sequence "
             "(mesh/tensor_parallel.TokenSplitMoE); change seq_len."
         )
@@ -234,7 +242,7 @@ def context_parallel_errors(dims: ParallelDims, cfg: Config) -> list[str]:
 
 
 def compile_errors(dims: ParallelDims) -> list[str]:
-    """Layouts that ``training.compile`` cannot run in torch 2.13 (measured on CPU; docs/profiling.md, section 6).
+    """Layouts that ``training.compile`` cannot run in torch 2.13 (measured on CPU; docs/profiling.md, section 8.5).
 
     Each failed at its first step with the error quoted; they are refused here so that no run gets that far.
     (Zero-bubble pipeline schedules are refused in mesh/pipeline.py, ``parallel.sp_regather`` in config.py.)

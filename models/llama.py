@@ -165,13 +165,22 @@ def sdpa_reads_grouped_kv(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether ``scaled_dot_product_attention(..., enable_gqa=True)`` runs a fused kernel on grouped k/v heads.
 
     CPU (torch 2.13): its flash kernel takes k/v with fewer heads, fp32 and bf16 alike, and saves them at their
-    own size. CUDA: only the flash kernel does, in bf16/fp16 with no mask and head_dim <= 256; in fp32 (or with
-    a mask) the memory-efficient and cuDNN kernels refuse unequal head counts and SDPA silently falls back to
-    the unfused math kernel, which materialises the s x s scores.
+    own size. CUDA: only the flash kernel does, in bf16/fp16 with no mask, head_dim a multiple of 8 up to 256,
+    on compute capability 8.0 or newer (Ampere on); otherwise (fp32, a mask, an older GPU) the memory-efficient
+    and cuDNN kernels refuse unequal head counts and SDPA silently falls back to the unfused math kernel, which
+    materialises the s x s scores, so repeating k/v is the better path there.
     """
     if q.device.type == "cpu":
         return True
-    return q.dtype in (torch.bfloat16, torch.float16) and mask is None and q.shape[-1] <= 256
+    head_dim = q.shape[-1]
+    return (
+        q.dtype in (torch.bfloat16, torch.float16)
+        and mask is None
+        and head_dim <= 256
+        and head_dim % 8 == 0
+        and q.device.type == "cuda"
+        and torch.cuda.get_device_capability(q.device) >= (8, 0)
+    )
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

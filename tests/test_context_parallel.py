@@ -406,6 +406,25 @@ def test_a_misfit_cp_layout_is_refused_before_any_process_group(world, overrides
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize(
+    "world, overrides, expected",
+    [
+        (8, {"parallel.cp": 2, "parallel.tp": 4, "parallel.dp_shard": 1, "training.seq_len": 12}, "tokens per cp rank"),
+        (4, {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp_shard": 1, "training.seq_len": 6}, "2*parallel.cp=4"),
+        (8, {"parallel.cp": 2, "parallel.tp": 4, "parallel.dp_shard": 1, "training.seq_len": 12,
+             "parallel.sequence_parallel": False}, "(per cp rank: 6) is not divisible by parallel.tp=4"),
+    ],
+    ids=["sp-rule", "2cp-rule", "moe-token-split-rule"],
+)  # fmt: skip
+def test_a_moe_sequence_that_tp_and_cp_cannot_split_is_reported_once(world, overrides, expected):
+    """MoE under TP splits each cp rank's tokens over tp: one broken seq_len is one message, from the rule it breaks."""
+    moe = {"model.n_experts": 4, "model.moe_aux_loss_coef": 0.0, "model.max_seq_len": 64}
+    with pytest.raises(ConfigError) as err:
+        check_config(load_config(path=DEBUG_CONFIG, overrides={**moe, **overrides}), world)
+    rules = [line for line in str(err.value).splitlines() if line.strip().startswith("- ")]
+    assert len(rules) == 1 and expected in rules[0], rules
+
+
 def test_an_unknown_cp_attention_is_refused_while_reading_the_config():
     with pytest.raises(
         ConfigError, match="parallel.cp_attention='ulysses' is not allowed; choose one of allgather, ring"

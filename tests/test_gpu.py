@@ -178,3 +178,27 @@ def test_profiled_gpu_run_writes_a_memory_snapshot_and_logs_mfu(tmp_path):
     trace = json.loads((run_dir / "profile" / "rank0.pt.trace.json").read_text())
     assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])  # CUDA kernels were recorded
     assert all(r["mfu"] == r["tflops"] / 100 for r in records(run_dir))
+
+
+def test_grouped_kv_attention_runs_on_the_flash_kernel_where_meshloom_says_it_does():
+    """Where ``sdpa_reads_grouped_kv`` answers yes, the flash kernel alone serves ``enable_gqa`` (no silent
+    fall-back to the math kernel), and its output equals the repeated-heads path to bf16 round-off."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from models.llama import causal_attention, sdpa_reads_grouped_kv
+
+    q = torch.randn(2, 256, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 256, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert sdpa_reads_grouped_kv(q, None) == (torch.cuda.get_device_capability() >= (8, 0))
+    assert not sdpa_reads_grouped_kv(q.float(), None)  # fp32: the flash kernel does not serve it
+    if not sdpa_reads_grouped_kv(q, None):
+        pytest.skip("pre-Ampere GPU: meshloom repeats k/v there, which the parity tests cover")
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # raises if flash cannot take the call
+        out = causal_attention(q, k, v)
+    rep = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.repeat_interleave(4, 2).transpose(1, 2),
+        v.repeat_interleave(4, 2).transpose(1, 2),
+        is_causal=True,
+    ).transpose(1, 2)
+    assert (out - rep).abs().max().item() <= 2e-2  # bf16: 8 significant bits on values of order 1

@@ -115,7 +115,8 @@ def test_memory_snapshot_and_timeline_apis():
     from mesh.private_api import memory_timeline_categories
 
     # profile.memory_snapshot on CUDA: start/stop the allocator history, then dump it (exercised on a GPU by
-    # tests/test_gpu.py::test_profiled_gpu_run_writes_a_memory_snapshot; a CPU wheel has no CUDA allocator).
+    # tests/test_gpu.py::test_profiled_gpu_run_writes_a_memory_snapshot_and_logs_mfu; a CPU wheel has no CUDA
+    # allocator).
     record = inspect.signature(torch.cuda.memory._record_memory_history).parameters
     assert list(record)[0] == "enabled" and "max_entries" in record
     assert list(inspect.signature(torch.cuda.memory._dump_snapshot).parameters)[0] == "filename"

@@ -243,3 +243,13 @@ def test_fsdp_over_tp_placements():
     assert found["attention_norm.weight"] == (["Shard(dim=0)", "Replicate()"], (64,))
     assert found["tok_embeddings.weight"] == ([strided, "Shard(dim=0)"], (64, 128))
     assert found["output.weight"] == ([strided, "Shard(dim=0)"], (64, 128))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"parallel.tp": 1}, {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sequence_parallel": False}],
+    ids=["tp1", "no-sp"],
+)
+def test_sp_regather_without_sequence_parallelism_is_refused_not_ignored(overrides):
+    with pytest.raises(ConfigError, match="parallel.sp_regather=true re-gathers sequence-parallel inputs"):
+        check_config(load_config(path=DEBUG_CONFIG, overrides={**overrides, "parallel.sp_regather": True}), 2)
