@@ -13,6 +13,7 @@ function (it is pickled by name) and its result must be picklable by ``torch.sav
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import tempfile
@@ -42,6 +43,9 @@ def _rank_main(fn, args, kwargs, rank: int, world_size: int, workdir: str, timeo
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     out = Path(workdir) / f"rank{rank}.pt"
+    # A crash in native code (a segfault in a kernel or a backend thread) leaves no Python exception: have
+    # faulthandler write every thread's Python stack to a file the parent reports with the exit code.
+    faulthandler.enable(open(Path(workdir) / f"rank{rank}.fault", "w"), all_threads=True)  # noqa: SIM115
     try:
         store = dist.FileStore(str(Path(workdir) / "store"), world_size)
         dist.init_process_group(
@@ -95,7 +99,10 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: st
                 outcomes.append(torch.load(path, weights_only=False))
             else:
                 code = procs[r].exitcode
-                outcomes.append({"ok": False, "error": f"rank {r} produced no result (exit code {code})"})
+                fault = Path(workdir) / f"rank{r}.fault"
+                stacks = fault.read_text().strip() if fault.exists() else ""
+                where = f"; faulthandler:\n{stacks}" if stacks else ""
+                outcomes.append({"ok": False, "error": f"rank {r} produced no result (exit code {code}){where}"})
     errors = [(r, o["error"]) for r, o in enumerate(outcomes) if not o["ok"]]
     if hung or errors:
         lines = [f"{fn.__name__} on {world_size} ranks failed"]
