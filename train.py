@@ -125,10 +125,7 @@ def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes,
     if p.grad_compression == "powersgd":  # a pure data-parallel layout, replicated with DDP (mesh/savers.py)
         materialize_weights(model, device, cfg.training.seed)
         return apply_powersgd(model, meshes.world["dp_replicate"], p.powersgd_rank, device)
-    # FSDP whenever there is data or context parallelism (both need their gradients summed), and also for bf16
-    # or CPU offload on one rank: its policies are where bf16 compute with fp32 master weights and fp32
-    # gradient reduction, and offloading, live.
-    if dims.dp > 1 or dims.cp > 1 or cfg.training.mixed_precision == "bf16" or p.fsdp_cpu_offload:
+    if plan.fsdp:  # data or context parallelism, bf16, or CPU offload (mesh/plan.py: uses_fsdp)
         apply_fsdp(
             model, meshes,
             mixed_precision=cfg.training.mixed_precision,
@@ -214,8 +211,9 @@ def train(cfg: Config) -> list[dict]:
         lock_run_folders(folders, control, locks, is_rank0=dist.get_rank() == 0)
         torch.manual_seed(t.seed)
         meshes = build_mesh(
-            dims, device, timeout_s, has_experts=plan.model.moe is not None, host_tensors=cfg.parallel.fsdp_cpu_offload
-        )
+            dims, device, timeout_s, has_experts=plan.model.moe is not None,
+            host_tensors=cfg.parallel.fsdp_cpu_offload, fsdp_with_tp=plan.fsdp and dims.tp > 1,
+        )  # fmt: skip
         assert meshes.pp.get_local_rank() == plan.pp_rank, "the plan's pp rank must match the mesh coordinate"
         is_logger = dist.get_rank() == 0
         checkpoints = CheckpointManager(cfg, plan, resume, control)

@@ -119,11 +119,18 @@ class Meshes:
 
 
 def build_mesh(
-    dims: ParallelDims, device: torch.device, timeout_s: float, has_experts: bool = False, host_tensors: bool = False
+    dims: ParallelDims,
+    device: torch.device,
+    timeout_s: float,
+    has_experts: bool = False,
+    host_tensors: bool = False,
+    fsdp_with_tp: bool = False,
 ) -> Meshes:
     """The world mesh with named dims (pp, dp_replicate, dp_shard, cp, tp), and its named views (one root).
 
     ``host_tensors``: FSDP CPU offload; the groups must also reduce CPU tensors (``mesh_backend_options``).
+    ``fsdp_with_tp``: FSDP will shard TP-sharded weights; add the flattened (dp_shard, cp, tp) group their
+    gradient norm is reduced over (below).
     """
     options = mesh_backend_options(device, timeout_s, host_tensors)
     world = init_device_mesh(
@@ -133,6 +140,11 @@ def build_mesh(
         backend_override=dict.fromkeys(MESH_DIMS, options),
     )
     fsdp = world[dims.fsdp_dims] if dims.cp == 1 else _fsdp_with_cp(world, dims, options)
+    if fsdp_with_tp:
+        # A weight sharded by FSDP and by TP has its gradient norm partial over both dims. DTensor reduces
+        # that with one all-reduce only if a flattened mesh over exactly those dims exists on the root; without
+        # one it issues an all-reduce per dim and warns on every rank (mesh/grad_clip.py).
+        flatten_mesh(world, ("dp_shard", "cp", "tp"), "dp_shard_cp_tp", options)
     ep = expert_fsdp = None
     if has_experts and dims.ep > 1:
         # dp_shard = efsdp x ep, row-major: ep groups are runs of consecutive dp_shard ranks.

@@ -6,7 +6,10 @@ pipeline stages each hold only their own layers. The global norm is sqrt(sum ove
 
 1. Group the gradients by (mesh, placements), so one fused norm call covers each group.
 2. For a DTensor group, ``get_total_norm`` returns a DTensor whose ``full_tensor()`` reduces the partial
-   squared sums over the sharded mesh dims (and does not double count replicated ones).
+   squared sums over the sharded mesh dims (and does not double count replicated ones). A weight sharded
+   by FSDP and by TP is partial over two dims: DTensor reduces both in one all-reduce over the flattened
+   (dp_shard, cp, tp) mesh that mesh/dims.build_mesh creates for it (``fsdp_with_tp``), instead of one
+   all-reduce per dim.
 3. Add the groups' squared norms; with pipeline parallelism, all-reduce that sum over the pp dim, since
    each stage only saw its own layers.
 4. Scale every gradient by min(1, max_norm / norm), one group at a time (a fused foreach kernel cannot

@@ -47,6 +47,7 @@ class LayoutPlan:
     pp_microbatches: int  # micro-batches the schedule splits each local batch into (1 without pipelining)
     stage_layers: tuple[tuple[int, ...], ...]  # layer ids of every stage
     stage_ids: tuple[int, ...]  # the stages this rank runs
+    fsdp: bool  # whether FSDP2 wraps the model (train.parallelize)
 
     @property
     def global_tokens(self) -> int:
@@ -77,6 +78,7 @@ class LayoutPlan:
             local_batch=local_batch, micro_batch=micro_batch, accumulation=local_batch // micro_batch,
             pp_schedule=p.pp_schedule if dims.pp > 1 else None, stages_per_rank=n_local, n_stages=n_stages,
             pp_microbatches=microbatches, stage_layers=tuple(tuple(ls) for ls in layers), stage_ids=tuple(stage_ids),
+            fsdp=uses_fsdp(dims, cfg),
         )  # fmt: skip
 
     def batch_line(self) -> str:
@@ -96,6 +98,16 @@ class LayoutPlan:
             f"  batch         {self.batch_line()}\n"
             f"  data          {data}"
         )
+
+
+def uses_fsdp(dims: ParallelDims, cfg: Config) -> bool:
+    """FSDP whenever there is data or context parallelism (both need their gradients summed), and also for bf16
+    or CPU offload on one rank: its policies are where bf16 compute with fp32 master weights and fp32 gradient
+    reduction, and offloading, live. Not with PowerSGD, whose layouts are replicated with DDP (mesh/savers.py)."""
+    p = cfg.parallel
+    if p.grad_compression == "powersgd":
+        return False
+    return dims.dp > 1 or dims.cp > 1 or cfg.training.mixed_precision == "bf16" or p.fsdp_cpu_offload
 
 
 def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: int, microbatches: int) -> list[str]:
