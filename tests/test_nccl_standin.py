@@ -100,8 +100,12 @@ def test_control_plane_paths_work_on_an_accelerator_only_default_group(tmp_path)
             {"parallel.tp": 2, "parallel.dp_shard": 1, "profile.enabled": True, "profile.start_step": 2},
             str(ROOT / "configs" / "debug_moe.toml"),
         ),
+        (  # FSDP (for bf16) over TP weights: the flattened (dp_shard, cp, tp) group of the gradient norm
+            {"parallel.tp": 2, "parallel.dp_shard": 1, "training.mixed_precision": "bf16"},
+            DEBUG_CONFIG,
+        ),
     ],
-    ids=["pp2-timeline", "moe-ep2", "cp2-ring-eval", "fsdp2-step-sync-bf16-reduce", "moe-tp2-profiled"],
+    ids=["pp2-timeline", "moe-ep2", "cp2-ring-eval", "fsdp2-step-sync-bf16-reduce", "moe-tp2-profiled", "tp2-bf16"],
 )
 def test_training_runs_on_an_accelerator_only_default_group(overrides, config, tmp_path):
     standin = run_on_ranks(run_training, 2, overrides, str(tmp_path / "standin"), config, backend=STANDIN, timeout=180)[
