@@ -22,8 +22,8 @@ def batch() -> torch.Tensor:
     return torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
 
 
-def sharded_norm(overrides: dict, fsdp_with_tp: bool = False) -> float:
-    return sharded_norm_and_collectives(overrides, fsdp_with_tp)[0]
+def sharded_norm(overrides: dict) -> float:
+    return sharded_norm_and_collectives(overrides, fsdp_with_tp=False)[0]
 
 
 def sharded_norm_and_collectives(overrides: dict, fsdp_with_tp: bool) -> tuple[float, int, list[str]]:
@@ -52,7 +52,8 @@ def sharded_norm_and_collectives(overrides: dict, fsdp_with_tp: bool) -> tuple[f
     return norm, comm_counts(comm).get("all_reduce", 0), warnings
 
 
-def test_global_norm_equals_the_one_process_norm():
+def one_process_norm() -> float:
+    """The reference: the plain model's gradient norm on the whole batch, in this process."""
     cfg = load_config(path=DEBUG_CONFIG)
     with torch.device("meta"):
         from models.llama import Transformer
@@ -61,8 +62,11 @@ def test_global_norm_equals_the_one_process_norm():
     model.init_weights(cfg.training.seed)
     tokens = batch()
     F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
 
+
+def test_global_norm_equals_the_one_process_norm():
+    expected = one_process_norm()
     norms = run_on_ranks(sharded_norm, 4, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2})
     for norm in norms:
         # One backward, fp32, different summation order only: agreement to ~1e-7 relative.
@@ -78,9 +82,12 @@ def test_fsdp_x_tp_norm_takes_one_all_reduce_per_placement_group_over_a_flattene
     layout = {"parallel.dp_shard": 2, "parallel.tp": 2}
     flat = run_on_ranks(sharded_norm_and_collectives, 4, layout, True)
     per_dim = run_on_ranks(sharded_norm_and_collectives, 4, layout, False)
+    expected = one_process_norm()
     for (norm, reduces, warnings), (norm_2, reduces_2, warnings_2) in zip(flat, per_dim, strict=True):
         assert warnings == [] and any("sequential all_reduce" in w for w in warnings_2), (warnings, warnings_2)
         # Three placement groups: column- and row-sharded weights (partial over dp_shard and tp: 1 all-reduce
         # each instead of 2) and the SP norms' weights, replicated over tp (partial over dp_shard only: 1).
         assert (reduces, reduces_2) == (3, 5)
         assert abs(norm - norm_2) <= 1e-6 * norm_2
+        # and both are the whole model's norm (same tolerance as above: summation order only)
+        assert abs(norm - expected) / expected < 1e-5, (norm, expected)
