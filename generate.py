@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from config import ConfigError
 from models.llama import KVCache, Transformer
+from runtime.config import ConfigError
 
 
 def is_export(path: Path) -> bool:
@@ -90,9 +90,15 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: 
 
 @torch.no_grad()
 def generate_tokens(
-    model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-    seed: int = 1234, eos_id: int | None = None,
-) -> Iterator[int]:  # fmt: skip
+    model: Transformer,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 1234,
+    eos_id: int | None = None,
+) -> Iterator[int]:
     """The new token ids after ``prompt``, one at a time (steps 3-4 of the module docstring)."""
     if not prompt:
         raise ConfigError("--prompt is empty; give at least one character (it is tokenized to at least one token).")
@@ -166,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         model = model.to(device).eval()
         prompt = tokenizer.encode(opts.prompt)
-        print(f"[{source} | {model.args.num_params():,} parameters | tokenizer {tokenizer.name} | "
-              f"temperature {opts.temperature} top-k {opts.top_k} seed {opts.seed}]", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[{source} | {model.args.num_params():,} parameters | tokenizer {tokenizer.name} | "
+            f"temperature {opts.temperature} top-k {opts.top_k} seed {opts.seed}]",
+            file=sys.stderr,
+            flush=True,
+        )
         start = time.perf_counter()
         sys.stdout.write(opts.prompt)
         ids = stream_text(
@@ -180,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 top_k=opts.top_k,
                 seed=opts.seed,
                 eos_id=tokenizer.eos_id,
-            ),  # fmt: skip
+            ),
         )
     except (ConfigError, ValueError) as exc:
         print(f"meshloom generate: error: {exc}", file=sys.stderr, flush=True)

@@ -10,11 +10,11 @@ losses over the global batch divided by the global token count.
 
 from __future__ import annotations
 
-from mesh.signals import StopSignals  # standard library only, so it can come first
+from runtime.signals import StopSignals  # standard library only, so it can come first
 
 # Under torchrun, a worker whose peer fails at start-up gets SIGTERM, maybe while it is still importing torch;
 # recording signals from the very start lets every worker still finish its own checks and exit with its own
-# code (mesh/signals.py, step 1).
+# code (runtime/signals.py, step 1).
 STARTUP_SIGNALS = StopSignals().install() if __name__ == "__main__" else None
 
 import math
@@ -24,29 +24,35 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from checkpoint.folder import check_writable, checkpoint_bytes, checkpoint_folder
 from checkpoint.manager import CheckpointManager, CheckpointSaveError
 from checkpoint.resume import Resume, find_resume
-from config import Config, ConfigError, check_values, help_text, load_config
 from data.dataset import check_data, load_data
 from data.loader import GlobalBatchLoader
-from evaluation import eval_due, evaluate
-from flops import Throughput, peak_tflops
 from mesh.activation_checkpoint import apply_activation_checkpointing
+from mesh.comm_memory_savers import apply_powersgd, offload_policy, reduce_dtype, reduction_window
 from mesh.context_parallel import apply_context_parallel, load_balanced_positions
 from mesh.data_parallel import apply_fsdp
 from mesh.dims import Meshes, build_mesh, mesh_banner
 from mesh.expert_parallel import apply_expert_parallel, load_metrics, step_expert_load
-from mesh.failures import explain, is_communication_failure, phase, report_to_launcher
 from mesh.grad_clip import clip_grad_norm
 from mesh.materialize import materialize_weights
-from mesh.pipeline import build_pipeline_schedule, build_stage_module
+from mesh.pipeline import build_pipeline_schedule, build_stage_module, run_schedule
 from mesh.pipeline_timeline import PipelineTimeline, write_pipeline_timeline
 from mesh.plan import LayoutPlan
-from mesh.runtime import (
+from mesh.tensor_parallel import (
+    apply_tensor_parallel,
+    loss_context,
+    loss_value,
+    reduce_partial_gradients,
+    sum_token_split_gradients,
+)
+from models.llama import Transformer
+from runtime.config import Config, ConfigError, check_values, help_text, load_config
+from runtime.failures import explain, is_communication_failure, phase, report_to_launcher
+from runtime.process import (
     ControlPlane,
     destroy_process_group,
     device_time,
@@ -56,20 +62,14 @@ from mesh.runtime import (
     sum_over,
     world_size_from_env,
 )
-from mesh.savers import apply_powersgd, offload_policy, reduce_dtype, reduction_window
-from mesh.signals import ParentWatch
-from mesh.tensor_parallel import (
-    apply_tensor_parallel,
-    loss_context,
-    loss_value,
-    reduce_partial_gradients,
-    sum_token_split_gradients,
-)
-from metrics import MetricsWriter, format_step, peak_memory_bytes
-from models.llama import Transformer
-from optim import Optimizers
-from profiling import named_range, step_profiler
-from rundir import RunLock, check_run_dir, lock_run_folders
+from runtime.run_dir import RunLock, check_run_dir, lock_run_folders
+from runtime.signals import ParentWatch
+from training.evaluation import eval_due, evaluate
+from training.loss import token_loss_sum
+from training.metrics import MetricsWriter, format_step, peak_memory_bytes
+from training.optimizer import Optimizers
+from training.profiling import named_range, step_profiler
+from training.throughput import Throughput, peak_tflops
 
 
 class DivergenceError(FloatingPointError):
@@ -122,18 +122,21 @@ def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes,
         for block in model.layers.values():
             block.compile()
     p = cfg.parallel
-    if p.grad_compression == "powersgd":  # a pure data-parallel layout, replicated with DDP (mesh/savers.py)
+    if (
+        p.grad_compression == "powersgd"
+    ):  # a pure data-parallel layout, replicated with DDP (mesh/comm_memory_savers.py)
         materialize_weights(model, device, cfg.training.seed)
         return apply_powersgd(model, meshes.world["dp_replicate"], p.powersgd_rank, device)
     if plan.fsdp:  # data or context parallelism, bf16, or CPU offload (mesh/plan.py: uses_fsdp)
         apply_fsdp(
-            model, meshes,
+            model,
+            meshes,
             mixed_precision=cfg.training.mixed_precision,
             reshard_after_forward=p.fsdp_reshard_after_forward,
             pipelined=dims.pp > 1,
             reduce_dtype=reduce_dtype(p.grad_compression),
             offload=offload_policy(p.fsdp_cpu_offload, device),
-        )  # fmt: skip
+        )
     # Under CPU offload FSDP wants its sharded parameters created in host memory.
     materialize_weights(model, device, cfg.training.seed, torch.device("cpu") if p.fsdp_cpu_offload else None)
     if dims.cp > 1:
@@ -158,17 +161,11 @@ def build_model_parts(cfg: Config, plan: LayoutPlan, meshes: Meshes, device: tor
     return [parallelize(stage, cfg, plan, meshes, device) for stage in stages]
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of the token cross-entropies, in fp32 (under TP, on vocab-sharded logits via loss_parallel)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-
-
 def forward_backward(parts, schedule, plan: LayoutPlan, inputs, targets, tp_enabled: bool) -> torch.Tensor:
     """One micro-batch's forward and backward; returns this rank's token-loss sum (0 off the last stage).
 
-    The loss that is backpropagated is the token-loss sum divided by the *global* token count: each rank's
-    gradient is then its exact share of the global mean, so data-parallel ranks sum (never average) their
-    gradients, and the scale is applied once whatever dp, accumulation or pipeline micro-batching is.
+    The loss that is backpropagated is the token-loss sum divided by the *global* token count
+    (training/loss.py), so data-parallel ranks sum their gradients and the scale is applied once.
     """
     with loss_context(tp_enabled):  # vocab-sharded cross-entropy under TP: forward *and* backward inside
         if schedule is None:
@@ -177,14 +174,9 @@ def forward_backward(parts, schedule, plan: LayoutPlan, inputs, targets, tp_enab
             with named_range("backward"):
                 (loss / plan.global_tokens).backward()
             return loss_value(loss.detach())
-        losses: list[torch.Tensor] = []
-        is_first, is_last = 0 in plan.stage_ids, plan.n_stages - 1 in plan.stage_ids
         with named_range("pipeline schedule"):  # the schedule's own per-action ranges nest inside
-            schedule.step(
-                *((inputs,) if is_first else ()),
-                **({"target": targets, "losses": losses} if is_last else {}),
-            )
-        if not is_last:
+            losses = run_schedule(schedule, list(plan.stage_ids), plan.n_stages, inputs, targets, forward_only=False)
+        if not losses:
             return torch.zeros((), device=inputs.device)
         return sum(loss_value(loss.detach()) for loss in losses) * plan.global_tokens
 
@@ -211,9 +203,13 @@ def train(cfg: Config) -> list[dict]:
         lock_run_folders(folders, control, locks, is_rank0=dist.get_rank() == 0)
         torch.manual_seed(t.seed)
         meshes = build_mesh(
-            dims, device, timeout_s, has_experts=plan.model.moe is not None,
-            host_tensors=cfg.parallel.fsdp_cpu_offload, fsdp_with_tp=plan.fsdp and dims.tp > 1,
-        )  # fmt: skip
+            dims,
+            device,
+            timeout_s,
+            has_experts=plan.model.moe is not None,
+            host_tensors=cfg.parallel.fsdp_cpu_offload,
+            fsdp_with_tp=plan.fsdp and dims.tp > 1,
+        )
         assert meshes.pp.get_local_rank() == plan.pp_rank, "the plan's pp rank must match the mesh coordinate"
         is_logger = dist.get_rank() == 0
         checkpoints = CheckpointManager(cfg, plan, resume, control)
@@ -225,11 +221,15 @@ def train(cfg: Config) -> list[dict]:
         schedule, timeline = None, None
         if dims.pp > 1:
             schedule, stages = build_pipeline_schedule(
-                parts, list(plan.stage_ids), plan.n_stages,
-                schedule=plan.pp_schedule, microbatches=plan.pp_microbatches,
-                pp_group=meshes.pp.get_group(), device=device,
+                parts,
+                list(plan.stage_ids),
+                plan.n_stages,
+                schedule=plan.pp_schedule,
+                microbatches=plan.pp_microbatches,
+                pp_group=meshes.pp.get_group(),
+                device=device,
                 loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / plan.global_tokens,
-            )  # fmt: skip
+            )
             if cfg.run.pp_timeline:
                 timeline = PipelineTimeline(plan.pp_rank, device)
                 for stage in stages:
@@ -241,13 +241,27 @@ def train(cfg: Config) -> list[dict]:
         # cp ranks of one dp rank read the same windows; each keeps its chunks of every sequence
         positions = load_balanced_positions(t.seq_len, meshes.cp.get_local_rank(), dims.cp) if dims.cp > 1 else None
         loader = GlobalBatchLoader(
-            data.train, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=plan.micro_batch,
-            dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp, positions=positions,
-        )  # fmt: skip
-        val_loader = None if data.val is None else GlobalBatchLoader(
-            data.val, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=plan.micro_batch,
-            dp_rank=meshes.dp.get_local_rank(), dp_size=dims.dp, positions=positions,
-        )  # fmt: skip
+            data.train,
+            seq_len=t.seq_len,
+            global_batch=t.global_batch,
+            micro_batch=plan.micro_batch,
+            dp_rank=meshes.dp.get_local_rank(),
+            dp_size=dims.dp,
+            positions=positions,
+        )
+        val_loader = (
+            None
+            if data.val is None
+            else GlobalBatchLoader(
+                data.val,
+                seq_len=t.seq_len,
+                global_batch=t.global_batch,
+                micro_batch=plan.micro_batch,
+                dp_rank=meshes.dp.get_local_rank(),
+                dp_size=dims.dp,
+                positions=positions,
+            )
+        )
         # Weights, optimizer, LR schedule, data position and RNG from the checkpoint (or init_from weights).
         with phase("loading the checkpoint", "checkpoint group"):
             start_step = checkpoints.restore(parts, optimizers, loader)
@@ -315,18 +329,21 @@ def train(cfg: Config) -> list[dict]:
                 moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss, meshes.tp) if moe_layer_ids else {}
             elapsed = device_time(device) - start
             record = {
-                "step": step, "loss": loss, "grad_norm": norm, "lr": lr,
-                "tokens_per_s": plan.global_tokens / elapsed, **throughput.fields(plan.global_tokens / elapsed),
+                "step": step,
+                "loss": loss,
+                "grad_norm": norm,
+                "lr": lr,
+                "tokens_per_s": plan.global_tokens / elapsed,
+                **throughput.fields(plan.global_tokens / elapsed),
                 "peak_mem_bytes": peak_memory_bytes(device),
-                "tokens_consumed": loader.tokens_consumed, **load_metrics(moe_load),
-            }  # fmt: skip
+                "tokens_consumed": loader.tokens_consumed,
+                **load_metrics(moe_load),
+            }
             if eval_due(step, cfg.eval.interval, t.steps):
                 with phase(f"step {step}: validation", model_groups or "none (one process)"):
                     record["val_loss"] = evaluate(
-                        parts, schedule, val_loader, steps=cfg.eval.steps, stage_ids=list(plan.stage_ids),
-                        n_stages=plan.n_stages, loss_fn=token_loss_sum, tp_enabled=dims.tp > 1,
-                        loss_mesh=meshes.loss, device=device,
-                    )  # fmt: skip
+                        parts, schedule, val_loader, plan, meshes, steps=cfg.eval.steps, device=device
+                    )
             records.append(record)
             if step % cfg.run.log_every == 0 or step == t.steps or "val_loss" in record:
                 writer.log(record)
@@ -364,11 +381,11 @@ def stop_after(cfg: Config, step: int, signum: int, checkpoints, parts, optimize
     import signal as signal_module
 
     name = signal_module.Signals(signum).name
-    if checkpoints.cfg.checkpoint.interval > 0 and checkpoints.last_saved != step:
+    if cfg.checkpoint.interval > 0 and checkpoints.last_saved != step:
         with phase(f"saving step {step} after {name}", "checkpoint group, control plane"):
             checkpoints.save(step, parts, optimizers, loader)
     checkpoints.finish()
-    if checkpoints.cfg.checkpoint.interval > 0:
+    if cfg.checkpoint.interval > 0:
         saved = f"step {step} is saved in {checkpoints.folder}"
         again = " ".join(
             ["torchrun ..." if "TORCHELASTIC_RUN_ID" in os.environ else "python", "train.py", *sys.argv[1:]]

@@ -163,7 +163,7 @@ def formula_bytes(
 
 
 def table(args: ModelArgs = BENCH_ARGS, batch: int = BATCH, seq: int = SEQ, layouts=LAYOUTS) -> list[dict]:
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     rows = []
     for name, tp, sp, rg in layouts:

@@ -68,14 +68,18 @@ def main(argv: list[str] | None = None) -> None:
             strict=True,
         )
     )
-    print(f"one Attention, fp32, CPU: batch {BATCH}, sequence {SEQ}, dim {ARGS.dim}, {ARGS.n_heads} heads, "
-          f"{ARGS.n_kv_heads} kv heads; forward + backward, median of {args.rounds} alternating rounds")  # fmt: skip
+    print(
+        f"one Attention, fp32, CPU: batch {BATCH}, sequence {SEQ}, dim {ARGS.dim}, {ARGS.n_heads} heads, "
+        f"{ARGS.n_kv_heads} kv heads; forward + backward, median of {args.rounds} alternating rounds"
+    )
     print(f"{'path':<28} {'ms':>8} {'saved bytes':>13}")
     for grouped, label in ((False, "repeat k/v, then SDPA"), (True, "SDPA enable_gqa")):
         print(f"{label:<28} {statistics.median(times[grouped]) * 1e3:8.1f} {results[grouped][3]:13,}")
     ratio = statistics.median(times[False]) / statistics.median(times[True])
-    print(f"enable_gqa is {ratio:.2f}x as fast; saves {results[False][3] - results[True][3]:,} bytes fewer; "
-          f"largest difference in outputs and gradients: {diff:.1e} of the tensor's largest value")  # fmt: skip
+    print(
+        f"enable_gqa is {ratio:.2f}x as fast; saves {results[False][3] - results[True][3]:,} bytes fewer; "
+        f"largest difference in outputs and gradients: {diff:.1e} of the tensor's largest value"
+    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import sys
 import tempfile
 import time
 
-from tests.harness import RankFailure
-from tests.training_runs import ROOT, train_on
+from launch.local_runs import ROOT, train_on
+from launch.spawn import RankFailure
 
 DEBUG = str(ROOT / "configs" / "debug.toml")
 MOE = str(ROOT / "configs" / "debug_moe.toml")
@@ -29,14 +29,17 @@ LAYOUTS = {
     "tp2": (2, DEBUG, {"parallel.tp": 2, "parallel.dp_shard": 1}),
     "tp2-nosp": (2, DEBUG, {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sequence_parallel": False}),
     "pp2-1F1B": (2, DEBUG, {"parallel.pp": 2, "parallel.dp_shard": 1}),
-    "pp2-Interleaved1F1B": (2, DEBUG, {"parallel.pp": 2, "parallel.dp_shard": 1,
-                                       "parallel.pp_schedule": "Interleaved1F1B"}),
+    "pp2-Interleaved1F1B": (
+        2,
+        DEBUG,
+        {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "Interleaved1F1B"},
+    ),
     "cp2-allgather": (2, DEBUG, {"parallel.cp": 2, "parallel.dp_shard": 1}),
     "cp2-ring": (2, DEBUG, {"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_attention": "ring"}),
     "moe-one": (1, MOE, {}),
     "moe-ep2": (2, MOE, {"parallel.dp_shard": 2, "parallel.ep": 2}),
     "moe-tp2": (2, MOE, {"parallel.tp": 2, "parallel.dp_shard": 1}),
-}  # fmt: skip
+}
 
 
 def last_error_line(text: str) -> str:
@@ -65,8 +68,11 @@ def main(names: list[str]) -> None:
                     print(f"{name:<20} FAILED: {last_error_line(text)}", flush=True)
                 continue
         diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(compiled, eager, strict=True))
-        print(f"{name:<20} compiles: loss differs by {diff:.1e} at most (eager {t1 - t0:.0f} s, compiled "
-              f"{time.monotonic() - t1:.0f} s with compilation)", flush=True)  # fmt: skip
+        print(
+            f"{name:<20} compiles: loss differs by {diff:.1e} at most (eager {t1 - t0:.0f} s, compiled "
+            f"{time.monotonic() - t1:.0f} s with compilation)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

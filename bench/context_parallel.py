@@ -98,8 +98,11 @@ class SentBytes(TorchDispatchMode):
             nbytes = tensor.numel() * tensor.element_size()
             # all-gather: each rank passes on the n - 1 pieces that are not its own; reduce-scatter of an input of
             # n pieces: n - 1 partial pieces leave each rank; a send sends its tensor
-            self.sent += {"all_gather_into_tensor": (self.n - 1) * nbytes,
-                          "reduce_scatter_tensor": (self.n - 1) * nbytes // self.n, "send": nbytes}[name]  # fmt: skip
+            self.sent += {
+                "all_gather_into_tensor": (self.n - 1) * nbytes,
+                "reduce_scatter_tensor": (self.n - 1) * nbytes // self.n,
+                "send": nbytes,
+            }[name]
             self.ops[name] = self.ops.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
@@ -124,28 +127,37 @@ def formula_comm(args: ModelArgs, batch: int, seq: int, cp: int, algorithm: str)
 
 
 def memory_table(args: ModelArgs = BENCH_ARGS, batch: int = BATCH, seq: int = SEQ, rows=ROWS) -> list[dict]:
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     table = []
     for cp, algorithm in rows:
-        ranks = [measure_block(args, batch, seq, algorithm)] if cp == 1 else run_on_ranks(
-            measure_block, cp, args, batch, seq, algorithm, timeout=600
-        )  # fmt: skip
+        ranks = (
+            [measure_block(args, batch, seq, algorithm)]
+            if cp == 1
+            else run_on_ranks(measure_block, cp, args, batch, seq, algorithm, timeout=600)
+        )
         formulas = [formula_bytes(args, batch, seq, cp, r["rank"], algorithm) for r in ranks]
         table.append({"cp": cp, "algorithm": algorithm, "bytes": [r["bytes"] for r in ranks], "formula": formulas})
     return table
 
 
 def comm_table(args: ModelArgs = BENCH_ARGS, batch: int = BATCH, seq: int = SEQ, cps=(2, 4)) -> list[dict]:
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     table = []
     for cp in cps:
         for algorithm in ("allgather", "ring"):
             ranks = run_on_ranks(measure_comm, cp, args, batch, seq, algorithm, timeout=600)
-            table.append({"cp": cp, "algorithm": algorithm, "bytes": ranks[0]["bytes"], "ops": ranks[0]["ops"],
-                          "same_on_every_rank": len({r["bytes"] for r in ranks}) == 1,
-                          "formula": formula_comm(args, batch, seq, cp, algorithm)})  # fmt: skip
+            table.append(
+                {
+                    "cp": cp,
+                    "algorithm": algorithm,
+                    "bytes": ranks[0]["bytes"],
+                    "ops": ranks[0]["ops"],
+                    "same_on_every_rank": len({r["bytes"] for r in ranks}) == 1,
+                    "formula": formula_comm(args, batch, seq, cp, algorithm),
+                }
+            )
     return table
 
 

@@ -25,7 +25,7 @@ def train_and_time(overrides: dict, run_dir: str) -> list[float]:
     """Rank body: train the debug model with ``overrides``; returns the seconds each maybe_save that saved took."""
     import train
     from checkpoint.manager import CheckpointManager
-    from config import load_config
+    from runtime.config import load_config
 
     plain, seconds = CheckpointManager.maybe_save, []
 
@@ -52,7 +52,7 @@ def chunks(folder: Path) -> tuple[dict, list]:
 
 
 def files(world: int, run_dir: str) -> None:
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     overrides = {"parallel.dp_shard": world, "training.steps": 4, "checkpoint.interval": 4}
     run_on_ranks(train_and_time, world, overrides, run_dir, timeout=300)
@@ -61,20 +61,26 @@ def files(world: int, run_dir: str) -> None:
     print(f"dp_shard={world}: {folder.name}/")
     for path in sorted(folder.iterdir()):
         print(f"  {path.name:<16} {path.stat().st_size:>10,} bytes")
-    print(f"  .metadata entries: {sum(kinds.values())} ({kinds['tensors']} tensors, {kinds['small Python values']} "
-          f"small Python values)")  # fmt: skip
+    print(
+        f"  .metadata entries: {sum(kinds.values())} ({kinds['tensors']} tensors, {kinds['small Python values']} "
+        f"small Python values)"
+    )
     print(f"  {KEY} chunks (offsets, sizes): {saved}")
 
 
 def timing() -> None:
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     print("seconds the training loop waited in each save (rank 0), 3 saves of the debug model")
     for world in (1, 4):
         for async_ in (False, True):
             with tempfile.TemporaryDirectory() as run_dir:
-                overrides = {"parallel.dp_shard": world, "training.steps": 6, "checkpoint.interval": 2,
-                             "checkpoint.async": async_}  # fmt: skip
+                overrides = {
+                    "parallel.dp_shard": world,
+                    "training.steps": 6,
+                    "checkpoint.interval": 2,
+                    "checkpoint.async": async_,
+                }
                 seconds = run_on_ranks(train_and_time, world, overrides, run_dir, timeout=300)[0]
             print(f"  world {world}, async {str(async_).lower():<5}: " + ", ".join(f"{s:.2f}" for s in seconds))
 

@@ -37,24 +37,40 @@ def worker(scenario: str) -> None:
     start = time.monotonic()
     try:
         dist.all_reduce(x)
-        print(f"[{scenario}] rank {rank}: all_reduce returned {x.tolist()} after {time.monotonic() - start:.1f} s",
-              flush=True)  # fmt: skip
+        print(
+            f"[{scenario}] rank {rank}: all_reduce returned {x.tolist()} after {time.monotonic() - start:.1f} s",
+            flush=True,
+        )
     except Exception as exc:  # noqa: BLE001 - the point is to show it
         first = str(exc).strip().splitlines()[0][:120]
-        print(f"[{scenario}] rank {rank}: {type(exc).__name__} after {time.monotonic() - start:.1f} s: {first}",
-              flush=True)  # fmt: skip
+        print(
+            f"[{scenario}] rank {rank}: {type(exc).__name__} after {time.monotonic() - start:.1f} s: {first}",
+            flush=True,
+        )
         raise
 
 
 def main() -> None:
     for scenario, extra in SCENARIOS.items():
         env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "bench.failure_modes", "--worker", scenario]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "bench.failure_modes",
+            "--worker",
+            scenario,
+        ]
         start = time.monotonic()
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-        print(f"--- {scenario}{' ' + str(extra) if extra else ''}: torchrun exit code {out.returncode} after "
-              f"{time.monotonic() - start:.0f} s (launch included)")  # fmt: skip
+        print(
+            f"--- {scenario}{' ' + str(extra) if extra else ''}: torchrun exit code {out.returncode} after "
+            f"{time.monotonic() - start:.0f} s (launch included)"
+        )
         text = out.stdout + out.stderr
         for line in text.splitlines():
             if line.startswith(f"[{scenario}]") or "local_rank:" in line or "exitcode" in line:

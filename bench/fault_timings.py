@@ -23,10 +23,22 @@ from pathlib import Path
 
 
 def stall(tmp: Path) -> None:
-    from tests.test_faults import Launch
+    from launch.local_runs import TorchrunLaunch
 
-    run = Launch(tmp, 4, "--parallel.dp_shard", "2", "--parallel.tp", "2", "--training.steps", "500",
-                 "--parallel.collective_timeout_s", "15", "--run.dir", str(tmp / "stall"))  # fmt: skip
+    run = TorchrunLaunch(
+        tmp,
+        4,
+        "--parallel.dp_shard",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--training.steps",
+        "500",
+        "--parallel.collective_timeout_s",
+        "15",
+        "--run.dir",
+        str(tmp / "stall"),
+    )
     run.wait_for(r"step +3 \|")
     start = time.monotonic()
     os.kill(run.workers()[3], signal.SIGSTOP)
@@ -42,10 +54,20 @@ def stall(tmp: Path) -> None:
 
 
 def sigterm(tmp: Path) -> None:
-    from tests.test_faults import Launch
+    from launch.local_runs import TorchrunLaunch
 
-    run = Launch(tmp, 2, "--parallel.dp_shard", "2", "--training.steps", "200", "--checkpoint.interval", "100",
-                 "--run.dir", str(tmp / "sigterm"))  # fmt: skip
+    run = TorchrunLaunch(
+        tmp,
+        2,
+        "--parallel.dp_shard",
+        "2",
+        "--training.steps",
+        "200",
+        "--checkpoint.interval",
+        "100",
+        "--run.dir",
+        str(tmp / "sigterm"),
+    )
     run.wait_for(r"step +5 \|")
     start = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
@@ -58,18 +80,33 @@ def sigterm(tmp: Path) -> None:
 
 
 def restart(tmp: Path) -> None:
-    from tests.test_faults import Launch
+    from launch.local_runs import TorchrunLaunch
 
-    run = Launch(tmp, 2, "--parallel.dp_shard", "2", "--training.steps", "12", "--checkpoint.interval", "3",
-                 "--checkpoint.resume", "auto", "--run.dir", str(tmp / "restart"), restarts=1)  # fmt: skip
+    run = TorchrunLaunch(
+        tmp,
+        2,
+        "--parallel.dp_shard",
+        "2",
+        "--training.steps",
+        "12",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.resume",
+        "auto",
+        "--run.dir",
+        str(tmp / "restart"),
+        restarts=1,
+    )
     run.wait_for(r"step +5 \|")
     start = time.monotonic()
     os.kill(run.workers()[1], signal.SIGKILL)
     resumed = run.seconds_until(r"checkpoint: resumed .* at step (\d+)", timeout=120)
     code, _ = run.wait(timeout=240)
     step = re.search(r"checkpoint: resumed .* at step (\d+)", run.text())
-    print(f"restart: the restarted workers resumed step {step.group(1) if step else '?'} {resumed:.1f} s after the "
-          f"SIGKILL; the run completed (exit {code}) after {time.monotonic() - start:.1f} s")  # fmt: skip
+    print(
+        f"restart: the restarted workers resumed step {step.group(1) if step else '?'} {resumed:.1f} s after the "
+        f"SIGKILL; the run completed (exit {code}) after {time.monotonic() - start:.1f} s"
+    )
 
 
 def main() -> None:

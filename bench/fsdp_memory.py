@@ -39,11 +39,11 @@ def local_bytes(t: torch.Tensor) -> int:
 
 def measure(config: str = CONFIG) -> dict[str, int]:
     """Rank body: build the FSDP2 model over dp_shard = world, take one AdamW step, count local bytes."""
-    from config import load_config
     from mesh.dims import build_mesh
     from mesh.plan import LayoutPlan
-    from optim import Optimizers
+    from runtime.config import load_config
     from train import build_model
+    from training.optimizer import Optimizers
 
     world = dist.get_world_size()
     cfg = load_config(path=config, overrides={"parallel.dp_shard": world})
@@ -86,7 +86,7 @@ def formula_bytes(psi: int, n: int) -> float:
 
 def table(world_sizes=WORLD_SIZES) -> list[dict]:
     """Measure on each world size; one row per N with the largest rank's bytes and the formula."""
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     rows = []
     for n in world_sizes:

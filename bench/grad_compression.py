@@ -39,8 +39,8 @@ TAIL = 50  # steps averaged for the converged-loss comparison
 
 def train_counted(overrides: dict, run_dir: str) -> dict:
     """Rank body: train the embedded default with ``overrides``; losses and gradient bytes of every step."""
-    import optim
-    from config import load_config
+    import training.optimizer as optim
+    from runtime.config import load_config
     from train import train
 
     base = {"run.dir": run_dir, "run.tensorboard": False, "run.log_every": 10**6}
@@ -63,7 +63,7 @@ def train_counted(overrides: dict, run_dir: str) -> dict:
 
 
 def run_variants(steps: int, variants: dict = VARIANTS, world: int = 2, timeout: float = 1800) -> dict[str, dict]:
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="meshloom-compression-") as tmp:

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.grad_sync_memory        # from the repository root, about a minute
 
 The debug model (Ψ = 853,120, fp32) built as train.py builds it, on 2 or 4 gloo ranks. One micro-batch's
-forward and backward runs inside ``mesh.savers.reduction_window`` with the reduction on (``microbatch``) or
+forward and backward runs inside ``mesh.comm_memory_savers.reduction_window`` with the reduction on (``microbatch``) or
 off (``step``, a non-final micro-batch); then the bytes of every live tensor storage of the process are added
 up (``gc``, each storage once) and compared with the count before the forward. Activations are freed by then,
 so the difference is the gradient state the rank carries into the next micro-batch:
@@ -51,11 +51,12 @@ def live_tensor_bytes() -> int:
 
 def held_after_backward(overrides: dict, reduce: bool) -> dict:
     """Rank body: bytes of gradient state held after one micro-batch with the reduction on or off."""
-    from config import load_config
+    from mesh.comm_memory_savers import reduction_window
     from mesh.dims import build_mesh
     from mesh.plan import LayoutPlan
-    from mesh.savers import reduction_window
-    from train import build_model, token_loss_sum
+    from runtime.config import load_config
+    from train import build_model
+    from training.loss import token_loss_sum
 
     cfg = load_config(path="configs/debug.toml", overrides=overrides)
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
@@ -71,7 +72,7 @@ def held_after_backward(overrides: dict, reduce: bool) -> dict:
 
 
 def table() -> list[dict]:
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     rows = []
     for name, layout in LAYOUTS.items():

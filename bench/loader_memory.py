@@ -69,8 +69,9 @@ def child(folder: str, mode: str) -> dict:
         tokens = open_tokens(folder, header)
     else:
         tokens = np.fromfile(Path(folder) / "tokens.bin", dtype="<u2")
-    loader = GlobalBatchLoader(tokens, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH,
-                               dp_rank=0, dp_size=1)  # fmt: skip
+    loader = GlobalBatchLoader(
+        tokens, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH, dp_rank=0, dp_size=1
+    )
     checksum = 0
     span = header["num_tokens"] - GLOBAL_BATCH * SEQ_LEN - 1
     for i in range(BATCHES):
@@ -105,23 +106,29 @@ def main() -> None:
             for mode in ("mmap", "in-memory"):
                 r = measure(folder, mode)
                 rows.append((scale, mode, r))
-        print(f"loader resident memory after {BATCHES} global batches of {GLOBAL_BATCH} x {SEQ_LEN} tokens spread "
-              "over the whole file (MiB; 'after imports' is torch + numpy + meshloom)")  # fmt: skip
+        print(
+            f"loader resident memory after {BATCHES} global batches of {GLOBAL_BATCH} x {SEQ_LEN} tokens spread "
+            "over the whole file (MiB; 'after imports' is torch + numpy + meshloom)"
+        )
         print(
             f"{'file':>16} {'loader':>10} {'after imports':>14} {'VmRSS':>8} {'RssAnon':>8} {'RssFile':>8} {'peak':>8}"
         )
         for scale, mode, r in rows:
             size = f"{r['num_tokens'] * 2 / 1e6:,.0f} MB ({scale}x)"
             a = r["after"]
-            print(f"{size:>16} {mode:>10} {r['before']['VmRSS'] / mib:14.0f} {a['VmRSS'] / mib:8.0f} "
-                  f"{a['RssAnon'] / mib:8.0f} {a['RssFile'] / mib:8.0f} {a['VmHWM'] / mib:8.0f}")  # fmt: skip
+            print(
+                f"{size:>16} {mode:>10} {r['before']['VmRSS'] / mib:14.0f} {a['VmRSS'] / mib:8.0f} "
+                f"{a['RssAnon'] / mib:8.0f} {a['RssFile'] / mib:8.0f} {a['VmHWM'] / mib:8.0f}"
+            )
         grow = {
             mode: [r["after"]["VmRSS"] - r["before"]["VmRSS"] for _, m, r in rows if m == mode]
             for mode in ("mmap", "in-memory")
         }
         for mode, (small, large) in grow.items():
-            print(f"{mode:>10}: the loader adds {small / mib:7.1f} MiB with the 1x file and {large / mib:7.1f} MiB "
-                  f"with the 10x file ({large / max(small, 1):.1f}x)")  # fmt: skip
+            print(
+                f"{mode:>10}: the loader adds {small / mib:7.1f} MiB with the 1x file and {large / mib:7.1f} MiB "
+                f"with the 10x file ({large / max(small, 1):.1f}x)"
+            )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python -m bench.logits_memory        # docs/combining.md, section 6: the planner's 12 bytes per logit
 
 bench/plan_layout.py charges the last pipeline stage 12·s·V/tp bytes for the logits. This measures what the
-head and ``train.token_loss_sum`` (``.float()`` then cross-entropy with a sum) keep alive: a dispatch mode
+head and ``training/loss.py: token_loss_sum`` (``.float()`` then cross-entropy with a sum) keep alive: a dispatch mode
 records the storage of every op output as it is created, and after every op sums the bytes of those still
 alive. The peak in forward and the peak in backward, divided by the number of logits b·s·V, are the bytes
 per logit. The hidden-state input and the head's weight (and views of them) exist before and after and are
@@ -21,7 +21,7 @@ def peak_bytes_per_logit(batch: int = 2, seq: int = 64, dim: int = 64, vocab: in
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from train import token_loss_sum
+    from training.loss import token_loss_sum
 
     class LiveBytes(TorchDispatchMode):
         def __init__(self, exclude):

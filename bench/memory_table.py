@@ -1,6 +1,6 @@
 """Why one device is not enough: training-state bytes per parameter, and per rank under ZeRO / FSDP.
 
-    python bench/memory_table.py
+    python -m bench.memory_table
 
 Mixed-precision training with Adam keeps, per parameter (Ψ parameters in all):
   2Ψ   bf16 parameters (what forward and backward compute with)
@@ -14,12 +14,7 @@ That is 16 bytes per parameter before a single activation is stored. Sharding ov
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a plain script
-
-from models.llama import PRESETS  # noqa: E402
+from models.llama import PRESETS
 
 K = 12  # fp32 master weights + Adam m + Adam v, 4 bytes each
 DP_SIZES = (8, 64, 512)
@@ -41,8 +36,10 @@ def bytes_per_rank(psi: int, n: int = 1) -> dict[str, float]:
 def main() -> None:
     print(f"bytes per parameter, bf16 + Adam: 2 + 2 + {K} = {bytes_per_rank(1)['full state']:.0f}")
     gpt3 = bytes_per_rank(175_000_000_000)
-    print(f"175B parameters: fp32 weights alone {gpt3['fp32 weights'] / GB:,.0f} GB, "
-          f"16 B/param training state {gpt3['full state'] / GB:,.0f} GB\n")  # fmt: skip
+    print(
+        f"175B parameters: fp32 weights alone {gpt3['fp32 weights'] / GB:,.0f} GB, "
+        f"16 B/param training state {gpt3['full state'] / GB:,.0f} GB\n"
+    )
 
     print(f"{'model':<11} {'Ψ':>8} {'fp32 weights':>13} {'16 B/param':>11}")
     for name, args in PRESETS.items():

@@ -35,14 +35,20 @@ def schemes(aux_coef: float, bias_rate: float) -> dict[str, tuple[str, dict]]:
     """name -> (legend label, config overrides)."""
     return {
         "none": ("no balancing", {"model.moe_aux_loss_coef": 0.0, "model.moe_bias_update_rate": 0.0}),
-        "aux": (f"aux loss, coef {aux_coef:g}", {"model.moe_aux_loss_coef": aux_coef, "model.moe_bias_update_rate": 0.0}),
-        "bias": (f"bias, rate {bias_rate:g}", {"model.moe_aux_loss_coef": 0.0, "model.moe_bias_update_rate": bias_rate}),
-    }  # fmt: skip
+        "aux": (
+            f"aux loss, coef {aux_coef:g}",
+            {"model.moe_aux_loss_coef": aux_coef, "model.moe_bias_update_rate": 0.0},
+        ),
+        "bias": (
+            f"bias, rate {bias_rate:g}",
+            {"model.moe_aux_loss_coef": 0.0, "model.moe_bias_update_rate": bias_rate},
+        ),
+    }
 
 
 def run(overrides: dict, steps: int, run_dir: str) -> list[dict]:
     """One in-process training run (a world of one; train() creates the process group if needed)."""
-    from config import load_config
+    from runtime.config import load_config
     from train import train
 
     base = {"training.steps": steps, "run.dir": run_dir, "run.tensorboard": False, "run.log_every": steps}
@@ -63,8 +69,17 @@ def nice_ticks(top: float, n: int = 5) -> list[float]:
     return ticks
 
 
-def panel(series: dict[str, list[float]], labels: dict[str, str], key_title: str, x0: float, y0: float,
-          width: float, height: float, y_floor: float = 0.0, ceiling: tuple[float, str] | None = None) -> list[str]:  # fmt: skip
+def panel(
+    series: dict[str, list[float]],
+    labels: dict[str, str],
+    key_title: str,
+    x0: float,
+    y0: float,
+    width: float,
+    height: float,
+    y_floor: float = 0.0,
+    ceiling: tuple[float, str] | None = None,
+) -> list[str]:
     """One line chart: axes, ticks, grid, a polyline per series. ``y_floor`` is the bottom of the y axis;
     ``ceiling`` (value, label) draws a dashed horizontal line."""
     steps = max(len(v) for v in series.values())
@@ -123,16 +138,27 @@ def load_svg(records: dict[str, list[dict]], labels: dict[str, str], title: str,
     ]
     cv = {name: [r["expert_load_cv"] for r in recs] for name, recs in records.items()}
     ratio = {name: [r["expert_load_max_over_mean"] for r in recs] for name, recs in records.items()}
-    parts += panel(cv, labels, "coefficient of variation of tokens per expert (mean over layers)",
-                   left, top, width, height)  # fmt: skip
-    parts += panel(ratio, labels, "max / mean tokens per expert (worst layer)",
-                   left + width + gap, top, width, height, y_floor=1.0,
-                   ceiling=(n_experts / top_k, f"ceiling E/k = {n_experts / top_k:g}"))  # fmt: skip
+    parts += panel(
+        cv, labels, "coefficient of variation of tokens per expert (mean over layers)", left, top, width, height
+    )
+    parts += panel(
+        ratio,
+        labels,
+        "max / mean tokens per expert (worst layer)",
+        left + width + gap,
+        top,
+        width,
+        height,
+        y_floor=1.0,
+        ceiling=(n_experts / top_k, f"ceiling E/k = {n_experts / top_k:g}"),
+    )
     legend_y = top + height + 62
     for i, name in enumerate(records):
         x = left + i * 260
-        parts.append(f'<line x1="{x}" y1="{legend_y - 4}" x2="{x + 24}" y2="{legend_y - 4}" '
-                     f'stroke="{COLOURS[name]}" stroke-width="3"/>')  # fmt: skip
+        parts.append(
+            f'<line x1="{x}" y1="{legend_y - 4}" x2="{x + 24}" y2="{legend_y - 4}" '
+            f'stroke="{COLOURS[name]}" stroke-width="3"/>'
+        )
         parts.append(f'<text x="{x + 30}" y="{legend_y}">{labels[name]}</text>')
     parts.append("</svg>")
     return "\n".join(parts)
@@ -171,9 +197,13 @@ def main() -> None:
         "CV = std/mean of tokens per expert, mean over the MoE layers; max/mean = worst layer; "
         f"'CV, last {tail}' = mean CV of the last {tail} steps"
     )
-    print(f"{'run':<22}" + "".join(f"{'CV@' + str(s):>9}" for s in steps)
-          + "".join(f"{'max/mean@' + str(s):>13}" for s in steps) + f"{'CV, last ' + str(tail):>12}"
-          + f"{'final loss':>12}")  # fmt: skip
+    print(
+        f"{'run':<22}"
+        + "".join(f"{'CV@' + str(s):>9}" for s in steps)
+        + "".join(f"{'max/mean@' + str(s):>13}" for s in steps)
+        + f"{'CV, last ' + str(tail):>12}"
+        + f"{'final loss':>12}"
+    )
     for name, recs in records.items():
         print(
             f"{labels[name]:<22}"
@@ -191,12 +221,14 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        from config import load_config
+        from runtime.config import load_config
 
         model = load_config(path=str(CONFIG)).model
         n_layers = len(next(iter(records.values()))[0]["expert_load"])
-        title = (f"Expert load per step: configs/debug_moe.toml ({model.n_experts} experts, top-{model.top_k}, "
-                 f"{n_layers} MoE layers), one process")  # fmt: skip
+        title = (
+            f"Expert load per step: configs/debug_moe.toml ({model.n_experts} experts, top-{model.top_k}, "
+            f"{n_layers} MoE layers), one process"
+        )
         out.write_text(load_svg(records, labels, title, model.n_experts, model.top_k))
         print(f"\npicture -> {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
 

@@ -72,11 +72,12 @@ def measure(offload: bool, steps: int, seq_len: int, batch: int, device: torch.d
 
     On a CPU ``device`` (the smoke test) there is no device memory to read: ``resident``/``peak`` are 0.
     """
-    from config import load_config
     from mesh.dims import build_mesh
     from mesh.plan import LayoutPlan
-    from optim import Optimizers
-    from train import build_model, token_loss_sum
+    from runtime.config import load_config
+    from train import build_model
+    from training.loss import token_loss_sum
+    from training.optimizer import Optimizers
 
     world = dist.get_world_size()
     cfg = load_config(
@@ -86,7 +87,7 @@ def measure(offload: bool, steps: int, seq_len: int, batch: int, device: torch.d
             "parallel.fsdp_cpu_offload": offload,
             "training.seq_len": seq_len,
             "training.global_batch": batch * world,
-        }  # fmt: skip
+        }
     )
     plan = LayoutPlan.resolve(cfg, world, dist.get_rank())
     if device.type == "cuda":
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--formula", action="store_true", help="print the formula only")
     args = parser.parse_args()
-    from config import load_config, model_args
+    from runtime.config import load_config, model_args
 
     psi = model_args(load_config(overrides=MODEL)).num_params()
     if args.formula or not torch.cuda.is_available():
@@ -138,7 +139,7 @@ def main() -> None:
             print("no CUDA device: device memory NOT measured; the formula for this model:")
         print_formula(psi, int(os.environ.get("WORLD_SIZE", "1")))
         return
-    from mesh.runtime import destroy_process_group, init_process_group, select_device
+    from runtime.process import destroy_process_group, init_process_group, select_device
 
     control = init_process_group(select_device("cuda"), 600)
     rows = {}

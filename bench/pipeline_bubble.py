@@ -26,19 +26,26 @@ MODEL = {"model.dim": 256, "model.n_layers": 8, "model.n_heads": 8, "model.n_kv_
 
 
 def run_schedule(schedule: str, pp: int, microbatches: int, run_dir: str) -> None:
-    from config import load_config
+    from runtime.config import load_config
     from train import train
 
     overrides = {
-        **MODEL, "parallel.pp": pp, "parallel.dp_shard": 1, "parallel.pp_schedule": schedule,
-        "parallel.pp_microbatches": microbatches, "training.global_batch": microbatches, "training.steps": 3,
-        "run.dir": run_dir, "run.tensorboard": False, "run.pp_timeline": True,
-    }  # fmt: skip
+        **MODEL,
+        "parallel.pp": pp,
+        "parallel.dp_shard": 1,
+        "parallel.pp_schedule": schedule,
+        "parallel.pp_microbatches": microbatches,
+        "training.global_batch": microbatches,
+        "training.steps": 3,
+        "run.dir": run_dir,
+        "run.tensorboard": False,
+        "run.pp_timeline": True,
+    }
     train(load_config(path=str(ROOT / "configs" / "debug.toml"), overrides=overrides))
 
 
 def main() -> None:
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=2)
@@ -46,7 +53,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "docs" / "img"))
     parser.add_argument("--details", action="store_true", help="per-rank F/B/I/W/idle seconds of the last step")
     args = parser.parse_args()
-    from docs.figures import pipeline_ideal
+    from bench.schedule_ir import pipeline_ideal
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,7 @@ def split_table() -> list[str]:
 def scale_grads_run(scale_grads: bool, run_dir: str) -> list[dict]:
     """Rank body: 3 steps of the debug model on pp 2 (ZBVZeroBubble, m 4), optionally with scale_grads=True."""
     import train
-    from config import load_config
+    from runtime.config import load_config
 
     build = train.build_pipeline_schedule
 
@@ -59,25 +59,36 @@ def scale_grads_run(scale_grads: bool, run_dir: str) -> list[dict]:
         return schedule, stages
 
     train.build_pipeline_schedule = build_then_rescale
-    overrides = {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "ZBVZeroBubble",
-                 "parallel.pp_microbatches": 4, "training.steps": 3, "run.dir": run_dir, "run.tensorboard": False}  # fmt: skip
+    overrides = {
+        "parallel.pp": 2,
+        "parallel.dp_shard": 1,
+        "parallel.pp_schedule": "ZBVZeroBubble",
+        "parallel.pp_microbatches": 4,
+        "training.steps": 3,
+        "run.dir": run_dir,
+        "run.tensorboard": False,
+    }
     return train.train(load_config(path="configs/debug.toml", overrides=overrides))
 
 
 def scale_grads() -> list[str]:
-    from tests.harness import run_on_ranks
-    from tests.training_runs import train_on
+    from launch.local_runs import train_on
+    from launch.spawn import run_on_ranks
 
     with tempfile.TemporaryDirectory() as one, tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         reference = train_on(1, {"training.steps": 3}, one)
         ours = run_on_ranks(scale_grads_run, 2, False, a)[0]
         torch_default = run_on_ranks(scale_grads_run, 2, True, b)[0]
-    lines = [f"{'step':>4} {'grad_norm 1 process':>20} {'scale_grads=False':>18} {'=True':>10} {'ratio':>7}   "
-             f"{'loss, =True vs 1 process (relative)':>36}"]  # fmt: skip
+    lines = [
+        f"{'step':>4} {'grad_norm 1 process':>20} {'scale_grads=False':>18} {'=True':>10} {'ratio':>7}   "
+        f"{'loss, =True vs 1 process (relative)':>36}"
+    ]
     for r, o, t in zip(reference, ours, torch_default, strict=True):
         rel = abs(t["loss"] - r["loss"]) / r["loss"]
-        lines.append(f"{r['step']:>4} {r['grad_norm']:>20.7f} {o['grad_norm']:>18.7f} {t['grad_norm']:>10.7f} "
-                     f"{r['grad_norm'] / t['grad_norm']:>7.3f}   {t['loss']:.7f} vs {r['loss']:.7f} ({rel:.1e})")  # fmt: skip
+        lines.append(
+            f"{r['step']:>4} {r['grad_norm']:>20.7f} {o['grad_norm']:>18.7f} {t['grad_norm']:>10.7f} "
+            f"{r['grad_norm'] / t['grad_norm']:>7.3f}   {t['loss']:.7f} vs {r['loss']:.7f} ({rel:.1e})"
+        )
     return lines
 
 

@@ -20,7 +20,7 @@ sequence length s, one sequence per micro-batch, and the worst pipeline stage:
                activation checkpointing a layer keeps only its input, 2·s·h/tp, and backward rebuilds one layer
                at a time: + 34·s·h/tp. A stage has L/pp layers; under 1F1B the first stage holds min(pp, m)
                micro-batches, the last holds one, plus the logits below.
-4. logits      12·s·V/tp on the last stage: bf16 logits, their fp32 copy and log-softmax (train.py:
+4. logits      12·s·V/tp on the last stage: bf16 logits, their fp32 copy and log-softmax (training/loss.py:
                token_loss_sum), and fp32 gradients when backward starts; vocab-sharded by loss_parallel.
 
 Batch, in sequences: B = global_batch_tokens / s, a cap set by convergence, split as micro-batch (1 sequence)
@@ -94,10 +94,20 @@ def estimate(args: ModelArgs, tp: int, pp: int, dp: int, ac: bool, seq_len: int,
     acts = max(first, last)
     states = states_bytes(psi, tp, pp, dp)
     return {
-        "tp": tp, "pp": pp, "dp": dp, "ac": ac, "m": m, "global_batch": m * dp,
-        "bubble": (pp - 1) / (m + pp - 1) if m else 1.0, "batch_ok": m >= 1 and (pp == 1 or m >= pp),
-        "fsdp": fsdp, "states": states, "weights": weights, "acts": acts, "total": states + weights + acts,
-    }  # fmt: skip
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "ac": ac,
+        "m": m,
+        "global_batch": m * dp,
+        "bubble": (pp - 1) / (m + pp - 1) if m else 1.0,
+        "batch_ok": m >= 1 and (pp == 1 or m >= pp),
+        "fsdp": fsdp,
+        "states": states,
+        "weights": weights,
+        "acts": acts,
+        "total": states + weights + acts,
+    }
 
 
 def layouts(args: ModelArgs, gpus: int, seq_len: int, batch: int):
@@ -136,15 +146,24 @@ def overrides(args: ModelArgs, e: dict, seq_len: int) -> list[tuple[str, str]]:
     """The dotted config overrides of ``command`` (the test feeds them to train.check_config)."""
     pipeline = [("parallel.pp_schedule", "1F1B"), ("parallel.pp_microbatches", e["m"])] if e["pp"] > 1 else []
     pairs = [
-        ("model.dim", args.dim), ("model.n_layers", args.n_layers), ("model.n_heads", args.n_heads),
-        ("model.n_kv_heads", args.n_kv_heads), ("model.ffn_dim", args.hidden_dim),
-        ("model.vocab_size", args.vocab_size), ("model.rope_theta", int(args.rope_theta)),
+        ("model.dim", args.dim),
+        ("model.n_layers", args.n_layers),
+        ("model.n_heads", args.n_heads),
+        ("model.n_kv_heads", args.n_kv_heads),
+        ("model.ffn_dim", args.hidden_dim),
+        ("model.vocab_size", args.vocab_size),
+        ("model.rope_theta", int(args.rope_theta)),
         ("model.max_seq_len", max(seq_len, args.max_seq_len)),
-        ("parallel.tp", e["tp"]), ("parallel.pp", e["pp"]), ("parallel.dp_shard", -1), *pipeline,
-        ("training.seq_len", seq_len), ("training.global_batch", e["global_batch"]),
-        ("training.micro_batch", 1 if e["pp"] == 1 else 0), ("training.mixed_precision", "bf16"),
+        ("parallel.tp", e["tp"]),
+        ("parallel.pp", e["pp"]),
+        ("parallel.dp_shard", -1),
+        *pipeline,
+        ("training.seq_len", seq_len),
+        ("training.global_batch", e["global_batch"]),
+        ("training.micro_batch", 1 if e["pp"] == 1 else 0),
+        ("training.mixed_precision", "bf16"),
         ("training.activation_checkpoint", "full" if e["ac"] else "none"),
-    ]  # fmt: skip
+    ]
     return [(k, str(v)) for k, v in pairs]
 
 
@@ -239,8 +258,10 @@ def main_ac() -> None:
 
     a = BENCH_ARGS
     bsh = 4 * BATCH * SEQ * a.dim
-    print(f"one TransformerBlock, fp32, CPU: b={BATCH} s={SEQ} h={a.dim} H={a.hidden_dim} heads={a.n_heads}; "
-          f"4·bsh = {bsh:,} bytes")  # fmt: skip
+    print(
+        f"one TransformerBlock, fp32, CPU: b={BATCH} s={SEQ} h={a.dim} H={a.hidden_dim} heads={a.n_heads}; "
+        f"4·bsh = {bsh:,} bytes"
+    )
     print(f"{'training.activation_checkpoint':<31} {'bytes kept':>11} {'/ 4·bsh':>8} {'/ none':>7}")
     none = None
     for mode in ("none", "selective", "full"):
@@ -267,25 +288,35 @@ def time_estimate(args: ModelArgs, e: dict, seq_len: int) -> dict:
     tp_bytes = (12 if e["ac"] else 8) * per_collective * (layers // e["pp"]) * e["m"] if e["tp"] > 1 else 0.0
     pp_bytes = 2 * seq_len * h * 2 * e["m"] if e["pp"] > 1 else 0.0
     return {
-        "compute": compute, "fsdp_bytes": e["fsdp"], "fsdp": e["fsdp"] / IB_BYTES_S,
-        "tp_bytes": tp_bytes, "tp": tp_bytes / NVLINK_BYTES_S, "pp_bytes": pp_bytes, "pp": pp_bytes / IB_BYTES_S,
+        "compute": compute,
+        "fsdp_bytes": e["fsdp"],
+        "fsdp": e["fsdp"] / IB_BYTES_S,
+        "tp_bytes": tp_bytes,
+        "tp": tp_bytes / NVLINK_BYTES_S,
+        "pp_bytes": pp_bytes,
+        "pp": pp_bytes / IB_BYTES_S,
         "with_bubble": compute / (1 - e["bubble"]),
-    }  # fmt: skip
+    }
 
 
 def main_time(name: str, gpus: int, mem_gb: float, seq_len: int, tokens: float) -> None:
     args, batch = MODELS[name], int(tokens // seq_len)
-    print(f"{name} on {gpus} GPUs, every layout that fits; seconds per step, each term alone (docstring of "
-          "time_estimate)")  # fmt: skip
-    print(f"{'tp x pp x dp':<14} {'m':>4} {'compute':>8} {'FSDP over IB':>19} {'TP over NVLink':>19} "
-          f"{'PP over IB':>17} {'bubble':>15}")  # fmt: skip
+    print(
+        f"{name} on {gpus} GPUs, every layout that fits; seconds per step, each term alone (docstring of time_estimate)"
+    )
+    print(
+        f"{'tp x pp x dp':<14} {'m':>4} {'compute':>8} {'FSDP over IB':>19} {'TP over NVLink':>19} "
+        f"{'PP over IB':>17} {'bubble':>15}"
+    )
     for e in fitting(args, gpus, mem_gb, seq_len, batch):
         t = time_estimate(args, e, seq_len)
         pp = f"{t['pp_bytes'] / GB:,.0f} GB {t['pp']:5.1f} s" if e["pp"] > 1 else "-"
         tp = f"{t['tp_bytes'] / 1e12:,.1f} TB {t['tp']:5.1f} s" if e["tp"] > 1 else "-"
         bubble = f"{e['bubble']:.1%} -> {t['with_bubble']:.0f} s" if e["pp"] > 1 else "0"
-        print(f"{e['tp']} x {e['pp']} x {e['dp']:<7} {e['m']:>4} {t['compute']:>7.0f}s "
-              f"{t['fsdp_bytes'] / GB:>9,.1f} GB {t['fsdp']:>5.2f} s {tp:>19} {pp:>17} {bubble:>15}")  # fmt: skip
+        print(
+            f"{e['tp']} x {e['pp']} x {e['dp']:<7} {e['m']:>4} {t['compute']:>7.0f}s "
+            f"{t['fsdp_bytes'] / GB:>9,.1f} GB {t['fsdp']:>5.2f} s {tp:>19} {pp:>17} {bubble:>15}"
+        )
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.harness import RankFailure, run_on_ranks
+from launch.spawn import RankFailure, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.toml")
@@ -58,9 +58,16 @@ MOE = str(ROOT / "configs" / "debug_moe.toml")
 
 # The shape of the issue's measurements (docs/profiling.md, section 7).
 SHAPE = {
-    "model.dim": 256, "model.n_layers": 6, "model.n_heads": 16, "model.n_kv_heads": 4, "model.vocab_size": 2048,
-    "model.ffn_dim": 768, "training.seq_len": 512, "training.global_batch": 8, "model.max_seq_len": 512,
-}  # fmt: skip
+    "model.dim": 256,
+    "model.n_layers": 6,
+    "model.n_heads": 16,
+    "model.n_kv_heads": 4,
+    "model.vocab_size": 2048,
+    "model.ffn_dim": 768,
+    "training.seq_len": 512,
+    "training.global_batch": 8,
+    "model.max_seq_len": 512,
+}
 MOE_SHAPE = {**SHAPE, "model.n_experts": 8, "model.top_k": 2, "model.moe_ffn_dim": 384}
 
 # name -> (ranks, config, overrides); "plain" is the plain PyTorch loop.
@@ -70,15 +77,23 @@ LAYOUTS: dict[str, tuple[int, str, dict]] = {
     "one-ac": (1, DEBUG, {}),
     "fsdp2": (2, DEBUG, {"parallel.dp_shard": 2}),
     "tp2": (2, DEBUG, {"parallel.tp": 2, "parallel.dp_shard": 1}),
-    "tp2-rg": (2, DEBUG, {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sp_regather": True,
-                          "training.activation_checkpoint": "none"}),
+    "tp2-rg": (
+        2,
+        DEBUG,
+        {
+            "parallel.tp": 2,
+            "parallel.dp_shard": 1,
+            "parallel.sp_regather": True,
+            "training.activation_checkpoint": "none",
+        },
+    ),
     "tp2-noac": (2, DEBUG, {"parallel.tp": 2, "parallel.dp_shard": 1, "training.activation_checkpoint": "none"}),
     "fsdp2xtp2": (4, DEBUG, {"parallel.dp_shard": 2, "parallel.tp": 2}),
     "pp2": (2, DEBUG, {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_microbatches": 4}),
     "moe-one": (1, MOE, {}),
     "moe-tp2": (2, MOE, {"parallel.tp": 2, "parallel.dp_shard": 1}),
     "moe-ep2": (2, MOE, {"parallel.dp_shard": 2, "parallel.ep": 2}),
-}  # fmt: skip
+}
 DEFAULT = ("plain", "one", "one-ac", "fsdp2", "tp2", "fsdp2xtp2")
 # What each layout is compared with (others: one-ac, one process with the same selective AC)
 BASELINE = {"one": "plain", "tp2-noac": "one", "tp2-rg": "tp2-noac", "moe-tp2": "moe-one", "moe-ep2": "moe-one"}
@@ -91,11 +106,11 @@ class PlainLoop:
     def __init__(self, config: str, overrides: dict, run_dir: str):
         import torch
 
-        from config import load_config, model_args
         from data.dataset import load_data
         from data.loader import GlobalBatchLoader
         from models.llama import Transformer
-        from optim import lr_factor
+        from runtime.config import load_config, model_args
+        from training.optimizer import lr_factor
 
         cfg = load_config(path=config, overrides={**overrides, "run.dir": run_dir})
         self.t = t = cfg.training
@@ -110,8 +125,14 @@ class PlainLoop:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr_ratio)
         )
-        self.loader = GlobalBatchLoader(load_data(cfg).train, seq_len=t.seq_len, global_batch=t.global_batch,
-                                        micro_batch=t.micro_batch or t.global_batch, dp_rank=0, dp_size=1)  # fmt: skip
+        self.loader = GlobalBatchLoader(
+            load_data(cfg).train,
+            seq_len=t.seq_len,
+            global_batch=t.global_batch,
+            micro_batch=t.micro_batch or t.global_batch,
+            dp_rank=0,
+            dp_size=1,
+        )
         self.losses: list[float] = []
 
     def step(self) -> None:
@@ -146,7 +167,7 @@ def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = Fa
     metrics.jsonl. ``paired``: after each meshloom step, one step of a PlainLoop in the same process (its time
     is taken out of meshloom's), so the two alternate step by step under the same conditions."""
     import train
-    from config import load_config
+    from runtime.config import load_config
 
     calls: list[tuple[float, float]] = []  # (wall, cpu) at each device_time call: a step's start, then its end
     plain_spans: list[tuple[float, float]] = []  # (wall, cpu) a plain step took, inside meshloom's step k
@@ -179,14 +200,19 @@ def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = Fa
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
     }
     if plain is not None:
-        result["plain"] = {"full_s": [w for w, _ in plain_spans], "cpu_s": [c for _, c in plain_spans],
-                           "window_tokens_per_s": [], "loss": plain.losses, "peak_mem_bytes": 0}  # fmt: skip
+        result["plain"] = {
+            "full_s": [w for w, _ in plain_spans],
+            "cpu_s": [c for _, c in plain_spans],
+            "window_tokens_per_s": [],
+            "loss": plain.losses,
+            "peak_mem_bytes": 0,
+        }
     return result
 
 
 def plain_steps(config: str, overrides: dict, run_dir: str) -> dict:
     """The PlainLoop alone, in a process of its own (``--gpu-1b``)."""
-    from metrics import peak_memory_bytes
+    from training.metrics import peak_memory_bytes
 
     plain = PlainLoop(config, overrides, run_dir)
     spans = []
@@ -194,16 +220,28 @@ def plain_steps(config: str, overrides: dict, run_dir: str) -> dict:
         wall, cpu = clock()
         plain.step()
         spans.append((time.perf_counter() - wall, time.process_time() - cpu))
-    return {"full_s": [w for w, _ in spans], "cpu_s": [c for _, c in spans], "window_tokens_per_s": [],
-            "loss": plain.losses, "peak_mem_bytes": peak_memory_bytes(plain.device)}  # fmt: skip
+    return {
+        "full_s": [w for w, _ in spans],
+        "cpu_s": [c for _, c in spans],
+        "window_tokens_per_s": [],
+        "loss": plain.losses,
+        "peak_mem_bytes": peak_memory_bytes(plain.device),
+    }
 
 
 def run_layout(name: str, shape: dict, steps: int, extra: dict, timeout: float) -> dict:
 
     ranks, config, overrides = LAYOUTS[name]
     shape = {**(MOE_SHAPE if config == MOE else shape)}
-    merged = {**shape, "training.activation_checkpoint": "selective", **overrides, **extra,
-              "training.steps": steps, "run.tensorboard": False, "run.log_every": steps}  # fmt: skip
+    merged = {
+        **shape,
+        "training.activation_checkpoint": "selective",
+        **overrides,
+        **extra,
+        "training.steps": steps,
+        "run.tensorboard": False,
+        "run.log_every": steps,
+    }
     with tempfile.TemporaryDirectory(prefix="meshloom-throughput-") as run_dir:
         if name == "plain":  # run with "one", step by step in its process (module docstring)
             name, paired = "one", True
@@ -285,8 +323,8 @@ def layout_rate(rounds: list[dict], tokens: int, warmup: int) -> tuple[float, fl
 
 
 def print_table(results: dict, runs: list, shape: dict, args) -> None:
-    from config import load_config, model_args
-    from flops import flops_per_token
+    from models.flops import flops_per_token
+    from runtime.config import load_config, model_args
 
     tokens = shape["training.global_batch"] * shape["training.seq_len"]
     rates = {name: layout_rate(results[name], tokens, args.warmup) for name, _ in runs}
@@ -351,18 +389,38 @@ def gpu_1b(args) -> None:
     p = PRESETS["llama3-1b"]
     seq = 2048
     shape = {
-        "model.dim": p.dim, "model.n_layers": p.n_layers, "model.n_heads": p.n_heads,
-        "model.n_kv_heads": p.n_kv_heads, "model.vocab_size": p.vocab_size, "model.ffn_dim": p.hidden_dim,
-        "model.rope_theta": p.rope_theta, "model.max_seq_len": seq, "training.seq_len": seq,
-        "training.global_batch": 8, "training.mixed_precision": "bf16",
-        "training.activation_checkpoint": "selective", "training.steps": 12,
-        "run.tensorboard": False, "run.log_every": 1000,
-    }  # fmt: skip
+        "model.dim": p.dim,
+        "model.n_layers": p.n_layers,
+        "model.n_heads": p.n_heads,
+        "model.n_kv_heads": p.n_kv_heads,
+        "model.vocab_size": p.vocab_size,
+        "model.ffn_dim": p.hidden_dim,
+        "model.rope_theta": p.rope_theta,
+        "model.max_seq_len": seq,
+        "training.seq_len": seq,
+        "training.global_batch": 8,
+        "training.mixed_precision": "bf16",
+        "training.activation_checkpoint": "selective",
+        "training.steps": 12,
+        "run.tensorboard": False,
+        "run.log_every": 1000,
+    }
     if args.smoke:  # the same code path at a size a laptop's memory takes (the 1B's fp32 states are ~20 GB)
         seq = 128
-        shape.update({"model.dim": 256, "model.n_layers": 1, "model.n_heads": 4, "model.n_kv_heads": 1,
-                      "model.vocab_size": 2048, "model.ffn_dim": 512, "model.max_seq_len": seq,
-                      "training.seq_len": seq, "training.global_batch": 2, "training.steps": 4})  # fmt: skip
+        shape.update(
+            {
+                "model.dim": 256,
+                "model.n_layers": 1,
+                "model.n_heads": 4,
+                "model.n_kv_heads": 1,
+                "model.vocab_size": 2048,
+                "model.ffn_dim": 512,
+                "model.max_seq_len": seq,
+                "training.seq_len": seq,
+                "training.global_batch": 2,
+                "training.steps": 4,
+            }
+        )
     extra = dict(kv.split("=", 1) for kv in args.set)
     on_gpu = torch.cuda.is_available()
     print(f"device: {torch.cuda.get_device_name() if on_gpu else 'cpu (smoke test only)'}; 1B shape: {shape}")
@@ -380,8 +438,9 @@ def gpu_1b(args) -> None:
                 result = run_on_ranks(body, 1, DEBUG, {**shape, **more, **extra}, run_dir, timeout=1800)[0]
             rows.setdefault(name, []).append(result)
             print(f"  round {round_ + 1}: {name}", flush=True)
-    from config import load_config, model_args
-    from flops import flops_per_token, peak_tflops
+    from models.flops import flops_per_token
+    from runtime.config import load_config, model_args
+    from training.throughput import peak_tflops
 
     cfg = load_config(path=DEBUG, overrides=shape)
     per_token = flops_per_token(model_args(cfg), seq)

@@ -32,12 +32,25 @@ from pathlib import Path
 from bench.throughput import DEBUG, SHAPE
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm")
-DISPATCH = ("PythonSubclass", "PythonDispatchMode", "Redistribute", "NestedRedistribute", "_FromTorchTensor",
-            "_ToTorchTensor", "_ToTorchTensorBackward", "_FromTorchTensorBackward")  # fmt: skip
+DISPATCH = (
+    "PythonSubclass",
+    "PythonDispatchMode",
+    "Redistribute",
+    "NestedRedistribute",
+    "_FromTorchTensor",
+    "_ToTorchTensor",
+    "_ToTorchTensorBackward",
+    "_FromTorchTensorBackward",
+)
 # The c10d calls that launch a collective (a functional collective calls one of these; one that selective
 # activation checkpointing answers from its cache, during recomputation, calls none).
-ISSUE = ("c10d::allreduce_", "c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced_",
-         "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced_")  # fmt: skip
+ISSUE = (
+    "c10d::allreduce_",
+    "c10d::_allgather_base_",
+    "c10d::allgather_into_tensor_coalesced_",
+    "c10d::_reduce_scatter_base_",
+    "c10d::reduce_scatter_tensor_coalesced_",
+)
 PHASES = ("forward", "backward", "gradient clipping", "optimizer")
 BYTES = {"float": 4, "c10::BFloat16": 2, "long int": 8, "int": 4, "double": 8}
 
@@ -46,9 +59,9 @@ def profiled_run(overrides: dict, run_dir: str) -> str:
     """Rank body: train with the profiler on; returns this rank's trace path."""
     import torch.distributed as dist
 
-    from config import load_config
-    from profiling import trace_path
+    from runtime.config import load_config
     from train import train
+    from training.profiling import trace_path
 
     train(load_config(path=DEBUG, overrides={**overrides, "run.dir": run_dir}))
     return str(trace_path(run_dir, dist.get_rank()))
@@ -66,18 +79,25 @@ def numel(dims) -> int:
 
 def breakdown(path: str) -> dict:
     """Per-step mean of the categories of the module docstring, and the collectives by phase and kind."""
-    from comm_share import COMM_CALL
+    from training.comm_share import COMM_CALL
 
     events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
     main = steps[0]["tid"]
     windows = [(s["ts"], s["ts"] + s["dur"]) for s in steps]
     ops = sorted(
-        (e for e in events if e.get("cat") == "cpu_op" and e["tid"] == main and any(a <= e["ts"] < b for a, b in windows)),
+        (
+            e
+            for e in events
+            if e.get("cat") == "cpu_op" and e["tid"] == main and any(a <= e["ts"] < b for a, b in windows)
+        ),
         key=lambda e: (e["ts"], -e["dur"]),
-    )  # fmt: skip
-    phases = [(e["ts"], e["ts"] + e["dur"], e["name"].split("::")[1]) for e in events
-              if e.get("cat") == "user_annotation" and e["name"].startswith("meshloom::")]  # fmt: skip
+    )
+    phases = [
+        (e["ts"], e["ts"] + e["dur"], e["name"].split("::")[1])
+        for e in events
+        if e.get("cat") == "user_annotation" and e["name"].startswith("meshloom::")
+    ]
     covered, stack = 0.0, []
     for e in ops:  # self time: an op's duration minus its children's
         start, end = e["ts"], e["ts"] + e["dur"]
@@ -127,14 +147,22 @@ def breakdown(path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     parser = argparse.ArgumentParser(prog="python -m bench.tp_breakdown", description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", action="append", default=[], help="extra override for both runs, key=value")
     args = parser.parse_args(argv)
-    base = {**SHAPE, "training.activation_checkpoint": "selective", "training.steps": 4, "run.tensorboard": False,
-            "profile.enabled": True, "profile.start_step": 3, "profile.steps": 2, "run.log_every": 4,
-            **dict(kv.split("=", 1) for kv in args.set)}  # fmt: skip
+    base = {
+        **SHAPE,
+        "training.activation_checkpoint": "selective",
+        "training.steps": 4,
+        "run.tensorboard": False,
+        "profile.enabled": True,
+        "profile.start_step": 3,
+        "profile.steps": 2,
+        "run.log_every": 4,
+        **dict(kv.split("=", 1) for kv in args.set),
+    }
     rows = {}
     for name, ranks, layout in (("one process", 1, {}), ("tp=2", 2, {"parallel.tp": 2, "parallel.dp_shard": 1})):
         with tempfile.TemporaryDirectory(prefix="meshloom-tp-breakdown-") as run_dir:
@@ -150,8 +178,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\ntp=2 rank {rank}, collectives per step (phase/kind: count, MiB of the whole tensor):")
         for key, (count, nbytes) in r["collectives"].items():
             print(f"  {key:<30} {count:5.0f} {nbytes / 2**20:9.2f}")
-        print("  time in collective calls and waits, ms per step: "
-              + ", ".join(f"{p} {ms:.1f}" for p, ms in r["collective_ms_by_phase"].items()))  # fmt: skip
+        print(
+            "  time in collective calls and waits, ms per step: "
+            + ", ".join(f"{p} {ms:.1f}" for p, ms in r["collective_ms_by_phase"].items())
+        )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from checkpoint.hf import export_safetensors, export_tokenizer
 from checkpoint.resume import META_FILE, inspect
 from checkpoint.state import MODEL, split
 from checkpoint.verify import METADATA, digest_problems
-from config import Config, ConfigError, model_args
+from runtime.config import Config, ConfigError, model_args
 
 
 def choose_checkpoint(path: str | Path) -> Path:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from config import Config, ConfigError
+from runtime.config import Config, ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STALE = ("step-*.tmp", "step-*.deleting")

@@ -98,14 +98,21 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
 def model_args_from_hf_config(config: dict) -> ModelArgs:
     """The inverse of ``hf_config``: meshloom's ModelArgs for an exported (dense Llama) config.json."""
     args = ModelArgs(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]), vocab_size=config["vocab_size"],
-        ffn_dim=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-5),
-        rope_theta=config.get("rope_theta", 10000.0), max_seq_len=config.get("max_position_embeddings", 2048),
-    )  # fmt: skip
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"],
+        n_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+        vocab_size=config["vocab_size"],
+        ffn_dim=config["intermediate_size"],
+        norm_eps=config.get("rms_norm_eps", 1e-5),
+        rope_theta=config.get("rope_theta", 10000.0),
+        max_seq_len=config.get("max_position_embeddings", 2048),
+    )
     if config.get("head_dim", args.head_dim) != args.head_dim or config.get("tie_word_embeddings"):
-        raise ValueError("config.json has a head_dim other than hidden_size / num_attention_heads, or tied "
-                         "embeddings; meshloom's Llama has neither")  # fmt: skip
+        raise ValueError(
+            "config.json has a head_dim other than hidden_size / num_attention_heads, or tied "
+            "embeddings; meshloom's Llama has neither"
+        )
     return args
 
 

@@ -18,7 +18,7 @@ Starting (``start``, every rank, right after the process group exists):
 Saving step N (every ``checkpoint.interval`` steps, at the last step, and when a signal stops the run):
 
 1. The ranks agree that step-N does not exist, so a published checkpoint is never overwritten.
-2. Rank 0 removes a stale step-N.tmp; a barrier on the control plane (mesh/runtime.py).
+2. Rank 0 removes a stale step-N.tmp; a barrier on the control plane (runtime/process.py).
 3. ``dcp.save`` (or ``dcp.async_save``, which copies the state to CPU memory first and writes from a
    thread while training goes on) into step-N.tmp. Each rank writes its shards; rank 0 writes .metadata
    only after every rank reported its writes, so when rank 0's save returns, everything is on disk.
@@ -60,9 +60,9 @@ from checkpoint.hf import import_safetensors, safetensors_path
 from checkpoint.resume import FORMAT, META_FILE, Resume, check_usable, inspect, warn
 from checkpoint.state import apply_training_state, training_state
 from checkpoint.verify import METADATA, digest_problems, file_digests
-from config import Config, ConfigError
 from data.dataset import stream_identity
-from mesh.runtime import ControlPlane, all_gather_objects, new_cpu_group
+from runtime.config import Config, ConfigError
+from runtime.process import ControlPlane, all_gather_objects, new_cpu_group
 
 # Test hook: "STEP:SECONDS" makes rank 0 sleep after step STEP is fully written, before it is published,
 # so a test can kill or signal the run in the middle of a save (tests/test_checkpoint.py, tests/test_faults.py).
@@ -239,9 +239,13 @@ class CheckpointManager:
         state = training_state(parts, optimizers, loader, step)
         meta = self._metadata(step, loader.tokens_consumed)
         if not self.cfg.checkpoint.async_:
-            self._agree(self._write_and_publish(lambda: dcp.save(state, checkpoint_id=str(tmp),
-                                                                  process_group=self.group), tmp, final, meta),
-                        step, tmp)  # fmt: skip
+            self._agree(
+                self._write_and_publish(
+                    lambda: dcp.save(state, checkpoint_id=str(tmp), process_group=self.group), tmp, final, meta
+                ),
+                step,
+                tmp,
+            )
             return
         # async_save stages a CPU copy before it returns, so training may change the live tensors at once.
         written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)

@@ -36,8 +36,8 @@ from checkpoint.folder import STEP_DIR, checkpoint_folder, published
 from checkpoint.hf import safetensors_problems
 from checkpoint.state import TRAIN, TRAIN_KEYS, expected_entries
 from checkpoint.verify import manifest_problems
-from config import Config, ConfigError, ModelConfig
 from models.llama import ModelArgs, Transformer
+from runtime.config import Config, ConfigError, ModelConfig
 
 META_FILE = "meshloom.json"
 FORMAT = 2  # 2: meshloom.json lists the size and SHA-256 of every file (1: no checksums, no longer read)
@@ -149,9 +149,13 @@ def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, args: ModelArgs)
             "Resume with the [model] settings it was saved with, or start a new --checkpoint.folder."
         )
     stream, d = meta.get("data", {}), cfg.data
-    for name, now in (("data.source", d.source), ("training.seq_len", cfg.training.seq_len),
-                      ("data.tokenizer", d.tokenizer), ("data.val_source", d.val_source),
-                      ("data.val_fraction", d.val_fraction)):  # fmt: skip
+    for name, now in (
+        ("data.source", d.source),
+        ("training.seq_len", cfg.training.seq_len),
+        ("data.tokenizer", d.tokenizer),
+        ("data.val_source", d.val_source),
+        ("data.val_fraction", d.val_fraction),
+    ):
         key = name.split(".")[1]
         if key in stream and stream[key] != now:
             raise ConfigError(
@@ -176,8 +180,9 @@ def find_resume(cfg: Config, args: ModelArgs) -> Resume:
         for step in reversed(steps):
             meta, dcp_meta, problems = inspect(steps[step])
             if problems:
-                warn(f"checkpoint.resume=auto skips {steps[step]}, which is damaged or incomplete: "
-                     f"{'; '.join(problems)}")  # fmt: skip
+                warn(
+                    f"checkpoint.resume=auto skips {steps[step]}, which is damaged or incomplete: {'; '.join(problems)}"
+                )
                 resume.damaged.append(steps[step])
                 continue
             if not resume.candidates:

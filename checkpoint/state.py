@@ -24,6 +24,8 @@ reads only the slices its shards cover, by name and offset), then ``apply_traini
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -34,8 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from data.loader import GlobalBatchLoader
-from optim import Optimizers
+if TYPE_CHECKING:
+    from data.loader import GlobalBatchLoader
+    from training.optimizer import Optimizers
 
 MODEL, OPTIM, TRAIN = "model.", "optim.", "train."
 FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)

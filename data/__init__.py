@@ -1,1 +1,1 @@
-"""Tokenizer, corpus and the global-position loader."""
+"""Data: tokenizers, the corpus, data.prepare's memory-mapped token files, and the global-position loader."""

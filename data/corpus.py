@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from config import ConfigError
-from data.tokenizer import encode
+from runtime.config import ConfigError
 
 SNIFF_BYTES = 8192
 
@@ -83,8 +82,12 @@ def corpus_files(source: str, field: str = "data.source") -> list[Path]:
             )
         if (hidden or binary) and source not in _said and os.environ.get("RANK", "0") == "0":
             _said.add(source)
-            print(f"meshloom: {field}={source!r}: reading {len(files)} text files; skipped {hidden} hidden "
-                  f"entries and {binary} files that are not text", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"meshloom: {field}={source!r}: reading {len(files)} text files; skipped {hidden} hidden "
+                f"entries and {binary} files that are not text",
+                file=sys.stderr,
+                flush=True,
+            )
         return list(files)
     raise ConfigError(
         f"{field}={source!r} does not exist; give a text file, a folder of text files, a folder written by "
@@ -93,7 +96,7 @@ def corpus_files(source: str, field: str = "data.source") -> list[Path]:
 
 
 def load_corpus(source: str, max_bytes: int) -> torch.Tensor:
-    """Token ids (uint8) of the first ``max_bytes`` bytes of the corpus."""
+    """Token ids (uint8) of the first ``max_bytes`` bytes of the corpus: the byte tokenizer's ids are the bytes."""
     chunks, total = [], 0
     for file in corpus_files(source):
         raw = file.read_bytes()[: max_bytes - total]
@@ -101,4 +104,4 @@ def load_corpus(source: str, max_bytes: int) -> torch.Tensor:
         total += len(raw)
         if total >= max_bytes:
             break
-    return encode(b"".join(chunks))
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)

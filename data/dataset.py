@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from config import Config, ConfigError
 from data.token_file import TOKENS, check_header_tokenizer, is_token_folder, open_tokens, read_header
 from data.tokenizers import ByteTokenizer, check_vocab, load_tokenizer
+from runtime.config import Config, ConfigError
 
 
 @dataclass

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from config import ConfigError
+from runtime.config import ConfigError
 
 
 class GlobalBatchLoader:

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from config import ConfigError
 from data.token_file import TokenFileWriter, dtype_for
 from data.tokenizers import load_tokenizer
+from runtime.config import ConfigError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -257,9 +257,15 @@ class Progress:
 
 
 def prepare(
-    source: str, tokenizer_spec: str, out: str, *, text_field: str = "text", workers: int = 0, eos_token: str = "",
+    source: str,
+    tokenizer_spec: str,
+    out: str,
+    *,
+    text_field: str = "text",
+    workers: int = 0,
+    eos_token: str = "",
     quiet: bool = False,
-) -> dict:  # fmt: skip
+) -> dict:
     """Tokenize ``source`` into ``out`` (see the module docstring); returns the header written."""
     tokenizer = load_tokenizer(tokenizer_spec, eos_token, field="--tokenizer")
     files = source_files(source)
@@ -307,8 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eos-token", default="", help="end-of-document token (default: found in the tokenizer)")
     opts = parser.parse_args(argv)
     try:
-        h = prepare(opts.source, opts.tokenizer, opts.out, text_field=opts.text_field, workers=opts.workers,
-                    eos_token=opts.eos_token)  # fmt: skip
+        h = prepare(
+            opts.source,
+            opts.tokenizer,
+            opts.out,
+            text_field=opts.text_field,
+            workers=opts.workers,
+            eos_token=opts.eos_token,
+        )
     except ConfigError as exc:
         print(f"meshloom prepare: error: {exc}", file=sys.stderr, flush=True)
         return 2

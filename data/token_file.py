@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from config import ConfigError
+from runtime.config import ConfigError
 
 HEADER, TOKENS = "header.json", "tokens.bin"
 FORMAT, VERSION = "meshloom-tokens", 1
@@ -101,8 +101,10 @@ def read_header(path: str | Path, field: str = "data.source") -> dict:
             f"{where}: {HEADER} is not a {FORMAT} version {VERSION} header; prepare the dataset with python -m data.prepare."
         )
     if header.get("dtype") not in DTYPES or not isinstance(header.get("num_tokens"), int):
-        raise ConfigError(f"{where}: {HEADER} has dtype={header.get('dtype')!r}, num_tokens={header.get('num_tokens')!r}; "
-                          "expected uint16/uint32 and an integer; prepare the dataset again.")  # fmt: skip
+        raise ConfigError(
+            f"{where}: {HEADER} has dtype={header.get('dtype')!r}, num_tokens={header.get('num_tokens')!r}; "
+            "expected uint16/uint32 and an integer; prepare the dataset again."
+        )
     tokens = folder / TOKENS
     expected = header["num_tokens"] * DTYPES[header["dtype"]].itemsize
     size = tokens.stat().st_size if tokens.is_file() else None

@@ -22,7 +22,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from config import ConfigError
+from runtime.config import ConfigError
 
 # Special tokens that end a text in common tokenizers (GPT-2 / Llama 3 base / Llama 2, Mistral / Gemma).
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")

@@ -15,9 +15,9 @@ import os
 import sys
 from pathlib import Path
 
-from config import ConfigError
 from data.prepare import Progress, documents, source_files
 from data.tokenizers import import_tokenizers
+from runtime.config import ConfigError
 
 EOS = "<|endoftext|>"
 
@@ -35,9 +35,11 @@ def train_bpe(source: str, vocab_size: int, out_dir: str | Path, text_field: str
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
-    )  # fmt: skip
+    )
     files = source_files(source)[: max_files or None]
     tokenizer.train_from_iterator(documents(files, text_field, Progress(files, stream=None)), trainer)
     out.parent.mkdir(parents=True, exist_ok=True)

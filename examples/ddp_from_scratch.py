@@ -67,16 +67,20 @@ class BucketedDDP(nn.Module):
 def run() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)  # deliberately different weights per rank: the broadcast must fix that
-    model = BucketedDDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)),
-                        bucket_bytes=16 * 1024)  # fmt: skip
+    model = BucketedDDP(
+        nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)),
+        bucket_bytes=16 * 1024,
+    )
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(8 * world, 16, generator=gen), torch.randn(8 * world, 4, generator=gen)
     mine = slice(8 * rank, 8 * (rank + 1))  # each rank takes its slice of the global batch
     ((model(x[mine]) - y[mine]) ** 2).sum().div(y.numel()).backward()
     buckets = model.finish_gradient_sync()
     reference = model.module  # after the sync, every replica's gradient is the full-batch gradient
-    ref_grads = [g.clone() for g in torch.autograd.grad(((reference(x) - y) ** 2).sum().div(y.numel()),
-                                                       list(reference.parameters()))]  # fmt: skip
+    ref_grads = [
+        g.clone()
+        for g in torch.autograd.grad(((reference(x) - y) ** 2).sum().div(y.numel()), list(reference.parameters()))
+    ]
     error = max((p.grad - g).abs().max().item() for p, g in zip(reference.parameters(), ref_grads, strict=True))
     return {"buckets": [len(b) for b in model.buckets], "all-reduces launched": buckets, "max grad error": error}
 

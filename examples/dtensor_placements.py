@@ -27,8 +27,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.debug import CommDebugMode
 
 PLACEMENTS = {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "Replicate()": Replicate(), "Partial()": Partial()}
-MOVES = [("Shard(0)", "Replicate()"), ("Partial()", "Replicate()"), ("Partial()", "Shard(0)"),
-         ("Replicate()", "Shard(0)"), ("Shard(0)", "Shard(1)")]  # fmt: skip
+MOVES = [
+    ("Shard(0)", "Replicate()"),
+    ("Partial()", "Replicate()"),
+    ("Partial()", "Shard(0)"),
+    ("Replicate()", "Shard(0)"),
+    ("Shard(0)", "Shard(1)"),
+]
 
 
 def collectives(mode: CommDebugMode) -> list[str]:
@@ -41,8 +46,10 @@ def run() -> dict:
     n = dist.get_world_size()
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("x",))
     full = torch.arange(4.0 * n * n).view(2 * n, 2 * n)  # the logical tensor, the same on every rank
-    out = {f"local piece of {p}": distribute_tensor(full, mesh, [PLACEMENTS[p]]).to_local().tolist()
-           for p in ("Shard(0)", "Shard(1)", "Replicate()")}  # fmt: skip
+    out = {
+        f"local piece of {p}": distribute_tensor(full, mesh, [PLACEMENTS[p]]).to_local().tolist()
+        for p in ("Shard(0)", "Shard(1)", "Replicate()")
+    }
     moves = {}
     for src, dst in MOVES:
         if src == "Partial()":  # each rank holds full / n: the logical value, their sum, is `full`

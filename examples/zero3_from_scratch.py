@@ -79,8 +79,9 @@ class _GatherRunFree(torch.autograd.Function):
 def run() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model on every rank
-    reference = nn.Sequential(nn.Sequential(nn.Linear(16, 64), nn.ReLU()), nn.Sequential(nn.Linear(64, 64), nn.ReLU()),
-                              nn.Linear(64, 4))  # fmt: skip
+    reference = nn.Sequential(
+        nn.Sequential(nn.Linear(16, 64), nn.ReLU()), nn.Sequential(nn.Linear(64, 64), nn.ReLU()), nn.Linear(64, 4)
+    )
     sharded = nn.Sequential(*[ShardedUnit(copy.deepcopy(unit)) for unit in reference])  # three units
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(8 * world, 16, generator=gen), torch.randn(8 * world, 4, generator=gen)

@@ -1,1 +1,2 @@
-"""Launching meshloom: a SLURM batch script, and a supervisor that relaunches a run until it completes."""
+"""Launching meshloom: on a cluster (a SLURM batch script, a supervisor that relaunches a run until it
+completes) and on this machine (spawned gloo ranks and torchrun runs, which the tests and benches share)."""

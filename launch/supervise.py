@@ -5,7 +5,7 @@
         train.py --config ... --checkpoint.interval 500 --checkpoint.resume auto
 
 Why: ``torchrun --max-restarts`` restarts the workers *inside* one launcher, reusing its key-value store.
-meshloom keeps each restart's keys apart by the restart count (mesh/runtime.py), which every worker of a
+meshloom keeps each restart's keys apart by the restart count (runtime/process.py), which every worker of a
 single node agrees on. Across nodes the count can differ: a launcher whose own workers look healthy restarts
 them when another node re-joins, without counting a restart, and the nodes then look for each other's keys
 under different names. A fresh launcher has a fresh store, so relaunching the whole command sidesteps this.
@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("give the training command after --")
     if not resumes(command):
-        print("meshloom supervise: the command must include --checkpoint.resume auto, or each relaunch would start "
-              "the run from scratch; add it (the first launch then starts fresh).", file=sys.stderr)  # fmt: skip
+        print(
+            "meshloom supervise: the command must include --checkpoint.resume auto, or each relaunch would start "
+            "the run from scratch; add it (the first launch then starts fresh).",
+            file=sys.stderr,
+        )
         return 2
     for attempt in range(opts.max_relaunches + 1):
         forwarded: list[int] = []
@@ -96,8 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         if attempt == opts.max_relaunches:
             print(f"meshloom supervise: failed (exit code {code}) and no relaunch is left", file=sys.stderr)
             return code
-        print(f"meshloom supervise: failed (exit code {code}); relaunch {attempt + 1} of {opts.max_relaunches} in "
-              f"{opts.wait:g} s", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"meshloom supervise: failed (exit code {code}); relaunch {attempt + 1} of {opts.max_relaunches} in "
+            f"{opts.wait:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(opts.wait)
     return 1
 

@@ -45,14 +45,17 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from mesh.private_api import all_gather_functional, reduce_scatter_functional
 from models.llama import Attention, causal_attention
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 ALGORITHMS = ("allgather", "ring")
 
@@ -267,9 +270,14 @@ class RingAttention(torch.autograd.Function):
             incoming = ring_exchange(kv, group) if step < cp - 1 else None
             rows, keys, causal = visible(src, rank, n)
             dq_rows, dk, dv = block_gradients(
-                q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], d_out[:, :, rows], lse[:, :, rows],
-                delta[:, :, rows], causal,
-            )  # fmt: skip
+                q[:, :, rows],
+                kv[0][:, :, keys],
+                kv[1][:, :, keys],
+                d_out[:, :, rows],
+                lse[:, :, rows],
+                delta[:, :, rows],
+                causal,
+            )
             dq[:, :, rows] += dq_rows
             dkv[0][:, :, keys] += dk
             dkv[1][:, :, keys] += dv

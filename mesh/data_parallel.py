@@ -12,7 +12,7 @@
 3. Mixed precision: with ``training.mixed_precision = bf16`` the all-gathered parameters and the compute are
    bf16, while gradients are reduced in fp32 and the sharded master weights and Adam states stay fp32.
    (``parallel.grad_compression = bf16`` reduces in bf16 instead, and ``parallel.fsdp_cpu_offload`` keeps the
-   shards in host memory: mesh/savers.py.)
+   shards in host memory: mesh/comm_memory_savers.py.)
 4. Gradients are *summed*, not averaged, across data-parallel ranks. The loss each rank backpropagates is
    already its share of the global mean (its token-loss sum divided by the global token count), so the sum
    of the ranks' gradients is exactly the gradient of the global mean: the scaling happens once, in the
@@ -23,12 +23,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from mesh.dims import Meshes
 from models.moe import MoE
+
+if TYPE_CHECKING:
+    from mesh.dims import Meshes
 
 
 def reshard_after_forward_policy(policy: str, is_last_block: bool, pipelined: bool) -> bool:
@@ -64,7 +68,7 @@ def apply_fsdp(
     """Shard ``model`` over ``meshes.fsdp`` (see the module docstring for the steps).
 
     ``reduce_dtype`` (bf16 for ``parallel.grad_compression=bf16``) and ``offload`` (``CPUOffloadPolicy`` for
-    ``parallel.fsdp_cpu_offload``) come from mesh/savers.py.
+    ``parallel.fsdp_cpu_offload``) come from mesh/comm_memory_savers.py.
     """
     fsdp_mesh = meshes.fsdp
     policy = MixedPrecisionPolicy(
@@ -80,8 +84,13 @@ def apply_fsdp(
         for block in blocks:
             for module in block.modules():
                 if isinstance(module, MoE):
-                    fully_shard(module.experts, mesh=meshes.expert_fsdp, mp_policy=policy, offload_policy=offload,
-                                reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, False, pipelined))  # fmt: skip
+                    fully_shard(
+                        module.experts,
+                        mesh=meshes.expert_fsdp,
+                        mp_policy=policy,
+                        offload_policy=offload,
+                        reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, False, pipelined),
+                    )
                     expert_units.append(module.experts)
     for i, block in enumerate(blocks):
         fully_shard(

@@ -30,26 +30,31 @@ groups would wait 30 minutes for a dead peer on gloo.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from config import Config, ConfigError
-from mesh.private_api import concatenate_meshes, flatten_mesh, unflatten_mesh
-from mesh.runtime import mesh_backend_options
+from mesh.private_api import backend_options, concatenate_meshes, flatten_mesh, unflatten_mesh
+from runtime.config import Config, ConfigError
+from runtime.process import device_backend
+
+if TYPE_CHECKING:
+    import torch
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-    ep: int
-    world_size: int
+    """The degrees, in the mesh's own order (``MESH_DIMS``), then ep (carved from dp_shard) and the world."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
     cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    world_size: int
 
     @classmethod
     def resolve(cls, cfg: Config, world_size: int) -> ParallelDims:
@@ -63,7 +68,7 @@ class ParallelDims:
                 ("tp", p.tp),
                 ("pp", p.pp),
                 ("ep", p.ep),
-            )  # fmt: skip
+            )
             if value < 1
         ]
         if p.dp_shard == 0 or p.dp_shard < -1:
@@ -79,7 +84,9 @@ class ParallelDims:
                     f"dp_replicate*cp*tp*pp={others}; choose degrees whose product divides {world_size}."
                 )
             dp_shard = world_size // others
-        return cls(p.dp_replicate, dp_shard, p.tp, p.pp, p.ep, world_size, cp=p.cp)
+        return cls(
+            pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=p.ep, world_size=world_size
+        )
 
     @property
     def dp(self) -> int:
@@ -116,6 +123,20 @@ class Meshes:
 
     def all(self) -> dict[str, DeviceMesh]:
         return {name: mesh for name, mesh in vars(self).items() if mesh is not None}
+
+
+def mesh_backend_options(device: torch.device, timeout_s: float, host_tensors: bool = False):
+    """``(backend, options)`` for DeviceMesh's ``backend_override``: the device plane's backend, our timeout.
+
+    ``host_tensors``: the model's sharded state lives in host memory (FSDP CPU offload), so some device-plane
+    collectives reduce CPU tensors (the gradient norm's partial sums of offloaded gradients). On a GPU the
+    groups then get a gloo backend for CPU tensors beside NCCL for CUDA ones: ``cuda:nccl,cpu:gloo``.
+    (A fake backend takes no options, and needs no timeout: it never waits.)
+    """
+    backend = device_backend(device)
+    if backend == "nccl" and host_tensors:
+        backend = "cuda:nccl,cpu:gloo"
+    return backend_options(backend, timeout_s) if backend in ("gloo", "nccl", "cuda:nccl,cpu:gloo") else backend
 
 
 def build_mesh(

@@ -33,15 +33,19 @@ saves their outputs, so recomputing a block in backward never repeats them (mesh
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from mesh.private_api import all_to_all_autograd, all_to_all_functional
-from mesh.runtime import sum_over
 from models.moe import MoE
+from runtime.process import sum_over
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class ExpertParallel(ParallelStyle):

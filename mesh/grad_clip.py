@@ -19,13 +19,16 @@ pipeline stages each hold only their own layers. The global norm is sqrt(sum ove
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from mesh.runtime import sum_over
+from runtime.process import sum_over
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def group_by_placement(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

@@ -25,33 +25,63 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from config import PipelineSchedule
 from mesh.private_api import after_shape_inference
+from models.flops import head_flops_per_token, layer_flops_per_token
 from models.llama import ModelArgs, Transformer
+from runtime.config import PipelineSchedule
 
-SINGLE_STAGE = ("GPipe", "1F1B")
-LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
-assert set(SCHEDULES) == set(typing.get_args(PipelineSchedule)), "config.PipelineSchedule and mesh/pipeline disagree"
+
+@dataclass(frozen=True)
+class ScheduleFamily:
+    """What meshloom needs to know about one of torch's pipeline schedules."""
+
+    placement: Literal["single", "looped", "v"]  # stages per rank and where they sit (step 2 above)
+    zero_bubble: bool  # backward split into input- and weight-gradient halves (I and W)
+    forward_only_eval: bool  # torch 2.13's ``schedule.eval`` works for it (training/evaluation.py, step 2)
+
+    @property
+    def natural_stages_per_rank(self) -> int:
+        return 1 if self.placement == "single" else 2
+
+
+# The one table of schedule families: config lists the names a user may type (runtime/config.py:
+# PipelineSchedule), everything else (stage placement, validation, evaluation, the pictures) reads this.
+SCHEDULE_FAMILIES: dict[str, ScheduleFamily] = {
+    "GPipe": ScheduleFamily("single", zero_bubble=False, forward_only_eval=True),
+    "1F1B": ScheduleFamily("single", zero_bubble=False, forward_only_eval=True),
+    "Interleaved1F1B": ScheduleFamily("looped", zero_bubble=False, forward_only_eval=True),
+    "LoopedBFS": ScheduleFamily("looped", zero_bubble=False, forward_only_eval=True),
+    "InterleavedZeroBubble": ScheduleFamily("looped", zero_bubble=True, forward_only_eval=True),
+    "ZBVZeroBubble": ScheduleFamily("v", zero_bubble=True, forward_only_eval=False),
+    "DualPipeV": ScheduleFamily("v", zero_bubble=True, forward_only_eval=False),
+}
+SCHEDULES = tuple(SCHEDULE_FAMILIES)
+assert set(SCHEDULES) == set(typing.get_args(PipelineSchedule)), "runtime/config.py and SCHEDULE_FAMILIES disagree"
+
+
+def schedules_of(placement: str) -> tuple[str, ...]:
+    """The schedule names of one placement ("single", "looped" or "v"), in the table's order."""
+    return tuple(name for name, family in SCHEDULE_FAMILIES.items() if family.placement == placement)
 
 
 def stages_per_rank(schedule: str, requested: int) -> int:
     """``requested``, or when it is 0 the schedule's natural count: 1 for GPipe/1F1B, 2 for looped and V."""
     if requested:
         return requested  # pipeline_errors checks it against the schedule
-    return 2 if schedule in LOOPED + V_SHAPED else 1
+    return SCHEDULE_FAMILIES[schedule].natural_stages_per_rank
 
 
 def stage_ids_of_rank(pp_rank: int, pp: int, n_local: int, schedule: str) -> list[int]:
     """The global stage indices that pp rank ``pp_rank`` runs (see step 2 of the module docstring)."""
-    if schedule in V_SHAPED:
+    if SCHEDULE_FAMILIES[schedule].placement == "v":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(n_local)]
 
@@ -62,13 +92,17 @@ def default_microbatches(n_stages: int) -> int:
 
 
 def layer_costs(args: ModelArgs, policy: str, seq_len: int) -> tuple[list[float], float, float]:
-    """Cost of each layer, plus the extra cost of the first stage (embedding) and the last (norm + head)."""
-    layer_params = (args.num_params() - 2 * args.vocab_size * args.dim - args.dim) / args.n_layers
+    """Cost of each layer, plus the extra cost of the first stage (embedding) and the last (norm + head).
+
+    ``params``: each block's own parameter count (an MoE block counts every expert: they all sit in memory).
+    ``flops``: each block's FLOPs per token from models/flops.py (an MoE block counts its active experts only),
+    and the head's matmul on the last stage; the embedding lookup is free.
+    """
     if policy == "params":
-        return [layer_params] * args.n_layers, args.vocab_size * args.dim, args.vocab_size * args.dim + args.dim
-    # flops per token, forward: 2 x params for the matmuls, plus 2 x 2 x seq_len x dim for QK^T and AV.
-    layer_flops = 2 * layer_params + 4 * seq_len * args.dim
-    return [layer_flops] * args.n_layers, 0.0, 2.0 * args.vocab_size * args.dim
+        head = args.vocab_size * args.dim
+        return [float(args.layer_params(i)) for i in range(args.n_layers)], float(head), float(head + args.dim)
+    layers = [float(layer_flops_per_token(args, i, seq_len)) for i in range(args.n_layers)]
+    return layers, 0.0, float(head_flops_per_token(args))
 
 
 def balanced_split(costs: list[float], first_extra: float, last_extra: float, n_stages: int) -> list[int]:
@@ -109,9 +143,6 @@ def split_layers(args: ModelArgs, n_stages: int, policy: str, seq_len: int) -> l
     return [list(range(bounds[k], bounds[k + 1])) for k in range(len(sizes))]
 
 
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
 def pipeline_errors(
     pp: int,
     schedule: str,
@@ -126,15 +157,16 @@ def pipeline_errors(
     if schedule not in SCHEDULES:
         return [f"parallel.pp_schedule={schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}."]
     errors = []
-    if schedule in V_SHAPED and n_local != 2:
+    family = SCHEDULE_FAMILIES[schedule]
+    if family.placement == "v" and n_local != 2:
         errors.append(
             f"parallel.pp_stages_per_rank={n_local} but {schedule} is V-shaped and needs exactly 2 stages per "
             "rank; set parallel.pp_stages_per_rank=2 (or 0 to derive it)."
         )
-    if schedule in SINGLE_STAGE and n_local != 1:
+    if family.placement == "single" and n_local != 1:
         errors.append(
             f"parallel.pp_stages_per_rank={n_local} but {schedule} runs one stage per rank; use a looped schedule "
-            "(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) for several, or set it to 1."
+            f"({', '.join(schedules_of('looped'))}) for several, or set it to 1."
         )
     n_stages = pp * n_local
     if n_stages > n_layers:
@@ -153,11 +185,12 @@ def pipeline_errors(
                 f"summing to model.n_layers={n_layers}, e.g. "
                 f"{','.join([str(n_layers // n_stages)] * (n_stages - 1) + [str(n_layers - n_layers // n_stages * (n_stages - 1))])}."
             )
-    if compiled and schedule in ZERO_BUBBLE:
+    if compiled and family.zero_bubble:
+        others = "/".join(name for name, f in SCHEDULE_FAMILIES.items() if not f.zero_bubble)
         errors.append(
             f"training.compile=true with parallel.pp_schedule={schedule}: zero-bubble schedules split backward into "
-            "input- and weight-gradient halves, which compiled stages do not support; turn compile off or pick "
-            "GPipe/1F1B/Interleaved1F1B/LoopedBFS."
+            f"input- and weight-gradient halves, which compiled stages do not support; turn compile off or pick "
+            f"{others}."
         )
     if microbatches < 1 or (local_batch is not None and local_batch % microbatches):
         errors.append(
@@ -231,6 +264,23 @@ def build_pipeline_schedule(
         forget_metadata_inference_statistics(stage)
     schedule_class = get_schedule_class(schedule)
     # scale_grads=False: loss_fn already divides by the global token count (see the module docstring).
-    if schedule in SINGLE_STAGE:
+    if SCHEDULE_FAMILIES[schedule].placement == "single":
         return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False), stages
     return schedule_class(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False), stages
+
+
+def run_schedule(
+    schedule, stage_ids: list[int], n_stages: int, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool
+) -> list[torch.Tensor]:
+    """One local batch through ``schedule``; returns the per-micro-batch losses (empty off the last stage).
+
+    The first stage feeds the inputs, the last the targets; ranks in between only pass activations (and,
+    for V-shaped schedules, rank 0 holds both the first and the last stage). ``forward_only`` runs torch's
+    forward-only path (``schedule.eval``) for the schedules where it works (``forward_only_eval``); training
+    and evaluation both come through here.
+    """
+    losses: list[torch.Tensor] = []
+    is_first, is_last = 0 in stage_ids, n_stages - 1 in stage_ids
+    run = schedule.eval if forward_only else schedule.step
+    run(*((inputs,) if is_first else ()), **({"target": targets, "losses": losses} if is_last else {}))
+    return losses

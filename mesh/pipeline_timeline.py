@@ -11,7 +11,7 @@
    activation or gradient (the bubble), the point-to-point sends and receives themselves (torch issues
    them outside the timed chunks), and the last stage's loss computation.
 3. ``gather`` collects the events of this rank's pp group on every rank (an object gather on the control
-   plane, mesh/runtime.py: it works on every backend and never queues behind model traffic),
+   plane, runtime/process.py: it works on every backend and never queues behind model traffic),
    ``bubble_report`` compares each rank's measured idle fraction with the schedule's textbook prediction,
    and ``timeline_svg`` draws one row per rank with a box per F/B/I/W, labelled by micro-batch.
 4. ``write_pipeline_timeline`` (called by train.py after the last step) does step 3 and writes the table
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from mesh.pipeline import SINGLE_STAGE, V_SHAPED
-from mesh.runtime import ControlPlane, synchronize
+from mesh.pipeline import SCHEDULE_FAMILIES
+from runtime.process import ControlPlane, synchronize
 
 COLOURS = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b"}
 
@@ -123,13 +123,14 @@ def predicted_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank:
     DualPipeV aim at zero: 0. All of them assume equal stages and free communication.
     """
     p, m, v = pp, microbatches, stages_per_rank
-    if schedule in SINGLE_STAGE:
+    family = SCHEDULE_FAMILIES[schedule]
+    if family.placement == "single":
         return (p - 1) / (m + p - 1)
     if schedule in ("Interleaved1F1B", "LoopedBFS"):
         return (p - 1) / (v * m + p - 1)
     if schedule == "InterleavedZeroBubble":
         return (p - 1) / (3 * v * m + p - 1)
-    if schedule in V_SHAPED:
+    if family.placement == "v":
         return 0.0
     return None
 
@@ -143,8 +144,14 @@ def bubble_report(events: list[Event], windows: list[tuple[float, float]]) -> li
         busy = {k: sum(e.end - e.start for e in events if e.rank == rank and e.kind == k) for k in COLOURS}
         total = end - start
         idle = total - sum(busy.values())
-        rows.append({"rank": rank, **{k: round(v, 4) for k, v in busy.items()}, "idle": round(idle, 4),
-                     "idle_fraction": idle / total})  # fmt: skip
+        rows.append(
+            {
+                "rank": rank,
+                **{k: round(v, 4) for k, v in busy.items()},
+                "idle": round(idle, 4),
+                "idle_fraction": idle / total,
+            }
+        )
     return rows
 
 
@@ -201,8 +208,15 @@ def write_pipeline_timeline(
     title = f"{schedule}: pp={plan.dims.pp}, {n_local} stage(s)/rank, m={microbatches}"
     out = Path(run_dir)
     (out / "pipeline_timeline.svg").write_text(timeline_svg(events, windows, title))
-    summary = {"schedule": schedule, "pp": plan.dims.pp, "stages_per_rank": n_local, "microbatches": microbatches,
-               "measured_idle_fraction": measured, "predicted_idle_fraction": predicted, "ranks": rows}  # fmt: skip
+    summary = {
+        "schedule": schedule,
+        "pp": plan.dims.pp,
+        "stages_per_rank": n_local,
+        "microbatches": microbatches,
+        "measured_idle_fraction": measured,
+        "predicted_idle_fraction": predicted,
+        "ranks": rows,
+    }
     (out / "pipeline_bubble.json").write_text(json.dumps(summary, indent=1))
     print(f"pipeline timeline ({title}) -> {out / 'pipeline_timeline.svg'}")
     for r in rows:

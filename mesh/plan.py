@@ -23,12 +23,15 @@ many *pieces* the pipeline schedule cuts each of those calls into.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from config import Config, ConfigError, model_args
+from mesh.comm_memory_savers import saver_errors
 from mesh.dims import ParallelDims
 from mesh.pipeline import default_microbatches, pipeline_errors, split_layers, stage_ids_of_rank, stages_per_rank
-from mesh.savers import saver_errors
-from models.llama import ModelArgs
+from runtime.config import Config, ConfigError, model_args
+
+if TYPE_CHECKING:
+    from models.llama import ModelArgs
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,22 @@ class LayoutPlan:
         layers = split_layers(args, n_stages, p.pp_split, t.seq_len) if dims.pp > 1 else [list(range(args.n_layers))]
         stage_ids = stage_ids_of_rank(dims.pp_rank_of(rank), dims.pp, n_local, p.pp_schedule) if dims.pp > 1 else [0]
         return cls(
-            dims=dims, model=args, rank=rank, seq_len=t.seq_len, global_batch=t.global_batch,
-            local_batch=local_batch, micro_batch=micro_batch, accumulation=local_batch // micro_batch,
-            pp_schedule=p.pp_schedule if dims.pp > 1 else None, stages_per_rank=n_local, n_stages=n_stages,
-            pp_microbatches=microbatches, stage_layers=tuple(tuple(ls) for ls in layers), stage_ids=tuple(stage_ids),
+            dims=dims,
+            model=args,
+            rank=rank,
+            seq_len=t.seq_len,
+            global_batch=t.global_batch,
+            local_batch=local_batch,
+            micro_batch=micro_batch,
+            accumulation=local_batch // micro_batch,
+            pp_schedule=p.pp_schedule if dims.pp > 1 else None,
+            stages_per_rank=n_local,
+            n_stages=n_stages,
+            pp_microbatches=microbatches,
+            stage_layers=tuple(tuple(ls) for ls in layers),
+            stage_ids=tuple(stage_ids),
             fsdp=uses_fsdp(dims, cfg),
-        )  # fmt: skip
+        )
 
     def batch_line(self) -> str:
         cp = f" ({self.seq_len // self.dims.cp} per cp rank)" if self.dims.cp > 1 else ""
@@ -103,7 +116,7 @@ class LayoutPlan:
 def uses_fsdp(dims: ParallelDims, cfg: Config) -> bool:
     """FSDP whenever there is data or context parallelism (both need their gradients summed), and also for bf16
     or CPU offload on one rank: its policies are where bf16 compute with fp32 master weights and fp32 gradient
-    reduction, and offloading, live. Not with PowerSGD, whose layouts are replicated with DDP (mesh/savers.py)."""
+    reduction, and offloading, live. Not with PowerSGD, whose layouts are replicated with DDP (mesh/comm_memory_savers.py)."""
     p = cfg.parallel
     if p.grad_compression == "powersgd":
         return False
@@ -201,7 +214,7 @@ def layout_errors(dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: in
                 f"training.micro_batch={t.micro_batch} does not divide the per-rank batch {local} "
                 f"(global_batch {t.global_batch} / dp {dims.dp}); use a divisor of {local} or 0 for all of it."
             )
-    # Gradient-sync, compression and offload settings against the layout (mesh/savers.py).
+    # Gradient-sync, compression and offload settings against the layout (mesh/comm_memory_savers.py).
     local = None if t.global_batch % dims.dp else t.global_batch // dims.dp
     micro_ok = local is not None and t.micro_batch >= 0 and not (t.micro_batch and local % t.micro_batch)
     errors += saver_errors(dims, cfg, local // (t.micro_batch or local) if micro_ok else None)
@@ -257,7 +270,7 @@ def compile_errors(dims: ParallelDims) -> list[str]:
     """Layouts that ``training.compile`` cannot run in torch 2.13 (measured on CPU; docs/profiling.md, section 8.5).
 
     Each failed at its first step with the error quoted; they are refused here so that no run gets that far.
-    (Zero-bubble pipeline schedules are refused in mesh/pipeline.py, ``parallel.sp_regather`` in config.py.)
+    (Zero-bubble pipeline schedules are refused in mesh/pipeline.py, ``parallel.sp_regather`` in runtime/config.py.)
     """
     errors = []
     if dims.tp > 1:

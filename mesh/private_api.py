@@ -2,7 +2,7 @@
 
 Prefer public APIs everywhere else. When torch renames or removes one of these, ``tests/test_private_api.py``
 fails here, loudly, instead of a training run failing somewhere deep inside a collective. (The docs tooling
-has its own such place, docs/schedule_ir.py, for the pipeline schedules' action lists that the pictures draw;
+has its own such place, bench/schedule_ir.py, for the pipeline schedules' action lists that the pictures draw;
 selective activation checkpointing names ops of torch's ``_c10d_functional`` namespace, which are op
 identifiers, not Python APIs.)
 
@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str, options) -> DeviceMesh:
     """A 1-D view over ``dims`` of ``mesh``, registered on the root mesh under ``name``.
 
-    ``options``: the new group's ``(backend, Options)``, as ``mesh.runtime.mesh_backend_options`` gives them.
+    ``options``: the new group's ``(backend, Options)``, as ``mesh.dims.mesh_backend_options`` gives them.
     """
     return mesh[dims]._flatten(name, backend_override=options)
 
@@ -207,3 +207,12 @@ def outer_saved_tensors_hooks():
     some tensors itself passes the rest to the pair it shadows, found here.
     """
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def dtensor_local_storage(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor read without an autograd op (``to_local`` is differentiable).
+
+    Inside a ``saved_tensors_hooks`` pack function, a differentiable op would itself save tensors and
+    re-enter the hook; reading the attribute does not.
+    """
+    return t._local_tensor

@@ -27,11 +27,11 @@ dims of the same world mesh (2-D layouts dp_shard x tp and dp_replicate x tp).
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -43,8 +43,16 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from mesh.private_api import all_gather_stacked, all_reduce_functional, outer_saved_tensors_hooks
+from mesh.private_api import (
+    all_gather_stacked,
+    all_reduce_functional,
+    dtensor_local_storage,
+    outer_saved_tensors_hooks,
+)
 from models.moe import MoE
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class ReplicateParallel(ParallelStyle):
@@ -136,8 +144,8 @@ def _regather_hooks(shard: DTensor, full: DTensor):
     record = _Regathered(shard, outer)
 
     def pack(t: torch.Tensor):
-        if isinstance(t, DTensor) and t._local_tensor.untyped_storage().data_ptr() == ptr:
-            local = t._local_tensor
+        if isinstance(t, DTensor) and dtensor_local_storage(t).untyped_storage().data_ptr() == ptr:
+            local = dtensor_local_storage(t)
             return ("regather", record.pack(), local.size(), local.stride(), local.storage_offset())
         return ("outer", outer[0](t) if outer else t)
 

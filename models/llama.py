@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.feed_forward import FeedForward
 from models.moe import MoE, MoEArgs
 
 
@@ -63,37 +64,60 @@ class ModelArgs:
         hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
-    def num_params(self) -> int:
-        """Parameter count, computed from the shapes (used for planning tables without building the model)."""
+    def layer_params(self, layer_id: int) -> int:
+        """Parameters of block ``layer_id``: attention, its FFN (dense, or every expert and the router), 2 norms."""
         kv_dim = self.n_kv_heads * self.head_dim
         attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
         dense_mlp = 3 * self.dim * self.hidden_dim
-        total = 2 * self.vocab_size * self.dim + self.dim
-        for layer_id in range(self.n_layers):
-            mlp = dense_mlp
-            if self.is_moe_layer(layer_id):
-                m = self.moe
-                mlp = m.n_experts * 3 * self.dim * m.hidden_dim + self.dim * m.n_experts
-                mlp += dense_mlp if m.n_shared_experts else 0
-            total += attn + mlp + 2 * self.dim
-        return total
+        mlp = dense_mlp
+        if self.is_moe_layer(layer_id):
+            m = self.moe
+            mlp = m.n_experts * 3 * self.dim * m.hidden_dim + self.dim * m.n_experts
+            mlp += dense_mlp if m.n_shared_experts else 0
+        return attn + mlp + 2 * self.dim
+
+    def num_params(self) -> int:
+        """Parameter count, computed from the shapes (used for planning tables without building the model):
+        the embedding and the output head (vocab x dim each), the final norm, and every block."""
+        return 2 * self.vocab_size * self.dim + self.dim + sum(self.layer_params(i) for i in range(self.n_layers))
 
 
 # Llama-3-shaped presets, for planning (memory tables, layouts). Values follow Meta's published configs.
 PRESETS: dict[str, ModelArgs] = {
     "llama3-1b": ModelArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256,
-        ffn_dim_multiplier=1.5, rope_theta=500000.0, max_seq_len=8192,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+        rope_theta=500000.0,
+        max_seq_len=8192,
     ),
     "llama3-8b": ModelArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
-        ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        max_seq_len=8192,
     ),
     "llama3-70b": ModelArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
-        ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        max_seq_len=8192,
     ),
-}  # fmt: skip
+}
 
 
 class RMSNorm(nn.Module):
@@ -206,9 +230,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if n_rep > 1 and not gqa:
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=mask is None,
         enable_gqa=gqa,
-    )  # fmt: skip
+    )
     return out.transpose(1, 2)
 
 
@@ -243,19 +271,6 @@ class Attention(nn.Module):
             k, v = cache.update(k, v)
             out = causal_attention(q, k, v)  # the new queries are the last positions of the cached keys
         return self.wo(out.reshape(bsz, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

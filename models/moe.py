@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.feed_forward import FeedForward  # the dense SwiGLU, reused as the shared expert
+
 
 @dataclass
 class MoEArgs:
@@ -126,8 +128,6 @@ class AddAuxLoss(torch.autograd.Function):
 class MoE(nn.Module):
     def __init__(self, dim: int, args: MoEArgs, shared_hidden_dim: int):
         super().__init__()
-        from models.llama import FeedForward  # the dense SwiGLU, reused as the shared expert
-
         self.args = args
         self.router = Router(dim, args.n_experts)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.n_experts)

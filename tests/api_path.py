@@ -7,14 +7,17 @@ The lead refactors mesh/ from time to time: every call into mesh/ made by those 
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 
 from models.llama import ModelArgs, Transformer
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.debug import CommDebugMode
 
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
 SEED, SEQ, PER_RANK = 7, 8, 2
@@ -29,7 +32,9 @@ def api_meshes(
     """meshloom's meshes for a layout; ``.world[dim]`` per dim, ``.dp``, ``.fsdp``, ``.ep`` (with experts)."""
     from mesh.dims import ParallelDims, build_mesh
 
-    dims = ParallelDims(dp_replicate, dp_shard, tp, pp, ep, dist.get_world_size(), cp=cp)
+    dims = ParallelDims(
+        pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, world_size=dist.get_world_size()
+    )
     return build_mesh(dims, torch.device("cpu"), timeout_s=120, has_experts=has_experts)
 
 
@@ -55,9 +60,15 @@ def api_pipeline_stages(modules, stage_ids, n_stages: int, schedule: str, microb
     from mesh.pipeline import build_pipeline_schedule
 
     return build_pipeline_schedule(
-        modules, stage_ids, n_stages, schedule=schedule, microbatches=microbatches,
-        pp_group=dist.group.WORLD, device=torch.device("cpu"), loss_fn=loss_fn,
-    )  # fmt: skip
+        modules,
+        stage_ids,
+        n_stages,
+        schedule=schedule,
+        microbatches=microbatches,
+        pp_group=dist.group.WORLD,
+        device=torch.device("cpu"),
+        loss_fn=loss_fn,
+    )
 
 
 def api_stage(args, layers: list[int], is_first: bool, is_last: bool):

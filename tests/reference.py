@@ -22,17 +22,30 @@ def reference_losses(cfg) -> list[dict]:
     (and, for MoE, the expert load, with the aux-loss-free bias updated from it after each step)."""
     t, m = cfg.training, cfg.model
     args = ModelArgs(
-        dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
-        ffn_dim=m.ffn_dim, multiple_of=m.multiple_of, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-        max_seq_len=m.max_seq_len, moe_every=m.moe_every,
-    )  # fmt: skip
+        dim=m.dim,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        vocab_size=m.vocab_size,
+        ffn_dim=m.ffn_dim,
+        multiple_of=m.multiple_of,
+        norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        max_seq_len=m.max_seq_len,
+        moe_every=m.moe_every,
+    )
     if m.n_experts:
         args.moe = MoEArgs(
-            n_experts=m.n_experts, top_k=m.top_k, hidden_dim=m.moe_ffn_dim or args.hidden_dim // m.top_k,
-            n_shared_experts=m.moe_shared_experts, score_func=m.moe_score_func, route_norm=m.moe_route_norm,
-            aux_loss_coef=m.moe_aux_loss_coef, capacity_factor=m.moe_capacity_factor,
+            n_experts=m.n_experts,
+            top_k=m.top_k,
+            hidden_dim=m.moe_ffn_dim or args.hidden_dim // m.top_k,
+            n_shared_experts=m.moe_shared_experts,
+            score_func=m.moe_score_func,
+            route_norm=m.moe_route_norm,
+            aux_loss_coef=m.moe_aux_loss_coef,
+            capacity_factor=m.moe_capacity_factor,
             aux_loss_scale=1.0 / t.global_batch,  # the whole batch is here: sum per sequence / sequences
-        )  # fmt: skip
+        )
     with torch.device("meta"):
         model = Transformer(args)
     model.init_weights(t.seed)
@@ -40,8 +53,9 @@ def reference_losses(cfg) -> list[dict]:
     rest = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-        lr=t.lr, betas=(t.beta1, t.beta2),
-    )  # fmt: skip
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+    )
     tokens = load_corpus(cfg.data.source, cfg.data.max_bytes).long()
     span = tokens.numel() - t.seq_len
     records, position = [], 0

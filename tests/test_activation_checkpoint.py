@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.harness import run_on_ranks
+from launch.spawn import run_on_ranks
 
 SEQ = 16
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
@@ -135,7 +135,7 @@ def test_selective_checkpointing_keeps_the_forward_routing():
     """The expert bias moves between forward and backward: selective AC, which keeps topk's output, still
     computes the gradients of the forward's routing; full AC reroutes in its recompute, and torch notices
     that the recomputed tensors (other token counts per expert) differ from the forward's."""
-    from tests.harness import RankFailure
+    from launch.spawn import RankFailure
 
     grads = {mode: run_on_ranks(block_collectives, 2, "ep", mode, True)[0]["grad"] for mode in ("none", "selective")}
     torch.testing.assert_close(grads["selective"], grads["none"], rtol=0, atol=0)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.training_runs import DEBUG_CONFIG, ROOT, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, ROOT, run_train_cli
 
 MARK = "meshloom: configuration error"
 
@@ -123,9 +123,17 @@ def test_a_data_folder_skips_hidden_and_binary_files_and_says_so(tmp_path):
     (folder / "a.txt").write_text("hello world " * 500)
     (folder / "lib.so").write_bytes(b"\x7fELF\0\0" + os.urandom(4096))
     proc = run_train_cli(
-        1, "--config", DEBUG_CONFIG, "--data.source", str(folder), "--training.steps", "1",
-        "--run.dir", str(tmp_path / "run"), timeout=120,
-    )  # fmt: skip
+        1,
+        "--config",
+        DEBUG_CONFIG,
+        "--data.source",
+        str(folder),
+        "--training.steps",
+        "1",
+        "--run.dir",
+        str(tmp_path / "run"),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "reading 1 text files; skipped 1 hidden entries and 1 files that are not text" in proc.stderr
     # and a folder with nothing readable is refused
@@ -151,9 +159,20 @@ def test_a_checkpoint_folder_without_room_is_refused_before_training(tmp_path):
     need = checkpoint_bytes(10_000_000_000)
     assert shutil.disk_usage(tmp_path).free < need
     message = refused(
-        tmp_path, "--checkpoint.interval", "2", "--model.vocab_size", "2000000", "--model.dim", "2560",
-        "--model.n_heads", "20", "--model.n_kv_heads", "4", "--training.steps", "1",
-    )  # fmt: skip
+        tmp_path,
+        "--checkpoint.interval",
+        "2",
+        "--model.vocab_size",
+        "2000000",
+        "--model.dim",
+        "2560",
+        "--model.n_heads",
+        "20",
+        "--model.n_kv_heads",
+        "4",
+        "--training.steps",
+        "1",
+    )
     assert "free, but one checkpoint of this model needs about" in message and "free space there" in message
 
 
@@ -174,7 +193,7 @@ def test_under_torchrun_every_worker_exits_2_with_the_message(args, words, tmp_p
 def test_help_lists_every_key_with_its_default_and_meaning():
     import dataclasses
 
-    from config import FIELD_KEYS, Config
+    from runtime.config import FIELD_KEYS, Config
 
     proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

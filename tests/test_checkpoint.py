@@ -28,8 +28,9 @@ from checkpoint.folder import published
 from checkpoint.hf import expected_hf_shapes, hf_name
 from checkpoint.manager import PAUSE_ENV
 from checkpoint.resume import Resume, find_resume
-from config import ConfigError, load_config, model_args
-from tests.training_runs import DEBUG_CONFIG, LOSS_RTOL, ROOT, assert_same_curve, run_train_cli, train_on
+from launch.local_runs import DEBUG_CONFIG, ROOT, run_train_cli, train_on
+from runtime.config import ConfigError, load_config, model_args
+from tests.training_runs import LOSS_RTOL, assert_same_curve
 from train import check_config
 
 N = 3  # steps before the save; the reference runs 2N
@@ -83,9 +84,8 @@ def world(layout: dict) -> int:
         (CP2, TP2, {"checkpoint.interval": N}),
         pytest.param(FIVE_D, {}, {"checkpoint.interval": N}, marks=pytest.mark.slow),
     ],
-    ids=["fsdp4-async-to-fsdp2xtp2", "fsdp2xtp2-to-pp2xfsdp2", "pp2xtp2-to-1", "1-to-hsdp2x2", "cp2-to-tp2",
-         "5d-to-1"],
-)  # fmt: skip
+    ids=["fsdp4-async-to-fsdp2xtp2", "fsdp2xtp2-to-pp2xfsdp2", "pp2xtp2-to-1", "1-to-hsdp2x2", "cp2-to-tp2", "5d-to-1"],
+)
 def test_resume_on_another_layout_continues_the_same_run(before, after, saving, reference, tmp_path):
     ref, _ = reference
     folder = tmp_path / "ckpt"
@@ -130,8 +130,20 @@ def test_cli_saves_on_fsdp2_and_resumes_auto_on_one_process(reference, tmp_path)
 def test_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(reference, tmp_path):
     ref, _ = reference
     run_dir, folder = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    cmd = [sys.executable, "train.py", "--config", DEBUG_CONFIG, "--run.tensorboard", "false", "--run.dir", str(run_dir),
-           "--training.steps", str(2 * N), "--checkpoint.interval", str(N)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--config",
+        DEBUG_CONFIG,
+        "--run.tensorboard",
+        "false",
+        "--run.dir",
+        str(run_dir),
+        "--training.steps",
+        str(2 * N),
+        "--checkpoint.interval",
+        str(N),
+    ]
     # The hook pauses rank 0 after step 2N is fully written into step-6.tmp, just before the rename.
     env = {**os.environ, "OMP_NUM_THREADS": "1", PAUSE_ENV: f"{2 * N}:300"}
     log = tmp_path / "log.txt"
@@ -208,9 +220,16 @@ def flip_bits(path: Path, offset: int = 4096, count: int = 4096) -> None:
         (lambda d: (d / "__0_0.distcp").unlink(), ["__0_0.distcp is missing"]),
         (lambda d: os.truncate(d / "__0_0.distcp", 1000), ["__0_0.distcp has 1000 bytes, the manifest says"]),
     ],
-    ids=["no-meta", "bad-json", "no-dcp-metadata", "bad-dcp-metadata", "flipped-dcp-metadata", "no-data",
-         "truncated-data"],
-)  # fmt: skip
+    ids=[
+        "no-meta",
+        "bad-json",
+        "no-dcp-metadata",
+        "bad-dcp-metadata",
+        "flipped-dcp-metadata",
+        "no-data",
+        "truncated-data",
+    ],
+)
 def test_a_partial_or_corrupt_checkpoint_fails_clearly(damage, words, reference, tmp_path):
     folder = tmp_path / "ckpt"
     shutil.copytree(reference[1], folder)
@@ -271,8 +290,9 @@ def test_a_flipped_shard_is_caught_and_auto_falls_back_to_the_previous_step(refe
     # resume auto on 2 ranks, to step 7: step-6 is damaged, so the run continues from step-3 and replays
     # 4..6 exactly (the LR of steps <= 6 does not depend on training.steps: warmup, then the cosine's start).
     layout = {"parallel.dp_shard": 2, "training.steps": 2 * N + 1}
-    resumed = train_on(2, {**layout, **overrides(folder, checkpoint__resume="auto", checkpoint__interval=N)},
-                       tmp_path / "run")  # fmt: skip
+    resumed = train_on(
+        2, {**layout, **overrides(folder, checkpoint__resume="auto", checkpoint__interval=N)}, tmp_path / "run"
+    )
     assert [r["step"] for r in resumed] == [4, 5, 6, 7]
     assert_same_curve(resumed[:N], ref[N:])
     assert (folder / f"step-{2 * N}.damaged").is_dir(), "the damaged step is kept aside, not deleted"
@@ -282,9 +302,18 @@ def test_a_flipped_shard_is_caught_and_auto_falls_back_to_the_previous_step(refe
     shutil.copytree(source, folder)
     flip_bits(sorted((folder / f"step-{2 * N}").glob("*.distcp"))[0])
     proc = run_train_cli(
-        1, "--config", DEBUG_CONFIG, "--run.dir", str(tmp_path / "explicit"), "--checkpoint.folder", str(folder),
-        "--checkpoint.resume", str(2 * N), "--training.steps", str(3 * N),
-    )  # fmt: skip
+        1,
+        "--config",
+        DEBUG_CONFIG,
+        "--run.dir",
+        str(tmp_path / "explicit"),
+        "--checkpoint.folder",
+        str(folder),
+        "--checkpoint.resume",
+        str(2 * N),
+        "--training.steps",
+        str(3 * N),
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"step-{2 * N} is damaged: {shards[0].name} does not match its checksum" in proc.stderr
 
@@ -307,8 +336,8 @@ def save_the_same_step_twice(folder: str) -> list[str]:
     from checkpoint.manager import CheckpointManager
     from data.loader import GlobalBatchLoader
     from mesh.plan import LayoutPlan
-    from mesh.runtime import init_process_group
-    from optim import Optimizers
+    from runtime.process import init_process_group
+    from training.optimizer import Optimizers
 
     cfg = load_config(path=DEBUG_CONFIG, overrides={"checkpoint.folder": folder, "checkpoint.interval": 1})
     part = torch.nn.Linear(4, 4)
@@ -341,7 +370,7 @@ def save_the_same_step_twice(folder: str) -> list[str]:
 
 
 def test_saving_an_existing_step_does_not_clobber_it(tmp_path):
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     [outcomes] = run_on_ranks(save_the_same_step_twice, 1, str(tmp_path / "ckpt"), timeout=120)
     assert "never overwrites" in outcomes[0] and outcomes[1] == "OSError"
@@ -391,8 +420,14 @@ def test_export_has_hugging_face_names_shapes_and_config(exported):
     cfg = load_config(path=DEBUG_CONFIG)
     tensors = load_file(str(exported / "model.safetensors"))
     assert {k: v.shape for k, v in tensors.items()} == expected_hf_shapes(model_args(cfg))
-    for name in ("model.embed_tokens.weight", "model.layers.3.self_attn.q_proj.weight", "model.norm.weight",
-                 "model.layers.0.mlp.gate_proj.weight", "model.layers.0.post_attention_layernorm.weight", "lm_head.weight"):  # fmt: skip
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.3.self_attn.q_proj.weight",
+        "model.norm.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "lm_head.weight",
+    ):
         assert name in tensors
     config = json.loads((exported / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, assert_same_curve, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_train_cli
+from tests.training_runs import assert_same_curve
 
 
 def launch(tmp_path, name: str, nproc: int, *args: str) -> list[dict]:
@@ -51,9 +52,20 @@ def test_torchrun_fsdp2_x_tp2_matches_one_process(embedded_default, tmp_path):
 @pytest.mark.slow
 def test_torchrun_3d_pipeline_matches_one_process(embedded_default, tmp_path):
     run = launch(
-        tmp_path, "pp2xfsdp2xtp2", 8, "--config", DEBUG_CONFIG,
-        "--parallel.pp", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.pp_schedule", "ZBVZeroBubble",
-    )  # fmt: skip
+        tmp_path,
+        "pp2xfsdp2xtp2",
+        8,
+        "--config",
+        DEBUG_CONFIG,
+        "--parallel.pp",
+        "2",
+        "--parallel.dp_shard",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--parallel.pp_schedule",
+        "ZBVZeroBubble",
+    )
     assert_same_curve(run, embedded_default)
 
 
@@ -62,8 +74,19 @@ def test_torchrun_4d_moe_matches_one_process(tmp_path):
     moe = str(ROOT / "configs" / "debug_moe.toml")
     reference = launch(tmp_path, "moe-one", 1, "--config", moe)
     run = launch(
-        tmp_path, "moe-4d", 8, "--config", moe,
-        "--parallel.pp", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.ep", "2",
-    )  # fmt: skip
+        tmp_path,
+        "moe-4d",
+        8,
+        "--config",
+        moe,
+        "--parallel.pp",
+        "2",
+        "--parallel.dp_shard",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--parallel.ep",
+        "2",
+    )
     assert_same_curve(run, reference)
     assert [r["expert_load"] for r in run] == [r["expert_load"] for r in reference]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.debug import CommDebugMode
 
+from launch.spawn import run_on_ranks
 from models.llama import ModelArgs, Transformer
 from models.moe import MoEArgs
 from tests.api_path import (
@@ -34,7 +35,6 @@ from tests.api_path import (
     plain_model,
     rel_error,
 )
-from tests.harness import run_on_ranks
 
 
 def fsdp_step_collectives(dp_replicate: int, dp_shard: int, policy: str) -> dict:
@@ -71,8 +71,15 @@ def test_hsdp_adds_one_all_reduce_per_unit_across_replicas():
         assert r["backward"] == {"_allgather_base_": units - 2, "_reduce_scatter_base_": units, "allreduce_": units}
 
 
-MOE_ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
-                     moe=MoEArgs(n_experts=4, top_k=2, hidden_dim=16))  # fmt: skip
+MOE_ARGS = ModelArgs(
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=256,
+    multiple_of=32,
+    moe=MoEArgs(n_experts=4, top_k=2, hidden_dim=16),
+)
 
 
 def expert_parallel_collectives() -> dict:
@@ -100,7 +107,7 @@ def test_expert_parallel_exchanges_counts_then_two_all_to_alls_each_way():
         assert r["backward"] == {"all_to_all_single": 2 * layers}
 
 
-# ---- gradient accumulation: one reduction per step with grad_sync=step (mesh/savers.py) ----------------------
+# ---- gradient accumulation: one reduction per step with grad_sync=step (mesh/comm_memory_savers.py) ----------------------
 
 K = 3  # micro-batches accumulated per step
 
@@ -112,7 +119,7 @@ def accumulate_counting_reductions(
     (``forward_outside``: only the backward inside, the common mistake); returns the gradient reductions by
     (collective, group) and the full gradients."""
     from bench.grad_traffic import GradientTraffic
-    from mesh.savers import apply_powersgd, reduction_window
+    from mesh.comm_memory_savers import apply_powersgd, reduction_window
 
     meshes = api_meshes(dp_replicate, dp_shard)
     if powersgd:
@@ -142,13 +149,18 @@ def one_process_gradients(world: int) -> dict:
 @pytest.mark.parametrize(
     "dp_replicate, dp_shard, per_step",
     [
-        (1, 2, {"microbatch": {"reduce_scatter_single@shard": 3 * K},
-                "step": {"reduce_scatter_single@shard": 3}}),
-        (2, 2, {"microbatch": {"reduce_scatter_single@shard": 3 * K, "all_reduce@replicate": 3 * K},
-                "step": {"reduce_scatter_single@shard": 3 * K, "all_reduce@replicate": 3}}),
+        (1, 2, {"microbatch": {"reduce_scatter_single@shard": 3 * K}, "step": {"reduce_scatter_single@shard": 3}}),
+        (
+            2,
+            2,
+            {
+                "microbatch": {"reduce_scatter_single@shard": 3 * K, "all_reduce@replicate": 3 * K},
+                "step": {"reduce_scatter_single@shard": 3 * K, "all_reduce@replicate": 3},
+            },
+        ),
     ],
     ids=["fsdp2", "hsdp2x2"],
-)  # fmt: skip
+)
 def test_step_sync_reduces_each_unit_once_per_step_instead_of_once_per_micro_batch(dp_replicate, dp_shard, per_step):
     world = dp_replicate * dp_shard
     expected = one_process_gradients(world)

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_on_ranks
+from launch.spawn import run_on_ranks
 
 
 def allreduce_vs_reducescatter_allgather() -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 import pytest
 
-from config import ConfigError, load_config
-from tests.training_runs import DEBUG_CONFIG
+from launch.local_runs import DEBUG_CONFIG
+from runtime.config import ConfigError, load_config
 
 
 def test_cli_overrides_win_over_the_file():

@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from config import ConfigError, load_config
+from launch.local_runs import DEBUG_CONFIG, ROOT, train_on
+from launch.spawn import run_on_ranks
 from mesh.context_parallel import chunk_ids, load_balanced_positions, split_sequence
 from models.llama import ModelArgs
-from tests.harness import run_on_ranks
-from tests.training_runs import DEBUG_CONFIG, ROOT, assert_same_curve, train_on
+from runtime.config import ConfigError, load_config
+from tests.training_runs import assert_same_curve
 from train import check_config
 
 # ---- 1. the split ------------------------------------------------------------------------------------------
@@ -311,8 +312,14 @@ def test_context_parallel_matches_one_process(layout, one_process, tmp_path):
 
 @pytest.mark.slow
 def test_five_dimensional_layout_matches_one_process(one_process, tmp_path):
-    layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.cp": 2, "parallel.tp": 2,
-              "parallel.pp_schedule": "Interleaved1F1B", "parallel.cp_attention": "ring"}  # fmt: skip
+    layout = {
+        "parallel.pp": 2,
+        "parallel.dp_shard": 2,
+        "parallel.cp": 2,
+        "parallel.tp": 2,
+        "parallel.pp_schedule": "Interleaved1F1B",
+        "parallel.cp_attention": "ring",
+    }
     run = train_on(
         16, {**layout, "data.val_fraction": 0.05, "eval.interval": 3, "eval.steps": 2}, tmp_path, timeout=900
     )
@@ -345,7 +352,7 @@ def cp_meshes() -> dict:
 
     facts = {}
     for name, (dp_replicate, cp, tp) in {"cp2xtp2": (1, 2, 2), "hsdp2xcp2": (2, 2, 1)}.items():
-        dims = ParallelDims(dp_replicate, 1, tp, 1, 1, dist.get_world_size(), cp=cp)
+        dims = ParallelDims(dp_replicate=dp_replicate, cp=cp, tp=tp, world_size=dist.get_world_size())
         meshes = build_mesh(dims, torch.device("cpu"), 43)
         groups = {n: dist.get_process_group_ranks(m.get_group()) for n, m in meshes.all().items() if m.ndim == 1}
         facts[name] = {
@@ -386,19 +393,35 @@ def test_cp_sits_between_dp_shard_and_tp_and_fsdp_shards_over_dp_shard_x_cp():
     "world, overrides, expected",
     [
         (2, {"parallel.cp": 2, "training.seq_len": 126}, "training.seq_len=126 is not divisible by 2*parallel.cp=4"),
-        (4, {"parallel.cp": 2, "parallel.dp_shard": 1}, "pp*dp_replicate*dp_shard*cp*tp = 1*1*1*2*1 = 2 but WORLD_SIZE=4"),
-        (8, {"parallel.cp": 2, "parallel.tp": 4, "training.seq_len": 132},
-         "training.seq_len=132 / parallel.cp=2 = 66 tokens per cp rank, not divisible by parallel.tp=4"),
-        (4, {"parallel.cp": 2, "parallel.ep": 2, "model.n_experts": 4, "parallel.dp_shard": 2},
-         "parallel.ep=2 with parallel.cp=2 is not supported"),
-        (2, {"parallel.cp": 2, "model.n_experts": 4, "model.moe_aux_loss_coef": 0.01},
-         "model.moe_aux_loss_coef=0.01 with parallel.cp=2"),
-        (2, {"parallel.cp": 2, "model.n_experts": 4, "model.moe_capacity_factor": 1.25},
-         "model.moe_capacity_factor=1.25 with parallel.cp=2"),
+        (
+            4,
+            {"parallel.cp": 2, "parallel.dp_shard": 1},
+            "pp*dp_replicate*dp_shard*cp*tp = 1*1*1*2*1 = 2 but WORLD_SIZE=4",
+        ),
+        (
+            8,
+            {"parallel.cp": 2, "parallel.tp": 4, "training.seq_len": 132},
+            "training.seq_len=132 / parallel.cp=2 = 66 tokens per cp rank, not divisible by parallel.tp=4",
+        ),
+        (
+            4,
+            {"parallel.cp": 2, "parallel.ep": 2, "model.n_experts": 4, "parallel.dp_shard": 2},
+            "parallel.ep=2 with parallel.cp=2 is not supported",
+        ),
+        (
+            2,
+            {"parallel.cp": 2, "model.n_experts": 4, "model.moe_aux_loss_coef": 0.01},
+            "model.moe_aux_loss_coef=0.01 with parallel.cp=2",
+        ),
+        (
+            2,
+            {"parallel.cp": 2, "model.n_experts": 4, "model.moe_capacity_factor": 1.25},
+            "model.moe_capacity_factor=1.25 with parallel.cp=2",
+        ),
         (2, {"parallel.cp": 0}, "parallel.cp=0 must be >= 1"),
     ],
     ids=["seq-len", "world", "sp-per-cp-rank", "ep", "aux-loss", "capacity", "zero"],
-)  # fmt: skip
+)
 def test_a_misfit_cp_layout_is_refused_before_any_process_group(world, overrides, expected):
     with pytest.raises(ConfigError) as err:
         check_config(load_config(path=DEBUG_CONFIG, overrides=overrides), world)
@@ -411,11 +434,20 @@ def test_a_misfit_cp_layout_is_refused_before_any_process_group(world, overrides
     [
         (8, {"parallel.cp": 2, "parallel.tp": 4, "parallel.dp_shard": 1, "training.seq_len": 12}, "tokens per cp rank"),
         (4, {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp_shard": 1, "training.seq_len": 6}, "2*parallel.cp=4"),
-        (8, {"parallel.cp": 2, "parallel.tp": 4, "parallel.dp_shard": 1, "training.seq_len": 12,
-             "parallel.sequence_parallel": False}, "(per cp rank: 6) is not divisible by parallel.tp=4"),
+        (
+            8,
+            {
+                "parallel.cp": 2,
+                "parallel.tp": 4,
+                "parallel.dp_shard": 1,
+                "training.seq_len": 12,
+                "parallel.sequence_parallel": False,
+            },
+            "(per cp rank: 6) is not divisible by parallel.tp=4",
+        ),
     ],
     ids=["sp-rule", "2cp-rule", "moe-token-split-rule"],
-)  # fmt: skip
+)
 def test_a_moe_sequence_that_tp_and_cp_cannot_split_is_reported_once(world, overrides, expected):
     """MoE under TP splits each cp rank's tokens over tp: one broken seq_len is one message, from the rule it breaks."""
     moe = {"model.n_experts": 4, "model.moe_aux_loss_coef": 0.0, "model.max_seq_len": 64}

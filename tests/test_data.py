@@ -1,17 +1,17 @@
 import pytest
 import torch
 
-from config import ConfigError
 from data.corpus import corpus_files, load_corpus
 from data.loader import GlobalBatchLoader
-from data.tokenizer import decode, encode
+from data.tokenizers import ByteTokenizer
+from runtime.config import ConfigError
 
 
 def test_byte_tokenizer_round_trips_unicode():
     text = "def f(x):\n    return 'héllo ∑'"
-    ids = encode(text)
-    assert ids.dtype == torch.uint8 and int(ids.max()) < 256
-    assert decode(ids) == text
+    ids = ByteTokenizer().encode(text)
+    assert max(ids) < 256 and len(ids) == len(text.encode("utf-8"))
+    assert ByteTokenizer().decode(ids) == text
 
 
 def test_default_corpus_exists_offline_and_is_ordered():
@@ -23,8 +23,8 @@ def test_default_corpus_exists_offline_and_is_ordered():
 def test_user_source_file_and_folder(tmp_path):
     (tmp_path / "b.txt").write_text("world")
     (tmp_path / "a.txt").write_text("hello ")
-    assert decode(load_corpus(str(tmp_path), 1 << 20)) == "hello world"
-    assert decode(load_corpus(str(tmp_path / "b.txt"), 1 << 20)) == "world"
+    assert ByteTokenizer().decode(load_corpus(str(tmp_path), 1 << 20)) == "hello world"
+    assert ByteTokenizer().decode(load_corpus(str(tmp_path / "b.txt"), 1 << 20)) == "world"
 
 
 def test_missing_source_names_the_field():

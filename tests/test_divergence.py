@@ -14,16 +14,29 @@ import torch
 
 from checkpoint.export import load_model_state
 from checkpoint.folder import published
-from tests.training_runs import DEBUG_CONFIG, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, run_train_cli
 
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "fsdp2"])
 def test_a_diverging_run_stops_before_the_step_and_saves_nothing_after_the_last_finite_one(nproc, tmp_path):
     proc = run_train_cli(
-        nproc, "--config", DEBUG_CONFIG, "--training.lr", "1e6", "--training.grad_clip", "0",
-        "--checkpoint.interval", "1", "--checkpoint.keep_last", "0", "--training.steps", "10",
-        "--run.dir", str(tmp_path), timeout=240,
-    )  # fmt: skip
+        nproc,
+        "--config",
+        DEBUG_CONFIG,
+        "--training.lr",
+        "1e6",
+        "--training.grad_clip",
+        "0",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.keep_last",
+        "0",
+        "--training.steps",
+        "10",
+        "--run.dir",
+        str(tmp_path),
+        timeout=240,
+    )
     assert proc.returncode == (3 if nproc == 1 else 1), proc.stderr[-3000:]  # torchrun itself exits 1 ...
     if nproc > 1:  # ... and reports each worker's own exit code
         assert re.search(r"exitcode\s*:\s*3", proc.stderr), proc.stderr[-3000:]
@@ -44,8 +57,8 @@ def test_a_diverging_run_stops_before_the_step_and_saves_nothing_after_the_last_
 
 def diverge_counting_optimizer_steps(run_dir: str) -> tuple[int, int]:
     """Rank body: the diverging run, counting the optimizer steps actually taken; (steps taken, diverged)."""
-    import optim
-    from tests.training_runs import run_training
+    import training.optimizer as optim
+    from launch.local_runs import run_training
     from train import DivergenceError
 
     taken, plain = [], optim.Optimizers.step
@@ -64,7 +77,7 @@ def diverge_counting_optimizer_steps(run_dir: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("world", [1, 2], ids=["one-process", "fsdp2"])
 def test_the_diverged_step_never_reaches_the_optimizer(world, tmp_path):
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     for taken, diverged in run_on_ranks(diverge_counting_optimizer_steps, world, str(tmp_path), timeout=180):
         assert taken == diverged - 1, f"{taken} optimizer steps for a run that diverged at step {diverged}"

@@ -26,18 +26,32 @@ from examples import (
     zero1_from_scratch,
     zero3_from_scratch,
 )
-from tests.harness import run_on_ranks
-from tests.training_runs import ROOT
+from launch.local_runs import ROOT
+from launch.spawn import run_on_ranks
 
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py") if not p.stem.startswith("_"))
 
 
 def test_every_example_is_tested_here():
-    tested = {m.__name__.split(".")[-1] for m in (
-        collectives, ddp_from_scratch, ddp_no_sync, device_mesh, dtensor_placements, hello_ranks, loss_bookkeeping,
-        moe_from_scratch, pipeline_1f1b_from_scratch, ring_allreduce, ring_attention_from_scratch, tp_from_scratch,
-        zero1_from_scratch, zero3_from_scratch,
-    )}  # fmt: skip
+    tested = {
+        m.__name__.split(".")[-1]
+        for m in (
+            collectives,
+            ddp_from_scratch,
+            ddp_no_sync,
+            device_mesh,
+            dtensor_placements,
+            hello_ranks,
+            loss_bookkeeping,
+            moe_from_scratch,
+            pipeline_1f1b_from_scratch,
+            ring_allreduce,
+            ring_attention_from_scratch,
+            tp_from_scratch,
+            zero1_from_scratch,
+            zero3_from_scratch,
+        )
+    }
     assert tested == set(EXAMPLES), f"examples without a test: {set(EXAMPLES) - tested}"
 
 
@@ -173,8 +187,15 @@ def test_from_scratch_examples_match_one_process(module, check):
 
 
 def test_an_example_runs_under_torchrun():
-    env_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "examples/hello_ranks.py"]  # fmt: skip
+    env_cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "examples/hello_ranks.py",
+    ]
     out = subprocess.run(env_cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("'sum_of_ranks': 1.0") == 2 and "--- rank 1 ---" in out.stdout
@@ -185,7 +206,10 @@ def test_an_example_runs_under_torchrun():
 def test_every_example_runs_under_torchrun(name):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", f"examples/{name}.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--- rank 0 ---" in out.stdout and "--- rank 1 ---" in out.stdout

@@ -26,82 +26,12 @@ from pathlib import Path
 import pytest
 
 from checkpoint.folder import published
-from tests.training_runs import DEBUG_CONFIG, ROOT, assert_same_curve, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, ROOT, TorchrunLaunch, run_train_cli
+from tests.training_runs import assert_same_curve
 
 TIMEOUT_S = 15  # parallel.collective_timeout_s in these tests
 TORCHRUN_GRACE_S = 30  # torchrun 2.13 waits this long after a worker failed before it SIGKILLs the others
 SLACK_S = 5  # noticing the failure, exiting, torchrun's 0.1 s monitor interval: measured ~1-3 s here
-
-
-class Launch:
-    """``torchrun ... train.py ARGS`` in the background, its output in a file we can watch."""
-
-    def __init__(self, tmp_path: Path, nproc: int, *args: str, restarts: int = 0, env: dict | None = None):
-        self.log = tmp_path / f"launch-{time.monotonic_ns()}.log"
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={restarts}", "train.py", "--config", DEBUG_CONFIG,
-            "--run.tensorboard", "false", *args,
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.out = open(self.log, "w")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.out, stderr=subprocess.STDOUT)
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def seconds_until(self, pattern: str, timeout: float) -> float:
-        """Seconds from now until ``pattern`` appears in the output (even if the launcher exits meanwhile)."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if re.search(pattern, self.text()):
-                return time.monotonic() - start
-            time.sleep(0.1)
-        return float("inf")
-
-    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = re.search(pattern, self.text())
-            if found:
-                return found
-            assert self.proc.poll() is None, f"exited before {pattern!r}:\n{self.text()[-4000:]}"
-            time.sleep(0.1)
-        self.kill()
-        raise AssertionError(f"no {pattern!r} after {timeout} s:\n{self.text()[-4000:]}")
-
-    def workers(self) -> dict[int, int]:
-        """rank -> pid of the launcher's worker processes (read from /proc)."""
-        found = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                environ = (entry / "environ").read_bytes().split(b"\0")
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == self.proc.pid:
-                rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
-                if rank is not None:
-                    found[rank] = int(entry.name)
-        return found
-
-    def wait(self, timeout: float) -> tuple[int, float]:
-        start = time.monotonic()
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"still running after {timeout} s:\n{self.text()[-4000:]}") from None
-        finally:
-            self.out.close()
-        return code, time.monotonic() - start
-
-    def kill(self) -> None:
-        for pid in self.workers().values():
-            os.kill(pid, signal.SIGKILL)
-        self.proc.kill()
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -130,10 +60,20 @@ def reference(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_stalled_rank_ends_a_dp2_x_tp2_job_within_the_timeout(tmp_path):
-    run = Launch(
-        tmp_path, 4, "--parallel.dp_shard", "2", "--parallel.tp", "2", "--training.steps", "500",
-        "--parallel.collective_timeout_s", str(TIMEOUT_S), "--run.dir", str(tmp_path / "run"),
-    )  # fmt: skip
+    run = TorchrunLaunch(
+        tmp_path,
+        4,
+        "--parallel.dp_shard",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--training.steps",
+        "500",
+        "--parallel.collective_timeout_s",
+        str(TIMEOUT_S),
+        "--run.dir",
+        str(tmp_path / "run"),
+    )
     run.wait_for(r"step +3 \|")
     stalled, start = 3, time.monotonic()
     os.kill(run.workers()[stalled], signal.SIGSTOP)
@@ -157,11 +97,21 @@ def test_a_stalled_rank_ends_a_dp2_x_tp2_job_within_the_timeout(tmp_path):
 def test_a_rank_stalled_mid_save_ends_the_job_within_the_timeout(tmp_path):
     from checkpoint.manager import PAUSE_ENV
 
-    run = Launch(
-        tmp_path, 2, "--parallel.dp_shard", "2", "--training.steps", "50", "--checkpoint.interval", "2",
-        "--parallel.collective_timeout_s", str(TIMEOUT_S), "--run.dir", str(tmp_path / "run"),
+    run = TorchrunLaunch(
+        tmp_path,
+        2,
+        "--parallel.dp_shard",
+        "2",
+        "--training.steps",
+        "50",
+        "--checkpoint.interval",
+        "2",
+        "--parallel.collective_timeout_s",
+        str(TIMEOUT_S),
+        "--run.dir",
+        str(tmp_path / "run"),
         env={PAUSE_ENV: "4:3"},
-    )  # fmt: skip
+    )
     run.wait_for("pausing 3 s before publishing")  # rank 0 is inside the save of step 4
     start = time.monotonic()
     os.kill(run.workers()[1], signal.SIGSTOP)
@@ -188,7 +138,7 @@ def interrupted_then_resumed(
     common = ["--parallel.dp_shard", "2", "--training.steps", "12", "--run.dir", str(run_dir)]
     from checkpoint.manager import PAUSE_ENV
 
-    run = Launch(tmp_path, 2, *common, *saving, env={PAUSE_ENV: pause} if pause else {})
+    run = TorchrunLaunch(tmp_path, 2, *common, *saving, env={PAUSE_ENV: pause} if pause else {})
     run.wait_for(wait_pattern)
     sent = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
@@ -196,8 +146,11 @@ def interrupted_then_resumed(
     elapsed = time.monotonic() - sent
     text = run.text()
     assert elapsed < 30, f"took {elapsed:.0f} s after SIGTERM"
-    stopped = re.search(r"meshloom: stopped by SIGTERM after step (\d+); step \1 is saved in .*; resume with: .*"
-                        r"--checkpoint.resume auto", text)  # fmt: skip
+    stopped = re.search(
+        r"meshloom: stopped by SIGTERM after step (\d+); step \1 is saved in .*; resume with: .*"
+        r"--checkpoint.resume auto",
+        text,
+    )
     assert stopped, text[-4000:]
     step = int(stopped.group(1))
     assert re.search(r"exitcode\s*:\s*143", text) or code != 0, text[-3000:]
@@ -232,10 +185,21 @@ def test_sigterm_mid_save_finishes_that_save_and_stops(tmp_path, reference):
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_on_the_uninterrupted_curve(tmp_path, reference):
     run_dir = tmp_path / "run"
-    run = Launch(
-        tmp_path, 2, "--parallel.dp_shard", "2", "--training.steps", "12", "--checkpoint.interval", "3",
-        "--checkpoint.resume", "auto", "--run.dir", str(run_dir), restarts=1,
-    )  # fmt: skip
+    run = TorchrunLaunch(
+        tmp_path,
+        2,
+        "--parallel.dp_shard",
+        "2",
+        "--training.steps",
+        "12",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.resume",
+        "auto",
+        "--run.dir",
+        str(run_dir),
+        restarts=1,
+    )
     run.wait_for(r"step +5 \|")
     os.kill(run.workers()[1], signal.SIGKILL)
     code, _ = run.wait(timeout=240)
@@ -247,10 +211,18 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_on_the_uninterrupted_curv
 
 def test_workers_whose_launcher_was_killed_save_and_exit(tmp_path):
     run_dir = tmp_path / "run"
-    run = Launch(
-        tmp_path, 2, "--parallel.dp_shard", "2", "--training.steps", "2000", "--checkpoint.interval", "1000",
-        "--run.dir", str(run_dir),
-    )  # fmt: skip
+    run = TorchrunLaunch(
+        tmp_path,
+        2,
+        "--parallel.dp_shard",
+        "2",
+        "--training.steps",
+        "2000",
+        "--checkpoint.interval",
+        "1000",
+        "--run.dir",
+        str(run_dir),
+    )
     run.wait_for(r"step +3 \|")
     workers = run.workers()
     assert sorted(workers) == [0, 1]
@@ -277,7 +249,7 @@ def train_with_a_full_disk_at(step: int, run_dir: str):
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     from checkpoint.manager import CheckpointSaveError
-    from tests.training_runs import run_training
+    from launch.local_runs import run_training
 
     original = FileSystemWriter.write_data
 
@@ -295,7 +267,7 @@ def train_with_a_full_disk_at(step: int, run_dir: str):
 
 
 def test_a_full_disk_during_a_save_removes_the_partial_save_and_says_so(tmp_path):
-    from tests.harness import run_on_ranks
+    from launch.spawn import run_on_ranks
 
     messages = run_on_ranks(train_with_a_full_disk_at, 2, 4, str(tmp_path / "run"), timeout=180)
     for message in messages:  # every rank stops with the same one-line explanation
@@ -310,10 +282,26 @@ def test_a_full_disk_during_a_save_removes_the_partial_save_and_says_so(tmp_path
 
 def supervise(tmp_path, *train_args: str, relaunches: int = 2) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "launch.supervise", "--max-relaunches", str(relaunches), "--wait", "1", "--",
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
-        "--config", DEBUG_CONFIG, "--run.tensorboard", "false", *train_args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "launch.supervise",
+        "--max-relaunches",
+        str(relaunches),
+        "--wait",
+        "1",
+        "--",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "train.py",
+        "--config",
+        DEBUG_CONFIG,
+        "--run.tensorboard",
+        "false",
+        *train_args,
+    ]
     log = open(tmp_path / "supervise.log", "w")  # noqa: SIM115 - the test reads it back
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -321,8 +309,19 @@ def supervise(tmp_path, *train_args: str, relaunches: int = 2) -> subprocess.Pop
 
 def test_the_supervisor_relaunches_a_failed_run_until_it_completes(tmp_path, reference):
     run_dir = tmp_path / "run"
-    proc = supervise(tmp_path, "--parallel.dp_shard", "2", "--training.steps", "12", "--checkpoint.interval", "3",
-                     "--checkpoint.resume", "auto", "--run.dir", str(run_dir))  # fmt: skip
+    proc = supervise(
+        tmp_path,
+        "--parallel.dp_shard",
+        "2",
+        "--training.steps",
+        "12",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.resume",
+        "auto",
+        "--run.dir",
+        str(run_dir),
+    )
     log = tmp_path / "supervise.log"
     deadline = time.monotonic() + 180
     while not re.search(r"step +5 \|", log.read_text()):
@@ -339,14 +338,20 @@ def test_the_supervisor_relaunches_a_failed_run_until_it_completes(tmp_path, ref
 
 
 def test_the_supervisor_does_not_relaunch_bad_input(tmp_path):
-    proc = supervise(tmp_path, "--parallel.dp_shard", "3", "--checkpoint.resume", "auto",
-                     "--run.dir", str(tmp_path / "run"))  # fmt: skip
+    proc = supervise(
+        tmp_path, "--parallel.dp_shard", "3", "--checkpoint.resume", "auto", "--run.dir", str(tmp_path / "run")
+    )
     assert proc.wait(timeout=120) == 2
     text = (tmp_path / "supervise.log").read_text()
     assert "meshloom supervise: bad input (exit code 2); a relaunch would not help" in text
     assert "relaunch 1" not in text
-    missing_resume = subprocess.run([sys.executable, "-m", "launch.supervise", "--", "python", "train.py"], cwd=ROOT,
-                                    capture_output=True, text=True, timeout=60)  # fmt: skip
+    missing_resume = subprocess.run(
+        [sys.executable, "-m", "launch.supervise", "--", "python", "train.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing_resume.returncode == 2 and "--checkpoint.resume auto" in missing_resume.stderr
 
 

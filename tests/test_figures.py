@@ -14,18 +14,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from docs import figures
-from docs.schedule_ir import (
+from bench.schedule_ir import (
     activations_in_flight,
     idle_fraction,
     raw_pipeline_order,
     schedule_actions,
     simulate,
 )
+from docs import figures
 from examples import collectives, moe_from_scratch
+from launch.local_runs import ROOT
+from launch.spawn import run_on_ranks
 from tests.api_path import api_fsdp, api_meshes, api_pipeline_stages, api_stage, api_stage_ids, api_tensor_parallel
-from tests.harness import run_on_ranks
-from tests.training_runs import ROOT
 
 DOCS = [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
 
@@ -55,8 +55,14 @@ def test_collectives_figure_moves_the_numbers_gloo_moves():
     n = 2
     inputs = [collectives.start(r, n).tolist() for r in range(n)]
     chunk = len(inputs[0]) // n
-    names = {"broadcast": "broadcast", "reduce": "reduce", "all-reduce": "all_reduce",
-             "reduce-scatter": "reduce_scatter", "all-gather": "all_gather", "all-to-all": "all_to_all"}  # fmt: skip
+    names = {
+        "broadcast": "broadcast",
+        "reduce": "reduce",
+        "all-reduce": "all_reduce",
+        "reduce-scatter": "reduce_scatter",
+        "all-gather": "all_gather",
+        "all-to-all": "all_to_all",
+    }
     for rank, result in enumerate(run_on_ranks(collectives.run, n)):
         for name, key in names.items():
             _, after = figures.collective_cells(name, n)
@@ -86,7 +92,7 @@ def test_torch_schedule_action_lists_still_look_as_read(pp, m):
 
 
 def test_torch_1f1b_action_list_still_misnumbers_the_last_rank():
-    # docs/schedule_ir.py renumbers these forwards; when torch fixes its list, this fails: drop the repair.
+    # bench/schedule_ir.py renumbers these forwards; when torch fixes its list, this fails: drop the repair.
     last = [a for a in raw_pipeline_order("1F1B", 2, 4, 1)[1] if a is not None and a.computation_type.value == "F"]
     assert [a.microbatch_index for a in last] == [1, 2, 3, 4]
 
@@ -143,8 +149,15 @@ def test_idealized_idle_fraction_is_the_textbook_bubble(pp, m):
 
 def test_activations_in_flight_pp4_m8():
     # docs/pipeline_parallel.md, section 4: chunks whose forward ran and whose backward has not started
-    expected = {"GPipe": [8] * 4, "1F1B": [4, 3, 2, 1], "Interleaved1F1B": [11, 9, 7, 5], "LoopedBFS": [16] * 4,
-                "InterleavedZeroBubble": [8, 7, 6, 5], "ZBVZeroBubble": [8] * 4, "DualPipeV": [9] * 4}  # fmt: skip
+    expected = {
+        "GPipe": [8] * 4,
+        "1F1B": [4, 3, 2, 1],
+        "Interleaved1F1B": [11, 9, 7, 5],
+        "LoopedBFS": [16] * 4,
+        "InterleavedZeroBubble": [8, 7, 6, 5],
+        "ZBVZeroBubble": [8] * 4,
+        "DualPipeV": [9] * 4,
+    }
     for schedule, v in SCHEDULES.items():
         actions = schedule_actions(schedule, 4, 8, v)
         assert [activations_in_flight(actions[r]) for r in range(4)] == expected[schedule], schedule
@@ -162,7 +175,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("sizes, ep", LAYOUTS)
 def test_mesh_figure_groups_are_meshloom_process_groups(sizes, ep):
-    from docs.schedule_ir import fake_world
+    from bench.schedule_ir import fake_world
 
     drawn = figures.layout_groups(sizes, ep)
     world = sizes["pp"] * sizes["dp_replicate"] * sizes["dp_shard"] * sizes.get("cp", 1) * sizes["tp"]
@@ -220,8 +233,13 @@ def placements_and_pieces() -> dict:
         rows, cols = spec["shape"]
         code = torch.arange(rows).view(-1, 1) * 10_000 + torch.arange(cols).view(1, -1)  # value = row * 1e4 + col
         piece = distribute_tensor(code.float(), p.device_mesh, p.placements).to_local().long()
-        found[name] = {"placements": names, "shape": tuple(p.shape), "rows": sorted(set((piece // 10_000).flatten().tolist())),
-                       "cols": sorted(set((piece % 10_000).flatten().tolist())), "coord": p.device_mesh.get_coordinate()}  # fmt: skip
+        found[name] = {
+            "placements": names,
+            "shape": tuple(p.shape),
+            "rows": sorted(set((piece // 10_000).flatten().tolist())),
+            "cols": sorted(set((piece % 10_000).flatten().tolist())),
+            "coord": p.device_mesh.get_coordinate(),
+        }
     return found
 
 

@@ -24,6 +24,7 @@ from examples.ring_attention_from_scratch import gathered_attention, positions, 
 from examples.tp_from_scratch import parallel_mlp, shard_mlp
 from examples.zero1_from_scratch import ZeRO1AdamW
 from examples.zero3_from_scratch import ShardedUnit
+from launch.spawn import run_on_ranks
 from models.moe import GroupedExperts, MoE, MoEArgs
 from tests.api_path import (
     PER_RANK,
@@ -48,7 +49,6 @@ from tests.api_path import (
     plain_model,
     rel_error,
 )
-from tests.harness import run_on_ranks
 
 # ---- DDP: buckets of all-reduces vs FSDP2 on the replicate dim ------------------------------------------------
 
@@ -170,8 +170,10 @@ def test_zero3_sketch_equals_fsdp_resharding_after_forward():
         # Per unit: one all-gather in forward, one more in backward, one reduce-scatter. The sketch has 5 units
         # (embedding, 2 blocks, norm, head), meshloom 3 (2 blocks + a root unit holding embedding, norm, head).
         n = r["units"]
-        assert r["sketch"] == ({"all_gather_single": n, "reduce_scatter_single": 0},
-                               {"all_gather_single": n, "reduce_scatter_single": n})  # fmt: skip
+        assert r["sketch"] == (
+            {"all_gather_single": n, "reduce_scatter_single": 0},
+            {"all_gather_single": n, "reduce_scatter_single": n},
+        )
         assert r["api"] == ({"_allgather_base_": 3}, {"_allgather_base_": 3, "_reduce_scatter_base_": 3})
 
 
@@ -182,8 +184,10 @@ def tp_mlp_vs_parallelize_module() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = plain_model().layers["0"].feed_forward  # the full weights, to cut by hand
     x = torch.randn(PER_RANK, SEQ, TINY.dim, generator=torch.Generator().manual_seed(5))  # the same x on every rank
-    pieces = [w.detach().clone().requires_grad_() for w in
-              shard_mlp(reference.w1.weight, reference.w3.weight, reference.w2.weight, rank, world)]  # fmt: skip
+    pieces = [
+        w.detach().clone().requires_grad_()
+        for w in shard_mlp(reference.w1.weight, reference.w3.weight, reference.w2.weight, rank, world)
+    ]
     x_sketch = x.clone().requires_grad_()
     with CommDebugMode() as forward:
         out_sketch = parallel_mlp(x_sketch, *pieces)
@@ -227,8 +231,9 @@ def pipeline_vs_schedule(microbatches: int = 4) -> dict:
     stage = lambda: api_stage(TINY, [rank], rank == 0, rank == world - 1)  # noqa: E731
     sketch = stage()
     mb = inputs.shape[0] // microbatches
-    losses, _ = one_f_one_b(sketch, list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)), loss_fn,
-                            (mb, SEQ, TINY.dim))  # fmt: skip
+    losses, _ = one_f_one_b(
+        sketch, list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)), loss_fn, (mb, SEQ, TINY.dim)
+    )
 
     api = stage()
     schedule = api_pipeline(api, rank, world, microbatches, loss_fn)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from checkpoint.folder import published
-from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_train_cli
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,9 +78,22 @@ def test_two_gpus_over_nccl_match_the_cpu_reference(layout, cpu_reference, tmp_p
 @two_gpus
 def test_pipeline_with_timeline_on_two_gpus(cpu_reference, tmp_path):
     run = launch(
-        tmp_path, "pp2", 2, "--training.device", "cuda", "--parallel.pp", "2", "--parallel.dp_shard", "1",
-        "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_microbatches", "4", "--run.pp_timeline", "true",
-    )  # fmt: skip
+        tmp_path,
+        "pp2",
+        2,
+        "--training.device",
+        "cuda",
+        "--parallel.pp",
+        "2",
+        "--parallel.dp_shard",
+        "1",
+        "--parallel.pp_schedule",
+        "Interleaved1F1B",
+        "--parallel.pp_microbatches",
+        "4",
+        "--run.pp_timeline",
+        "true",
+    )
     assert_close(run, cpu_reference, FP32_RTOL)
     bubble = json.loads((tmp_path / "pp2" / "pipeline_bubble.json").read_text())
     # CUDA-event timing: every rank did real work in the window, and idle is a fraction of it
@@ -91,9 +104,17 @@ def test_pipeline_with_timeline_on_two_gpus(cpu_reference, tmp_path):
 def test_expert_parallel_on_two_gpus(tmp_path):
     reference = launch(tmp_path, "moe-cpu", 1, "--training.device", "cpu", config=MOE_CONFIG)
     run = launch(
-        tmp_path, "moe-ep2", 2, "--training.device", "cuda", "--parallel.dp_shard", "2", "--parallel.ep", "2",
+        tmp_path,
+        "moe-ep2",
+        2,
+        "--training.device",
+        "cuda",
+        "--parallel.dp_shard",
+        "2",
+        "--parallel.ep",
+        "2",
         config=MOE_CONFIG,
-    )  # fmt: skip
+    )
     assert_close(run, reference, FP32_RTOL)
     assert [r["expert_load"] for r in run] == [r["expert_load"] for r in reference]
 
@@ -104,14 +125,34 @@ def test_save_on_fsdp2_and_resume_on_tp2_on_gpus(cpu_reference, tmp_path):
     common = ["--training.device", "cuda", "--checkpoint.interval", half]
     run_dir = tmp_path / "resume"
     first = run_train_cli(
-        2, "--config", DEBUG_CONFIG, "--run.dir", str(run_dir), *common, "--parallel.dp_shard", "2",
-        "--training.steps", half,
-    )  # fmt: skip
+        2,
+        "--config",
+        DEBUG_CONFIG,
+        "--run.dir",
+        str(run_dir),
+        *common,
+        "--parallel.dp_shard",
+        "2",
+        "--training.steps",
+        half,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_train_cli(
-        2, "--config", DEBUG_CONFIG, "--run.dir", str(run_dir), *common, "--parallel.tp", "2",
-        "--parallel.dp_shard", "1", "--training.steps", str(PARITY_STEPS), "--checkpoint.resume", "auto",
-    )  # fmt: skip
+        2,
+        "--config",
+        DEBUG_CONFIG,
+        "--run.dir",
+        str(run_dir),
+        *common,
+        "--parallel.tp",
+        "2",
+        "--parallel.dp_shard",
+        "1",
+        "--training.steps",
+        str(PARITY_STEPS),
+        "--checkpoint.resume",
+        "auto",
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert list(published(run_dir / "checkpoints"))[-1] == PARITY_STEPS
     assert_close(records(run_dir), cpu_reference, FP32_RTOL)
@@ -134,16 +175,23 @@ def test_cpu_offload_on_one_gpu_matches_the_cpu_reference_with_less_device_memor
 @pytest.mark.parametrize(
     "knobs",
     [
-        ["--parallel.dp_shard", "2", "--parallel.fsdp_cpu_offload", "true", "--parallel.grad_sync", "step",
-         "--training.micro_batch", "2"],
-        ["--parallel.dp_shard", "2", "--parallel.fsdp_cpu_offload", "true",
-         "--training.grad_clip", "0.05"],
+        [
+            "--parallel.dp_shard",
+            "2",
+            "--parallel.fsdp_cpu_offload",
+            "true",
+            "--parallel.grad_sync",
+            "step",
+            "--training.micro_batch",
+            "2",
+        ],
+        ["--parallel.dp_shard", "2", "--parallel.fsdp_cpu_offload", "true", "--training.grad_clip", "0.05"],
     ],
     ids=["fsdp2-offload-step", "fsdp2-offload-clipping"],
-)  # fmt: skip
+)
 def test_cpu_offload_on_two_gpus_matches_the_cpu_reference(knobs, cpu_reference, tmp_path):
     # The offloaded gradients' norm is reduced over the cpu:gloo half of the device-plane groups
-    # (mesh/runtime.py: mesh_backend_options); a clip far below the norm makes every step depend on it.
+    # (mesh/dims.py: mesh_backend_options); a clip far below the norm makes every step depend on it.
     run = launch(tmp_path, "offload2", 2, "--training.device", "cuda", *knobs)
     if "0.05" not in knobs:
         assert_close(run, cpu_reference, FP32_RTOL, keys=("loss", "grad_norm"))
@@ -155,9 +203,18 @@ def test_cpu_offload_on_two_gpus_matches_the_cpu_reference(knobs, cpu_reference,
 @two_gpus
 def test_powersgd_over_nccl_reduces_exactly_first_then_compresses(cpu_reference, tmp_path):
     run = launch(
-        tmp_path, "psgd", 2, "--training.device", "cuda", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
-        "--parallel.grad_compression", "powersgd",
-    )  # fmt: skip
+        tmp_path,
+        "psgd",
+        2,
+        "--training.device",
+        "cuda",
+        "--parallel.dp_replicate",
+        "2",
+        "--parallel.dp_shard",
+        "1",
+        "--parallel.grad_compression",
+        "powersgd",
+    )
     # Steps 1-2 reduce exactly, so losses 1-3 (each computed before its own reduction) match the reference.
     assert_close(run[:3], cpu_reference[:3], FP32_RTOL)
     assert run[3]["loss"] != pytest.approx(cpu_reference[3]["loss"], rel=FP32_RTOL)
@@ -168,10 +225,24 @@ def test_profiled_gpu_run_writes_a_memory_snapshot_and_logs_mfu(tmp_path):
 
     run_dir = tmp_path / "prof"
     proc = run_train_cli(
-        1, "--config", DEBUG_CONFIG, "--training.steps", "3", "--run.dir", str(run_dir), "--training.device", "cuda",
-        "--profile.enabled", "true", "--profile.start_step", "2", "--profile.memory_snapshot", "true",
-        "--training.peak_tflops", "100",
-    )  # fmt: skip
+        1,
+        "--config",
+        DEBUG_CONFIG,
+        "--training.steps",
+        "3",
+        "--run.dir",
+        str(run_dir),
+        "--training.device",
+        "cuda",
+        "--profile.enabled",
+        "true",
+        "--profile.start_step",
+        "2",
+        "--profile.memory_snapshot",
+        "true",
+        "--training.peak_tflops",
+        "100",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     snapshot = pickle.loads((run_dir / "profile" / "rank0.memory_snapshot.pickle").read_bytes())
     assert snapshot["segments"] and any(snapshot["device_traces"])  # what pytorch.org/memory_viz draws

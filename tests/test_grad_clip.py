@@ -7,14 +7,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
-from config import load_config, model_args
+from launch.local_runs import DEBUG_CONFIG
+from launch.spawn import run_on_ranks
 from mesh.dims import build_mesh
 from mesh.grad_clip import global_grad_norm
 from mesh.plan import LayoutPlan
 from mesh.tensor_parallel import loss_context
+from runtime.config import load_config, model_args
 from tests.api_path import comm_counts
-from tests.harness import run_on_ranks
-from tests.training_runs import DEBUG_CONFIG
 from train import build_model
 
 

@@ -5,7 +5,7 @@ import ctypes
 import pytest
 import torch.distributed as dist
 
-from tests.harness import RankFailure, run_on_ranks
+from launch.spawn import RankFailure, run_on_ranks
 
 
 def raise_on_rank_1() -> int:

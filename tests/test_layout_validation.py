@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from config import ConfigError, load_config
-from tests.training_runs import DEBUG_CONFIG, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, run_train_cli
+from runtime.config import ConfigError, load_config
 from train import check_config
 
 
@@ -109,9 +109,9 @@ def test_a_failure_on_rank_0_alone_is_raised_on_every_rank(tmp_path):
     # Another live run holds run.dir's lock (this test process plays it): only rank 0 tries the lock, so
     # only rank 0 fails. The others must learn it at once, with its message, instead of waiting in the first
     # collective.
-    from rundir import RunLock
-    from tests.harness import RankFailure, run_on_ranks
-    from tests.training_runs import run_training
+    from launch.local_runs import run_training
+    from launch.spawn import RankFailure, run_on_ranks
+    from runtime.run_dir import RunLock
 
     held = RunLock(str(tmp_path / "run")).acquire()
     try:

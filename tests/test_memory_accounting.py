@@ -1,8 +1,8 @@
 """FSDP2 holds 1/N of the fp32 training state per rank: measured bytes vs (4Ψ + 4Ψ + 8Ψ) / N."""
 
 from bench.fsdp_memory import formula_bytes, measure
-from tests.harness import run_on_ranks
-from tests.training_runs import DEBUG_CONFIG
+from launch.local_runs import DEBUG_CONFIG
+from launch.spawn import run_on_ranks
 
 
 def test_fsdp2_per_rank_state_matches_the_zero3_formula():
@@ -25,11 +25,11 @@ def bf16_state_dtypes() -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from config import load_config
     from mesh.dims import build_mesh
     from mesh.plan import LayoutPlan
-    from optim import Optimizers
+    from runtime.config import load_config
     from train import build_model
+    from training.optimizer import Optimizers
 
     world = dist.get_world_size()
     cfg = load_config(path=DEBUG_CONFIG, overrides={"parallel.dp_shard": world, "training.mixed_precision": "bf16"})
@@ -54,5 +54,9 @@ def test_bf16_computes_in_bf16_but_keeps_fp32_state():
     # docs/data_parallel.md, section 7 and docs/combining.md, section 3: the sharded parameters are the fp32
     # master weights; gradients arrive reduced in fp32; Adam's moments are fp32; the compute (logits) is bf16.
     for r in run_on_ranks(bf16_state_dtypes, 2):
-        assert r == {"logits": "torch.bfloat16", "params": ["torch.float32"], "grads": ["torch.float32"],
-                     "adam moments": ["torch.float32"]}  # fmt: skip
+        assert r == {
+            "logits": "torch.bfloat16",
+            "params": ["torch.float32"],
+            "grads": ["torch.float32"],
+            "adam moments": ["torch.float32"],
+        }

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_on_ranks
+from launch.spawn import run_on_ranks
 
 TIMEOUT_S = 37  # an unusual number, so a group with a default timeout cannot match by accident
 
@@ -15,10 +15,10 @@ TIMEOUT_S = 37  # an unusual number, so a group with a default timeout cannot ma
 def mesh_facts(dp_replicate: int, dp_shard: int, ep: int, tp: int) -> dict:
     from mesh.dims import ParallelDims, build_mesh
     from mesh.private_api import group_timeout, root_mesh
-    from mesh.runtime import init_process_group, new_cpu_group
+    from runtime.process import init_process_group, new_cpu_group
 
     control = init_process_group(torch.device("cpu"), TIMEOUT_S)
-    dims = ParallelDims(dp_replicate, dp_shard, tp, 1, ep, dist.get_world_size())
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, world_size=dist.get_world_size())
     meshes = build_mesh(dims, torch.device("cpu"), TIMEOUT_S, has_experts=True)
     groups = [m.get_group(i) for m in meshes.all().values() for i in range(m.ndim)]
     return {

@@ -1,6 +1,6 @@
 import json
 
-from metrics import MetricsWriter
+from training.metrics import MetricsWriter
 
 
 def record(step: int) -> dict:

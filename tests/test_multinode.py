@@ -12,7 +12,8 @@ import subprocess
 import sys
 import time
 
-from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, assert_same_curve, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_train_cli
+from tests.training_runs import assert_same_curve
 
 
 def free_port() -> int:
@@ -27,10 +28,26 @@ def two_nodes(tmp_path, per_node_args, timeout: float = 240) -> list[subprocess.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for node, extra in enumerate(per_node_args):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "meshloom-test",
-            "train.py", "--config", DEBUG_CONFIG, "--training.steps", str(PARITY_STEPS), *extra,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "meshloom-test",
+            "train.py",
+            "--config",
+            DEBUG_CONFIG,
+            "--training.steps",
+            str(PARITY_STEPS),
+            *extra,
+        ]
         log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), log))
     deadline, done = time.monotonic() + timeout, []
@@ -47,8 +64,9 @@ def two_nodes(tmp_path, per_node_args, timeout: float = 240) -> list[subprocess.
 
 
 def test_two_nodes_train_the_same_model_as_one_process(tmp_path):
-    reference = run_train_cli(1, "--config", DEBUG_CONFIG, "--training.steps", str(PARITY_STEPS),
-                              "--run.dir", str(tmp_path / "one"))  # fmt: skip
+    reference = run_train_cli(
+        1, "--config", DEBUG_CONFIG, "--training.steps", str(PARITY_STEPS), "--run.dir", str(tmp_path / "one")
+    )
     assert reference.returncode == 0, reference.stderr[-2000:]
     shared = ["--run.dir", str(tmp_path / "run"), "--checkpoint.interval", "3"]
     for node in two_nodes(tmp_path, [shared, shared]):
@@ -61,10 +79,19 @@ def test_a_checkpoint_folder_that_is_not_shared_is_refused_at_start(tmp_path):
     start = time.monotonic()
     nodes = two_nodes(
         tmp_path,
-        [["--run.dir", str(tmp_path / "run"), "--checkpoint.interval", "2", "--checkpoint.folder", str(tmp_path / f"local{n}")]
-         for n in range(2)],
+        [
+            [
+                "--run.dir",
+                str(tmp_path / "run"),
+                "--checkpoint.interval",
+                "2",
+                "--checkpoint.folder",
+                str(tmp_path / f"local{n}"),
+            ]
+            for n in range(2)
+        ],
         timeout=120,
-    )  # fmt: skip
+    )
     assert time.monotonic() - start < 60
     for n, node in enumerate(nodes):
         assert node.returncode != 0

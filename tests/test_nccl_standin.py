@@ -4,7 +4,7 @@ NCCL serves CUDA tensors only; gloo on CPU forgives a CPU tensor on any group, s
 wrong way passes every CPU test and kills the first GPU run at step 0. The stand-in: a default process group
 created with the backend string ``cuda:gloo`` serves only CUDA tensors, exactly like NCCL, while the CPU
 tensors of the model go through the DeviceMesh's own gloo groups and control messages through meshloom's
-control plane (mesh/runtime.py). Any meshloom code path that still sends a CPU tensor through the default
+control plane (runtime/process.py). Any meshloom code path that still sends a CPU tensor through the default
 group fails here with "No backend type associated with device type cpu".
 """
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import RankFailure, run_on_ranks
-from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, assert_same_curve, run_training, train_on
+from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_training, train_on
+from launch.spawn import RankFailure, run_on_ranks
+from tests.training_runs import assert_same_curve
 
 STANDIN = "cuda:gloo"
 
@@ -35,9 +36,9 @@ def test_the_standin_rejects_a_cpu_tensor_on_the_default_group():
 
 def control_plane_paths(run_dir: str) -> dict:
     """Rank body: every control-plane message meshloom sends, on a cuda:gloo default group."""
-    from config import ConfigError
     from mesh.pipeline_timeline import PipelineTimeline
-    from mesh.runtime import init_process_group
+    from runtime.config import ConfigError
+    from runtime.process import init_process_group
 
     control = init_process_group(torch.device("cpu"), 60)
     rank = dist.get_rank()
@@ -127,12 +128,22 @@ def test_checkpoint_save_and_resume_on_an_accelerator_only_default_group(tmp_pat
     layout = {"parallel.dp_shard": 2, "checkpoint.interval": 3, "checkpoint.async": True}
     half = PARITY_STEPS // 2
     first = run_on_ranks(
-        run_training, 2, {**layout, "training.steps": half}, str(tmp_path / "run"), DEBUG_CONFIG, backend=STANDIN,
+        run_training,
+        2,
+        {**layout, "training.steps": half},
+        str(tmp_path / "run"),
+        DEBUG_CONFIG,
+        backend=STANDIN,
         timeout=180,
-    )[0]  # fmt: skip
+    )[0]
     resumed = run_on_ranks(
-        run_training, 2, {**layout, "checkpoint.resume": "auto"}, str(tmp_path / "run"), DEBUG_CONFIG,
-        backend=STANDIN, timeout=180,
-    )[0]  # fmt: skip
+        run_training,
+        2,
+        {**layout, "checkpoint.resume": "auto"},
+        str(tmp_path / "run"),
+        DEBUG_CONFIG,
+        backend=STANDIN,
+        timeout=180,
+    )[0]
     plain = train_on(2, {"parallel.dp_shard": 2}, tmp_path / "gloo")
     assert_same_curve(first + resumed, plain)

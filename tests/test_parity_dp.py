@@ -2,9 +2,10 @@
 
 import pytest
 
-from config import load_config
+from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, train_on
+from runtime.config import load_config
 from tests.reference import reference_losses
-from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, assert_same_curve, train_on
+from tests.training_runs import assert_same_curve
 
 
 @pytest.fixture(scope="module")

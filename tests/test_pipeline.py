@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from config import ConfigError, load_config
+from launch.local_runs import DEBUG_CONFIG, train_on
 from mesh.pipeline import balanced_split, split_layers, stage_ids_of_rank
 from models.llama import ModelArgs
-from tests.training_runs import DEBUG_CONFIG, assert_same_curve, train_on
+from runtime.config import ConfigError, load_config
+from tests.training_runs import assert_same_curve
 from train import check_config
 
 
@@ -75,6 +76,29 @@ def test_split_policies_and_explicit_lists():
     assert split_layers(big_vocab, 2, "3,5", seq_len=128) == [[0, 1, 2], [3, 4, 5, 6, 7]]
 
 
+def test_moe_split_by_params_and_by_flops_matches_a_hand_count():
+    """8 blocks, every second one MoE (4 experts of hidden 16, top-1), 3 stages; the costs counted by hand.
+
+    dim 64, 4 heads of 16, 2 kv heads (kv dim 32), dense FFN hidden 128, vocabulary 512, seq_len 16.
+    Parameters per block: attention 2*64*64 + 2*64*32 = 12,288; norms 128; dense FFN 3*64*128 = 24,576;
+    MoE FFN 4*3*64*16 + router 64*4 = 12,544. Dense block 36,992, MoE block 24,960. First stage + embedding
+    512*64 = 32,768; last stage + head 32,768 + final norm 64.
+      by params: (2,3,3) -> 94,720 | 98,944 | 119,744 (worst 119,744). An average block (30,976) would give
+      (2,4,2), whose true costs 94,720 | 123,904 | 94,784 are worse.
+    FLOPs per token and block: 6 x matmul weights + 12*64*16 = 12,288 of attention scores. Dense: 6*36,864
+    + 12,288 = 233,472; MoE (router + one expert: 256 + 3*64*16 = 3,328): 6*15,616 + 12,288 = 105,984.
+    Head 6*64*512 = 196,608 on the last stage, the embedding lookup free.
+      by flops: (3,3,2) -> 572,928 | 445,440 | 536,064 (worst 572,928).
+    """
+    from models.moe import MoEArgs
+
+    args = ModelArgs(dim=64, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=128, moe_every=2)
+    args.moe = MoEArgs(n_experts=4, top_k=1, hidden_dim=16)
+    assert [args.layer_params(i) for i in range(2)] == [36_992, 24_960]
+    assert split_layers(args, 3, "params", seq_len=16) == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    assert split_layers(args, 3, "flops", seq_len=16) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
 def test_stage_placement_looped_and_v_shaped():
     assert [stage_ids_of_rank(r, 2, 2, "Interleaved1F1B") for r in range(2)] == [[0, 2], [1, 3]]
     assert [stage_ids_of_rank(r, 2, 2, "ZBVZeroBubble") for r in range(2)] == [[0, 3], [1, 2]]
@@ -88,23 +112,49 @@ def test_stage_placement_looped_and_v_shaped():
     "overrides, world, expected",
     [
         ({"parallel.pp": 8}, 8, "8 stages, more than model.n_layers=4"),
-        ({"parallel.pp": 2, "parallel.pp_schedule": "Interleaved1F1B", "parallel.pp_stages_per_rank": 3}, 2,
-         "6 stages, more than model.n_layers=4"),
-        ({"parallel.pp": 2, "parallel.pp_microbatches": 3}, 2, "parallel.pp_microbatches=3 must divide the per-rank batch 8"),
-        ({"parallel.pp": 2, "parallel.pp_schedule": "ZBVZeroBubble", "parallel.pp_stages_per_rank": 1}, 2,
-         "ZBVZeroBubble is V-shaped and needs exactly 2 stages per rank"),
-        ({"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "parallel.pp_stages_per_rank": 2}, 2,
-         "1F1B runs one stage per rank"),
-        ({"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "parallel.pp_microbatches": 1}, 2,
-         "1F1B needs at least one per stage"),
-        ({"parallel.pp": 2, "parallel.pp_schedule": "DualPipeV", "parallel.pp_microbatches": 2}, 2,
-         "DualPipeV needs at least one per stage"),
-        ({"parallel.pp": 2, "parallel.pp_schedule": "Zero"}, 2, "parallel.pp_schedule='Zero' is not allowed; choose one of GPipe"),
+        (
+            {"parallel.pp": 2, "parallel.pp_schedule": "Interleaved1F1B", "parallel.pp_stages_per_rank": 3},
+            2,
+            "6 stages, more than model.n_layers=4",
+        ),
+        (
+            {"parallel.pp": 2, "parallel.pp_microbatches": 3},
+            2,
+            "parallel.pp_microbatches=3 must divide the per-rank batch 8",
+        ),
+        (
+            {"parallel.pp": 2, "parallel.pp_schedule": "ZBVZeroBubble", "parallel.pp_stages_per_rank": 1},
+            2,
+            "ZBVZeroBubble is V-shaped and needs exactly 2 stages per rank",
+        ),
+        (
+            {"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "parallel.pp_stages_per_rank": 2},
+            2,
+            "1F1B runs one stage per rank",
+        ),
+        (
+            {"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "parallel.pp_microbatches": 1},
+            2,
+            "1F1B needs at least one per stage",
+        ),
+        (
+            {"parallel.pp": 2, "parallel.pp_schedule": "DualPipeV", "parallel.pp_microbatches": 2},
+            2,
+            "DualPipeV needs at least one per stage",
+        ),
+        (
+            {"parallel.pp": 2, "parallel.pp_schedule": "Zero"},
+            2,
+            "parallel.pp_schedule='Zero' is not allowed; choose one of GPipe",
+        ),
         ({"parallel.pp": 2, "parallel.pp_split": "1,2"}, 2, "parallel.pp_split='1,2' must be"),
-        ({"parallel.pp": 2, "parallel.pp_schedule": "ZBVZeroBubble", "training.compile": True}, 2,
-         "zero-bubble schedules split backward"),
+        (
+            {"parallel.pp": 2, "parallel.pp_schedule": "ZBVZeroBubble", "training.compile": True},
+            2,
+            "zero-bubble schedules split backward",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_misfit_pipeline_is_refused_before_any_send(overrides, world, expected):
     with pytest.raises(ConfigError) as err:  # an unknown schedule is refused while the config is read
         check_config(load_config(path=DEBUG_CONFIG, overrides={"parallel.dp_shard": 1, **overrides}), world)

@@ -62,7 +62,7 @@ def test_what_does_not_fit():
 @pytest.mark.parametrize("name, gpus", [("dense-10b", 64), ("dense-1t", 512)])
 def test_planned_command_line_passes_meshloom_validation(name, gpus, tmp_path):
     """The overrides the planner prints are accepted by train.check_config for that world size (no processes)."""
-    from config import load_config
+    from runtime.config import load_config
     from train import check_config
 
     e = plan(MODELS[name], gpus, 80, SEQ, BATCH)

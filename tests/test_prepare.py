@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from config import ConfigError, load_config
 from data.dataset import load_data
 from data.loader import GlobalBatchLoader
 from data.prepare import prepare
 from data.token_file import HEADER, TOKENS, TokenMap, dtype_for, read_header
 from data.tokenizers import load_tokenizer
+from launch.local_runs import DEBUG_CONFIG, ROOT, run_train_cli
+from runtime.config import ConfigError, load_config
 from tests.bpe import EOS, tiny_bpe
-from tests.training_runs import DEBUG_CONFIG, ROOT, run_train_cli
 
 DOCS = ["def f(x):\n    return x + 1\n", "héllo ∑ wörld", "", "class A:\n    pass\n"]  # the empty one is skipped
 
@@ -108,9 +108,13 @@ def test_text_jsonl_and_parquet_pack_the_same_documents_with_eos(tmp_path, bpe, 
     expected = [i for doc in DOCS if doc for i in (*tok.encode(doc), tok.eos_id)]
     outs = {
         "text": prepare(str(folder), str(bpe), str(tmp_path / "t"), workers=1, quiet=True),
-        "jsonl": prepare(str(write_jsonl(tmp_path / "d.jsonl", DOCS)), str(bpe), str(tmp_path / "j"), workers=1, quiet=True),
-        "parquet": prepare(str(write_parquet(tmp_path / "d.parquet", DOCS)), str(bpe), str(tmp_path / "p"), workers=1, quiet=True),
-    }  # fmt: skip
+        "jsonl": prepare(
+            str(write_jsonl(tmp_path / "d.jsonl", DOCS)), str(bpe), str(tmp_path / "j"), workers=1, quiet=True
+        ),
+        "parquet": prepare(
+            str(write_parquet(tmp_path / "d.parquet", DOCS)), str(bpe), str(tmp_path / "p"), workers=1, quiet=True
+        ),
+    }
     for kind, name in (("text", "t"), ("jsonl", "j"), ("parquet", "p")):
         header = read_header(tmp_path / name)
         assert header["num_documents"] == 3 and header["num_tokens"] == len(expected) == outs[kind]["num_tokens"]
@@ -157,19 +161,29 @@ def test_prepare_command_prints_progress_and_a_summary(tmp_path, bpe):
 @pytest.mark.parametrize(
     "make, words",
     [
-        (lambda p: write_jsonl(p / "d.jsonl", DOCS, field="content"),
-         ["d.jsonl:1 has no 'text' field", "'content'", "--text-field"]),
-        (lambda p: (p / "d.jsonl").write_text('{"text": "ok"}\n{"text": 3}\n') and p / "d.jsonl",
-         ["d.jsonl:2: field 'text' is int, not a string", "--text-field"]),
-        (lambda p: (p / "d.jsonl").write_text('{"text": "ok"}\nnot json\n') and p / "d.jsonl",
-         ["d.jsonl:2 is not valid JSON"]),
-        (lambda p: (p / "d.parquet").write_bytes(b"PAR1 this is not parquet") and p / "d.parquet",
-         ["d.parquet is not a readable Parquet file", "move it out of --source"]),
-        (lambda p: write_parquet(p / "d.parquet", DOCS, field="body"),
-         ["d.parquet has no 'text' column", "'body'", "--text-field"]),
+        (
+            lambda p: write_jsonl(p / "d.jsonl", DOCS, field="content"),
+            ["d.jsonl:1 has no 'text' field", "'content'", "--text-field"],
+        ),
+        (
+            lambda p: (p / "d.jsonl").write_text('{"text": "ok"}\n{"text": 3}\n') and p / "d.jsonl",
+            ["d.jsonl:2: field 'text' is int, not a string", "--text-field"],
+        ),
+        (
+            lambda p: (p / "d.jsonl").write_text('{"text": "ok"}\nnot json\n') and p / "d.jsonl",
+            ["d.jsonl:2 is not valid JSON"],
+        ),
+        (
+            lambda p: (p / "d.parquet").write_bytes(b"PAR1 this is not parquet") and p / "d.parquet",
+            ["d.parquet is not a readable Parquet file", "move it out of --source"],
+        ),
+        (
+            lambda p: write_parquet(p / "d.parquet", DOCS, field="body"),
+            ["d.parquet has no 'text' column", "'body'", "--text-field"],
+        ),
     ],
     ids=["jsonl-without-field", "jsonl-not-a-string", "jsonl-not-json", "unreadable-parquet", "parquet-without-column"],
-)  # fmt: skip
+)
 def test_bad_source_data_is_refused_naming_the_place_and_the_fix(make, words, tmp_path, bpe):
     source = make(tmp_path)
     proc = prepare_cli("--source", str(source), "--tokenizer", str(bpe), "--out", str(tmp_path / "out"))
@@ -263,19 +277,57 @@ def train_cli(tmp_path, *args, nproc=1):
 @pytest.mark.parametrize(
     "args, words",
     [
-        ([], ["data.source=", "was tokenized with", "data.tokenizer='bytes' is another tokenizer",
-              "set --data.tokenizer to the one the dataset was prepared with"]),
-        (["--data.tokenizer", "BPE", "--model.vocab_size", "512"],
-         ["training tokens, fewer than one global batch", "8 x 128 + 1 = 1,025", "lower training.global_batch"]),
-        (["--data.tokenizer", "BPE", "--model.vocab_size", "512", "--training.seq_len", "16",
-          "--data.val_fraction", "0.1"],
-         ["the validation split (data.val_fraction=0.1 of data.source) holds only",
-          "at least one global batch", "raise data.val_fraction"]),
-        (["--data.tokenizer", "BPE", "--model.vocab_size", "512", "--training.seq_len", "16", "--eval.interval", "5"],
-         ["eval.interval=5 needs a validation split", "--data.val_fraction"]),
+        (
+            [],
+            [
+                "data.source=",
+                "was tokenized with",
+                "data.tokenizer='bytes' is another tokenizer",
+                "set --data.tokenizer to the one the dataset was prepared with",
+            ],
+        ),
+        (
+            ["--data.tokenizer", "BPE", "--model.vocab_size", "512"],
+            ["training tokens, fewer than one global batch", "8 x 128 + 1 = 1,025", "lower training.global_batch"],
+        ),
+        (
+            [
+                "--data.tokenizer",
+                "BPE",
+                "--model.vocab_size",
+                "512",
+                "--training.seq_len",
+                "16",
+                "--data.val_fraction",
+                "0.1",
+            ],
+            [
+                "the validation split (data.val_fraction=0.1 of data.source) holds only",
+                "at least one global batch",
+                "raise data.val_fraction",
+            ],
+        ),
+        (
+            [
+                "--data.tokenizer",
+                "BPE",
+                "--model.vocab_size",
+                "512",
+                "--training.seq_len",
+                "16",
+                "--eval.interval",
+                "5",
+            ],
+            ["eval.interval=5 needs a validation split", "--data.val_fraction"],
+        ),
     ],
-    ids=["header-does-not-match-tokenizer", "smaller-than-one-global-batch", "empty-validation-split", "eval-without-split"],
-)  # fmt: skip
+    ids=[
+        "header-does-not-match-tokenizer",
+        "smaller-than-one-global-batch",
+        "empty-validation-split",
+        "eval-without-split",
+    ],
+)
 def test_bad_data_stops_the_run_with_the_field_and_the_fix(args, words, small_dataset, bpe, tmp_path):
     args = [str(bpe) if a == "BPE" else a for a in args]
     stderr, seconds = train_cli(tmp_path, "--data.source", str(small_dataset), *args)
@@ -290,9 +342,17 @@ def test_every_rank_reports_a_damaged_token_file(small_dataset, bpe, tmp_path):
     (damaged / HEADER).write_text((small_dataset / HEADER).read_text())
     (damaged / TOKENS).write_bytes((small_dataset / TOKENS).read_bytes()[:-2])  # one token short
     stderr, seconds = train_cli(
-        tmp_path, "--data.source", str(damaged), "--data.tokenizer", str(bpe), "--model.vocab_size", "512",
-        "--parallel.dp_shard", "2", nproc=2,
-    )  # fmt: skip
+        tmp_path,
+        "--data.source",
+        str(damaged),
+        "--data.tokenizer",
+        str(bpe),
+        "--model.vocab_size",
+        "512",
+        "--parallel.dp_shard",
+        "2",
+        nproc=2,
+    )
     reports = [line for line in stderr.splitlines() if line.startswith("meshloom: configuration error")]
     # Every rank checks the files with no process group and prints the same report (torchrun may stop a
     # slower rank once the first has exited, so at least one).
@@ -305,8 +365,17 @@ def test_every_rank_reports_a_damaged_token_file(small_dataset, bpe, tmp_path):
 
 
 def test_train_tokenizer_command_writes_a_loadable_bpe(tmp_path):
-    cmd = [sys.executable, "-m", "data.train_tokenizer", "--source", str(write_jsonl(tmp_path / "d.jsonl", DOCS * 50)),
-           "--vocab-size", "300", "--out", str(tmp_path / "tok")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "data.train_tokenizer",
+        "--source",
+        str(write_jsonl(tmp_path / "d.jsonl", DOCS * 50)),
+        "--vocab-size",
+        "300",
+        "--out",
+        str(tmp_path / "tok"),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     tok = load_tokenizer(str(tmp_path / "tok"))

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from tests.harness import run_on_ranks
+from launch.spawn import run_on_ranks
 
 
 def private_apis_on_two_ranks() -> dict:
@@ -30,7 +30,16 @@ def private_apis_on_two_ranks() -> dict:
     gathered = api.all_gather_functional(torch.tensor([[rank, 10 + rank]]), mesh["a"].get_group())
     scattered = api.reduce_scatter_functional(torch.tensor([[1, rank], [2, 10 * rank]]), mesh["a"].get_group())
     joined = api.concatenate_meshes([split["a1"], split["a2"]])
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded = DTensor.from_local(torch.arange(2.0) + rank, mesh["a"], (Shard(0),))
+    local = api.dtensor_local_storage(sharded)
     return {
+        "local_read": (
+            type(local) is torch.Tensor,
+            local.tolist(),
+            local.untyped_storage().data_ptr() == sharded.to_local().untyped_storage().data_ptr(),
+        ),
         "flat_size": flat.size(),
         "split_names": split.mesh_dim_names,
         "roots": [api.root_mesh(m) is mesh for m in (flat, split, split["a2"], mesh["a"])],
@@ -59,6 +68,8 @@ def test_mesh_and_functional_collective_apis():
     assert r0["scattered"] == [[2, 1]] and r1["scattered"] == [[4, 10]]
     # two views of one root joined into one mesh that reuses their groups (context parallel HSDP's fsdp mesh)
     assert r0["joined"] == (("a1", "a2"), (1, 2), True) and r0["joined_group"] == [0, 1]
+    # a DTensor's local shard, read without an autograd op: a plain tensor on the same storage
+    assert r0["local_read"] == (True, [0.0, 1.0], True) and r1["local_read"] == (True, [1.0, 2.0], True)
 
 
 def test_pipeline_stage_shape_inference_hook_exists():
@@ -124,5 +135,32 @@ def test_memory_snapshot_and_timeline_apis():
     names = memory_timeline_categories()
     assert names[0] is None and names[-1] == "unknown"
     assert set(names[1:-1]) == {
-        "parameter", "optimizer state", "input", "temporary", "activation", "gradient", "autograd detail"
-    }  # fmt: skip
+        "parameter",
+        "optimizer state",
+        "input",
+        "temporary",
+        "activation",
+        "gradient",
+        "autograd detail",
+    }
+
+
+def test_outer_saved_tensors_hooks_finds_the_pair_it_shadows_and_a_dtensor_local_read_saves_nothing():
+    """mesh/tensor_parallel.py's re-gather hooks hand every tensor they do not keep to the pair they shadow
+    (``outer_saved_tensors_hooks``); saved_tensors_hooks do not nest, so without it they would drop them."""
+    from mesh.private_api import outer_saved_tensors_hooks
+
+    assert outer_saved_tensors_hooks() is None  # no pair is active
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outer = outer_saved_tensors_hooks()
+        assert outer is not None and outer[0] is pack
+        x = torch.ones(3, requires_grad=True)
+        (x * x).sum().backward()  # mul saves both inputs through the active pair
+    assert packed == [torch.Size([3])] * 2 and x.grad.tolist() == [2.0] * 3
+    assert outer_saved_tensors_hooks() is None

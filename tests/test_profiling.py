@@ -1,15 +1,16 @@
-"""Profiling on demand, MFU and the communication share (profiling.py, flops.py, comm_share.py)."""
+"""Profiling on demand, MFU and the communication share (training/profiling.py, models/flops.py, training/throughput.py, training/comm_share.py)."""
 
 import json
 
 import pytest
 import torch
 
-import comm_share
-from config import ConfigError, check_values, load_config, model_args
-from flops import Throughput, flops_per_token, peak_tflops, table_peak_tflops
-from profiling import RANGES, summarize_memory_timeline, trace_path
-from tests.training_runs import DEBUG_CONFIG, ROOT, train_on
+import training.comm_share as comm_share
+from launch.local_runs import DEBUG_CONFIG, ROOT, train_on
+from models.flops import flops_per_token
+from runtime.config import ConfigError, check_values, load_config, model_args
+from training.profiling import RANGES, summarize_memory_timeline, trace_path
+from training.throughput import Throughput, peak_tflops, table_peak_tflops
 
 MOE_CONFIG = str(ROOT / "configs" / "debug_moe.toml")
 
@@ -65,9 +66,12 @@ def test_a_profile_window_after_the_last_step_is_refused():
 # ---- a profiled run: traces, ranges, collectives, metrics --------------------------------------------------
 
 PROFILED = {
-    "training.steps": 4, "profile.enabled": True, "profile.start_step": 3, "profile.steps": 2,
+    "training.steps": 4,
+    "profile.enabled": True,
+    "profile.start_step": 3,
+    "profile.steps": 2,
     "checkpoint.interval": 4,  # step 4 saves: the checkpoint range has real work in it
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +109,7 @@ def test_a_profiled_fsdp2_run_writes_one_loadable_trace_per_rank(fsdp2_run):
 
 def aten_ops_inside(events: list[dict], range_name: str) -> int:
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == range_name]
-    return sum(
-        1 for e in events if e.get("cat") == "cpu_op" and any(a <= e["ts"] <= b for a, b in spans)
-    )  # fmt: skip
+    return sum(1 for e in events if e.get("cat") == "cpu_op" and any(a <= e["ts"] <= b for a, b in spans))
 
 
 def test_metrics_carry_tflops_and_mfu_with_a_peak(fsdp2_run, tp2_run):
@@ -177,8 +179,14 @@ def test_interval_arithmetic():
 
 
 def test_cpu_memory_timeline_shows_parameters_gradients_and_adam_states(tmp_path):
-    overrides = {**PROFILED, "training.steps": 2, "profile.start_step": 2, "profile.steps": 1,
-                 "profile.memory_snapshot": True, "checkpoint.interval": 0}  # fmt: skip
+    overrides = {
+        **PROFILED,
+        "training.steps": 2,
+        "profile.start_step": 2,
+        "profile.steps": 1,
+        "profile.memory_snapshot": True,
+        "checkpoint.interval": 0,
+    }
     train_on(1, overrides, tmp_path, timeout=240)
     peaks = summarize_memory_timeline(tmp_path / "profile" / "rank0.memory_timeline.json")
     param_bytes = 4 * model_args(load_config(path=DEBUG_CONFIG)).num_params()
@@ -199,11 +207,15 @@ def test_cpu_memory_timeline_shows_parameters_gradients_and_adam_states(tmp_path
     [
         (DEBUG_CONFIG, {"parallel.tp": 2, "parallel.dp_shard": 1}, 2, "training.compile=true with parallel.tp=2"),
         (MOE_CONFIG, {"parallel.ep": 2, "parallel.dp_shard": 2}, 2, "training.compile=true with parallel.ep=2"),
-        (DEBUG_CONFIG, {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sp_regather": True}, 2,
-         "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false"),
+        (
+            DEBUG_CONFIG,
+            {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sp_regather": True},
+            2,
+            "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false",
+        ),
     ],
     ids=["tp", "ep", "sp_regather"],
-)  # fmt: skip
+)
 def test_layouts_that_cannot_compile_are_refused_before_any_process_group(config, overrides, world, expected):
     from train import check_config
 

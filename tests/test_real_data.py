@@ -10,7 +10,7 @@ a validation loss, resuming on another layout, then sampling and loading the exp
    two layouts with identical losses, a resume on a third with the same curve, and val_loss identical on
    1 process, fsdp2 and pp2 (the pipeline path uses the schedule's forward-only ``eval``). Tensor
    parallelism (vocab-sharded loss) and a V-shaped pipeline schedule (whose ``eval`` torch 2.13 cannot
-   run, see evaluation.py) must match too.
+   run, see training/evaluation.py) must match too.
 3. Export the final checkpoint; ``AutoTokenizer.from_pretrained`` and ``AutoModelForCausalLM
    .from_pretrained`` load it offline, tokenize like our tokenizer and give our logits; greedy generation
    from the DCP checkpoint equals transformers' ``generate`` from the export.
@@ -31,8 +31,9 @@ from data.prepare import prepare
 from data.token_file import TOKENS, read_header
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # from_pretrained reads local folders here: never the network
+from launch.local_runs import ROOT, train_on
 from tests.bpe import tiny_bpe
-from tests.training_runs import LOSS_RTOL, ROOT, assert_same_curve, train_on
+from tests.training_runs import LOSS_RTOL, assert_same_curve
 
 N_FILES = 30  # documents (stdlib files) in the datasets: ~400k tokens, prepared in about a second
 STEPS = 6
@@ -72,9 +73,15 @@ def test_jsonl_and_parquet_prepare_the_same_tokens(datasets):
 def settings(datasets, source, **extra) -> dict:
     tokenizer, *_ = datasets
     return {
-        "data.tokenizer": str(tokenizer), "model.vocab_size": 512, "data.source": str(source),
-        "data.val_fraction": 0.05, "eval.interval": 2, "eval.steps": 2, "training.steps": STEPS, **extra,
-    }  # fmt: skip
+        "data.tokenizer": str(tokenizer),
+        "model.vocab_size": 512,
+        "data.source": str(source),
+        "data.val_fraction": 0.05,
+        "eval.interval": 2,
+        "eval.steps": 2,
+        "training.steps": STEPS,
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +109,22 @@ def resumed(datasets, reference, tmp_path_factory):
     folder = {"checkpoint.folder": str(root / "ckpt")}
     parquet = datasets[2]
     fsdp = train_on(
-        2, settings(datasets, parquet, **folder, **{"parallel.dp_shard": 2, "training.steps": 3,
-                                                    "checkpoint.interval": 3}), root / "a")  # fmt: skip
+        2,
+        settings(
+            datasets, parquet, **folder, **{"parallel.dp_shard": 2, "training.steps": 3, "checkpoint.interval": 3}
+        ),
+        root / "a",
+    )
     pp = train_on(
-        2, settings(datasets, parquet, **folder, **{"parallel.pp": 2, "parallel.dp_shard": 1,
-                                                    "checkpoint.interval": 3, "checkpoint.resume": "auto"}), root / "b")  # fmt: skip
+        2,
+        settings(
+            datasets,
+            parquet,
+            **folder,
+            **{"parallel.pp": 2, "parallel.dp_shard": 1, "checkpoint.interval": 3, "checkpoint.resume": "auto"},
+        ),
+        root / "b",
+    )
     return fsdp, pp, root / "ckpt"
 
 
@@ -192,8 +210,25 @@ def test_greedy_samples_from_the_checkpoint_equal_transformers(datasets, resumed
 
 
 def test_generate_command_streams_text_from_the_checkpoint(resumed, datasets):
-    cmd = [sys.executable, "-m", "generate", "--checkpoint", str(resumed[2]), "--step", "3", "--prompt", "def ",
-           "--max-new-tokens", "16", "--temperature", "0.9", "--top-k", "40", "--seed", "5"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "generate",
+        "--checkpoint",
+        str(resumed[2]),
+        "--step",
+        "3",
+        "--prompt",
+        "def ",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "40",
+        "--seed",
+        "5",
+    ]
     runs = [subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120) for _ in range(2)]
     for proc in runs:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -205,15 +240,33 @@ def test_generate_command_streams_text_from_the_checkpoint(resumed, datasets):
 def test_val_loss_reaches_the_console_metrics_jsonl_and_tensorboard(datasets, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.training_runs import DEBUG_CONFIG, run_train_cli
+    from launch.local_runs import DEBUG_CONFIG, run_train_cli
 
     tokenizer, jsonl, _ = datasets
     run = tmp_path / "run"
     proc = run_train_cli(
-        1, "--config", DEBUG_CONFIG, "--run.dir", str(run), "--training.steps", "3", "--data.source", str(jsonl),
-        "--data.tokenizer", str(tokenizer), "--model.vocab_size", "512", "--data.val_fraction", "0.05",
-        "--eval.interval", "2", "--eval.steps", "1", "--run.log_every", "5",
-    )  # fmt: skip
+        1,
+        "--config",
+        DEBUG_CONFIG,
+        "--run.dir",
+        str(run),
+        "--training.steps",
+        "3",
+        "--data.source",
+        str(jsonl),
+        "--data.tokenizer",
+        str(tokenizer),
+        "--model.vocab_size",
+        "512",
+        "--data.val_fraction",
+        "0.05",
+        "--eval.interval",
+        "2",
+        "--eval.steps",
+        "1",
+        "--run.log_every",
+        "5",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # evaluated at step 2 (the interval) and step 3 (the last), logged even though log_every is 5
     assert [line.count("| val_loss ") for line in proc.stdout.splitlines() if line.startswith("step")] == [1, 1]

@@ -1,4 +1,4 @@
-"""Communication and memory savers (mesh/savers.py, docs/data_parallel.md sections 16-18).
+"""Communication and memory savers (mesh/comm_memory_savers.py, docs/data_parallel.md sections 16-18).
 
 - ``parallel.grad_sync=step``: parity with one process, and train.py's loop issuing k-1 fewer gradient
   reductions per step for k micro-batches (counted on the real loop with bench/grad_traffic.py; the per-unit
@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from bench.grad_compression import run_variants, summarize
 from bench.grad_traffic import GradientTraffic
-from config import ConfigError, help_text, load_config
-from tests.harness import run_on_ranks
-from tests.training_runs import DEBUG_CONFIG, PARITY_STEPS, assert_same_curve, run_training, train_on
+from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, run_training, train_on
+from launch.spawn import run_on_ranks
+from runtime.config import ConfigError, help_text, load_config
+from tests.training_runs import assert_same_curve
 from train import check_config
 
 UNITS = 5  # FSDP units of the debug model: 4 blocks + the root (embedding, final norm, head)
@@ -76,7 +77,7 @@ REPLICATE2 = {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}
         "powersgd-offload",
         "bf16-one-process",
         "step-pp-accumulation",
-    ],  # fmt: skip
+    ],
 )
 def test_misuse_is_refused_with_the_field_and_the_fix(world, overrides, words, tmp_path):
     msg = refusal(world, {**overrides, "run.dir": str(tmp_path)})
@@ -98,7 +99,7 @@ def test_misuse_is_refused_with_the_field_and_the_fix(world, overrides, words, t
                 "parallel.grad_sync": "step",
                 "training.micro_batch": 1,
             },
-        ),  # fmt: skip
+        ),
         (2, {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.grad_sync": "step"}),  # the schedule does it
     ],
     ids=["powersgd-step", "hsdp-offload-bf16-step", "pp-step-no-accumulation"],
@@ -143,8 +144,12 @@ def test_step_sync_on_hsdp_all_reduces_across_replicas_once_per_step_at_parity(o
     # HSDP 2 x 2, micro-batch 1: k = 2. The reduce-scatter inside the shard group still runs per micro-batch
     # (the gradient stays sharded); the all-reduce across the replicas runs once per step.
     k, steps = 2, PARITY_STEPS
-    overrides = {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "training.micro_batch": 1,
-                 "parallel.grad_sync": "step"}  # fmt: skip
+    overrides = {
+        "parallel.dp_replicate": 2,
+        "parallel.dp_shard": 2,
+        "training.micro_batch": 1,
+        "parallel.grad_sync": "step",
+    }
     once = counted_run(4, overrides, tmp_path)
     assert once["calls"] == {
         "reduce_scatter_single@shard": UNITS * k * steps,
@@ -252,12 +257,25 @@ def test_the_offload_bench_runs_on_cpu():
 def test_offload_step_sync_and_bf16_reduction_save_and_resume_on_another_layout(one_process, tmp_path):
     reference, _ = one_process
     folder = {"checkpoint.folder": str(tmp_path / "ckpt")}
-    saving = {"parallel.dp_shard": 2, "parallel.fsdp_cpu_offload": True, "parallel.grad_sync": "step",
-              "training.micro_batch": 2, "checkpoint.interval": 3, "training.steps": 3, **folder}  # fmt: skip
+    saving = {
+        "parallel.dp_shard": 2,
+        "parallel.fsdp_cpu_offload": True,
+        "parallel.grad_sync": "step",
+        "training.micro_batch": 2,
+        "checkpoint.interval": 3,
+        "training.steps": 3,
+        **folder,
+    }
     assert_same_curve(train_on(2, saving, tmp_path / "a"), reference[:3])
-    resuming = {**REPLICATE2, "parallel.fsdp_cpu_offload": True, "parallel.grad_sync": "step",
-                "parallel.grad_compression": "bf16", "training.micro_batch": 2, "checkpoint.resume": "auto",
-                **folder}  # fmt: skip
+    resuming = {
+        **REPLICATE2,
+        "parallel.fsdp_cpu_offload": True,
+        "parallel.grad_sync": "step",
+        "parallel.grad_compression": "bf16",
+        "training.micro_batch": 2,
+        "checkpoint.resume": "auto",
+        **folder,
+    }
     resumed = train_on(2, resuming, tmp_path / "b")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     # Step 4's loss comes from the restored weights alone: exact. Its update and the later ones reduce in bf16:
@@ -283,12 +301,13 @@ def test_powersgd_resumes_from_a_checkpoint_and_its_checkpoint_resumes_elsewhere
             "checkpoint.resume": "auto",
             "checkpoint.interval": 3,
         },
-        tmp_path / "psgd",  # fmt: skip
+        tmp_path / "psgd",
     )
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert_same_curve(resumed, reference[3:], keys=("loss",))
     assert_same_curve(resumed[:2], reference[3:5], keys=("grad_norm",))
     # ... and the step-6 checkpoint it wrote (a replicated model's state) resumes on one process.
-    more = train_on(1, {"checkpoint.folder": str(ckpt), "checkpoint.resume": "auto", "training.steps": 7},
-                    tmp_path / "after")  # fmt: skip
+    more = train_on(
+        1, {"checkpoint.folder": str(ckpt), "checkpoint.resume": "auto", "training.steps": 7}, tmp_path / "after"
+    )
     assert [r["step"] for r in more] == [7] and more[0]["tokens_consumed"] == 7 * 8 * 128

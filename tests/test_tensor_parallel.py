@@ -7,12 +7,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 
-from config import ConfigError, load_config
+from launch.local_runs import DEBUG_CONFIG, train_on
+from launch.spawn import run_on_ranks
 from mesh.materialize import materialize_weights
 from mesh.tensor_parallel import apply_tensor_parallel
 from models.llama import ModelArgs, Transformer
-from tests.harness import run_on_ranks
-from tests.training_runs import DEBUG_CONFIG, assert_same_curve, train_on
+from runtime.config import ConfigError, load_config
+from tests.training_runs import assert_same_curve
 from train import check_config
 
 # ---- parity ----------------------------------------------------------------------------------------------
@@ -230,8 +231,10 @@ def placements_on_fsdp2_x_tp2() -> dict:
     api_tensor_parallel(model, meshes.world["tp"], sequence_parallel=True)
     api_fsdp(model, meshes)
     materialize_weights(model, torch.device("cpu"), seed=0)
-    return {n.replace("layers.0.", ""): ([repr(pl) for pl in p.placements], tuple(p.to_local().shape))
-            for n, p in model.named_parameters()}  # fmt: skip
+    return {
+        n.replace("layers.0.", ""): ([repr(pl) for pl in p.placements], tuple(p.to_local().shape))
+        for n, p in model.named_parameters()
+    }
 
 
 def test_fsdp_over_tp_placements():

@@ -10,7 +10,7 @@ from bench/memory_table.py; the TP and SP layouts from mesh/tensor_parallel.py's
 the same row-major rule as ``init_device_mesh`` (the test compares it with meshloom's real meshes); the EP
 example from examples/moe_from_scratch.py; the DCP chunks from the placements meshloom gives a weight (the
 test reads them off a real 2 x 2 run); the pipeline schedules from torch's own action lists
-(docs/schedule_ir.py). Plain SVG strings (docs/figures/svg.py), no dependencies; one module per picture family, named for its chapter.
+(bench/schedule_ir.py). Plain SVG strings (docs/figures/svg.py), no dependencies; one module per picture family, named for its chapter.
 
 The *measured* pictures in docs/img come from runs, not from this file: the pipeline timelines
 ``pp<P>_m<M>_<schedule>.svg`` from ``python -m bench.pipeline_bubble --pp P --microbatches M`` and the expert
@@ -34,10 +34,27 @@ from docs.figures.tensor_parallel import sp_svg, sp_transitions, tp_split_svg
 from docs.figures.zero import zero_svg
 
 __all__ = [
-    "DCP_EXAMPLE", "IMG", "LOAD_MESH", "MESH_ORDER", "ROOT", "SAVE_MESH", "SCHEDULE_STAGES", "Svg", "all_figures",
-    "collective_cells", "dcp_reads", "ep_example", "evaluate_cells", "layout_groups", "main", "pipeline_ideal",
-    "placement_boxes", "ring_cells", "sp_transitions", "write_all",
-]  # fmt: skip
+    "DCP_EXAMPLE",
+    "IMG",
+    "LOAD_MESH",
+    "MESH_ORDER",
+    "ROOT",
+    "SAVE_MESH",
+    "SCHEDULE_STAGES",
+    "Svg",
+    "all_figures",
+    "collective_cells",
+    "dcp_reads",
+    "ep_example",
+    "evaluate_cells",
+    "layout_groups",
+    "main",
+    "pipeline_ideal",
+    "placement_boxes",
+    "ring_cells",
+    "sp_transitions",
+    "write_all",
+]
 
 MESH_FIGURES = {
     "mesh_dp2x2_tp2.svg": ({"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}, 1),

@@ -64,10 +64,23 @@ def collectives_svg(n: int = 4) -> str:
                 for j, label in enumerate(row):
                     fill = LIGHT if label is None else DARK if label[0] == "Σ" else colour(RANK_LETTERS.index(label[0]))
                     shown = "?" if label is None else label
-                    svg.rect(left + j * cell, y, cell - 2, cell, fill, text=shown, size=10,
-                             text_fill=DARK if label is None else "white")  # fmt: skip
+                    svg.rect(
+                        left + j * cell,
+                        y,
+                        cell - 2,
+                        cell,
+                        fill,
+                        text=shown,
+                        size=10,
+                        text_fill=DARK if label is None else "white",
+                    )
                 if col == 0 and r == n // 2 - 1:
                     svg.line(left + n * cell + 8, y + cell + 2, left + n * cell + 48, y + cell + 2, arrow=True)
-    svg.text(10, 3 * panel_h + 50, "letters: whose input a chunk came from; Σj: chunk j summed over all ranks; "
-             "?: unspecified; cost: ring (tree) algorithms", size=10)  # fmt: skip
+    svg.text(
+        10,
+        3 * panel_h + 50,
+        "letters: whose input a chunk came from; Σj: chunk j summed over all ranks; "
+        "?: unspecified; cost: ring (tree) algorithms",
+        size=10,
+    )
     return svg.render()

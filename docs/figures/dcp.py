@@ -84,19 +84,30 @@ def dcp_svg() -> str:
     import itertools
 
     svg = Svg(1100, 480)
-    svg.text(10, 22, "Resharding on load: saved on dp_shard 4, loaded on dp_shard 2 x tp 2 (rank = 2 dp + tp)",
-             size=14, weight="bold")  # fmt: skip
+    svg.text(
+        10,
+        22,
+        "Resharding on load: saved on dp_shard 4, loaded on dp_shard 2 x tp 2 (rank = 2 dp + tp)",
+        size=14,
+        weight="bold",
+    )
     y0 = 50
     for name, spec in DCP_EXAMPLE.items():
         rows, cols = spec["shape"]
         s, cs = 0.9, 220 / cols  # row scale, column scale
-        svg.text(10, y0 + 12, f"{name}  {rows}x{cols}  saved Shard(0) on 4 ranks -> loaded {spec['load']}", size=11,
-                 weight="bold")  # fmt: skip
+        svg.text(
+            10,
+            y0 + 12,
+            f"{name}  {rows}x{cols}  saved Shard(0) on 4 ranks -> loaded {spec['load']}",
+            size=11,
+            weight="bold",
+        )
         # saved chunks
         for i in range(SAVE_MESH[0]):
             (r0, r1), (c0, c1) = placement_boxes((rows, cols), SAVE_MESH, (i,), ["S0"])[0]
-            svg.rect(20 + c0 * cs, y0 + 24 + r0 * s, (c1 - c0) * cs, (r1 - r0) * s, colour(i),
-                     text=f"__{i}_0.distcp", size=9)  # fmt: skip
+            svg.rect(
+                20 + c0 * cs, y0 + 24 + r0 * s, (c1 - c0) * cs, (r1 - r0) * s, colour(i), text=f"__{i}_0.distcp", size=9
+            )
         svg.text(20, y0 + 24 + rows * s + 14, "saved chunks (one file per saving rank)", size=10)
         # loading ranks: each new piece, coloured by the saved chunks it reads
         x_load = 270
@@ -105,8 +116,17 @@ def dcp_svg() -> str:
             for i, ((r0, r1), (c0, c1)) in reads[rank]:
                 svg.rect(x_load + c0 * cs, y0 + 24 + r0 * s, (c1 - c0) * cs, (r1 - r0) * s, colour(i), stroke=colour(i))
             for (r0, r1), (c0, c1) in placement_boxes((rows, cols), LOAD_MESH, coord, spec["load"]):
-                svg.rect(x_load + c0 * cs, y0 + 24 + r0 * s, (c1 - c0) * cs, (r1 - r0) * s, "none", stroke=DARK,
-                         text=f"rank {rank}", text_fill="white", size=10)  # fmt: skip
+                svg.rect(
+                    x_load + c0 * cs,
+                    y0 + 24 + r0 * s,
+                    (c1 - c0) * cs,
+                    (r1 - r0) * s,
+                    "none",
+                    stroke=DARK,
+                    text=f"rank {rank}",
+                    text_fill="white",
+                    size=10,
+                )
         svg.text(x_load, y0 + 24 + rows * s + 14, "each new rank's piece, coloured by the chunk it reads", size=10)
         ty = y0 + 40
         for rank, items in reads.items():
@@ -116,6 +136,11 @@ def dcp_svg() -> str:
             svg.text(x_load + 240, ty, f"rank {rank} reads {described}", size=10)
             ty += 16
         y0 += rows * s + 70
-    svg.text(10, 465, "Each rank reads only the saved chunks its new piece overlaps, and only the overlap; no rank "
-             "assembles a full tensor (docs/checkpointing.md).", size=11)  # fmt: skip
+    svg.text(
+        10,
+        465,
+        "Each rank reads only the saved chunks its new piece overlaps, and only the overlap; no rank "
+        "assembles a full tensor (docs/checkpointing.md).",
+        size=11,
+    )
     return svg.render()

@@ -23,11 +23,20 @@ def ep_svg(ep: int = 2, n_experts: int = 4) -> str:
     n_local = n_experts // ep
     cell = 24
     svg = Svg(1120, 110 + ep * 120)
-    svg.text(10, 22, f"Expert parallelism: {n_experts} experts on {ep} ranks (rank r owns experts "
-             f"{n_local}r..{n_local}r+{n_local - 1}), top-1 routing of examples/moe_from_scratch.py",
-             size=13, weight="bold")  # fmt: skip
-    columns = [(20, "tokens, sorted by expert"), (300, "1. counts exchanged"),
-               (520, "2. dispatch: rows arrive by (source, expert)"), (820, "3. local experts; 4. combine: back")]  # fmt: skip
+    svg.text(
+        10,
+        22,
+        f"Expert parallelism: {n_experts} experts on {ep} ranks (rank r owns experts "
+        f"{n_local}r..{n_local}r+{n_local - 1}), top-1 routing of examples/moe_from_scratch.py",
+        size=13,
+        weight="bold",
+    )
+    columns = [
+        (20, "tokens, sorted by expert"),
+        (300, "1. counts exchanged"),
+        (520, "2. dispatch: rows arrive by (source, expert)"),
+        (820, "3. local experts; 4. combine: back"),
+    ]
     for x, title in columns:
         svg.text(x, 50, title, size=11, weight="bold")
     for r in range(ep):
@@ -59,8 +68,17 @@ def ep_svg(ep: int = 2, n_experts: int = 4) -> str:
         svg.text(820, y0 + 56, "outputs return in arrival order,", size=10)
         svg.text(820, y0 + 70, "then to their source (splits swapped)", size=10)
     y = 90 + ep * 120
-    svg.text(20, y - 20, "The numbers in the dispatched rows are their source rank. Forward: 1 count exchange + 2 "
-             "all-to-alls (dispatch, combine); backward: 2 all-to-alls (their reverses).", size=11)  # fmt: skip
-    svg.text(20, y - 4, "Counted in tests/test_collective_counts.py; the same example runs in examples/moe_from_scratch.py.",
-             size=11)  # fmt: skip
+    svg.text(
+        20,
+        y - 20,
+        "The numbers in the dispatched rows are their source rank. Forward: 1 count exchange + 2 "
+        "all-to-alls (dispatch, combine); backward: 2 all-to-alls (their reverses).",
+        size=11,
+    )
+    svg.text(
+        20,
+        y - 4,
+        "Counted in tests/test_collective_counts.py; the same example runs in examples/moe_from_scratch.py.",
+        size=11,
+    )
     return svg.render()

@@ -59,14 +59,27 @@ def mesh_svg(sizes: dict[str, int], ep: int = 1) -> str:
                 rank = (((p * rep + r_i) * shard + s_i) * cp + c) * tp + t
                 fill = colour(s_i % ep) if ep > 1 else colour(row)
                 where = f"dp_shard {s_i}, cp {c}, tp {t}" if cp > 1 else f"dp_shard {s_i}, tp {t}"
-                svg.rect(x0 + 110 + col * (box + gap), y, box, box, fill, text=str(rank), size=16,
-                         tooltip=f"rank {rank}: pp {p}, dp_replicate {r_i}, {where}")  # fmt: skip
+                svg.rect(
+                    x0 + 110 + col * (box + gap),
+                    y,
+                    box,
+                    box,
+                    fill,
+                    text=str(rank),
+                    size=16,
+                    tooltip=f"rank {rank}: pp {p}, dp_replicate {r_i}, {where}",
+                )
     y = 90 + rows * (box + gap) + 20
-    meaning = {"pp": "pipeline neighbours (send/recv)", "dp_replicate": "HSDP replicas (gradient all-reduce)",
-               "dp_shard": "FSDP shard group (all-gather, reduce-scatter)", "tp": "tensor parallel (consecutive ranks)",
-               "cp": "context parallel (K/V all-gather or ring)",
-               "dp": "all data-parallel ranks (loader, loss)", "ep": "expert parallel (all-to-all)",
-               "efsdp": "FSDP of expert weights"}  # fmt: skip
+    meaning = {
+        "pp": "pipeline neighbours (send/recv)",
+        "dp_replicate": "HSDP replicas (gradient all-reduce)",
+        "dp_shard": "FSDP shard group (all-gather, reduce-scatter)",
+        "tp": "tensor parallel (consecutive ranks)",
+        "cp": "context parallel (K/V all-gather or ring)",
+        "dp": "all data-parallel ranks (loader, loss)",
+        "ep": "expert parallel (all-to-all)",
+        "efsdp": "FSDP of expert weights",
+    }
     if cp > 1:  # the loss mesh adds cp: cp ranks of one dp rank share its sequences
         meaning["dp"] = "data-parallel ranks (loader; loss adds cp)"
     for d in listed:

@@ -1,26 +1,11 @@
-"""Section 7: pipeline schedules, idealized (torch's own action lists, read by docs/schedule_ir.py)."""
+"""Section 7: pipeline schedules, idealized (torch's own action lists, read by bench/schedule_ir.py)."""
 
 from __future__ import annotations
 
+from bench.schedule_ir import SCHEDULE_STAGES, pipeline_ideal
 from docs.figures.svg import LIGHT, Svg
 
-SCHEDULE_STAGES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "LoopedBFS": 2, "InterleavedZeroBubble": 2,
-                   "ZBVZeroBubble": 2, "DualPipeV": 2}  # fmt: skip
 PIPELINE_FIGURES = ((2, 4), (4, 8))
-
-
-def pipeline_ideal(schedule: str, pp: int, microbatches: int) -> dict:
-    from docs.schedule_ir import activations_in_flight, idle_fraction, schedule_actions, simulate
-
-    v = SCHEDULE_STAGES[schedule]
-    actions = schedule_actions(schedule, pp, microbatches, v)
-    timed = simulate(actions, v)
-    return {
-        "timed": timed,
-        "idle": idle_fraction(timed),
-        "in_flight": [activations_in_flight(actions[r]) for r in sorted(actions)],
-        "v": v,
-    }
 
 
 def pipeline_svg(schedule: str, pp: int, microbatches: int) -> str:
@@ -32,8 +17,13 @@ def pipeline_svg(schedule: str, pp: int, microbatches: int) -> str:
     width, row_h, left, top = 1000, 34, 70, 40
     svg = Svg(left + width + 20, top + pp * row_h + 66, font_size=11)
     predicted = predicted_bubble(schedule, pp, microbatches, v)
-    svg.text(left, 20, f"{schedule}: pp={pp}, {v} stage(s)/rank, m={microbatches}, idealized: idle {ideal['idle']:.1%} "
-             f"(formula {predicted:.1%})", size=12)  # fmt: skip
+    svg.text(
+        left,
+        20,
+        f"{schedule}: pp={pp}, {v} stage(s)/rank, m={microbatches}, idealized: idle {ideal['idle']:.1%} "
+        f"(formula {predicted:.1%})",
+        size=12,
+    )
     for rank in range(pp):
         y = top + rank * row_h
         svg.text(5, y + row_h / 2 + 4, f"rank {rank}")
@@ -45,29 +35,48 @@ def pipeline_svg(schedule: str, pp: int, microbatches: int) -> str:
         later = v > 1 and a.stage >= pp  # the rank's second stage
         short = f"{a.microbatch}" + ("'" if later else "")
         shown = label if w > 7 * len(label) else short if w > 7 * len(short) else None
-        svg.rect(x, top + t.rank * row_h, w, row_h - 6, COLOURS[a.kind], tooltip=f"{label}: {t.start:g}-{t.end:g}",
-                 text=shown, size=10)  # fmt: skip
+        svg.rect(
+            x,
+            top + t.rank * row_h,
+            w,
+            row_h - 6,
+            COLOURS[a.kind],
+            tooltip=f"{label}: {t.start:g}-{t.end:g}",
+            text=shown,
+            size=10,
+        )
     legend_y = top + pp * row_h + 25
     for i, (kind, fill) in enumerate(COLOURS.items()):
         svg.rect(left + i * 110, legend_y - 10, 12, 12, fill)
-        svg.text(left + i * 110 + 16, legend_y, f"{kind} " + {"F": "forward", "B": "backward", "I": "input grad",
-                                                             "W": "weight grad"}[kind])  # fmt: skip
+        svg.text(
+            left + i * 110 + 16,
+            legend_y,
+            f"{kind} " + {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}[kind],
+        )
     second = "; n' = micro-batch n on the rank's second stage" if v > 1 else ""
-    svg.text(left, legend_y + 18, f"grey: idle, {span:g} time units shown: a forward of one rank's layers takes 1, a "
-             f"backward 2 (I = W = 1); sends are free{second}")  # fmt: skip
+    svg.text(
+        left,
+        legend_y + 18,
+        f"grey: idle, {span:g} time units shown: a forward of one rank's layers takes 1, a "
+        f"backward 2 (I = W = 1); sends are free{second}",
+    )
     return svg.render()
 
 
 def pipeline_table(pp: int, microbatches: int) -> str:
     from mesh.pipeline_timeline import predicted_bubble
 
-    lines = [f"pp={pp}, m={microbatches}: torch's action lists run with F = I = W = 1, B = 2 (per rank's worth of "
-             "layers), sends free", f"{'schedule':<22} {'v':>2} {'formula':>8} {'idealized':>10}  activations in "
-             "flight per rank (chunks)"]  # fmt: skip
+    lines = [
+        f"pp={pp}, m={microbatches}: torch's action lists run with F = I = W = 1, B = 2 (per rank's worth of "
+        "layers), sends free",
+        f"{'schedule':<22} {'v':>2} {'formula':>8} {'idealized':>10}  activations in flight per rank (chunks)",
+    ]
     for schedule, v in SCHEDULE_STAGES.items():
         if schedule == "DualPipeV" and microbatches < 2 * pp:
             continue
         ideal = pipeline_ideal(schedule, pp, microbatches)
-        lines.append(f"{schedule:<22} {v:>2} {predicted_bubble(schedule, pp, microbatches, v):>8.1%} "
-                     f"{ideal['idle']:>10.1%}  {ideal['in_flight']}")  # fmt: skip
+        lines.append(
+            f"{schedule:<22} {v:>2} {predicted_bubble(schedule, pp, microbatches, v):>8.1%} "
+            f"{ideal['idle']:>10.1%}  {ideal['in_flight']}"
+        )
     return "\n".join(lines)

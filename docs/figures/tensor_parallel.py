@@ -5,9 +5,14 @@ from __future__ import annotations
 from docs.figures.svg import DARK, LIGHT, Svg, colour
 
 DEBUG_SHAPES = {  # (out, in) of the debug model's weights: dim 128, 8 heads, 4 kv heads, FFN hidden 384
-    "attention.wq": (128, 128), "attention.wk": (64, 128), "attention.wv": (64, 128), "attention.wo": (128, 128),
-    "feed_forward.w1": (384, 128), "feed_forward.w3": (384, 128), "feed_forward.w2": (128, 384),
-}  # fmt: skip
+    "attention.wq": (128, 128),
+    "attention.wk": (64, 128),
+    "attention.wv": (64, 128),
+    "attention.wo": (128, 128),
+    "feed_forward.w1": (384, 128),
+    "feed_forward.w3": (384, 128),
+    "feed_forward.w2": (128, 384),
+}
 
 
 def tp_split_svg(tp: int = 2) -> str:
@@ -19,11 +24,17 @@ def tp_split_svg(tp: int = 2) -> str:
     heads = {"attention.wq": 8, "attention.wk": 4, "attention.wv": 4}  # the debug model's (kv) heads
     scale = 0.5
     svg = Svg(1060, 470)
-    svg.text(10, 22, f"Tensor parallelism, tp = {tp}: each weight of a block (stored out x in) and what each rank "
-             "holds", size=14, weight="bold")  # fmt: skip
-    groups = [("attention: split by heads", ["attention.wq", "attention.wk", "attention.wv", "attention.wo"], 20),
-              ("MLP (SwiGLU): column- then row-parallel", ["feed_forward.w1", "feed_forward.w3", "feed_forward.w2"],
-               560)]  # fmt: skip
+    svg.text(
+        10,
+        22,
+        f"Tensor parallelism, tp = {tp}: each weight of a block (stored out x in) and what each rank holds",
+        size=14,
+        weight="bold",
+    )
+    groups = [
+        ("attention: split by heads", ["attention.wq", "attention.wk", "attention.wv", "attention.wo"], 20),
+        ("MLP (SwiGLU): column- then row-parallel", ["feed_forward.w1", "feed_forward.w3", "feed_forward.w2"], 560),
+    ]
     for title, keys, x0 in groups:
         svg.text(x0, 50, title, size=13, weight="bold")
         x = x0 + 34
@@ -102,11 +113,19 @@ def sp_transitions(sequence_parallel: bool = True) -> list[tuple[str, str]]:
 def sp_svg(tp: int = 2) -> str:
     with_sp, without = sp_transitions(True), sp_transitions(False)
     svg = Svg(1120, 100 + 2 * (len(with_sp) * 24 + 36) + 20)
-    svg.text(10, 22, f"One block's forward, tp = {tp}: where the activations change layout (bars: what each rank "
-             "holds of [b, s, h])", size=13, weight="bold")  # fmt: skip
+    svg.text(
+        10,
+        22,
+        f"One block's forward, tp = {tp}: where the activations change layout (bars: what each rank "
+        "holds of [b, s, h])",
+        size=13,
+        weight="bold",
+    )
     y = 40
-    for title, steps, tint in (("with sequence parallelism (parallel.sequence_parallel = true)", with_sp, colour(3)),
-                               ("without (plain Megatron TP)", without, colour(3))):  # fmt: skip
+    for title, steps, tint in (
+        ("with sequence parallelism (parallel.sequence_parallel = true)", with_sp, colour(3)),
+        ("without (plain Megatron TP)", without, colour(3)),
+    ):
         svg.text(10, y + 14, title, size=13, weight="bold")
         y += 24
         for step, result in steps:
@@ -125,8 +144,18 @@ def sp_svg(tp: int = 2) -> str:
             svg.text(770, y + 14, result, size=11)
             y += 24
         y += 12
-    svg.text(10, y + 6, "Backward mirrors it: the gradient of an all-gather is a reduce-scatter and vice versa "
-             "(2 + 2 per block each way with SP, 2 all-reduces without).", size=11)  # fmt: skip
-    svg.text(10, y + 22, "Bars: sequence along x, one bar per tp rank; a half-height bar holds only its heads "
-             "or hidden columns. Layouts read from mesh/tensor_parallel.py: block_plan.", size=11)  # fmt: skip
+    svg.text(
+        10,
+        y + 6,
+        "Backward mirrors it: the gradient of an all-gather is a reduce-scatter and vice versa "
+        "(2 + 2 per block each way with SP, 2 all-reduces without).",
+        size=11,
+    )
+    svg.text(
+        10,
+        y + 22,
+        "Bars: sequence along x, one bar per tp rank; a half-height bar holds only its heads "
+        "or hidden columns. Layouts read from mesh/tensor_parallel.py: block_plan.",
+        size=11,
+    )
     return svg.render()

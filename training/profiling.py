@@ -15,7 +15,7 @@ With ``profile.enabled = true`` the training loop runs under ``StepProfiler``:
 3. **Traces.** When the last recorded step ends, each rank writes ``<run.dir>/profile/rank<R>.pt.trace.json``:
    Chrome trace format, which Perfetto (ui.perfetto.dev) and chrome://tracing open, and which TensorBoard's
    profiler plugin (``pip install torch-tb-profiler``; ``tensorboard --logdir <run.dir>/profile``) lists
-   as worker ``rank<R>``. ``rank<R>.ops.txt`` holds the op table (self time, sorted). ``python -m comm_share
+   as worker ``rank<R>``. ``rank<R>.ops.txt`` holds the op table (self time, sorted). ``python -m training.comm_share
    <run.dir>`` reads the traces and prints compute, communication and exposed communication per rank.
 4. **Memory** (``profile.memory_snapshot = true``). On CUDA the caching allocator records every allocation
    and free (with its Python stack) during the recorded steps, and ``rank<R>.memory_snapshot.pickle`` is
@@ -30,9 +30,12 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
+
+if TYPE_CHECKING:
+    import torch
 
 # The ranges meshloom itself opens (train.py); every name is prefixed with "meshloom::".
 RANGES = (

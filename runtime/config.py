@@ -97,7 +97,7 @@ class ParallelConfig:
         "default", "free gathered FSDP weights after forward (default: all but the last block)"
     )
     collective_timeout_s: int = opt(300, "seconds a collective may wait for a peer before the job fails", ge=1)
-    # Communication and memory savers (mesh/savers.py; docs/data_parallel.md, sections 16-18).
+    # Communication and memory savers (mesh/comm_memory_savers.py; docs/data_parallel.md, sections 16-18).
     grad_sync: Literal["microbatch", "step"] = opt(
         "microbatch", "reduce gradients after every micro-batch, or once per step (accumulate locally until the last)"
     )
@@ -130,7 +130,7 @@ class TrainingConfig:
     )
     compile: bool = opt(False, "torch.compile each transformer block")
     peak_tflops: float = opt(
-        0.0, "peak TFLOP/s of one device for MFU; 0: from the GPU table in flops.py (CPU: no MFU)", ge=0
+        0.0, "peak TFLOP/s of one device for MFU; 0: from the GPU table in training/throughput.py (CPU: no MFU)", ge=0
     )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: this rank's GPU when CUDA is available")
 
@@ -419,17 +419,30 @@ def model_args(cfg: Config):
 
     m = cfg.model
     args = ModelArgs(
-        dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
-        ffn_dim=m.ffn_dim, multiple_of=m.multiple_of, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-        max_seq_len=m.max_seq_len, moe_every=m.moe_every,
-    )  # fmt: skip
+        dim=m.dim,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        vocab_size=m.vocab_size,
+        ffn_dim=m.ffn_dim,
+        multiple_of=m.multiple_of,
+        norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        max_seq_len=m.max_seq_len,
+        moe_every=m.moe_every,
+    )
     if m.n_experts:
         args.moe = MoEArgs(
-            n_experts=m.n_experts, top_k=m.top_k, hidden_dim=m.moe_ffn_dim or max(1, args.hidden_dim // m.top_k),
-            n_shared_experts=m.moe_shared_experts, score_func=m.moe_score_func, route_norm=m.moe_route_norm,
-            aux_loss_coef=m.moe_aux_loss_coef, bias_update_rate=m.moe_bias_update_rate,
+            n_experts=m.n_experts,
+            top_k=m.top_k,
+            hidden_dim=m.moe_ffn_dim or max(1, args.hidden_dim // m.top_k),
+            n_shared_experts=m.moe_shared_experts,
+            score_func=m.moe_score_func,
+            route_norm=m.moe_route_norm,
+            aux_loss_coef=m.moe_aux_loss_coef,
+            bias_update_rate=m.moe_bias_update_rate,
             capacity_factor=m.moe_capacity_factor,
             # the aux loss is summed per sequence and averaged over the global batch, whatever the layout
             aux_loss_scale=1.0 / cfg.training.global_batch,
-        )  # fmt: skip
+        )
     return args

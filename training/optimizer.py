@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from config import Config
+if TYPE_CHECKING:
+    from runtime.config import Config
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -21,7 +21,7 @@ import time
 import traceback
 from pathlib import Path
 
-PRELOAD = ["torch", "torch.distributed", "train", "tests.harness"]
+PRELOAD = ["torch", "torch.distributed", "train", "launch.spawn"]
 _CONTEXT = None
 
 
@@ -56,7 +56,7 @@ def _rank_main(fn, args, kwargs, rank: int, world_size: int, workdir: str, timeo
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         torch.save({"ok": False, "error": traceback.format_exc()}, out)
     finally:
-        from mesh.runtime import destroy_process_group
+        from runtime.process import destroy_process_group
 
         destroy_process_group()
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from config import ConfigError
+from runtime.config import ConfigError
 
 LOCK_FILE = ".meshloom.lock"
 
@@ -79,7 +79,7 @@ class RunLock:
 def lock_run_folders(folders: list[Path], control, locks: list[RunLock], is_rank0: bool) -> None:
     """Rank 0 locks each folder (run.dir, and the checkpoint folder when the run uses one, since another run
     may point its checkpoint.folder there) and appends the held locks to ``locks`` for the caller to release;
-    every rank learns the verdict together through ``control`` (a mesh.runtime.ControlPlane)."""
+    every rank learns the verdict together through ``control`` (a runtime.process.ControlPlane)."""
     error = None
     if is_rank0:
         try:
@@ -87,8 +87,11 @@ def lock_run_folders(folders: list[Path], control, locks: list[RunLock], is_rank
                 lock = RunLock(str(folder)).acquire()
                 locks.append(lock)
                 if lock.took_over:
-                    print(f"meshloom: {folder} was locked by a run that is gone ({lock.took_over}); taking it over",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"meshloom: {folder} was locked by a run that is gone ({lock.took_over}); taking it over",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         except (ConfigError, OSError) as exc:
             error = exc if isinstance(exc, ConfigError) else ConfigError(f"run.dir={str(folders[0])!r}: {exc}")
     control.raise_if_any_failed(error, "locking run.dir", ConfigError)

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mesh.pipeline import SCHEDULE_FAMILIES
+
 
 class Action(NamedTuple):
     kind: str  # F | B | I | W
@@ -164,3 +166,19 @@ def activations_in_flight(actions: list[Action]) -> int:
         elif a.kind in ("B", "I"):
             held.discard((a.stage, a.microbatch))
     return most
+
+
+# stages per rank of every schedule, from mesh/pipeline.py's one table of schedule families
+SCHEDULE_STAGES = {name: family.natural_stages_per_rank for name, family in SCHEDULE_FAMILIES.items()}
+
+
+def pipeline_ideal(schedule: str, pp: int, microbatches: int) -> dict:
+    v = SCHEDULE_STAGES[schedule]
+    actions = schedule_actions(schedule, pp, microbatches, v)
+    timed = simulate(actions, v)
+    return {
+        "timed": timed,
+        "idle": idle_fraction(timed),
+        "in_flight": [activations_in_flight(actions[r]) for r in sorted(actions)],
+        "v": v,
+    }

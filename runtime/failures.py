@@ -2,7 +2,7 @@
 
 A rank that stalls (a hung data loader, a stopped process, a GPU fault) or dies leaves its peers waiting in
 the next collective. Every group meshloom creates carries ``parallel.collective_timeout_s``
-(mesh/runtime.py), so the wait ends with an exception after that long; a peer that *died* closes its
+(runtime/process.py), so the wait ends with an exception after that long; a peer that *died* closes its
 sockets, which its peers see at once. Either way the exception text is backend noise ("Timed out waiting
 20000ms for recv operation to complete", "Connection closed by peer"), and torchrun's summary names the
 first rank that *reported* a failure: a healthy one.

@@ -38,15 +38,19 @@ with the other layout rules (mesh/plan.py) before any process group exists.
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 
-from mesh.dims import ParallelDims
 from mesh.private_api import replicate_with_ddp
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from mesh.dims import ParallelDims
 
 # PowerSGD's hook reduces exactly (plain all-reduce) for its first iterations: DDP may rebuild its buckets
 # after the first one, and error feedback needs stable buckets. torch refuses fewer than 2 with error

@@ -25,28 +25,31 @@
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
-from mesh.runtime import sum_over
+from mesh.pipeline import SCHEDULE_FAMILIES, run_schedule
 from mesh.tensor_parallel import loss_context, loss_value
+from runtime.process import sum_over
+from training.loss import token_loss_sum
+
+if TYPE_CHECKING:
+    from mesh.dims import Meshes
+    from mesh.plan import LayoutPlan
 
 
 def eval_due(step: int, interval: int, last_step: int) -> bool:
     return interval > 0 and (step % interval == 0 or step == last_step)
 
 
-def evaluate(
-    parts, schedule, loader, *, steps: int, stage_ids: list[int], n_stages: int, loss_fn, tp_enabled: bool,
-    loss_mesh, device: torch.device,
-) -> float:  # fmt: skip
+def evaluate(parts, schedule, loader, plan: LayoutPlan, meshes: Meshes, *, steps: int, device: torch.device) -> float:
     """The validation loss (a float, the same on every rank); see the module docstring for the steps."""
     loader.load_state_dict({"tokens_consumed": 0})  # step 1
     global_tokens = loader.global_batch * loader.seq_len
-    is_first, is_last = 0 in stage_ids, n_stages - 1 in stage_ids
-    with_backward = isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV))  # the exception of step 2
+    # the exception of step 2: torch 2.13's forward-only path fails on the V-shaped schedules
+    forward_only = schedule is None or SCHEDULE_FAMILIES[plan.pp_schedule].forward_only_eval
     for part in parts:
         part.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -54,17 +57,13 @@ def evaluate(
         for _ in range(steps):  # step 2
             for inputs, targets in loader.next_batch():
                 inputs, targets = inputs.to(device), targets.to(device)
-                with loss_context(tp_enabled), contextlib.nullcontext() if with_backward else torch.no_grad():
+                with loss_context(plan.dims.tp > 1), torch.no_grad() if forward_only else contextlib.nullcontext():
                     if schedule is None:
-                        loss_sum += loss_value(loss_fn(parts[0](inputs), targets)).double()
+                        loss_sum += loss_value(token_loss_sum(parts[0](inputs), targets)).double()
                         continue
-                    losses: list[torch.Tensor] = []
-                    run = schedule.step if with_backward else schedule.eval
-                    run(
-                        *((inputs,) if is_first else ()),
-                        **({"target": targets, "losses": losses} if is_last else {}),
-                    )
-                    loss_sum += sum(loss_value(loss.detach()).double() for loss in losses) * global_tokens
+                    # the schedule's loss function divides by the training step's global token count
+                    losses = run_schedule(schedule, list(plan.stage_ids), plan.n_stages, inputs, targets, forward_only)
+                    loss_sum += sum(loss_value(loss.detach()).double() for loss in losses) * plan.global_tokens
     finally:
         for part in parts:  # step 4
             part.train()
@@ -75,5 +74,5 @@ def evaluate(
                     module.reshard()
                 if hasattr(module, "reset_stats"):
                     module.reset_stats()
-    sum_over(loss_sum, loss_mesh)  # step 3
+    sum_over(loss_sum, meshes.loss)  # step 3
     return (loss_sum / (steps * global_tokens)).item()

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 train.py --config configs/debug.toml --training.steps 4 \\
         --profile.enabled true --profile.start_step 3 --profile.steps 2 --run.dir runs/prof
-    python -m comm_share runs/prof          # table on the console, runs/prof/profile/comm_share.json
+    python -m training.comm_share runs/prof          # table on the console, runs/prof/profile/comm_share.json
 
 Communication only costs step time when nothing else runs meanwhile. For each profiled step (a
 ``ProfilerStep#N`` range of ``profiling.StepProfiler``) and each rank the command measures three sets of
@@ -122,12 +122,18 @@ def step_shares(trace: dict) -> list[dict]:
         compute, comm = clip(compute_spans, window), clip(comm_all, window)
         step_us = window[1] - window[0]
         exposed = total(subtract(comm, compute))
-        rows.append({
-            "step": int(step["name"].split("#")[1]), "device": device, "step_ms": step_us / 1e3,
-            "compute_ms": total(compute) / 1e3, "communication_ms": total(comm) / 1e3,
-            "exposed_ms": exposed / 1e3, "overlapped_ms": total(intersect(comm, compute)) / 1e3,
-            "other_ms": (step_us - total(union(compute + comm))) / 1e3,
-        })  # fmt: skip
+        rows.append(
+            {
+                "step": int(step["name"].split("#")[1]),
+                "device": device,
+                "step_ms": step_us / 1e3,
+                "compute_ms": total(compute) / 1e3,
+                "communication_ms": total(comm) / 1e3,
+                "exposed_ms": exposed / 1e3,
+                "overlapped_ms": total(intersect(comm, compute)) / 1e3,
+                "other_ms": (step_us - total(union(compute + comm))) / 1e3,
+            }
+        )
     return rows
 
 
@@ -137,9 +143,14 @@ def rank_summary(rank: int, rows: list[dict]) -> dict:
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     shares = {k.replace("_ms", "_share"): mean[k] / mean["step_ms"] for k in keys if k != "step_ms"}
     return {
-        "rank": rank, "device": rows[0]["device"], "steps": [r["step"] for r in rows], **mean, **shares,
-        "under_30_percent_rule": shares["exposed_share"] < RULE_OF_THUMB, "per_step": rows,
-    }  # fmt: skip
+        "rank": rank,
+        "device": rows[0]["device"],
+        "steps": [r["step"] for r in rows],
+        **mean,
+        **shares,
+        "under_30_percent_rule": shares["exposed_share"] < RULE_OF_THUMB,
+        "per_step": rows,
+    }
 
 
 def comm_share(run_dir: str | Path) -> list[dict]:
@@ -167,7 +178,7 @@ def format_table(summaries: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m comm_share", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m training.comm_share", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="the run.dir of a run trained with --profile.enabled true")
     parser.add_argument("--json", help="where to write the JSON (default <run_dir>/profile/comm_share.json)")
     args = parser.parse_args(argv)

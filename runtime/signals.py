@@ -57,15 +57,22 @@ class StopSignals:
         if self.received is not None:
             if time.monotonic() - self.received_at < INSIST_AFTER_S:
                 return  # the same request, delivered twice (module docstring, step 1)
-            print(f"meshloom: second {signal.Signals(signum).name}: exiting now, without saving", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"meshloom: second {signal.Signals(signum).name}: exiting now, without saving",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(128 + signum)
         self.received, self.received_at = signum, time.monotonic()
         if not self.announce:
             return
         rank = os.environ.get("RANK", "0")
-        print(f"meshloom: rank {rank} got {signal.Signals(signum).name}: stopping after this step (again to "
-              "exit at once)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"meshloom: rank {rank} got {signal.Signals(signum).name}: stopping after this step (again to "
+            "exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def agreed_stop(self, control) -> int | None:
         """The signal every rank stops for (the highest any rank received), or None to go on."""
@@ -91,8 +98,11 @@ class ParentWatch:
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             if os.getppid() != self.parent:
-                print(f"meshloom: rank {os.environ.get('RANK', '0')}: the launcher (pid {self.parent}) is gone; "
-                      "stopping", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"meshloom: rank {os.environ.get('RANK', '0')}: the launcher (pid {self.parent}) is gone; stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os.kill(os.getpid(), signal.SIGTERM)
                 deadline = time.monotonic() + self.grace_s
                 while not self._stop.wait(self.poll_s):

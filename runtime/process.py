@@ -24,7 +24,7 @@ collective into one of two planes:
    must never issue collectives on one group.
 
 Every group gets ``parallel.collective_timeout_s``: the default group, the control and checkpoint groups,
-and every DeviceMesh sub-group (``mesh_backend_options``). gloo's default is 30 minutes, far too long to
+and every DeviceMesh sub-group (mesh/dims.py: ``mesh_backend_options``). gloo's default is 30 minutes, far too long to
 notice that a peer died.
 
 Restarts: under ``torchrun --max-restarts N`` the restarted workers reuse the launcher's store, where the
@@ -46,15 +46,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from mesh.private_api import backend_options
-
 
 def select_device(requested: str = "auto") -> torch.device:
     """``auto``: this rank's GPU when CUDA is available, else the CPU."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        from config import ConfigError
+        from runtime.config import ConfigError
 
         raise ConfigError("training.device='cuda' but no CUDA device is visible; use training.device=auto or cpu.")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -81,20 +79,6 @@ def device_backend(device: torch.device) -> str:
         if default not in ("gloo", "nccl") and device.type in dist.Backend.backend_capability.get(default, []):
             return default
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-def mesh_backend_options(device: torch.device, timeout_s: float, host_tensors: bool = False):
-    """``(backend, options)`` for DeviceMesh's ``backend_override``: the device plane's backend, our timeout.
-
-    ``host_tensors``: the model's sharded state lives in host memory (FSDP CPU offload), so some device-plane
-    collectives reduce CPU tensors (the gradient norm's partial sums of offloaded gradients). On a GPU the
-    groups then get a gloo backend for CPU tensors beside NCCL for CUDA ones: ``cuda:nccl,cpu:gloo``.
-    (A fake backend takes no options, and needs no timeout: it never waits.)
-    """
-    backend = device_backend(device)
-    if backend == "nccl" and host_tensors:
-        backend = "cuda:nccl,cpu:gloo"
-    return backend_options(backend, timeout_s) if backend in ("gloo", "nccl", "cuda:nccl,cpu:gloo") else backend
 
 
 def _free_port() -> int:
@@ -124,9 +108,13 @@ def init_process_group(device: torch.device, timeout_s: float) -> ControlPlane:
             rank, world = rank_from_env(), world_size_from_env()
             agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             store = dist.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                is_master=not agent_hosts_store and rank == 0, timeout=timeout, multi_tenant=not agent_hosts_store,
-            )  # fmt: skip
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world,
+                is_master=not agent_hosts_store and rank == 0,
+                timeout=timeout,
+                multi_tenant=not agent_hosts_store,
+            )
             attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
             kwargs.update(store=dist.PrefixStore(f"meshloom/attempt-{attempt}", store), rank=rank, world_size=world)
         dist.init_process_group(device_backend(device), timeout=timeout, **kwargs)
@@ -138,7 +126,7 @@ def init_process_group(device: torch.device, timeout_s: float) -> ControlPlane:
 def control_plane() -> ControlPlane:
     """The control plane created by ``init_process_group``."""
     if _CONTROL is None:
-        raise RuntimeError("meshloom's control plane does not exist yet: call mesh.runtime.init_process_group first")
+        raise RuntimeError("meshloom's control plane does not exist yet: call runtime.process.init_process_group first")
     return _CONTROL
 
 
@@ -200,7 +188,7 @@ class ControlPlane:
         shows the failing rank's message: a ConfigError stays a ConfigError (exit 2, the fix named on every
         rank) instead of the healthy ranks waiting in the next collective until the timeout.
         """
-        from config import ConfigError
+        from runtime.config import ConfigError
 
         mine = None if error is None else (type(error).__name__, isinstance(error, ConfigError), str(error))
         everyone = self.all_gather_object(mine)
@@ -221,7 +209,7 @@ def sum_over(tensor: torch.Tensor, mesh) -> torch.Tensor:
     if tensor.device.type != mesh.device_type:
         raise RuntimeError(
             f"a {tensor.device.type} tensor cannot be reduced on a {mesh.device_type} mesh: device-plane "
-            "collectives take tensors on the device their group serves (mesh/runtime.py)"
+            "collectives take tensors on the device their group serves (runtime/process.py)"
         )
     if mesh.size() > 1:
         dist.all_reduce(tensor, group=mesh.get_group())
