@@ -50,7 +50,7 @@ from mesh.tensor_parallel import (
     sum_token_split_gradients,
 )
 from models.llama import Transformer
-from runtime.config import Config, ConfigError, check_values, help_text, load_config
+from runtime.config import Config, ConfigError, help_text, load_config
 from runtime.failures import explain, is_communication_failure, phase, report_to_launcher
 from runtime.process import (
     ControlPlane,
@@ -94,8 +94,7 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
 
     Returns the layout plan and the resume decision (checkpoint/resume.py), each worked out once.
     """
-    check_values(cfg)
-    plan = LayoutPlan.resolve(cfg, world_size, rank)
+    plan = LayoutPlan.resolve(cfg, world_size, rank)  # the config's values, then the layout's rules
     check_data(cfg)  # tokenizer, token-file headers, vocab, dataset and validation-split sizes
     resume = find_resume(cfg, plan.model)
     # A run that resumes continues the metrics of run.dir instead of refusing them; so does a torchrun restart

@@ -107,26 +107,6 @@ def load_data(cfg: Config) -> Splits:
     d, t = cfg.data, cfg.training
     tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
     check_vocab(tokenizer, cfg.model.vocab_size)
-    errors = []
-    if not 0.0 <= d.val_fraction < 1.0:
-        errors.append(f"data.val_fraction={d.val_fraction} must be >= 0 and < 1 (e.g. 0.01).")
-    if d.val_source and d.val_fraction:
-        errors.append(
-            f"data.val_source={d.val_source!r} and data.val_fraction={d.val_fraction} are both set; "
-            "keep one (val_fraction=0 with a val_source)."
-        )
-    if cfg.eval.interval < 0 or cfg.eval.steps < 1:
-        errors.append(
-            f"eval.interval={cfg.eval.interval} must be >= 0 (0: never) and eval.steps={cfg.eval.steps} >= 1."
-        )
-    if cfg.eval.interval > 0 and not (d.val_source or d.val_fraction):
-        errors.append(
-            f"eval.interval={cfg.eval.interval} needs a validation split: set --data.val_source (a prepared folder "
-            "or text) or --data.val_fraction (e.g. 0.01 holds out the last 1% of data.source)."
-        )
-    if errors:
-        raise ConfigError("invalid data settings:\n  - " + "\n  - ".join(errors))
-
     train, about = _cached_stream(d.source, tokenizer, d.max_bytes, "data.source")
     val, val_about = None, ""
     if d.val_source:

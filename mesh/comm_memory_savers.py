@@ -31,8 +31,8 @@ Three config switches, each a trade (docs/data_parallel.md, sections 16-18 give 
    the AdamW state live in host memory; a unit's shard is copied to the device for its all-gather and its
    reduced gradient copied back, and the optimizer steps on the host.
 
-``saver_errors`` lists every combination that cannot work, with the field, the value and the fix; it runs
-with the other layout rules (mesh/plan.py) before any process group exists.
+mesh/layout_rules.py: ``saver_errors`` lists every combination that cannot work, with the field, the value
+and the fix; it runs with the other layout rules before any process group exists.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from mesh.private_api import replicate_with_ddp
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from mesh.dims import ParallelDims
 
 # PowerSGD's hook reduces exactly (plain all-reduce) for its first iterations: DDP may rebuild its buckets
 # after the first one, and error feedback needs stable buckets. torch refuses fewer than 2 with error
@@ -181,52 +180,3 @@ def offload_policy(enabled: bool, device: torch.device) -> OffloadPolicy:
 
 
 # ---- the rules ---------------------------------------------------------------------------------------------
-
-
-def saver_errors(dims: ParallelDims, cfg, accumulation: int | None) -> list[str]:
-    """Every saver setting that cannot work on this layout, as messages naming the field, value and fix.
-
-    ``accumulation``: forward/backward calls of the training loop per step (None when the batch does not
-    split, which is reported elsewhere).
-    """
-    p, t = cfg.parallel, cfg.training
-    errors: list[str] = []
-    accumulates = accumulation is not None and accumulation > 1
-    if p.grad_sync == "step" and dims.pp > 1 and accumulates:
-        errors.append(
-            f"parallel.grad_sync=step with parallel.pp={dims.pp} and {accumulation} accumulated micro-batches "
-            f"(training.micro_batch={t.micro_batch}): the pipeline schedule reduces gradients at the end of each "
-            "of its steps and cannot defer that; set training.micro_batch=0 and raise parallel.pp_microbatches "
-            "instead (the schedule accumulates its micro-batches without reducing), or grad_sync=microbatch."
-        )
-    if p.grad_compression != "none" and dims.dp == 1:
-        errors.append(
-            f"parallel.grad_compression={p.grad_compression} compresses the data-parallel gradient reduction, "
-            "but this layout has none (dp_replicate*dp_shard=1); set it to none or add data-parallel ranks."
-        )
-    if p.grad_compression == "powersgd":
-        if dims.dp_replicate != dims.world_size:
-            errors.append(
-                f"parallel.grad_compression=powersgd needs a pure data-parallel layout (every rank a whole "
-                f"replica: dp_replicate = world size), not {dims.describe()}: PowerSGD factors each whole gradient "
-                "matrix, which a sharded layout never holds; set parallel.dp_replicate to the world size and "
-                "parallel.dp_shard=1, or use grad_compression=bf16 on this layout."
-            )
-        if accumulates and p.grad_sync != "step":
-            errors.append(
-                f"parallel.grad_compression=powersgd with {accumulation} accumulated micro-batches needs "
-                "parallel.grad_sync=step: each reduction must compress one step's whole local gradient (reducing "
-                "every micro-batch would compress, and sum, already-reduced gradients again)."
-            )
-        if t.mixed_precision != "fp32":
-            errors.append(
-                f"parallel.grad_compression=powersgd with training.mixed_precision={t.mixed_precision}: meshloom's "
-                "bf16 lives in FSDP's MixedPrecisionPolicy, which PowerSGD's replicated (DDP) model does not use; "
-                "set training.mixed_precision=fp32, or use grad_compression=bf16."
-            )
-        if p.fsdp_cpu_offload:
-            errors.append(
-                "parallel.fsdp_cpu_offload=true with parallel.grad_compression=powersgd: offloading is FSDP's, and "
-                "PowerSGD runs on a replicated (DDP) model without FSDP; turn one of them off."
-            )
-    return errors

@@ -1,7 +1,8 @@
 """ParallelDims: the parallel degrees, and the one DeviceMesh built from them.
 
 1. ``ParallelDims.resolve`` turns the config's degrees into numbers (dp_shard = -1 takes the rest of the
-   world). The rules a layout must satisfy against the model and the batch live in mesh/plan.py.
+   world). The rules a layout must satisfy against the world, the model and the batch live in
+   mesh/layout_rules.py.
 2. ``build_mesh`` creates one DeviceMesh with named dims ``(pp, dp_replicate, dp_shard, cp, tp)``. Size-1
    dims are kept so that every rank has the same five coordinates. Every other mesh is a view of that one
    root, so no communicator is created twice:
@@ -35,11 +36,12 @@ from typing import TYPE_CHECKING
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mesh.private_api import backend_options, concatenate_meshes, flatten_mesh, unflatten_mesh
-from runtime.config import Config, ConfigError
 from runtime.process import device_backend
 
 if TYPE_CHECKING:
     import torch
+
+    from runtime.config import Config
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -58,32 +60,12 @@ class ParallelDims:
 
     @classmethod
     def resolve(cls, cfg: Config, world_size: int) -> ParallelDims:
-        """Degrees from ``cfg.parallel``; dp_shard = -1 becomes world / (dp_replicate * cp * tp * pp)."""
+        """Degrees from ``cfg.parallel`` (ranges checked in runtime/config.py); dp_shard = -1 becomes
+        world / (dp_replicate * cp * tp * pp)."""
         p = cfg.parallel
-        errors = [
-            f"parallel.{name}={value} must be >= 1 (or -1 for dp_shard)."
-            for name, value in (
-                ("dp_replicate", p.dp_replicate),
-                ("cp", p.cp),
-                ("tp", p.tp),
-                ("pp", p.pp),
-                ("ep", p.ep),
-            )
-            if value < 1
-        ]
-        if p.dp_shard == 0 or p.dp_shard < -1:
-            errors.append(f"parallel.dp_shard={p.dp_shard} must be >= 1, or -1 for 'the rest of the world'.")
-        if errors:
-            raise ConfigError("invalid parallel layout:\n  - " + "\n  - ".join(errors))
         dp_shard = p.dp_shard
-        if dp_shard == -1:
-            others = p.dp_replicate * p.cp * p.tp * p.pp
-            if world_size % others:
-                raise ConfigError(
-                    f"parallel.dp_shard=-1 cannot fill the world: WORLD_SIZE={world_size} is not divisible by "
-                    f"dp_replicate*cp*tp*pp={others}; choose degrees whose product divides {world_size}."
-                )
-            dp_shard = world_size // others
+        if dp_shard == -1:  # whether it divides evenly is a layout rule (mesh/layout_rules.py: world_errors)
+            dp_shard = max(1, world_size // (p.dp_replicate * p.cp * p.tp * p.pp))
         return cls(
             pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=p.ep, world_size=world_size
         )

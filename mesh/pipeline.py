@@ -18,7 +18,8 @@
    sends. The loss function returns each micro-batch's token-loss sum divided by the *global* token count,
    and ``scale_grads=False`` stops the schedule from dividing by the micro-batch count again.
 
-Everything a schedule needs is validated first (``pipeline_errors``), so a misfit fails before any send.
+Everything a schedule needs is validated first (mesh/layout_rules.py: ``pipeline_errors``), so a misfit fails
+before any send.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def schedules_of(placement: str) -> tuple[str, ...]:
 def stages_per_rank(schedule: str, requested: int) -> int:
     """``requested``, or when it is 0 the schedule's natural count: 1 for GPipe/1F1B, 2 for looped and V."""
     if requested:
-        return requested  # pipeline_errors checks it against the schedule
+        return requested  # mesh/layout_rules.py: pipeline_errors checks it against the schedule
     return SCHEDULE_FAMILIES[schedule].natural_stages_per_rank
 
 
@@ -141,76 +142,6 @@ def split_layers(args: ModelArgs, n_stages: int, policy: str, seq_len: int) -> l
         sizes = [int(x) for x in policy.split(",")]
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     return [list(range(bounds[k], bounds[k + 1])) for k in range(len(sizes))]
-
-
-def pipeline_errors(
-    pp: int,
-    schedule: str,
-    n_local: int,
-    microbatches: int,
-    local_batch: int | None,
-    split: str,
-    n_layers: int,
-    compiled: bool = False,
-) -> list[str]:
-    """Every rule a pipeline layout must satisfy, as messages naming the field and the fix."""
-    if schedule not in SCHEDULES:
-        return [f"parallel.pp_schedule={schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}."]
-    errors = []
-    family = SCHEDULE_FAMILIES[schedule]
-    if family.placement == "v" and n_local != 2:
-        errors.append(
-            f"parallel.pp_stages_per_rank={n_local} but {schedule} is V-shaped and needs exactly 2 stages per "
-            "rank; set parallel.pp_stages_per_rank=2 (or 0 to derive it)."
-        )
-    if family.placement == "single" and n_local != 1:
-        errors.append(
-            f"parallel.pp_stages_per_rank={n_local} but {schedule} runs one stage per rank; use a looped schedule "
-            f"({', '.join(schedules_of('looped'))}) for several, or set it to 1."
-        )
-    n_stages = pp * n_local
-    if n_stages > n_layers:
-        errors.append(
-            f"parallel.pp={pp} x {n_local} stages per rank = {n_stages} stages, more than model.n_layers={n_layers}; "
-            "lower parallel.pp or parallel.pp_stages_per_rank, or add layers."
-        )
-    if split not in ("params", "flops"):
-        try:
-            sizes = [int(x) for x in split.split(",")]
-        except ValueError:
-            sizes = []
-        if len(sizes) != n_stages or sum(sizes) != n_layers or min(sizes, default=0) < 1:
-            errors.append(
-                f"parallel.pp_split={split!r} must be 'params', 'flops' or {n_stages} positive layer counts "
-                f"summing to model.n_layers={n_layers}, e.g. "
-                f"{','.join([str(n_layers // n_stages)] * (n_stages - 1) + [str(n_layers - n_layers // n_stages * (n_stages - 1))])}."
-            )
-    if compiled and family.zero_bubble:
-        others = "/".join(name for name, f in SCHEDULE_FAMILIES.items() if not f.zero_bubble)
-        errors.append(
-            f"training.compile=true with parallel.pp_schedule={schedule}: zero-bubble schedules split backward into "
-            f"input- and weight-gradient halves, which compiled stages do not support; turn compile off or pick "
-            f"{others}."
-        )
-    if microbatches < 1 or (local_batch is not None and local_batch % microbatches):
-        errors.append(
-            f"parallel.pp_microbatches={microbatches} must divide the per-rank batch {local_batch} (training.micro_batch, "
-            "or global_batch / dp); choose a divisor."
-        )
-    if schedule == "1F1B" and microbatches < pp:
-        errors.append(f"parallel.pp_microbatches={microbatches} < pp={pp}: 1F1B needs at least one per stage.")
-    if schedule == "DualPipeV" and microbatches < n_stages:
-        errors.append(
-            f"parallel.pp_microbatches={microbatches} < {n_stages} stages: DualPipeV needs at least one per stage."
-        )
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        rounds = max(1, microbatches // pp)
-        if microbatches % rounds:
-            errors.append(
-                f"parallel.pp_microbatches={microbatches} is not a multiple of max(1, m // pp) = {rounds}, which "
-                f"{schedule} needs; a multiple of pp={pp} always works."
-            )
-    return errors
 
 
 def build_stage_module(args: ModelArgs, layers: list[int], is_first: bool, is_last: bool) -> Transformer:

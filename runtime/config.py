@@ -370,17 +370,16 @@ def check_values(cfg: Config) -> None:
             f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings rotate pairs); "
             "change model.dim or model.n_heads."
         )
-    if p.sp_regather and (cfg.training.activation_checkpoint != "none" or cfg.training.compile):
+    d = cfg.data
+    if d.val_source and d.val_fraction:
         broken.append(
-            "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false: a "
-            "checkpointed block keeps no gathered input to begin with (full) or keeps it by policy (selective), and "
-            "the re-gather hooks run in eager mode only; turn one of them off."
+            f"data.val_source={d.val_source!r} and data.val_fraction={d.val_fraction} are both set; "
+            "keep one (val_fraction=0 with a val_source)."
         )
-    if p.sp_regather and (p.tp == 1 or not p.sequence_parallel):
+    if cfg.eval.interval > 0 and not (d.val_source or d.val_fraction):
         broken.append(
-            f"parallel.sp_regather=true re-gathers sequence-parallel inputs, but parallel.tp={p.tp} and "
-            f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}: there is nothing to re-gather; set "
-            "parallel.tp > 1 with parallel.sequence_parallel=true, or parallel.sp_regather=false."
+            f"eval.interval={cfg.eval.interval} needs a validation split: set --data.val_source (a prepared folder "
+            "or text) or --data.val_fraction (e.g. 0.01 holds out the last 1% of data.source)."
         )
     if cfg.profile.enabled and cfg.profile.start_step > cfg.training.steps:
         broken.append(

@@ -2,9 +2,10 @@
 
 Each case runs the real command (``python train.py ...``, or torchrun where ranks matter) and asserts: a
 non-zero exit, in seconds; no traceback, the message last; and the words that name the field (or file) and
-the fix. Layout misfits have their own tests (test_layout_validation.py, test_pipeline.py), as do bad data
-files (test_prepare.py) and damaged checkpoints (test_checkpoint.py); two of them are repeated under torchrun
-here, to check that every worker exits with code 2.
+the fix. ``CONFIG_ERRORS`` is the one table of configuration and layout rules (each tested once, in this
+process); the rules of one feature live beside it (test_pipeline.py, test_context_parallel.py,
+test_savers.py), as do bad data files (test_prepare.py) and damaged checkpoints (test_checkpoint.py). Two
+cases are repeated under torchrun here, to check that every worker exits with code 2.
 """
 
 import os
@@ -66,31 +67,92 @@ def toml(tmp_path, text: str) -> str:
     return str(path)
 
 
-# (case id, command-line arguments, words the message must contain: field/value and fix)
-CLI_CASES = [
-    ("norm_eps", ["--model.norm_eps", "-1"], ["model.norm_eps=-1.0 must be > 0", "default is 1e-05"]),
-    ("rope_theta", ["--model.rope_theta", "0"], ["model.rope_theta=0.0 must be > 0"]),
-    ("beta1", ["--training.beta1", "2"], ["training.beta1=2.0 must be >= 0 and < 1", "default is 0.9"]),
-    ("weight_decay", ["--training.weight_decay", "-5"], ["training.weight_decay=-5.0 must be >= 0"]),
-    ("grad_clip_nan", ["--training.grad_clip", "nan"], ["training.grad_clip=nan must be a finite number"]),
-    ("lr_inf", ["--training.lr", "inf"], ["training.lr=inf must be a finite number"]),
-    ("max_bytes_0", ["--data.max_bytes", "0"], ["data.max_bytes=0 must be >= 1"]),
-    ("timeout_0", ["--parallel.collective_timeout_s", "0"], ["parallel.collective_timeout_s=0 must be >= 1"]),
-    ("key_twice", ["--training.steps", "3", "--training.steps", "4"], ["--training.steps is given twice"]),
-    ("unknown_key", ["--training.stepz", "3"], ["unknown config key 'training.stepz'", "steps"]),
-    ("bad_choice", ["--training.mixed_precision", "fp16"], ["training.mixed_precision='fp16' is not allowed", "bf16"]),
-    ("not_an_int", ["--training.steps", "three"], ["training.steps='three' is not a valid int", "e.g. 8"]),
-    ("missing_value", ["--training.steps"], ["--training.steps needs a value"]),
+# The one table of configuration errors: every rule that a config or a layout can break, once each.
+# (case id, world size, command-line arguments, words the message must contain: the field, the value, the fix)
+CONFIG_ERRORS = [
+    # reading the command line and the file (runtime/config.py: parse_overrides, _set)
+    ("unknown_key", 1, ["--training.stepz", "3"], ["unknown config key 'training.stepz'", "steps"]),
+    ("unknown_section", 1, ["--trainin.steps", "3"], ["unknown config key 'trainin.steps'", "section"]),
+    ("key_twice", 1, ["--training.steps", "3", "--training.steps", "4"], ["--training.steps is given twice"]),
+    ("missing_value", 1, ["--training.steps"], ["--training.steps needs a value"]),
+    ("no_dashes", 1, ["steps=3"], ["unexpected argument 'steps=3'", "--section.key"]),
+    ("not_an_int", 1, ["--training.steps", "three"], ["training.steps='three' is not a valid int", "e.g. 8"]),
+    (
+        "bad_choice",
+        1,
+        ["--training.mixed_precision", "fp16"],
+        ["training.mixed_precision='fp16' is not allowed", "bf16"],
+    ),
+    ("no_config_file", 1, ["--config", "no/such.toml"], ["--config 'no/such.toml': no such file", "TOML"]),
+    # one field against its declared range (runtime/config.py: check_values)
+    ("norm_eps", 1, ["--model.norm_eps", "-1"], ["model.norm_eps=-1.0 must be > 0", "default is 1e-05"]),
+    ("rope_theta", 1, ["--model.rope_theta", "0"], ["model.rope_theta=0.0 must be > 0"]),
+    ("n_heads_0", 1, ["--model.n_heads", "0"], ["model.n_heads=0 must be >= 1"]),
+    ("shared_experts", 1, ["--model.moe_shared_experts", "2"], ["model.moe_shared_experts=2 must be >= 0 and <= 1"]),
+    ("beta1", 1, ["--training.beta1", "2"], ["training.beta1=2.0 must be >= 0 and < 1", "default is 0.9"]),
+    ("weight_decay", 1, ["--training.weight_decay", "-5"], ["training.weight_decay=-5.0 must be >= 0"]),
+    ("lr_negative", 1, ["--training.lr", "-1"], ["training.lr=-1.0 must be > 0"]),
+    ("lr_inf", 1, ["--training.lr", "inf"], ["training.lr=inf must be a finite number"]),
+    ("grad_clip_nan", 1, ["--training.grad_clip", "nan"], ["training.grad_clip=nan must be a finite number"]),
+    ("global_batch_0", 1, ["--training.global_batch", "0"], ["training.global_batch=0 must be >= 1"]),
+    ("max_bytes_0", 1, ["--data.max_bytes", "0"], ["data.max_bytes=0 must be >= 1"]),
+    ("log_every_0", 1, ["--run.log_every", "0"], ["run.log_every=0 must be >= 1"]),
+    ("timeout_0", 1, ["--parallel.collective_timeout_s", "0"], ["parallel.collective_timeout_s=0 must be >= 1"]),
+    # several fields together, no layout involved (runtime/config.py: check_values)
+    (
+        "rotary_pairs",
+        1,
+        ["--model.dim", "120", "--model.n_heads", "8", "--model.n_kv_heads", "8"],
+        ["model.dim / model.n_heads = 15 must be even (rotary embeddings rotate pairs)"],
+    ),
+    ("eval_without_split", 1, ["--eval.interval", "5"], ["eval.interval=5 needs a validation split"]),
+    # the layout against the world, the model and the batch (mesh/layout_rules.py: layout_errors)
+    (
+        "world_product",
+        4,
+        ["--parallel.dp_shard", "3"],
+        ["pp*dp_replicate*dp_shard*tp = 1*1*3*1 = 3 but WORLD_SIZE=4", "make the product equal"],
+    ),
+    (
+        "dp_shard_rest",
+        4,
+        ["--parallel.dp_replicate", "3"],
+        ["parallel.dp_shard=-1 cannot fill the world", "WORLD_SIZE=4"],
+    ),
+    (
+        "tp_heads",
+        3,
+        ["--parallel.tp", "3", "--parallel.dp_shard", "1"],
+        ["parallel.tp=3 does not divide model.n_heads=8", "parallel.tp=3 does not divide model.n_kv_heads=4"],
+    ),
+    (
+        "every_rule_at_once",
+        6,
+        ["--parallel.dp_shard", "6", "--training.global_batch", "8", "--training.seq_len", "4096"],
+        ["training.global_batch=8 is not divisible", "training.seq_len=4096 exceeds model.max_seq_len"],
+    ),
+    (
+        "micro_batch",
+        2,
+        ["--parallel.dp_shard", "2", "--training.micro_batch", "3"],
+        ["training.micro_batch=3 does not divide the per-rank batch 4"],
+    ),
+    ("ep_without_experts", 2, ["--parallel.ep", "2", "--parallel.dp_shard", "2"], ["parallel.ep=2 needs an MoE model"]),
+    ("sp_regather_without_tp", 1, ["--parallel.sp_regather", "true"], ["parallel.sp_regather=true re-gathers"]),
 ]
 
 
-@pytest.mark.parametrize("args, words", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
-def test_a_bad_setting_is_refused_naming_the_field_and_the_fix(args, words, tmp_path, capsys):
-    # train.main in this process (the subprocess cases below cover the real command): exit 2, the message last
+@pytest.mark.parametrize("world, args, words", [c[1:] for c in CONFIG_ERRORS], ids=[c[0] for c in CONFIG_ERRORS])
+def test_a_bad_setting_is_refused_naming_the_field_and_the_fix(world, args, words, tmp_path, capsys, monkeypatch):
+    # train.main in this process, as rank 0 of a world of ``world`` (no process group: every rule is checked
+    # before one exists); the subprocess cases below cover the real command. Exit 2, the message last.
     from train import main
 
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
     start = time.monotonic()
-    code = main(["--config", DEBUG_CONFIG, "--run.dir", str(tmp_path / "run"), *args])
+    config = [] if "--config" in args else ["--config", DEBUG_CONFIG]
+    code = main([*config, "--run.dir", str(tmp_path / "run"), *args])
     err = capsys.readouterr().err
     assert code == 2 and time.monotonic() - start < 10
     (message,) = messages(err)

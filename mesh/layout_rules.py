@@ -1,0 +1,382 @@
+"""Every rule a parallel layout must satisfy, in one place: ``layout_errors`` returns all the broken ones.
+
+``LayoutPlan.resolve`` (mesh/plan.py) calls ``layout_errors`` on every rank before any process group exists,
+and raises one ConfigError listing each broken rule with its field, its value and the fix, so a misfit never
+reaches a collective. Single fields were already checked against their ranges where they are declared
+(runtime/config.py: ``check_values``); the rules here tie the layout to the world, the model and the batch:
+
+1. **World.** The degrees multiply to the number of processes (``dp_shard = -1`` takes what is left).
+2. **Tensor parallelism.** tp divides the heads, the key/value heads, the FFN and the vocabulary; sequence
+   parallelism and MoE under TP need seq_len to split over tp; ``sp_regather`` needs SP.
+3. **Context parallelism.** Two balanced chunks per cp rank; what cp cannot combine with.
+4. **Pipeline.** The schedule's family against the stages per rank, the layer split, the micro-batches.
+5. **Experts.** top_k within n_experts; ep divides the experts and is carved from dp_shard.
+6. **Compile.** The layouts torch 2.13 cannot compile.
+7. **Batch.** global batch = micro-batch x dp x accumulation, split evenly (``batch_split``, worked out once).
+8. **Savers.** Gradient sync once per step, compression and CPU offload against the layout.
+9. **Sequence.** seq_len within the rotary tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mesh.pipeline import SCHEDULE_FAMILIES, SCHEDULES, schedules_of
+
+if TYPE_CHECKING:
+    from mesh.dims import ParallelDims
+    from models.llama import ModelArgs
+    from runtime.config import Config
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """global_batch = micro x dp x accumulation, in sequences; the fields are None where the split fails."""
+
+    local: int | None  # sequences per step on one data-parallel rank (None: dp does not divide global_batch)
+    micro: int | None  # sequences per forward call of the training loop (None: it does not divide ``local``)
+
+    @property
+    def accumulation(self) -> int | None:
+        return None if self.local is None or self.micro is None else self.local // self.micro
+
+
+def batch_split(global_batch: int, dp: int, micro_batch: int) -> BatchSplit:
+    """The per-rank batch and micro-batch (``micro_batch = 0``: all of the local batch at once)."""
+    if global_batch % dp:
+        return BatchSplit(None, None)
+    local = global_batch // dp
+    if micro_batch < 0 or (micro_batch and local % micro_batch):
+        return BatchSplit(local, None)
+    return BatchSplit(local, micro_batch or local)
+
+
+def layout_errors(
+    dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: int, microbatches: int, batch: BatchSplit
+) -> list[str]:
+    """Every rule the layout breaks (steps 1-9 of the module docstring), as messages naming field, value, fix."""
+    errors = world_errors(dims, cfg)
+    errors += tensor_parallel_errors(dims, cfg, model)
+    errors += context_parallel_errors(dims, cfg)
+    if dims.pp > 1:
+        # The per-rank batch is unknown while the batch split is broken (reported below); check the rest.
+        errors += pipeline_errors(
+            dims.pp,
+            cfg.parallel.pp_schedule,
+            n_local,
+            microbatches,
+            batch.micro,
+            cfg.parallel.pp_split,
+            model.n_layers,
+            compiled=cfg.training.compile,
+        )
+    errors += expert_errors(dims, cfg)
+    errors += compile_errors(dims, cfg)
+    errors += batch_errors(dims, cfg, batch)
+    errors += saver_errors(dims, cfg, batch.accumulation)
+    t = cfg.training
+    if t.seq_len > model.max_seq_len:
+        errors.append(
+            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={model.max_seq_len}; raise "
+            "model.max_seq_len or shorten training.seq_len."
+        )
+    return errors
+
+
+def world_errors(dims: ParallelDims, cfg: Config) -> list[str]:
+    """Rule 1: the degrees multiply to WORLD_SIZE."""
+    p = cfg.parallel
+    if p.dp_shard == -1:
+        others = p.dp_replicate * p.cp * p.tp * p.pp
+        if dims.world_size % others:
+            return [
+                f"parallel.dp_shard=-1 cannot fill the world: WORLD_SIZE={dims.world_size} is not divisible by "
+                f"dp_replicate*cp*tp*pp={others}; choose degrees whose product divides {dims.world_size}."
+            ]
+    product = dims.pp * dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp
+    if product == dims.world_size:
+        return []
+    cp, cp_value = ("*cp", f"*{dims.cp}") if dims.cp > 1 else ("", "")
+    return [
+        f"pp*dp_replicate*dp_shard{cp}*tp = {dims.pp}*{dims.dp_replicate}*{dims.dp_shard}{cp_value}*{dims.tp} = "
+        f"{product} but WORLD_SIZE={dims.world_size}; make the product equal the number of processes "
+        f"(or set parallel.dp_shard=-1 to take the rest)."
+    ]
+
+
+def tensor_parallel_errors(dims: ParallelDims, cfg: Config, model: ModelArgs) -> list[str]:
+    """Rule 2: the model splits evenly over the tp ranks, and so does every sequence where TP splits it."""
+    errors: list[str] = []
+    t, p = cfg.training, cfg.parallel
+    if model.dim % model.n_heads:
+        errors.append(f"model.dim={model.dim} is not divisible by model.n_heads={model.n_heads}; pick a multiple.")
+    if model.n_heads % model.n_kv_heads:
+        errors.append(
+            f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads={model.n_kv_heads}; "
+            "each key/value head must serve a whole number of query heads."
+        )
+    for field, value in (
+        ("model.n_heads", model.n_heads),
+        ("model.n_kv_heads", model.n_kv_heads),
+        ("the FFN hidden size (model.ffn_dim)", model.hidden_dim),
+        ("model.vocab_size", model.vocab_size),
+    ):
+        if value % dims.tp:
+            errors.append(f"parallel.tp={dims.tp} does not divide {field}={value}; choose a tp that divides it.")
+    if dims.tp > 1 and p.sequence_parallel and dims.cp == 1 and t.seq_len % dims.tp:
+        errors.append(
+            f"training.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp}, which sequence "
+            "parallelism needs; change seq_len or set parallel.sequence_parallel=false."
+        )
+    elif (
+        dims.tp > 1
+        and model.moe is not None
+        and (t.seq_len // dims.cp) % dims.tp
+        # with cp, a seq_len that breaks 2*cp, or SP's own per-cp-rank rule, is reported once, below
+        and not (dims.cp > 1 and (t.seq_len % (2 * dims.cp) or p.sequence_parallel))
+    ):
+        errors.append(
+            f"training.seq_len={t.seq_len}"
+            + (f" (per cp rank: {t.seq_len // dims.cp})" if dims.cp > 1 else "")
+            + " is not divisible by "
+            f"parallel.tp={dims.tp}: under TP each tp rank runs the MoE layers on its own chunk of every sequence "
+            "(mesh/tensor_parallel.TokenSplitMoE); change seq_len."
+        )
+    if p.sp_regather and (cfg.training.activation_checkpoint != "none" or cfg.training.compile):
+        errors.append(
+            "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false: a "
+            "checkpointed block keeps no gathered input to begin with (full) or keeps it by policy (selective), and "
+            "the re-gather hooks run in eager mode only; turn one of them off."
+        )
+    if p.sp_regather and (dims.tp == 1 or not p.sequence_parallel):
+        errors.append(
+            f"parallel.sp_regather=true re-gathers sequence-parallel inputs, but parallel.tp={dims.tp} and "
+            f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}: there is nothing to re-gather; set "
+            "parallel.tp > 1 with parallel.sequence_parallel=true, or parallel.sp_regather=false."
+        )
+    return errors
+
+
+def context_parallel_errors(dims: ParallelDims, cfg: Config) -> list[str]:
+    """The rules of context parallelism (mesh/context_parallel.py), as messages naming the field and the fix."""
+    if dims.cp == 1:
+        return []
+    errors: list[str] = []
+    t, m = cfg.training, cfg.model
+    if t.seq_len % (2 * dims.cp):
+        errors.append(
+            f"training.seq_len={t.seq_len} is not divisible by 2*parallel.cp={2 * dims.cp}: each cp rank holds two "
+            f"equal chunks of every sequence (chunks r and 2cp-1-r, for the causal load balance); use a multiple "
+            f"of {2 * dims.cp} or another parallel.cp."
+        )
+    elif dims.tp > 1 and cfg.parallel.sequence_parallel and (t.seq_len // dims.cp) % dims.tp:
+        errors.append(
+            f"training.seq_len={t.seq_len} / parallel.cp={dims.cp} = {t.seq_len // dims.cp} tokens per cp rank, "
+            f"not divisible by parallel.tp={dims.tp}, which sequence parallelism needs; make seq_len a multiple of "
+            f"cp*tp={dims.cp * dims.tp} (and of 2*cp) or set parallel.sequence_parallel=false."
+        )
+    if dims.ep > 1:
+        errors.append(
+            f"parallel.ep={dims.ep} with parallel.cp={dims.cp} is not supported: expert weights would be sharded over "
+            "ep and FSDP-sharded over the dp_shard ranks outside ep times cp, a set of mesh dims with ep in between "
+            "that DTensor cannot reduce over; use parallel.ep=1 (experts FSDP-sharded over dp_shard x cp) or "
+            "parallel.cp=1."
+        )
+    if m.n_experts and m.moe_aux_loss_coef > 0:
+        errors.append(
+            f"model.moe_aux_loss_coef={m.moe_aux_loss_coef} with parallel.cp={dims.cp}: the auxiliary loss is computed "
+            "per whole sequence, and a cp rank holds only part of each; set model.moe_aux_loss_coef=0 (the "
+            "aux-loss-free bias, model.moe_bias_update_rate, works with cp) or parallel.cp=1."
+        )
+    if m.n_experts and m.moe_capacity_factor > 0:
+        errors.append(
+            f"model.moe_capacity_factor={m.moe_capacity_factor} with parallel.cp={dims.cp}: expert capacity is counted "
+            "per whole sequence, and a cp rank holds only part of each; set model.moe_capacity_factor=0 "
+            "(dropless) or parallel.cp=1."
+        )
+    return errors
+
+
+def pipeline_errors(
+    pp: int,
+    schedule: str,
+    n_local: int,
+    microbatches: int,
+    local_batch: int | None,
+    split: str,
+    n_layers: int,
+    compiled: bool = False,
+) -> list[str]:
+    """Every rule a pipeline layout must satisfy, as messages naming the field and the fix."""
+    if schedule not in SCHEDULES:
+        return [f"parallel.pp_schedule={schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}."]
+    errors = []
+    family = SCHEDULE_FAMILIES[schedule]
+    if family.placement == "v" and n_local != 2:
+        errors.append(
+            f"parallel.pp_stages_per_rank={n_local} but {schedule} is V-shaped and needs exactly 2 stages per "
+            "rank; set parallel.pp_stages_per_rank=2 (or 0 to derive it)."
+        )
+    if family.placement == "single" and n_local != 1:
+        errors.append(
+            f"parallel.pp_stages_per_rank={n_local} but {schedule} runs one stage per rank; use a looped schedule "
+            f"({', '.join(schedules_of('looped'))}) for several, or set it to 1."
+        )
+    n_stages = pp * n_local
+    if n_stages > n_layers:
+        errors.append(
+            f"parallel.pp={pp} x {n_local} stages per rank = {n_stages} stages, more than model.n_layers={n_layers}; "
+            "lower parallel.pp or parallel.pp_stages_per_rank, or add layers."
+        )
+    if split not in ("params", "flops"):
+        try:
+            sizes = [int(x) for x in split.split(",")]
+        except ValueError:
+            sizes = []
+        if len(sizes) != n_stages or sum(sizes) != n_layers or min(sizes, default=0) < 1:
+            errors.append(
+                f"parallel.pp_split={split!r} must be 'params', 'flops' or {n_stages} positive layer counts "
+                f"summing to model.n_layers={n_layers}, e.g. "
+                f"{','.join([str(n_layers // n_stages)] * (n_stages - 1) + [str(n_layers - n_layers // n_stages * (n_stages - 1))])}."
+            )
+    if compiled and family.zero_bubble:
+        others = "/".join(name for name, f in SCHEDULE_FAMILIES.items() if not f.zero_bubble)
+        errors.append(
+            f"training.compile=true with parallel.pp_schedule={schedule}: zero-bubble schedules split backward into "
+            f"input- and weight-gradient halves, which compiled stages do not support; turn compile off or pick "
+            f"{others}."
+        )
+    if microbatches < 1 or (local_batch is not None and local_batch % microbatches):
+        errors.append(
+            f"parallel.pp_microbatches={microbatches} must divide the per-rank batch {local_batch} (training.micro_batch, "
+            "or global_batch / dp); choose a divisor."
+        )
+    if schedule == "1F1B" and microbatches < pp:
+        errors.append(f"parallel.pp_microbatches={microbatches} < pp={pp}: 1F1B needs at least one per stage.")
+    if schedule == "DualPipeV" and microbatches < n_stages:
+        errors.append(
+            f"parallel.pp_microbatches={microbatches} < {n_stages} stages: DualPipeV needs at least one per stage."
+        )
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            errors.append(
+                f"parallel.pp_microbatches={microbatches} is not a multiple of max(1, m // pp) = {rounds}, which "
+                f"{schedule} needs; a multiple of pp={pp} always works."
+            )
+    return errors
+
+
+def expert_errors(dims: ParallelDims, cfg: Config) -> list[str]:
+    """Rule 5: top_k within the experts; ep divides the experts and the dp_shard ranks it is carved from."""
+    errors: list[str] = []
+    m = cfg.model
+    if m.n_experts and not 1 <= m.top_k <= m.n_experts:
+        errors.append(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}.")
+    if dims.ep > 1:
+        if m.n_experts == 0:
+            errors.append(f"parallel.ep={dims.ep} needs an MoE model; set model.n_experts or parallel.ep=1.")
+        elif m.n_experts % dims.ep:
+            errors.append(
+                f"parallel.ep={dims.ep} does not divide model.n_experts={m.n_experts}; each ep rank must own "
+                "the same number of experts: choose an ep that divides n_experts."
+            )
+        if dims.dp_shard % dims.ep:
+            errors.append(
+                f"parallel.ep={dims.ep} must divide parallel.dp_shard={dims.dp_shard}: expert-parallel ranks are "
+                "carved from the data-parallel shard ranks."
+            )
+    return errors
+
+
+def compile_errors(dims: ParallelDims, cfg: Config) -> list[str]:
+    """Layouts that ``training.compile`` cannot run in torch 2.13 (measured on CPU; docs/profiling.md, section 8.5).
+
+    Each failed at its first step with the error quoted; they are refused here so that no run gets that far.
+    (Zero-bubble pipeline schedules with compile are refused by ``pipeline_errors``, ``parallel.sp_regather`` with
+    compile by ``tensor_parallel_errors``.)
+    """
+    if not cfg.training.compile:
+        return []
+    errors = []
+    if dims.tp > 1:
+        errors.append(
+            f"training.compile=true with parallel.tp={dims.tp}: in torch 2.13 the backward of a DTensor "
+            "redistribution outside the compiled blocks receives a plain tensor from them and fails "
+            "(\"AttributeError: 'Tensor' object has no attribute '_local_tensor'\"); run TP layouts eagerly "
+            "(training.compile=false)."
+        )
+    if dims.ep > 1:
+        errors.append(
+            f"training.compile=true with parallel.ep={dims.ep}: dynamo resumes the experts' forward after the graph "
+            'break at the token counts with the expert weights still DTensors ("aten.mm.default got mixed '
+            'torch.Tensor and DTensor"); run EP layouts eagerly (training.compile=false).'
+        )
+    return errors
+
+
+def batch_errors(dims: ParallelDims, cfg: Config, batch: BatchSplit) -> list[str]:
+    """Rule 7: the global batch splits evenly into dp ranks and then into micro-batches."""
+    t = cfg.training
+    if batch.local is None:
+        return [
+            f"training.global_batch={t.global_batch} is not divisible by the data-parallel degree "
+            f"dp_replicate*dp_shard={dims.dp}; use a multiple of {dims.dp}."
+        ]
+    if batch.micro is None:
+        return [
+            f"training.micro_batch={t.micro_batch} does not divide the per-rank batch {batch.local} "
+            f"(global_batch {t.global_batch} / dp {dims.dp}); use a divisor of {batch.local} or 0 for all of it."
+        ]
+    return []
+
+
+def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> list[str]:
+    """Every gradient-sync, compression and offload setting (mesh/comm_memory_savers.py) that cannot work on this
+    layout.
+
+    ``accumulation``: forward/backward calls of the training loop per step (None when the batch does not
+    split, which is reported elsewhere).
+    """
+    p, t = cfg.parallel, cfg.training
+    errors: list[str] = []
+    accumulates = accumulation is not None and accumulation > 1
+    if p.grad_sync == "step" and dims.pp > 1 and accumulates:
+        errors.append(
+            f"parallel.grad_sync=step with parallel.pp={dims.pp} and {accumulation} accumulated micro-batches "
+            f"(training.micro_batch={t.micro_batch}): the pipeline schedule reduces gradients at the end of each "
+            "of its steps and cannot defer that; set training.micro_batch=0 and raise parallel.pp_microbatches "
+            "instead (the schedule accumulates its micro-batches without reducing), or grad_sync=microbatch."
+        )
+    if p.grad_compression != "none" and dims.dp == 1:
+        errors.append(
+            f"parallel.grad_compression={p.grad_compression} compresses the data-parallel gradient reduction, "
+            "but this layout has none (dp_replicate*dp_shard=1); set it to none or add data-parallel ranks."
+        )
+    if p.grad_compression == "powersgd":
+        if dims.dp_replicate != dims.world_size:
+            errors.append(
+                f"parallel.grad_compression=powersgd needs a pure data-parallel layout (every rank a whole "
+                f"replica: dp_replicate = world size), not {dims.describe()}: PowerSGD factors each whole gradient "
+                "matrix, which a sharded layout never holds; set parallel.dp_replicate to the world size and "
+                "parallel.dp_shard=1, or use grad_compression=bf16 on this layout."
+            )
+        if accumulates and p.grad_sync != "step":
+            errors.append(
+                f"parallel.grad_compression=powersgd with {accumulation} accumulated micro-batches needs "
+                "parallel.grad_sync=step: each reduction must compress one step's whole local gradient (reducing "
+                "every micro-batch would compress, and sum, already-reduced gradients again)."
+            )
+        if t.mixed_precision != "fp32":
+            errors.append(
+                f"parallel.grad_compression=powersgd with training.mixed_precision={t.mixed_precision}: meshloom's "
+                "bf16 lives in FSDP's MixedPrecisionPolicy, which PowerSGD's replicated (DDP) model does not use; "
+                "set training.mixed_precision=fp32, or use grad_compression=bf16."
+            )
+        if p.fsdp_cpu_offload:
+            errors.append(
+                "parallel.fsdp_cpu_offload=true with parallel.grad_compression=powersgd: offloading is FSDP's, and "
+                "PowerSGD runs on a replicated (DDP) model without FSDP; turn one of them off."
+            )
+    return errors
