@@ -62,8 +62,8 @@ from runtime.process import (
     sum_over,
     world_size_from_env,
 )
-from runtime.run_dir import RunLock, check_run_dir, lock_run_folders
-from runtime.signals import ParentWatch
+from runtime.run_dir import RunLock, all_on_one_node, check_run_dir, lock_run_folders
+from runtime.signals import ParentWatch, resume_command
 from training.evaluation import eval_due, evaluate
 from training.loss import token_loss_sum
 from training.metrics import MetricsWriter, format_step, peak_memory_bytes
@@ -196,10 +196,18 @@ def train(cfg: Config) -> list[dict]:
         if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: stop if torchrun dies
             watch = ParentWatch(grace_s=timeout_s + 60).start()
         device = select_device(t.device)
-        control = init_process_group(device, timeout_s)
+        # The run folders are locked before any process group starts, so that a second run on them is refused
+        # in seconds; when every rank can look at the locks itself, every rank refuses at once
+        # (runtime/run_dir.py, step 2).
         uses_checkpoints = cfg.checkpoint.interval > 0 or resume.candidates or resume.damaged
-        folders = [Path(cfg.run.dir)] + ([checkpoint_folder(cfg)] if uses_checkpoints else [])
-        lock_run_folders(folders, control, locks, is_rank0=dist.get_rank() == 0)
+        folders = [("run.dir", Path(cfg.run.dir))]
+        folders += [("checkpoint.folder", checkpoint_folder(cfg))] if uses_checkpoints else []
+        every_rank_looks = not dist.is_initialized() and all_on_one_node(world_size)
+        lock_error = lock_run_folders(folders, locks, rank, look=every_rank_looks)
+        if lock_error is not None and every_rank_looks:
+            raise lock_error
+        control = init_process_group(device, timeout_s)
+        control.raise_if_any_failed(lock_error, "locking the run folders", ConfigError)
         torch.manual_seed(t.seed)
         meshes = build_mesh(
             dims,
@@ -386,12 +394,7 @@ def stop_after(cfg: Config, step: int, signum: int, checkpoints, parts, optimize
     checkpoints.finish()
     if cfg.checkpoint.interval > 0:
         saved = f"step {step} is saved in {checkpoints.folder}"
-        again = " ".join(
-            ["torchrun ..." if "TORCHELASTIC_RUN_ID" in os.environ else "python", "train.py", *sys.argv[1:]]
-        )
-        if "--checkpoint.resume" not in again:
-            again += " --checkpoint.resume auto"
-        how = f"resume with: {again}"
+        how = f"resume with: {resume_command()}"  # shell-quoted, the launcher's own options, resume auto
     else:
         saved = "nothing was saved (checkpoint.interval is 0)"
         how = "set --checkpoint.interval to save on the next stop"

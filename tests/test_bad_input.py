@@ -36,11 +36,11 @@ def messages(stderr: str) -> list[str]:
     return found
 
 
-def refused(tmp_path, *args, nproc: int = 1, config: str | None = DEBUG_CONFIG) -> str:
-    """Run train.py with ``args``; assert the refusal's shape; return the message."""
+def refused(tmp_path, *args, nproc: int = 1, config: str | None = DEBUG_CONFIG, prefix=None) -> str:
+    """Run train.py with ``args`` (after ``prefix``: setpriv); assert the refusal's shape; return the message."""
     start = time.monotonic()
     pre = ["--config", config] if config else []
-    proc = run_train_cli(nproc, *pre, "--run.dir", str(tmp_path / "run"), *args, timeout=120)
+    proc = run_train_cli(nproc, *pre, "--run.dir", str(tmp_path / "run"), *args, timeout=120, prefix=prefix)
     seconds = time.monotonic() - start
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert seconds < 60, f"took {seconds:.0f} s"
@@ -171,6 +171,47 @@ def test_a_string_in_toml_is_not_coerced(tmp_path):
     assert "training.steps='3' is a string in the TOML file but must be a int; write it without quotes" in message
 
 
+def refused_here(tmp_path, capsys, *args: str, config: str = DEBUG_CONFIG) -> str:
+    """train.main in this process (world of one); asserts exit 2 with the message last; returns it."""
+    from train import main
+
+    code = main(["--config", config, "--run.dir", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    (message,) = messages(err)
+    assert err.rstrip().endswith(message.splitlines()[-1]) and "Traceback" not in err
+    return message
+
+
+@pytest.mark.parametrize(
+    "text, words, not_words",
+    [
+        ('[training]\nlr = "fast"\n', ["training.lr='fast' is not a valid float", "e.g. 0.5"], ["without quotes"]),
+        ('[training]\nlr = "0.1"\n', ["training.lr='0.1' is a string", "write it without quotes"], []),
+        ('[run]\ntensorboard = "True"\n', ["run.tensorboard='True' is not a valid bool"], ["without quotes"]),
+        ("[trainig]\n", ["unknown section [trainig]", "the sections are model, parallel, training"], []),
+    ],
+    ids=["quoted-word", "quoted-number", "quoted-python-bool", "empty-unknown-section"],
+)
+def test_toml_mistakes_get_the_advice_that_fits(text, words, not_words, tmp_path, capsys):
+    message = refused_here(tmp_path, capsys, config=toml(tmp_path, text))
+    for word in words:
+        assert word in message
+    for word in not_words:
+        assert word not in message
+
+
+def test_a_device_or_a_fifo_as_source_is_not_a_regular_file(tmp_path, capsys):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for source, kind in (("/dev/zero", "a character device"), (str(fifo), "a FIFO (named pipe)")):
+        for field in ("data.source", "data.val_source"):
+            message = refused_here(tmp_path, capsys, f"--{field}", source)
+            assert (
+                f"{field}={source!r} is not a regular file: it is {kind}" in message and "does not exist" not in message
+            )
+
+
 def test_a_binary_source_is_refused(tmp_path):
     noise = tmp_path / "noise.bin"
     noise.write_bytes(os.urandom(64 * 1024))
@@ -210,6 +251,43 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(tmp_path):
     message = refused(tmp_path, "--checkpoint.interval", "2", "--checkpoint.folder", str(blocker / "ckpt"))
     assert f"checkpoint.folder={str(blocker / 'ckpt')!r} cannot be written" in message
     assert "--checkpoint.interval 0" in message
+
+
+def test_a_read_only_checkpoint_folder_is_refused_naming_the_permission(tmp_path):
+    from launch.local_runs import unprivileged
+
+    prefix = unprivileged([])
+    if prefix is None:
+        pytest.skip("this process runs as root and cannot drop its override of file permissions (no setpriv)")
+    folder = tmp_path / "ckpt"
+    folder.mkdir(mode=0o555)
+    message = refused(tmp_path, "--checkpoint.interval", "2", "--checkpoint.folder", str(folder), prefix=prefix)
+    assert f"checkpoint.folder={str(folder)!r} cannot be written (Permission denied)" in message
+    assert "free space" not in message.lower() and "--checkpoint.interval 0" in message
+
+
+def test_a_second_run_on_folders_in_use_is_refused_by_every_rank_before_any_process_group(tmp_path, capsys):
+    """Another live run holds the lock (this test process plays it, runtime/run_dir.py: RunLock). Under
+    torchrun every worker looks at the lock itself and exits 2 before the process group starts: none of
+    them needs rank 0's word on the control plane ("reported by rank 0")."""
+    from runtime.run_dir import RunLock
+
+    held = RunLock(tmp_path / "run").acquire()
+    try:
+        message = refused(tmp_path, nproc=2)
+    finally:
+        held.release()
+    assert f"run.dir={str(tmp_path / 'run')!r} is in use by another live run (pid {os.getpid()}" in message
+    assert "reported by rank" not in message and "--run.dir" in message
+    # A run whose checkpoint.folder is another live run's: named as the checkpoint folder, with its fix.
+    folder = tmp_path / "other-run" / "checkpoints"
+    held = RunLock(folder, "checkpoint.folder").acquire()
+    try:
+        message = refused_here(tmp_path, capsys, "--checkpoint.folder", str(folder), "--checkpoint.interval", "2")
+    finally:
+        held.release()
+    assert f"checkpoint.folder={str(folder)!r} is in use by another live run" in message
+    assert "pass another --checkpoint.folder" in message and "run.dir=" not in message
 
 
 def test_a_checkpoint_folder_without_room_is_refused_before_training(tmp_path):
