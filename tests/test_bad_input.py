@@ -1,8 +1,8 @@
 """The bad-input matrix: every case a new user or an operator hit, refused in seconds with the field and the fix.
 
-Each case runs the real command (``python train.py ...``, or torchrun where ranks matter) and asserts: a
-non-zero exit, in seconds; no traceback, the message last; and the words that name the field (or file) and
-the fix. ``CONFIG_ERRORS`` is the one table of configuration and layout rules (each tested once, in this
+Each case runs ``train.main`` in this process or the real command (``python train.py ...``, or torchrun
+where ranks matter) and asserts: a non-zero exit, in seconds; no traceback, the message last; and the words
+that name the field (or file) and the fix. ``CONFIG_ERRORS`` is the one table of configuration and layout rules (each tested once, in this
 process); the rules of one feature live beside it (test_pipeline.py, test_context_parallel.py,
 test_savers.py), as do bad data files (test_prepare.py) and damaged checkpoints (test_checkpoint.py). Two
 cases are repeated under torchrun here, to check that every worker exits with code 2.
