@@ -8,6 +8,7 @@ Tests and benches both start runs this way, so it lives in neither of them:
   end and returns the finished process;
 - ``TorchrunLaunch`` starts ``torchrun ... train.py ARGS`` in the background, with its output in a file that
   the caller watches, signals and waits on (the fault tests and bench/fault_timings.py);
+- ``read_metrics(run_dir)`` reads back the per-step records a run wrote to ``run_dir/metrics.jsonl``;
 - ``unprivileged(cmd)`` is ``cmd`` run the way a normal user's command runs as far as file permissions go:
   root's override of them (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH) dropped with ``setpriv``, so that a file
   made unreadable with ``chmod 000`` is unreadable to the run (the permission tests need that; containers and
@@ -16,6 +17,7 @@ Tests and benches both start runs this way, so it lives in neither of them:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -31,6 +33,11 @@ from launch.spawn import run_on_ranks
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(ROOT / "configs" / "debug.toml")
 PARITY_STEPS = 6
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records in ``run_dir/metrics.jsonl`` (training/metrics.py writes one JSON object per line)."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def run_training(overrides: dict, run_dir: str, config: str = DEBUG_CONFIG) -> list[dict]:
