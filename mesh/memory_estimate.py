@@ -82,8 +82,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from mesh.plan import LayoutPlan
+if TYPE_CHECKING:  # (no mesh.plan import, even here: mesh/plan.py may import this module)
     from models.llama import ModelArgs
     from runtime.config import Config
 
@@ -131,7 +130,7 @@ class MemoryLayout:
         return COMPUTE_BYTES[self.mixed_precision]
 
     @classmethod
-    def of_plan(cls, plan: LayoutPlan, cfg: Config) -> MemoryLayout:
+    def of_plan(cls, plan, cfg: Config) -> MemoryLayout:
         """The layout a resolved ``LayoutPlan`` (mesh/plan.py) and its config describe."""
         d, p, t = plan.dims, cfg.parallel, cfg.training
         per_microbatch = plan.micro_batch // plan.pp_microbatches if d.pp > 1 else plan.micro_batch

@@ -66,3 +66,18 @@ def attention_flops_per_token(args: ModelArgs, seq_len: int) -> int:
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Model FLOPs of one training token (forward + backward)."""
     return head_flops_per_token(args) + sum(layer_flops_per_token(args, i, seq_len) for i in range(args.n_layers))
+
+
+def megatron_flops_per_step(batch: int, seq_len: int, n_layers: int, dim: int, vocab_size: int) -> float:
+    """FLOPs of one training step of a GPT as Narayanan et al. (2021, "Efficient Large-Scale Language Model
+    Training on GPU Clusters Using Megatron-LM", section 5.1) count them for the TFLOP/s of their Table 1:
+
+        96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))
+
+    B sequences of s tokens, l layers of width h, vocabulary V. Per token and layer: 24h² matmul FLOPs in
+    forward (the 12h² weights of attention and a 4h MLP, 2 FLOPs each) and 4·s·h for the full s x s attention,
+    run four times (forward, the recomputed forward of full activation checkpointing, and a backward worth
+    two forwards); plus 6·h·V for the output head (not recomputed). It counts the recomputation, so it is
+    what the GPUs executed (hardware FLOPs), not the model FLOPs of ``flops_per_token`` (three passes).
+    """
+    return 96 * batch * seq_len * n_layers * dim**2 * (1 + seq_len / (6 * dim) + vocab_size / (16 * n_layers * dim))
