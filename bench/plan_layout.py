@@ -300,7 +300,7 @@ def command(args: ModelArgs, e: dict) -> str:
 # ---- printing ------------------------------------------------------------------------------------------------
 
 HEADER = (
-    f"{'tp':>2} {'cp':>2} {'pp':>3} {'dp':>5} {'ep':>2} {'schedule':<15} {'AC':<9} {'m':>5} {'mem GB':>7} "
+    f"{'tp':>2} {'cp':>2} {'pp':>3} {'dp':>5} {'ep':>2} {'schedule':<15} {'AC':<9} {'batch':>5} {'m':>4} {'mem GB':>6} "
     f"{'step s':>8} {'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>5}  compute mem-bd recomp     TP     CP     EP"
     f"     PP     DP bubble"
 )
@@ -316,9 +316,24 @@ def row(e: dict) -> str:
     )
     return (
         f"{e['tp']:>2} {e['cp']:>2} {e['pp']:>3} {e['dp']:>5} {e['ep']:>2} {schedule:<15} "
-        f"{e['activation_checkpoint']:<9} {e['microbatches']:>5} {e['memory_gb']:>7.1f} {e['step_s']:>8.2f} "
+        f"{e['activation_checkpoint']:<9} {e['global_batch']:>5} {e['microbatches']:>4} {e['memory_gb']:>6.1f} {e['step_s']:>8.2f} "
         f"{e['tokens_per_s_per_gpu']:>9,.0f} {e['tflops_per_gpu']:>7.0f} {e['mfu']:>5.1%} {parts}"
     )
+
+
+def gpu_markdown() -> str:
+    """The planner's GPUs and the figures it uses (training/throughput.py: GPUS), as docs/combining.md shows them."""
+    lines = [
+        "| --gpu | bf16 peak TFLOP/s | MAMF | matmul efficiency | HBM GB | HBM TB/s | NVLink GB/s | network GB/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key in PLANNER_GPUS:
+        g = planner_gpu(key)
+        lines.append(
+            f"| {key} | {g.bf16_tflops:g} | {g.mamf_tflops:g} | {matmul_efficiency(g):.3f} | {g.hbm_gb:g} "
+            f"| {g.hbm_tb_s:g} | {g.nvlink_gb_s:g} | {g.network_gb_s:g} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def describe(args: ModelArgs, name: str, gpu_name: str, seq_len: int, tokens: float) -> str:

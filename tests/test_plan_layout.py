@@ -11,7 +11,19 @@ import sys
 import pytest
 
 from bench.activation_memory import formula_bytes
-from bench.plan_layout import HEADROOM, MODELS, command, evaluate, kept_bytes, overrides, parse_layout, search
+from bench.plan_layout import (
+    HEADROOM,
+    MODELS,
+    command,
+    evaluate,
+    gpu_markdown,
+    kept_bytes,
+    main_layout,
+    main_plan,
+    overrides,
+    parse_layout,
+    search,
+)
 from bench.published_runs import (
     CALIBRATION_ROW,
     MEGATRON_TABLE_1,
@@ -73,11 +85,19 @@ def test_the_megatron_rows_are_the_published_gpts():
         )
 
 
-def test_docs_tables_are_the_validation_code_output():
-    """docs/combining.md prints the tables ``python -m bench.plan_layout --validate --markdown`` writes."""
+def test_docs_show_what_the_code_prints(capsys):
+    """docs/combining.md prints the tables ``python -m bench.plan_layout --validate --markdown`` writes, the GPU
+    table, and the outputs of section 8's two commands, exactly."""
     chapter = (ROOT / "docs" / "combining.md").read_text()
     assert markdown_table() in chapter
     assert torchtitan_markdown() in chapter
+    assert gpu_markdown() in chapter
+    main_plan(MODELS["llama3-70b"], "llama3-70b", "h100", 512, 8192, 4e6, 5, False)
+    args = MODELS["llama3-405b"]
+    main_layout(args, "llama3-405b", "h100", parse_layout("tp=8,cp=1,pp=16,dp=64,ep=1", args, 8192), 8192, 2**24, False)
+    printed = capsys.readouterr().out
+    search_output, layout_output = printed.split("llama3-405b:")
+    assert search_output in chapter and "llama3-405b:" + layout_output in chapter
 
 
 def test_torchtitan_h100_rows_miss_by_a_bounded_amount():
