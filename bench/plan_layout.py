@@ -2,7 +2,7 @@
 
     python -m bench.plan_layout --model llama3-70b --gpu h100 --gpus 512              # search: fastest that fit
     python -m bench.plan_layout --model llama3-405b --gpu h100 --gpus 8192 --global-batch-tokens 16777216 \\
-        --layout tp=8,cp=1,pp=16,dp=64,ep=1,schedule=Interleaved1F1B,ac=selective --json   # one given layout
+        --layout tp=8,cp=1,pp=16,dp=64,ep=1,schedule=Interleaved1F1B --json    # one given layout
     python -m bench.plan_layout --model-shape dim=4096,n_layers=32,n_heads=32,n_kv_heads=8,vocab_size=32000,\\
         ffn_dim=14336,n_experts=8,top_k=2,moe_ffn_dim=14336 --gpu h800 --gpus 64          # any shape, MoE too
     python -m bench.plan_layout --validate [--markdown]   # the time model beside Megatron-LM's published runs
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 
 import torch
 
@@ -49,6 +50,7 @@ from bench.step_time import (
     step_time,
 )
 from mesh.memory_estimate import rank_memory
+from mesh.pipeline import SCHEDULE_FAMILIES
 from models.flops import flops_per_token
 from models.llama import PRESETS, ModelArgs
 from models.moe import MoEArgs
@@ -100,7 +102,19 @@ def parse_layout(text: str, args: ModelArgs, seq_len: int) -> Layout:
     ac = fields.pop("ac", "full")
     cp_attention = fields.pop("cp_attention", "allgather")
     if fields:
-        raise ValueError(f"--layout: unknown keys {sorted(fields)}")
+        raise ValueError(
+            f"--layout: unknown keys {sorted(fields)}; use tp, cp, pp, dp, ep, dp_replicate, schedule, v, "
+            "mb, ac, cp_attention"
+        )
+    for key, value, allowed in (
+        ("schedule", schedule, tuple(SCHEDULE_FAMILIES)),
+        ("ac", ac, AC_MODES),
+        ("cp_attention", cp_attention, ("allgather", "ring")),
+    ):
+        if value not in allowed:
+            raise ValueError(f"--layout {key}={value} is unknown; choose one of {', '.join(allowed)}")
+    if any(value < 1 for value in ints.values()):
+        raise ValueError(f"--layout: every degree must be >= 1, got {ints}")
     v = ints.get("v", 2 if schedule not in ("GPipe", "1F1B") else 1)
     layout = Layout(
         tp=ints.get("tp", 1),
@@ -201,14 +215,12 @@ def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, token
 
 def candidates(args: ModelArgs, gpus: int, seq_len: int, batch: int):
     """Every layout the search tries (module docstring), with its stages' layers."""
-    dividing = (args.n_heads, args.n_kv_heads, args.vocab_size) + (() if args.moe else (args.hidden_dim,))
+    dividing = (args.n_heads, args.n_kv_heads, args.vocab_size, args.hidden_dim)  # mesh/plan.py: layout_errors
     tps = [t for t in TP_DEGREES if t <= min(GPUS_PER_NODE, gpus) and not any(x % t for x in dividing)]
     experts = args.moe.n_experts if args.moe else 1
     for tp in tps:
         for cp in CP_DEGREES:
-            if seq_len % (2 * cp) if cp > 1 else False:
-                continue
-            if (seq_len // cp) % tp:
+            if (cp > 1 and seq_len % (2 * cp)) or (seq_len // cp) % tp:  # mesh/plan.py's CP and SP rules
                 continue
             for pp in range(1, args.n_layers + 1):
                 if gpus % (tp * cp * pp):
@@ -370,8 +382,27 @@ def main_plan(
     print(command(args, best))
 
 
+def meshloom_refusal(args: ModelArgs, e: dict) -> str | None:
+    """meshloom's own verdict on a planned layout (runtime/config.py's value checks, mesh/plan.py's layout
+    rules, no processes started): None if it accepts the command, else its message."""
+    from mesh.plan import LayoutPlan
+    from runtime.config import ConfigError, check_values, load_config
+
+    try:
+        cfg = load_config(overrides=overrides(args, e))
+        check_values(cfg)
+        LayoutPlan.resolve(cfg, e["gpus"])
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
 def main_layout(args: ModelArgs, name: str, gpu_name: str, layout: Layout, seq_len: int, tokens: float, as_json: bool):
     e = evaluate(args, layout, gpu_name, seq_len, tokens)
+    refusal = meshloom_refusal(args, e) if "step_s" in e else None
+    if refusal:  # exit 2, meshloom's status for bad input
+        print(f"meshloom would refuse this layout: {refusal}", file=sys.stderr)
+        raise SystemExit(2)
     if as_json:
         print(json.dumps(e, indent=1))
         return

@@ -20,6 +20,7 @@ from bench.plan_layout import (
     kept_bytes,
     main_layout,
     main_plan,
+    meshloom_refusal,
     overrides,
     parse_layout,
     search,
@@ -200,7 +201,10 @@ def run_cli(*argv: str) -> str:
 def test_layout_and_json_from_the_command_line_dense_and_moe():
     """README's contract: ``python -m bench.plan_layout ... --gpu G --layout tp=..,cp=..,pp=..,dp=..,ep=.. --json``."""
     dense = json.loads(
-        run_cli("--model", "llama3-405b", "--gpu", "h100", "--layout", "tp=8,cp=1,pp=16,dp=64,ep=1", "--json")
+        run_cli(
+            *("--model", "llama3-405b", "--gpu", "h100", "--global-batch-tokens", "16777216"),
+            *("--layout", "tp=8,cp=1,pp=16,dp=64,ep=1", "--json"),
+        )
     )
     moe = json.loads(
         run_cli(
@@ -222,6 +226,17 @@ def test_layout_and_json_from_the_command_line_dense_and_moe():
         assert set(e["breakdown_s"]) >= {"compute", "tp", "cp", "ep", "pp", "dp", "bubble", "recompute"}
     assert moe["ep"] == 4 and moe["breakdown_s"]["ep"] > 0 and moe["gpus"] == 8
     assert set(PLANNER_GPUS) == {"a100", "h100", "h200", "h800"}
+
+
+def test_a_layout_meshloom_would_refuse_is_refused_with_its_message():
+    """--layout checks the planned command with meshloom's own rules: tp = 3 divides neither the heads nor the
+    FFN of Llama-3-8B; the CLI then exits with 2, meshloom's status for bad input."""
+    args = MODELS["llama3-8b"]
+    bad = evaluate(args, parse_layout("tp=3,dp=2", args, 8192), "h100", 8192, 4e6)
+    assert "parallel.tp=3 does not divide model.n_heads=32" in meshloom_refusal(args, bad)
+    assert meshloom_refusal(args, evaluate(args, parse_layout("tp=2,dp=4", args, 8192), "h100", 8192, 4e6)) is None
+    with pytest.raises(ValueError, match="schedule=Foo is unknown"):
+        parse_layout("pp=2,schedule=Foo", args, 8192)
 
 
 def test_activation_checkpointing_keeps_only_the_block_input():
