@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from bench.step_time import MESHLOOM, Layout, LlamaWorkload, Stack, matmul_efficiency, planner_gpu, step_time
-from models.flops import megatron_flops_per_step
+from models.flops import gpt_head_flops_per_token, gpt_layer_flops_per_token, megatron_flops_per_step
 from models.llama import PRESETS
 
 VOCAB, SEQ = 51200, 2048
@@ -60,8 +60,8 @@ CALIBRATION_ROW = "1008.0B"
 class MegatronGPT:
     """Megatron-LM's GPT of 2021 at one size, as bench/step_time.py: Workload sees it.
 
-    Per token and layer: 72h² + 12·s·h model FLOPs (forward 24h² + 4·s·h, the full scores; backward twice),
-    12h² + 13h parameters (the 7h biases of the column-parallel QKV and first MLP matmul split over tp).
+    Per token and layer: 72h² + 12·s·h model FLOPs (models/flops.py: gpt_layer_flops_per_token; forward 24h²
+    + 4·s·h, the full scores; backward twice), 12h² + 13h parameters (the 7h biases of the column-parallel QKV and first MLP matmul split over tp).
     Memory-bound bytes of one forward per token on a tp rank (fp16, w = 2): two LayerNorms 4h each and two
     fused bias-dropout-adds 7h each (read the matmul output and the residual, write the sum and a 1-byte
     mask), all on every tp rank: 22h; the fused bias-GeLU on 4h/t (read, write: 16h/t); attention's output
@@ -78,10 +78,10 @@ class MegatronGPT:
     seq_len: int = SEQ
 
     def layer_flops(self, layer_id: int) -> float:
-        return 72 * self.dim**2 + 12 * self.seq_len * self.dim
+        return float(gpt_layer_flops_per_token(self.dim, self.seq_len))
 
     def head_flops(self) -> float:
-        return 6 * self.dim * self.vocab_size
+        return float(gpt_head_flops_per_token(self.dim, self.vocab_size))
 
     def layer_params(self, layer_id: int) -> dict[str, int]:
         return {"tp": 12 * self.dim**2 + 7 * self.dim, "whole": 6 * self.dim, "experts": 0}
