@@ -215,7 +215,7 @@ def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, token
 
 def candidates(args: ModelArgs, gpus: int, seq_len: int, batch: int):
     """Every layout the search tries (module docstring), with its stages' layers."""
-    dividing = (args.n_heads, args.n_kv_heads, args.vocab_size, args.hidden_dim)  # mesh/plan.py: layout_errors
+    dividing = (args.n_heads, args.n_kv_heads, args.vocab_size, args.hidden_dim)  # mesh/layout_rules.py: layout_errors
     tps = [t for t in TP_DEGREES if t <= min(GPUS_PER_NODE, gpus) and not any(x % t for x in dividing)]
     experts = args.moe.n_experts if args.moe else 1
     for tp in tps:
