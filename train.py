@@ -38,6 +38,7 @@ from mesh.data_parallel import apply_fsdp
 from mesh.dims import Meshes, build_mesh, mesh_banner
 from mesh.expert_parallel import apply_expert_parallel, load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
+from mesh.layout_rules import check_memory
 from mesh.materialize import materialize_weights
 from mesh.pipeline import build_pipeline_schedule, build_stage_module, run_schedule
 from mesh.pipeline_timeline import PipelineTimeline, write_pipeline_timeline
@@ -57,6 +58,7 @@ from runtime.process import (
     destroy_process_group,
     device_time,
     init_process_group,
+    memory_per_rank,
     rank_from_env,
     select_device,
     sum_over,
@@ -95,6 +97,8 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
     Returns the layout plan and the resume decision (checkpoint/resume.py), each worked out once.
     """
     plan = LayoutPlan.resolve(cfg, world_size, rank)  # the config's values, then the layout's rules
+    if cfg.run.memory_check:  # the estimate per rank against the machine, before anything is allocated
+        check_memory(plan, cfg, memory_per_rank(cfg.training.device))
     check_data(cfg)  # tokenizer, token-file headers, vocab, dataset and validation-split sizes
     resume = find_resume(cfg, plan.model)
     # A run that resumes continues the metrics of run.dir instead of refusing them; so does a torchrun restart

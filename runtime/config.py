@@ -159,6 +159,9 @@ class RunConfig:
     tensorboard: bool = opt(True, "write TensorBoard events to <run.dir>/tb")
     overwrite: bool = opt(False, "allow replacing the metrics of an earlier run in the same run.dir")
     pp_timeline: bool = opt(False, "pipeline runs: time F/B/W per rank on the last step, write bubble + SVG")
+    memory_check: bool = opt(
+        True, "refuse a layout whose memory estimate per rank exceeds the GPU's (CPU: the host's free) memory by 1.5x"
+    )
 
 
 @dataclass

@@ -140,7 +140,18 @@ CONFIG_ERRORS = [
     ),
     ("ep_without_experts", 2, ["--parallel.ep", "2", "--parallel.dp_shard", "2"], ["parallel.ep=2 needs an MoE model"]),
     ("sp_regather_without_tp", 1, ["--parallel.sp_regather", "true"], ["parallel.sp_regather=true re-gathers"]),
+    # the layout against the machine's memory (mesh/layout_rules.py: check_memory; a 64 GiB machine, mocked)
+    (
+        "model_cannot_fit",
+        2,
+        ["--model.dim", "1000000", "--model.n_layers", "200", "--parallel.dp_shard", "2"],
+        ["does not fit in memory: model.dim=1000000, model.n_layers=200", "Would fit: model.dim=", "memory_check"],
+    ),
 ]
+
+# What one rank may use in the in-process cases: a machine with 64 GiB (runtime/process.py: memory_per_rank is
+# mocked, so that no case depends on the memory of the machine the tests run on).
+TEST_MACHINE = (64 * 2**30, "of a 64 GiB test machine")
 
 
 @pytest.mark.parametrize("world, args, words", [c[1:] for c in CONFIG_ERRORS], ids=[c[0] for c in CONFIG_ERRORS])
@@ -151,6 +162,7 @@ def test_a_bad_setting_is_refused_naming_the_field_and_the_fix(world, args, word
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr("train.memory_per_rank", lambda device: TEST_MACHINE)
     start = time.monotonic()
     config = [] if "--config" in args else ["--config", DEBUG_CONFIG]
     code = main([*config, "--run.dir", str(tmp_path / "run"), *args])
@@ -161,6 +173,50 @@ def test_a_bad_setting_is_refused_naming_the_field_and_the_fix(world, args, word
     for word in words:
         assert word in message, message
     assert not (tmp_path / "run").exists()
+
+
+def test_the_memory_check_refuses_only_a_clear_excess_and_its_suggestions_fit(tmp_path, monkeypatch):
+    """mesh/layout_rules.py: check_memory against a mocked machine. The margin: an estimate up to 1.5x what a
+    rank may use is let through, more is refused. What the refusal proposes fits by the same estimate (the
+    model sizes are checked here; a larger FSDP degree also needs a larger global batch). run.memory_check
+    false lets anything through."""
+    from mesh.layout_rules import MEMORY_MARGIN, peak_rank_memory
+    from mesh.memory_estimate import MemoryLayout
+    from runtime.config import ConfigError, load_config
+    from train import check_config
+
+    def config(**overrides):
+        base = {"run.dir": str(tmp_path / "run"), "model.n_heads": 16, "model.n_kv_heads": 4}
+        return load_config(path=DEBUG_CONFIG, overrides={**base, **overrides})
+
+    def machine(limit: float):
+        monkeypatch.setattr("train.memory_per_rank", lambda device: (int(limit), "of a test machine"))
+
+    wide = {"model.dim": 2048, "model.n_layers": 24}
+    plan, _ = check_config(config(**wide, **{"run.memory_check": False}), 1)
+    need = peak_rank_memory(plan.model, MemoryLayout.of_plan(plan, config(**wide)), plan.stage_layers, None).total
+    assert need > 12 * plan.model.num_params(), "at least the states (16 bytes a parameter, fp32 Adam)"
+    machine(need / MEMORY_MARGIN * 1.01)
+    check_config(config(**wide), 1)  # within the margin: left to try
+    machine(need / MEMORY_MARGIN * 0.99)
+    with pytest.raises(ConfigError) as err:
+        check_config(config(**wide), 1)
+    message = str(err.value)
+    assert "does not fit in memory: model.dim=2048, model.n_layers=24, model.vocab_size=256" in message
+    layers = int(re.search(r"model.n_layers=(\d+) on this layout", message).group(1))
+    assert 1 <= layers < 24
+    machine(need / MEMORY_MARGIN * 0.99 / MEMORY_MARGIN)  # the suggestion fits without the margin's help
+    check_config(config(**{**wide, "model.n_layers": layers}), 1)
+    with pytest.raises(ConfigError):
+        check_config(config(**{**wide, "model.n_layers": layers + 1}), 1)  # and it is the most that does
+    # The issue's case: no depth of this width fits anywhere; a width is proposed, and it fits.
+    machine(64 * 2**30)
+    with pytest.raises(ConfigError) as err:
+        check_config(config(**{"model.dim": 1_000_000, "model.n_layers": 200}), 1)
+    width = int(re.search(r"model.dim=(\d+) with these 200 layers", str(err.value)).group(1))
+    machine(64 * 2**30 / MEMORY_MARGIN)
+    check_config(config(**{"model.dim": width, "model.n_layers": 200}), 1)
+    check_config(config(**{"model.dim": 1_000_000, "model.n_layers": 200, "run.memory_check": False}), 1)
 
 
 def test_a_bad_setting_on_the_real_command_line(tmp_path):
