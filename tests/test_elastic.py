@@ -1,12 +1,17 @@
 """Elastic training as it really runs: ``torchrun --nnodes 1:2``, one node lost, the survivor resumes alone.
 
 Two torchrun agents on this machine play two nodes of 2 ranks each (c10d rendezvous, ``--nnodes 1:2``,
-``--max-restarts 1``). After step 2 node B's launcher gets SIGTERM (a node being taken away): meshloom's ranks
-agree to stop after the current step, save it and exit. Node A's launcher sees its workers stop and restarts
-them; the new rendezvous finds one node (the minimum), so the restarted run has a world of 2 instead of 4, and
-``--checkpoint.resume auto`` loads the 4-rank checkpoint onto 2 ranks (``dp_shard -1`` takes the whole world:
-FSDP 4 becomes FSDP 2). The loss curve is the one-process curve, before and after the change of world size
-(docs/troubleshooting.md, section 4).
+``--max-restarts 1``). After step 2 node B goes away, in one of two ways:
+
+- ``notice``: its launcher gets SIGTERM (a node taken away with notice). meshloom's ranks agree to stop after
+  the current step, save it and exit;
+- ``no-notice``: its launcher and its workers are SIGKILLed together (a node that dies). Node A's ranks fail in
+  their next collective ("a peer closed its connection") and nothing is saved beyond the last interval save.
+
+Either way node A's launcher restarts its workers; the new rendezvous finds one node (the minimum), so the
+restarted run has a world of 2 instead of 4, and ``--checkpoint.resume auto`` loads the 4-rank checkpoint onto
+2 ranks (``dp_shard -1`` takes the whole world: FSDP 4 becomes FSDP 2). The loss curve is the one-process
+curve, before and after the change of world size, replayed steps included (docs/troubleshooting.md, section 4).
 """
 
 from __future__ import annotations
@@ -30,8 +35,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def workers_of(launcher: subprocess.Popen) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
 @pytest.mark.slow
-def test_a_lost_node_leaves_a_smaller_world_that_resumes_on_the_same_curve(one_process, tmp_path):
+@pytest.mark.parametrize("how", ["notice", "no-notice"])
+def test_a_lost_node_leaves_a_smaller_world_that_resumes_on_the_same_curve(how, one_process, tmp_path):
     port, run_dir = free_port(), tmp_path / "run"
     command = [
         sys.executable,
@@ -74,7 +85,11 @@ def test_a_lost_node_leaves_a_smaller_world_that_resumes_on_the_same_curve(one_p
         while "step     2 |" not in logs[0].read_text():
             assert time.monotonic() < deadline and nodes[0].poll() is None, logs[0].read_text()[-3000:]
             time.sleep(0.2)
-        nodes[1].send_signal(signal.SIGTERM)  # node B is taken away
+        if how == "notice":
+            nodes[1].send_signal(signal.SIGTERM)  # node B is taken away
+        else:
+            for pid in [*workers_of(nodes[1]), nodes[1].pid]:  # node B dies
+                os.kill(pid, signal.SIGKILL)
         nodes[1].wait(timeout=120)
         assert nodes[0].wait(timeout=300) == 0, logs[0].read_text()[-4000:]
     finally:
@@ -84,5 +99,8 @@ def test_a_lost_node_leaves_a_smaller_world_that_resumes_on_the_same_curve(one_p
     text = logs[0].read_text()
     assert "meshloom | world 4 |" in text and "meshloom | world 2 |" in text
     assert "dp_shard=4 cp=1 tp=1, now pp=1 dp_replicate=1 dp_shard=2" in text  # the resume reshards 4 -> 2
-    assert "stopped by SIGTERM after step" in logs[1].read_text()
+    if how == "notice":
+        assert "stopped by SIGTERM after step" in logs[1].read_text()
+    else:
+        assert "a peer closed its connection" in text
     assert_same_curve(read_metrics(run_dir), one_process)
