@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import itertools
 import os
 import re
 import runpy
@@ -263,6 +264,13 @@ def quoted_outputs(path: Path) -> tuple[list[Quoted], list[str]]:
     text = read(path)
     lines = text.splitlines()
     marked, unmarked = [], []
+    for i, line in enumerate(lines):  # a table quoting a bench: the marker names it; tables are not re-run
+        marker = MARKER.match(line)
+        if marker and i + 1 < len(lines) and lines[i + 1].startswith("|"):
+            table = list(itertools.takewhile(lambda row: row.startswith("|"), lines[i + 1 :]))
+            marked.append(Quoted(f"{path.name}:{i + 1}", marker["command"].strip(), marker["mode"], table))
+            if not marker["mode"].startswith("not rerun"):
+                unmarked.append(f"{path.name}:{i + 1}: a table's marker must say 'not rerun: why'")
     for start, body in blocks(text):
         before = [line for line in lines[max(0, start - 3) : start] if line.strip()]
         marker = MARKER.match(before[-1]) if before else None
