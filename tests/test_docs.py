@@ -438,9 +438,9 @@ def test_every_chapter_links_the_notation_page_where_it_first_uses_psi():
 
 # ---- 5. no code history in the teaching text ---------------------------------------------------------------
 
-HISTORY = re.compile(
-    r"(?<![\w.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![\w.])|before, meshloom|used to state|the issue that started"
-    r"|previous code|unchanged since|as meshloom did before",
+HISTORY = re.compile(  # a commit hash, and the phrases the history used to hide in
+    r"(?<![\w.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![\w.])"
+    r"|before, meshloom|as meshloom did before|the issue that started this|this chapter used to",
     re.I,
 )
 
