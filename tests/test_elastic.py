@@ -1,7 +1,7 @@
 """Elastic training as it really runs: ``torchrun --nnodes 1:2``, one node lost, the survivor resumes alone.
 
 Two torchrun agents on this machine play two nodes of 2 ranks each (c10d rendezvous, ``--nnodes 1:2``,
-``--max-restarts 1``). After step 2 node B goes away, in one of two ways:
+``--max-restarts 1``). Once step 2 is saved, node B goes away, in one of two ways:
 
 - ``notice``: its launcher gets SIGTERM (a node taken away with notice). meshloom's ranks agree to stop after
   the current step, save it and exit;
@@ -82,7 +82,7 @@ def test_a_lost_node_leaves_a_smaller_world_that_resumes_on_the_same_curve(how, 
         time.sleep(2)
     try:
         deadline = time.monotonic() + 240
-        while "step     2 |" not in logs[0].read_text():
+        while "saved step 2" not in logs[0].read_text():  # a save to come back to
             assert time.monotonic() < deadline and nodes[0].poll() is None, logs[0].read_text()[-3000:]
             time.sleep(0.2)
         if how == "notice":
