@@ -384,6 +384,7 @@ def rerun_here(command: str, where: Path, monkeypatch) -> str:
     args = shlex.split(command)
     monkeypatch.chdir(where)
     monkeypatch.setattr(sys, "argv", [args[2], *args[3:]])
+    monkeypatch.delitem(sys.modules, args[2], raising=False)  # runpy runs a fresh copy as __main__
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         runpy.run_module(args[2], run_name="__main__", alter_sys=True)
