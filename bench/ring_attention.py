@@ -107,11 +107,17 @@ def measure_rank(lengths: list[int], device_name: str, dtype_name: str, repeats:
     return [measure_length(n, torch.device(device_name), DTYPES[dtype_name], repeats) for n in lengths]
 
 
-def _one_rank_group(device: torch.device) -> None:
-    """A one-rank process group in this process (``--cp 1``: the ring has a single block, no messages)."""
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+def measure_one_rank(lengths: list[int], device_name: str, dtype_name: str, repeats: int) -> list[dict]:
+    """``--cp 1``: the ring has a single block and sends nothing; a one-rank group made here, and removed."""
+    made = not dist.is_initialized()
+    if made:
+        backend = "nccl" if device_name == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return measure_rank(lengths, device_name, dtype_name, repeats)
+    finally:
+        if made:
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -127,8 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     if args.cp == 1:
-        _one_rank_group(torch.device(args.device))
-        ranks = [measure_rank(lengths, args.device, args.dtype, args.repeats)]
+        ranks = [measure_one_rank(lengths, args.device, args.dtype, args.repeats)]
     elif args.device == "cpu":
         from launch.spawn import run_on_ranks
 

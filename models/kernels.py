@@ -71,13 +71,20 @@ def _trial(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, in
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:
-    """Whether ``grouped_mm`` runs for these weights (each (k, n)) on ``device`` in ``dtype``; tried once."""
-    key = (device.type, device.index, dtype, shapes)
+    """Whether ``grouped_mm`` runs for these weights (each (k, n)) on ``device`` in ``dtype``; tried once.
+
+    Under torch.compile the op is traced through its meta function, which in torch 2.13 accepts bf16 only
+    (CUDA's rule, even for a CPU tensor): there the trial runs on the meta device, as the tracer will.
+    """
+    compiling = torch.compiler.is_compiling()
+    key = (device.type, device.index, dtype, shapes, compiling)
     if key not in _WORKS:
-        why = _trial(device, dtype, shapes) if hasattr(torch, "_grouped_mm") else "torch has no _grouped_mm"
+        trial_device = torch.device("meta") if compiling else device
+        why = _trial(trial_device, dtype, shapes) if hasattr(torch, "_grouped_mm") else "torch has no _grouped_mm"
         if why is not None:
             warnings.warn(
-                f"torch._grouped_mm does not run for {dtype} weights {shapes} on {device} ({why}); "
+                f"torch._grouped_mm does not run for {dtype} weights {shapes} on {device}"
+                f"{' under torch.compile' if compiling else ''} ({why}); "
                 "the MoE experts run one after another instead",
                 stacklevel=2,
             )
