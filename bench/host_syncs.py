@@ -73,7 +73,7 @@ REASONS = {
     EMBEDDING_MASK: (
         True,
         "under TP, torch's vocab-sharded embedding (DTensor's _MaskPartial) zeroes the token ids outside "
-        "this rank's rows with a boolean mask, a nonzero inside torch: once per step",
+        "this rank's rows with a boolean mask, a nonzero inside torch: once per micro-batch",
     ),
     EP_SPLITS: (
         True,

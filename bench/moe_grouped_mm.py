@@ -11,8 +11,9 @@ between the two paths' outputs and gradients, and how many host syncs each made 
 loop reads every expert's row count on the host first). Rows are routed with a skewed load (expert e gets
 a share proportional to e + 1), as a router early in training would.
 
-What to expect: on CPU torch 2.13 runs ``_grouped_mm`` as a loop of matmuls itself, so it is not faster there;
-its gain is no host sync and, on a GPU, one kernel for all experts. The printed ratio is whatever this
+On CPU torch 2.13 runs ``_grouped_mm`` as one matmul per group itself (the profiler shows its ``aten::mm``
+calls), so a difference there is the loop's own Python, splits and concatenation, not a faster kernel; on a
+GPU the grouped call is one kernel for all experts, and no host sync. The printed ratio is whatever this
 machine measures. ``main(argv)`` returns the table as a dict (``python -m bench.gpu_check`` calls it on a GPU).
 """
 
