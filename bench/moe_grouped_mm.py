@@ -47,9 +47,9 @@ def run_path(path, x, counts, weights, grad) -> tuple[torch.Tensor, list[torch.T
 
 
 def measure(device: torch.device, dtype: torch.dtype, tokens: int, experts: int, dim: int, hidden: int, rounds: int):
+    from bench.host_syncs import HostSyncCounter
     from models.kernels import grouped_mm_works
     from models.moe import GroupedExperts
-    from training.host_syncs import HostSyncCounter
 
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, dim, device=device, dtype=dtype, generator=gen, requires_grad=True)

@@ -7,9 +7,9 @@ For each local length n (tokens per rank), every rank runs ``mesh/context_parall
 forward and backward on its n queries (cp − 1 blocks arrive from the other ranks, each through the fused
 kernel) and records the peak bytes of the tensors alive while it ran, its inputs (q, k, v and the output's
 gradient) included: on CPU from the profiler's memory timeline (every allocation, the kernels' own scratch
-included), on CUDA from the allocator's peak (nothing else is allocated in this process). Beside it, on the same rank and the same n tokens, plain SDPA
-(``models/llama.py: causal_attention``, the one-device path), and for scale the bytes of the one fp32 score
-tensor b·heads·n² that an unfused block would create (arithmetic, not measured).
+included), on CUDA from the allocator's peak (nothing else is allocated in this process). Beside it, on the
+same rank and the same n tokens, plain SDPA (``models/llama.py: causal_attention``, the one-device path), and
+for scale the bytes of the one fp32 score tensor b·heads·n² that an unfused block would create (arithmetic).
 
 Linear memory: bytes / n stays flat when n doubles (the "x prev" column near 2), while a score tensor grows
 4x. Times are the median of ``--repeats`` runs after one warm-up (CPU: one thread per rank; the ranks share

@@ -1,6 +1,6 @@
 """Host syncs per training step, per layout, counted and pinned: the test fails if one is added anywhere.
 
-bench/host_syncs.py trains each layout for 2 and for 3 steps under training/host_syncs.HostSyncCounter and
+bench/host_syncs.py trains each layout for 2 and for 3 steps under bench/host_syncs.HostSyncCounter and
 takes the difference: one step's syncs, by the meshloom line they come from. ``PER_STEP`` below is today's
 count on every rank; ``bench.host_syncs.REASONS`` says why each one is there (docs/profiling.md prints the
 table). A new sync, or one more of an old kind, fails here; so does one fewer (then lower the number here
@@ -22,10 +22,10 @@ from bench.host_syncs import (
     OPTIMIZER,
     REASONS,
     STOP_AGREEMENT,
+    HostSyncCounter,
     device_syncs,
     measure,
 )
-from training.host_syncs import HostSyncCounter
 
 
 def test_the_counter_sees_each_kind_of_host_sync_and_nothing_else():
