@@ -116,75 +116,6 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str
     return model
 
 
-# ---- 3-5. blocks through a fused kernel, merged by their log-sum-exp -----------------------------------------
-def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The running (output, lse) for queries q (b, heads, n, d): zeros and −inf, in fp32 (fp64 stays fp64).
-
-    The output is laid out as (b, n, heads, d) in memory, so that after the cast to q's dtype the model's
-    (b, n, heads, d) view of it is contiguous: wo's input is then this same storage, not a second copy.
-    """
-    acc = torch.promote_types(q.dtype, torch.float32)
-    b, heads, n, d = q.shape
-    out = torch.zeros(b, n, heads, d, dtype=acc, device=q.device).transpose(1, 2)
-    return out, torch.full((b, heads, n), float("-inf"), dtype=acc, device=q.device)
-
-
-def merge_partial(out, lse, rows: slice, block_out, block_lse) -> None:
-    """Fold one block's (output, lse) into the running ones, in place, for query ``rows`` (module docstring, 3).
-
-    In the accumulators' dtype: a bf16 block output is rounded once by its kernel, never again by the merge.
-    """
-    new_lse = torch.logaddexp(lse[:, :, rows], block_lse.to(lse.dtype))
-    out[:, :, rows] = (
-        out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]
-        + block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None]
-    )
-    lse[:, :, rows] = new_lse
-
-
-class BlockwiseAttention(torch.autograd.Function):
-    """q's rows attend to several blocks of (k, v), each through the fused kernel, merged by LSE; no messages.
-
-    ``blocks``: (query rows, key rows, causal) per kernel call, in (b, heads, n, d) / (b, kv_heads, m, d)
-    layout. Backward runs each block's kernel backward with the merged output and LSE (module docstring, 5).
-    """
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list) -> torch.Tensor:
-        out, lse = new_accumulators(q)
-        states = []
-        for rows, keys, causal in blocks:
-            block_out, block_lse, state = attention_with_lse(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal)
-            merge_partial(out, lse, rows, block_out, block_lse)
-            states.append(state)
-        out = out.to(q.dtype)  # keeps the (b, n, heads, d) memory layout
-        ctx.blocks, ctx.states = blocks, states
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        d_out = d_out.contiguous()  # the kernels need real strides (a loss's .sum() hands an expanded gradient)
-        acc = lse.dtype
-        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-        for (rows, keys, causal), state in zip(ctx.blocks, ctx.states, strict=True):
-            dq_rows, dk_keys, dv_keys = attention_with_lse_backward(
-                d_out[:, :, rows],
-                q[:, :, rows],
-                k[:, :, keys],
-                v[:, :, keys],
-                out[:, :, rows],
-                lse[:, :, rows],
-                causal,
-                state,
-            )
-            dq[:, :, rows] += dq_rows
-            dk[:, :, keys] += dk_keys
-            dv[:, :, keys] += dv_keys
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
 # ---- 2a. all-gather ----------------------------------------------------------------------------------------
 class GatherSequence(torch.autograd.Function):
     """All-gather along dim 0 over ``group`` (rank order); backward: reduce-scatter, each rank keeps its part.
@@ -346,3 +277,72 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> 
     Same shapes as ``allgather_attention``: (b, n, heads, d) queries, (b, n, kv_heads, d) keys and values."""
     out = RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)
     return out.transpose(1, 2)
+
+
+# ---- 3-5. blocks through a fused kernel, merged by their log-sum-exp ---------------------------------------
+def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running (output, lse) for queries q (b, heads, n, d): zeros and −inf, in fp32 (fp64 stays fp64).
+
+    The output is laid out as (b, n, heads, d) in memory, so that after the cast to q's dtype the model's
+    (b, n, heads, d) view of it is contiguous: wo's input is then this same storage, not a second copy.
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    b, heads, n, d = q.shape
+    out = torch.zeros(b, n, heads, d, dtype=acc, device=q.device).transpose(1, 2)
+    return out, torch.full((b, heads, n), float("-inf"), dtype=acc, device=q.device)
+
+
+def merge_partial(out, lse, rows: slice, block_out, block_lse) -> None:
+    """Fold one block's (output, lse) into the running ones, in place, for query ``rows`` (module docstring, 3).
+
+    In the accumulators' dtype: a bf16 block output is rounded once by its kernel, never again by the merge.
+    """
+    new_lse = torch.logaddexp(lse[:, :, rows], block_lse.to(lse.dtype))
+    out[:, :, rows] = (
+        out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]
+        + block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None]
+    )
+    lse[:, :, rows] = new_lse
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """q's rows attend to several blocks of (k, v), each through the fused kernel, merged by LSE; no messages.
+
+    ``blocks``: (query rows, key rows, causal) per kernel call, in (b, heads, n, d) / (b, kv_heads, m, d)
+    layout. Backward runs each block's kernel backward with the merged output and LSE (module docstring, 5).
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list) -> torch.Tensor:
+        out, lse = new_accumulators(q)
+        states = []
+        for rows, keys, causal in blocks:
+            block_out, block_lse, state = attention_with_lse(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal)
+            merge_partial(out, lse, rows, block_out, block_lse)
+            states.append(state)
+        out = out.to(q.dtype)  # keeps the (b, n, heads, d) memory layout
+        ctx.blocks, ctx.states = blocks, states
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        d_out = d_out.contiguous()  # the kernels need real strides (a loss's .sum() hands an expanded gradient)
+        acc = lse.dtype
+        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+        for (rows, keys, causal), state in zip(ctx.blocks, ctx.states, strict=True):
+            dq_rows, dk_keys, dv_keys = attention_with_lse_backward(
+                d_out[:, :, rows],
+                q[:, :, rows],
+                k[:, :, keys],
+                v[:, :, keys],
+                out[:, :, rows],
+                lse[:, :, rows],
+                causal,
+                state,
+            )
+            dq[:, :, rows] += dq_rows
+            dk[:, :, keys] += dk_keys
+            dv[:, :, keys] += dv_keys
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
