@@ -18,10 +18,11 @@ rank, L = s/(2cp) per chunk, model dim h, kv width g = kv_heads x head_dim, SwiG
     outside attention (norms, matmul inputs, SwiGLU)   6bnh + 2bn + 4bnH          (n = s on one process)
     one process:  q; k, v at kv heads; output; lse     2bsh + 2bsg + abs
     ring:         q; k, v at kv heads; output; lse     2bnh + 2bng + abn          (nothing of size s)
-    allgather:    q; the gathered k, v at kv heads, all s keys (each chunk attends to a view of them): 2bsg;
-                  each chunk's output and their concatenation: 2bnh; lse: abn; and, for a chunk c > 0
-                  (fewer queries than keys), SDPA's mask, made fp32 and kept: L(c+1)L; plus the s int64
-                  positions that sort the gathered chunks
+    allgather:    q; all s keys and values at kv heads, in global order (every block is a view of them);
+                  output; lse                          2bnh + 2bsg + abn
+
+Both keep only what the fused kernels' backward reads (mesh/context_parallel.py, docstring 5): no score
+tensor, no mask, no index.
 
 Sent per layer and rank, with M = 2bng elements (this rank's K and V):
 
@@ -30,7 +31,7 @@ Sent per layer and rank, with M = 2bng elements (this rank's K and V):
                 hops backward (dK/dV accumulate in fp32 whatever the compute dtype)
 
 The ring sends more (about 1.5x at cp = 4) but holds no tensor of size s, and each hop can overlap a
-block's compute; the all-gather holds all keys and, on CPU, the masks.
+block's compute; the all-gather holds all keys.
 """
 
 from __future__ import annotations
@@ -70,18 +71,15 @@ def measure_block(args: ModelArgs, batch: int, seq: int, algorithm: str) -> dict
 
 
 def formula_bytes(args: ModelArgs, batch: int, seq: int, cp: int, rank: int, algorithm: str) -> int:
-    """The module docstring's formula, in bytes (fp32), for cp rank ``rank``."""
+    """The module docstring's formula, in bytes (fp32), for cp rank ``rank`` (every rank keeps the same)."""
     b, h, hidden, a = batch, args.dim, args.hidden_dim, args.n_heads
     g = args.n_kv_heads * args.head_dim
-    n, chunk = seq // cp, seq // (2 * cp)
+    n = seq // cp
     outside = 6 * b * n * h + 2 * b * n + 4 * b * n * hidden
     if cp == 1:
         return 4 * (outside + 2 * b * seq * h + 2 * b * seq * g + a * b * seq)
-    if algorithm == "ring":
-        return 4 * (outside + 2 * b * n * h + 2 * b * n * g + a * b * n)
-    chunks = (rank, 2 * cp - 1 - rank)
-    masks = sum(chunk * (c + 1) * chunk for c in chunks if c > 0)
-    return 4 * (outside + b * n * h + 2 * b * seq * g + 2 * b * n * h + a * b * n + masks) + 8 * seq
+    keys = n if algorithm == "ring" else seq  # the ring holds this rank's keys; the all-gather every rank's
+    return 4 * (outside + 2 * b * n * h + 2 * b * keys * g + a * b * n)
 
 
 class SentBytes(TorchDispatchMode):

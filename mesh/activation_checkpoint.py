@@ -5,8 +5,8 @@
 - ``selective``: a block saves the outputs of the ops that are expensive to redo, and recomputes the cheap,
   memory-hungry ones (norms, activations, rotary, elementwise products). Saved:
 
-  1. matmuls and every attention kernel (CPU, and CUDA's flash, memory-efficient and cuDNN SDPA): they
-     are the FLOPs;
+  1. matmuls (the MoE experts' grouped ones too) and every attention kernel (CPU, and CUDA's flash,
+     memory-efficient and cuDNN SDPA; ring attention's blocks call the same kernels): they are the FLOPs;
   2. every collective the block issues (all-gather, reduce-scatter, all-reduce, all-to-all, and the wait
      on each): recomputing one would repeat communication, and a rank that recomputed it alone would hang;
   3. ``topk``: the MoE routing decision, so the recomputed block sends every token to the same experts
@@ -37,6 +37,7 @@ SAVE_OPS = {
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,
+    _aten._grouped_mm.default,  # the MoE experts' matmuls (models/kernels.py)
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,

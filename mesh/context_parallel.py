@@ -16,26 +16,39 @@ local tokens unchanged, and lets only attention communicate:
    seam in models/llama.py), so the model keeps its single-device code:
 
    - ``allgather``: all-gather K and V over cp (``GatherSequence``: its backward reduce-scatters dK and
-     dV back to their owners), put the chunks in global order, and attend each local query chunk c to the
-     keys 0 .. (c+1)·L − 1 with the single-device ``causal_attention`` (its queries are the last L of those
-     positions). Simple, one collective per layer each way, but every rank holds all s keys and values.
+     dV back to their owners), put the chunks in global order (``in_global_order``: a reshape, a flip and a
+     cat on the device, no index tensor), and attend each local query chunk c with two kernel calls: its
+     diagonal block (the keys of chunk c, causal) and one full block of every earlier position (keys
+     0 .. c·L − 1), merged by their log-sum-exp (``allgather_blocks``). Simple, one collective per layer
+     each way, but every rank holds all s keys and values.
    - ``ring``: K and V travel around the ring of cp ranks, one block per step (``RingAttention``). At step i
      rank r holds the block of rank r − i, attends its queries to it, and merges the partial result into
      the running one with the log-sum-exp rule; meanwhile the next block is already in flight
-     (batched isend/irecv). Backward recomputes each block's probabilities from the saved log-sum-exp
-     (FlashAttention's backward), and dK/dV travel with their block until they arrive home. A rank holds
-     two blocks of s/cp keys at a time (the one in use and the one arriving), never all s.
+     (batched isend/irecv). Backward runs each block's kernel backward again around the ring, and dK/dV
+     travel with their block until they arrive home. A rank holds two blocks of s/cp keys at a time (the
+     one in use and the one arriving), never all s.
 
 3. **The log-sum-exp merge.** For a query row, attention over a key set S is o_S = Σ_j∈S e^{s_j} v_j / Z_S
    with Z_S = Σ_j∈S e^{s_j}; keep lse_S = log Z_S. For two disjoint sets A and B:
    lse = log(e^{lse_A} + e^{lse_B}) and o = e^{lse_A − lse} o_A + e^{lse_B − lse} o_B, exactly the attention
-   over A ∪ B. ``merge_partial`` applies it; the diagonal block comes first, so every row has a finite lse
-   before any fully masked case could arise.
-4. **What each ring step computes** (``visible``): with the balanced split only three cases exist. The own
-   block is causal over the local 2L tokens (their positions increase); a block from an earlier rank
-   (src < r) is seen only through its first chunk, by all local queries, unmasked; a block from a later rank
-   (src > r) is seen whole, by the second local chunk only, unmasked. Each off-diagonal step is half a
-   block's work on every rank: the balance of step 1.
+   over A ∪ B. ``merge_partial`` applies it in fp32 (fp64 stays fp64); the diagonal block comes first, so
+   every row has a finite lse before any other block is folded in.
+4. **What each block computes.** With the balanced split only two shapes of block exist: a diagonal block,
+   causal (query and key positions increase together), or a full block, unmasked. In the ring
+   (``visible``): the own block is causal over the local 2L tokens; a block from an earlier rank (src < r)
+   is seen only through its first chunk, by all local queries; a block from a later rank (src > r) is seen
+   whole, by the second local chunk only. Each off-diagonal step is half a block's work on every rank: the
+   balance of step 1. So no block needs an explicit mask, and every block can go through a fused kernel.
+5. **Fused kernels, no (n, n) tensor.** Each block is one call of an attention kernel that also returns the
+   log-sum-exp of its rows (mesh/private_api.py: ``attention_with_lse``: the CPU flash kernel; on CUDA
+   flash, or memory-efficient for fp32): the kernel walks the keys in tiles and keeps only the running
+   maximum and sum per row, so the scores of a block never exist as a tensor, in forward or backward, and
+   bf16 inputs stay bf16 inside the kernel. Backward calls the kernel's backward per block with the
+   *merged* output and log-sum-exp (``attention_with_lse_backward``): it recomputes the block's
+   probabilities as exp(scores − lse), which are then the block's share of the whole softmax, so the
+   per-block dq add up to the full gradient and each block's dk, dv are exact. The CPU and CUDA flash
+   kernels read grouped k/v heads as they are; the memory-efficient kernel needs equal heads, so there a
+   block's k/v are repeated, one block at a time.
 
 Parameters are replicated over cp, so FSDP shards them over dp_shard x cp and sums their gradients over it
 (mesh/dims.py); the cp group gets the collective timeout like every other mesh dim.
@@ -44,15 +57,19 @@ Parameters are replicated over cp, so FSDP shards them over dp_shard x cp and su
 from __future__ import annotations
 
 import functools
-import math
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mesh.private_api import all_gather_functional, reduce_scatter_functional
-from models.llama import Attention, causal_attention
+from mesh.private_api import (
+    all_gather_functional,
+    attention_with_lse,
+    attention_with_lse_backward,
+    reduce_scatter_functional,
+)
+from models.llama import Attention
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -118,24 +135,41 @@ class GatherSequence(torch.autograd.Function):
         return reduce_scatter_functional(grad.contiguous(), ctx.group), None
 
 
+def in_global_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
+    """Rows gathered in rank order (rank j: chunk j, then chunk 2cp−1−j) -> rows in global position order.
+
+    The early chunks in rank order, then the late ones in reverse rank order: a reshape, a flip and a cat on
+    the device, with no index tensor to build or copy from the host.
+    """
+    by_rank = gathered.unflatten(0, (cp, 2, gathered.shape[0] // (2 * cp)))  # (rank, early/late, L, ...)
+    return torch.cat([by_rank[:, 0], by_rank[:, 1].flip(0)]).flatten(0, 1)
+
+
+def allgather_blocks(rank: int, cp: int, chunk: int) -> list[tuple[slice, slice, bool]]:
+    """The kernel calls of this rank's queries over the keys in global order (module docstring, 4).
+
+    Local chunk i holds global chunk c: its diagonal block (keys of chunk c, causal), and if c > 0 one full
+    block of every earlier position (keys 0 .. c·L − 1).
+    """
+    blocks = []
+    for i, c in enumerate(chunk_ids(rank, cp)):
+        rows = slice(i * chunk, (i + 1) * chunk)
+        blocks.append((rows, slice(c * chunk, (c + 1) * chunk), True))
+        if c > 0:
+            blocks.append((rows, slice(0, c * chunk), False))
+    return blocks
+
+
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys. q (b, n, heads, d), k/v (b, n, kv_heads, d)
     hold this rank's n = s/cp tokens (chunks r and 2cp−1−r); returns (b, n, heads, d)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunk = q.shape[1] // 2
     # One collective for K and V (kv heads only: GQA shrinks the message), sequence first for the gather.
     kv = torch.stack([k, v]).movedim(2, 0)  # (n, 2, b, kv_heads, d)
     gathered = GatherSequence.apply(kv, group)  # (cp·n, 2, b, kv_heads, d): rank 0's chunks, rank 1's, ...
-    # Rank j's rows are chunks j and 2cp-1-j; sort all rows by global position.
-    held = torch.cat([load_balanced_positions(cp * q.shape[1], j, cp) for j in range(cp)])
-    in_order = gathered.index_select(0, torch.argsort(held).to(q.device)).movedim(0, 2)  # (2, b, s, kv_heads, d)
-    k_all, v_all = in_order[0], in_order[1]
-    outs = []
-    for c, q_chunk in zip(chunk_ids(rank, cp), q.split(chunk, dim=1), strict=True):
-        # Chunk c's queries are the last L of the positions 0 .. (c+1)·L - 1: causal, aligned at the bottom right.
-        end = (c + 1) * chunk
-        outs.append(causal_attention(q_chunk, k_all[:, :end], v_all[:, :end]))
-    return torch.cat(outs, dim=1)
+    k_all, v_all = in_global_order(gathered, cp).permute(1, 2, 3, 0, 4)  # each (b, kv_heads, s, d)
+    blocks = allgather_blocks(rank, cp, q.shape[1] // 2)
+    return BlockwiseAttention.apply(q.transpose(1, 2), k_all, v_all, blocks).transpose(1, 2)
 
 
 # ---- 2b. ring ----------------------------------------------------------------------------------------------
@@ -150,62 +184,6 @@ def visible(src: int, rank: int, n: int) -> tuple[slice, slice, bool]:
     if src < rank:
         return slice(None), slice(0, half), False  # its early chunk precedes all of ours; its late one follows
     return slice(half, None), slice(None), False  # only our late chunk comes after both of its chunks
-
-
-def _repeat_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
-    return t.repeat_interleave(n_rep, dim=1)  # (b, kv_heads, m, d) -> (b, heads, m, d)
-
-
-def _acc(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in the dtype the softmax bookkeeping runs in: fp32 for bf16/fp16/fp32 inputs, fp64 stays fp64."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def block_scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Scaled scores q kᵀ / sqrt(d) in fp32 (or wider), (b, heads, nq, nk); causal masks key j > query i."""
-    scores = _acc(q) @ _acc(_repeat_kv(k, q.shape[1] // k.shape[1])).transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), float("-inf"))
-    return scores
-
-
-def block_attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, log-sum-exp) of q over one block of keys: (b, heads, nq, d) and (b, heads, nq), both in fp32."""
-    scores = block_scores(q, k, causal)
-    lse = scores.logsumexp(-1)
-    out = torch.exp(scores - lse[..., None]) @ _acc(_repeat_kv(v, q.shape[1] // v.shape[1]))
-    return out, lse
-
-
-def merge_partial(out, lse, rows: slice, block_out, block_lse) -> None:
-    """Fold one block's (output, lse) into the running ones, in place, for query ``rows`` (module docstring, 3)."""
-    new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
-    out[:, :, rows] = (
-        out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]
-        + block_out * torch.exp(block_lse - new_lse)[..., None]
-    )
-    lse[:, :, rows] = new_lse
-
-
-def block_gradients(q, k, v, d_out, lse, delta, causal: bool):
-    """dq, dk, dv of one block, from the *final* lse of each query row (FlashAttention's backward).
-
-    p = exp(scores − lse) is the block's share of the final softmax; dv = pᵀ dO; dp = dO vᵀ;
-    ds = p ⊙ (dp − delta) with delta = rowsum(dO ⊙ O); dq = ds k / sqrt(d); dk = dsᵀ q / sqrt(d).
-    Query heads that share a kv head add their dk, dv.
-    """
-    n_rep, scale = q.shape[1] // k.shape[1], 1 / math.sqrt(q.shape[-1])
-    p = torch.exp(block_scores(q, k, causal) - lse[..., None])
-    dv = p.transpose(-1, -2) @ d_out
-    dp = d_out @ _acc(_repeat_kv(v, n_rep)).transpose(-1, -2)
-    ds = p * (dp - delta[..., None])
-    dq = ds @ _acc(_repeat_kv(k, n_rep)) * scale
-    dk = ds.transpose(-1, -2) @ _acc(q) * scale
-
-    def fold(t):  # (b, heads, m, d) -> (b, kv_heads, m, d): sum over the query heads of each kv head
-        return t.unflatten(1, (k.shape[1], n_rep)).sum(2)
-
-    return dq, fold(dk), fold(dv)
 
 
 def ring_exchange(send: torch.Tensor, group) -> tuple[torch.Tensor, list]:
@@ -234,24 +212,24 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
         cp, rank, n = dist.get_world_size(group), dist.get_rank(group), q.shape[2]
-        acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        out, lse = new_accumulators(q)
         kv = torch.stack([k, v])  # the block in hand travels as one message, in the input dtype
+        states = []
         for step in range(cp):
             src = (rank - step) % cp  # the rank whose block we hold
             incoming = ring_exchange(kv, group) if step < cp - 1 else None  # overlaps the compute below
             rows, keys, causal = visible(src, rank, n)
-            block_out, block_lse = block_attention(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal)
+            block_out, block_lse, state = attention_with_lse(
+                q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal
+            )
             merge_partial(out, lse, rows, block_out, block_lse)
+            states.append(state)
             if incoming is not None:
                 arrived, requests = incoming
                 _wait(requests)
                 kv = arrived
-        # Stored as (b, n, heads, d) in memory: the model's (b, n, heads, d) view of it is then contiguous, so
-        # wo's input is this same storage, not a second copy.
-        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
-        ctx.group = group
+        out = out.to(q.dtype)  # keeps the (b, n, heads, d) memory layout
+        ctx.group, ctx.states = group, states
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -260,31 +238,33 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         cp, rank, n = dist.get_world_size(group), dist.get_rank(group), q.shape[2]
-        d_out = _acc(d_out)
-        delta = (d_out * _acc(out)).sum(-1)  # rowsum(dO ⊙ O), (b, heads, n)
-        dq = torch.zeros(q.shape, dtype=d_out.dtype, device=q.device)
+        d_out = d_out.contiguous()  # the kernels need real strides (a loss's .sum() hands an expanded gradient)
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=d_out.dtype, device=q.device)  # the gradient of the block in hand
+        dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=q.device)  # the gradient of the block in hand
         for step in range(cp):
             src = (rank - step) % cp
             incoming = ring_exchange(kv, group) if step < cp - 1 else None
             rows, keys, causal = visible(src, rank, n)
-            dq_rows, dk, dv = block_gradients(
+            dq_rows, dk, dv = attention_with_lse_backward(
+                d_out[:, :, rows],
                 q[:, :, rows],
                 kv[0][:, :, keys],
                 kv[1][:, :, keys],
-                d_out[:, :, rows],
+                out[:, :, rows],
                 lse[:, :, rows],
-                delta[:, :, rows],
                 causal,
+                ctx.states[step],
             )
             dq[:, :, rows] += dq_rows
             dkv[0][:, :, keys] += dk
             dkv[1][:, :, keys] += dv
-            # The block's gradient follows the block; after cp hops it is back with the rank that owns it.
-            arrived_grad, requests = ring_exchange(dkv, group)
-            _wait(requests)
-            dkv = arrived_grad
+            # The block's gradient follows the block; after cp hops it is back with the rank that owns it
+            # (with cp = 1 it never left).
+            if cp > 1:
+                arrived_grad, requests = ring_exchange(dkv, group)
+                _wait(requests)
+                dkv = arrived_grad
             if incoming is not None:
                 arrived, requests = incoming
                 _wait(requests)
@@ -297,3 +277,72 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> 
     Same shapes as ``allgather_attention``: (b, n, heads, d) queries, (b, n, kv_heads, d) keys and values."""
     out = RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)
     return out.transpose(1, 2)
+
+
+# ---- 3-5. blocks through a fused kernel, merged by their log-sum-exp ---------------------------------------
+def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running (output, lse) for queries q (b, heads, n, d): zeros and −inf, in fp32 (fp64 stays fp64).
+
+    The output is laid out as (b, n, heads, d) in memory, so that after the cast to q's dtype the model's
+    (b, n, heads, d) view of it is contiguous: wo's input is then this same storage, not a second copy.
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    b, heads, n, d = q.shape
+    out = torch.zeros(b, n, heads, d, dtype=acc, device=q.device).transpose(1, 2)
+    return out, torch.full((b, heads, n), float("-inf"), dtype=acc, device=q.device)
+
+
+def merge_partial(out, lse, rows: slice, block_out, block_lse) -> None:
+    """Fold one block's (output, lse) into the running ones, in place, for query ``rows`` (module docstring, 3).
+
+    In the accumulators' dtype: a bf16 block output is rounded once by its kernel, never again by the merge.
+    """
+    new_lse = torch.logaddexp(lse[:, :, rows], block_lse.to(lse.dtype))
+    out[:, :, rows] = (
+        out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]
+        + block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None]
+    )
+    lse[:, :, rows] = new_lse
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """q's rows attend to several blocks of (k, v), each through the fused kernel, merged by LSE; no messages.
+
+    ``blocks``: (query rows, key rows, causal) per kernel call, in (b, heads, n, d) / (b, kv_heads, m, d)
+    layout. Backward runs each block's kernel backward with the merged output and LSE (module docstring, 5).
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list) -> torch.Tensor:
+        out, lse = new_accumulators(q)
+        states = []
+        for rows, keys, causal in blocks:
+            block_out, block_lse, state = attention_with_lse(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal)
+            merge_partial(out, lse, rows, block_out, block_lse)
+            states.append(state)
+        out = out.to(q.dtype)  # keeps the (b, n, heads, d) memory layout
+        ctx.blocks, ctx.states = blocks, states
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        d_out = d_out.contiguous()  # the kernels need real strides (a loss's .sum() hands an expanded gradient)
+        acc = lse.dtype
+        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+        for (rows, keys, causal), state in zip(ctx.blocks, ctx.states, strict=True):
+            dq_rows, dk_keys, dv_keys = attention_with_lse_backward(
+                d_out[:, :, rows],
+                q[:, :, rows],
+                k[:, :, keys],
+                v[:, :, keys],
+                out[:, :, rows],
+                lse[:, :, rows],
+                causal,
+                state,
+            )
+            dq[:, :, rows] += dq_rows
+            dk[:, :, keys] += dk_keys
+            dv[:, :, keys] += dv_keys
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

@@ -7,7 +7,8 @@ count per expert; then:
 
 1. count tokens per expert (the block already did: ``counts``, length n_experts, in expert order);
 2. exchange the counts with ``all_to_all_single``: rank r learns how many tokens each peer sends to each of
-   r's local experts;
+   r's local experts. The token all-to-all takes its split sizes as host integers, so the host reads the
+   per-rank sums here, sent and received in one read: the one host sync of an expert-parallel layer;
 3. permute tokens by destination rank: sorting by global expert id already groups them by owner, so the
    send splits are just the per-rank sums of ``counts``;
 4. ``all_to_all_single`` the tokens (autograd-aware: its backward is the reverse all-to-all of the
@@ -33,6 +34,7 @@ saves their outputs, so recomputing a block in backward never repeats them (mesh
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,16 +62,19 @@ class ExpertParallel(ParallelStyle):
         x, counts = inputs
         group, ep = mesh.get_group(), mesh.size()
         # 2. exchange counts: row r of `received` = tokens peer r sends to each of my local experts
-        received = all_to_all_functional(counts, group)
-        sent_per_rank = counts.view(ep, -1).sum(1).tolist()
-        received = received.view(ep, -1)  # (source rank, local expert)
-        recv_per_rank = received.sum(1).tolist()
+        received = all_to_all_functional(counts, group).view(ep, -1)  # (source rank, local expert)
+        # all_to_all_single takes its split sizes as host integers: both lists in one read, the one host sync
+        # of an expert-parallel layer
+        sent_per_rank, recv_per_rank = torch.stack([counts.view(ep, -1).sum(1), received.sum(1)]).tolist()
         # 3-4. tokens are already grouped by destination rank; exchange them
         routed = all_to_all_autograd(x, recv_per_rank, sent_per_rank, group)
         # 5. regroup from (source rank, local expert) order to (local expert, source rank) order
-        # block id of each received token = source * n_local + local expert (source-major, as received)
+        # block id of each received token = source * n_local + local expert (source-major, as received); the
+        # output size is known on the host already, so repeat_interleave need not read it from the device
         n_local = received.shape[1]
-        block = torch.repeat_interleave(torch.arange(received.numel(), device=x.device), received.flatten())
+        block = torch.repeat_interleave(
+            torch.arange(received.numel(), device=x.device), received.flatten(), output_size=routed.shape[0]
+        )
         expert_major_key = (block % n_local) * ep + block // n_local
         regroup = torch.argsort(expert_major_key, stable=True)
         module._ep_state = (regroup, sent_per_rank, recv_per_rank, group)
@@ -168,11 +173,12 @@ def load_metrics(load: dict) -> dict:
         return {}
     layers = sorted(load, key=int)
     ratios, cvs = [], []
-    for layer in layers:
-        tokens = torch.tensor(load[layer]["tokens"])
-        mean = tokens.mean().item()
-        ratios.append(tokens.max().item() / mean if mean else 0.0)
-        cvs.append((tokens.std(unbiased=False) / tokens.mean()).item() if mean else 0.0)
+    for layer in layers:  # plain Python: the numbers are already on the host
+        tokens = load[layer]["tokens"]
+        mean = sum(tokens) / len(tokens)
+        std = math.sqrt(sum((t - mean) ** 2 for t in tokens) / len(tokens))
+        ratios.append(max(tokens) / mean if mean else 0.0)
+        cvs.append(std / mean if mean else 0.0)
     return {
         "expert_load": {layer: [int(t) for t in load[layer]["tokens"]] for layer in layers},
         "expert_load_max_over_mean": max(ratios),

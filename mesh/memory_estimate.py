@@ -37,7 +37,7 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    - the SwiGLU: w1's and w3's outputs, silu of w1's, and their product: 4·n·H·w;
    - an MoE layer instead: the fp32 router scores and the gates' sum, n·(4E + 4); per routed (token, expert)
      pair the dispatched token, the expert's output and its gated copy (3·h·w: the combining ``index_add_``
-     saves its source), the expert's SwiGLU (4·He·w), and four int64 indices and two fp32 gates (40 bytes);
+     saves its source), the expert's SwiGLU (4·He·w), and three int64 indices and two fp32 gates (32 bytes);
      plus the shared expert's 4·n·H·w.
 
    Tensor parallelism divides the attention and FFN terms by t. Without sequence parallelism the norms and
@@ -90,7 +90,7 @@ STATE_BYTES = 16  # fp32 weights 4 + fp32 gradients 4 + Adam m, v 8, per owned p
 COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
 LOGIT_PEAK_BYTES = 12  # per logit around the loss: bench/logits_memory.py measures 10.0 forward, 12.0 backward
 LOGIT_KEPT_BYTES = 4  # per logit of a micro-batch waiting for its backward: the fp32 log-softmax
-ROUTING_BYTES = 40  # per routed (token, expert) pair: four int64 indices, two fp32 gates (models/moe.py: MoE)
+ROUTING_BYTES = 32  # per routed (token, expert) pair: three int64 indices, two fp32 gates (models/moe.py: MoE)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,10 +9,13 @@
    ceil(capacity_factor * seq * k / n_experts) tokens *per sequence*, in token order; the rest of its
    assignments are dropped (those tokens keep only their residual for that slot). Counting per sequence,
    not per batch, keeps the result independent of how the batch is split across ranks. Default: dropless.
-3. **Dispatch.** Sort the (token, slot) assignments by expert id and count the tokens per expert.
-4. **Experts.** ``GroupedExperts(x_sorted, counts)`` runs expert e on its contiguous run of tokens. This is
-   the seam that expert parallelism wraps (mesh/expert_parallel.py): it moves the runs to the ranks that
-   own the experts and back, and the block does not know.
+3. **Dispatch.** Sort the (token, slot) assignments by expert id and count the kept ones per expert, on
+   the device (no ``nonzero`` or ``bincount``: their output sizes depend on the data, so the host must wait
+   for it). Dropless, nothing waits for the host; with capacity, the number kept is read once.
+4. **Experts.** ``GroupedExperts(x_sorted, counts)`` runs expert e on its contiguous run of tokens, all
+   experts in one grouped matmul per weight (models/kernels.py). This is the seam that expert parallelism
+   wraps (mesh/expert_parallel.py): it moves the runs to the ranks that own the experts and back, and the
+   block does not know.
 5. **Combine.** Scatter-add each output, weighted by its gate, back to its token; add the shared expert.
 
 Load balancing, both optional:
@@ -48,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.feed_forward import FeedForward  # the dense SwiGLU, reused as the shared expert
+from models.kernels import grouped_mm, grouped_mm_works
 
 
 @dataclass
@@ -71,7 +75,16 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """n_experts SwiGLU MLPs stored as batched weights: w1, w3 (E, dim, hidden) and w2 (E, hidden, dim)."""
+    """n_experts SwiGLU MLPs stored as batched weights: w1, w3 (E, dim, hidden) and w2 (E, hidden, dim).
+
+    ``forward(x, counts)``: x holds the rows of expert 0, then expert 1, ... (``counts[e]`` rows for local
+    expert e, zero is fine; x has exactly counts.sum() rows). Two ways to compute it, the same numbers:
+
+    - ``grouped``: each of the three matmuls is one grouped matmul over all experts (models/kernels.py),
+      driven by the counts' cumulative sums on the device: no host sync, one kernel per matmul;
+    - ``looped``: a Python loop, one small matmul per expert, for a device, dtype or shape where the grouped
+      kernel does not run (found once, by ``grouped_mm_works``). It needs every count on the host: one sync.
+    """
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
         super().__init__()
@@ -80,11 +93,21 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: tokens sorted by expert, ``counts[e]`` of them for local expert e (zero is fine)."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
-        outputs = [
-            (F.silu(chunk @ w1[e]) * (chunk @ w3[e])) @ w2[e] for e, chunk in enumerate(torch.split(x, counts.tolist()))
-        ]
+        if grouped_mm_works(x.device, x.dtype, (tuple(w1.shape[1:]), tuple(w2.shape[1:]))):
+            return self.grouped(x, counts, w1, w2, w3)
+        return self.looped(x, counts, w1, w2, w3)
+
+    @staticmethod
+    def grouped(x, counts, w1, w2, w3) -> torch.Tensor:
+        offs = counts.cumsum(0, dtype=torch.int32)  # where each expert's rows end
+        hidden = F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs)
+        return grouped_mm(hidden, w2, offs)
+
+    @staticmethod
+    def looped(x, counts, w1, w2, w3) -> torch.Tensor:
+        chunks = torch.split(x, counts.tolist())  # the split sizes must be on the host: the fallback's one sync
+        outputs = [(F.silu(chunk @ w1[e]) * (chunk @ w3[e])) @ w2[e] for e, chunk in enumerate(chunks)]
         return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[-1])
 
 
@@ -162,7 +185,9 @@ class MoE(nn.Module):
         gates = scores.gather(-1, chosen)
         if a.route_norm:
             gates = gates / gates.sum(-1, keepdim=True)
-        assigned = F.one_hot(chosen, a.n_experts).sum(2)  # (b, s, E): 1 where token chose expert
+        # (b, s, E): 1 where the token chose the expert. (F.one_hot would check its input's range with two
+        # host reads on a CPU; a scatter checks nothing and reads nothing.)
+        assigned = torch.zeros_like(scores, dtype=torch.long).scatter_(-1, chosen, 1)
 
         # 2. Capacity: an assignment is kept if fewer than `capacity` earlier tokens of its sequence chose
         #    the same expert (counting those in earlier chunks of the sequence, if it is split).
@@ -172,21 +197,26 @@ class MoE(nn.Module):
             rank_in_expert = (assigned.cumsum(1) - 1 + earlier[:, None, :]).gather(-1, chosen)  # (b, s, k)
             keep = rank_in_expert < self.capacity(seqlen * self.sequence.chunks)
 
-        # 3. Dispatch: kept (token, slot) assignments sorted by expert.
-        flat_expert = chosen.flatten()
-        flat_token = torch.arange(bsz * seqlen, device=x.device).repeat_interleave(a.top_k)
-        flat_gate = gates.flatten()
-        kept = keep.flatten().nonzero().squeeze(1)
-        order = kept[torch.argsort(flat_expert[kept], stable=True)]
-        counts = torch.bincount(flat_expert[kept], minlength=a.n_experts)
+        # 3. Dispatch: the (token, slot) assignments sorted by expert, counted per expert on the device.
+        flat_expert, flat_keep = chosen.flatten(), keep.flatten()
+        counts = torch.zeros(a.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat_expert, flat_keep.long()
+        )
+        if a.capacity_factor > 0:
+            # Dropped assignments sort after the last expert and are cut off. How many are kept sizes the
+            # tensor the experts get, so the host must read it: the one host sync of a block with capacity.
+            order = torch.argsort(torch.where(flat_keep, flat_expert, a.n_experts), stable=True)[: int(counts.sum())]
+        else:
+            order = torch.argsort(flat_expert, stable=True)  # dropless: nothing here waits for the host
+        token_of = order // a.top_k  # assignment i is slot i % k of token i // k
         tokens = x.reshape(-1, dim)
 
         # 4. Experts (wrapped by expert parallelism when ep > 1).
-        expert_out = self.experts(tokens[flat_token[order]], counts)
+        expert_out = self.experts(tokens[token_of], counts)
 
         # 5. Combine: weight by the gate, add back to the token's row.
-        weighted = expert_out * flat_gate[order].unsqueeze(1).to(expert_out.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, flat_token[order], weighted.to(tokens.dtype))
+        weighted = expert_out * gates.flatten()[order].unsqueeze(1).to(expert_out.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_of, weighted.to(tokens.dtype))
         out = out.view(bsz, seqlen, dim)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
@@ -195,7 +225,7 @@ class MoE(nn.Module):
         if self.count_stats:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-                self.dropped_assignments += flat_expert.numel() - kept.numel()
+                self.dropped_assignments += flat_keep.numel() - order.numel()
         if a.aux_loss_coef > 0 and self.training:
             aux = self.aux_loss(scores, assigned)
             if self.count_stats:

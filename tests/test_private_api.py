@@ -6,6 +6,7 @@ failing deep inside a collective. Each check exercises the behaviour meshloom de
 
 import datetime
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
@@ -164,3 +165,87 @@ def test_outer_saved_tensors_hooks_finds_the_pair_it_shadows_and_a_dtensor_local
         (x * x).sum().backward()  # mul saves both inputs through the active pair
     assert packed == [torch.Size([3])] * 2 and x.grad.tolist() == [2.0] * 3
     assert outer_saved_tensors_hooks() is None
+
+
+def blockwise_attention_against_sdpa(device: str, dtype: torch.dtype) -> dict:
+    """Two key blocks (the first full, the second causal) through ``attention_with_lse``, merged by their LSE,
+    and each block's backward run with the merged output and LSE, against SDPA over all keys at once.
+
+    Grouped heads (4 query heads, 2 kv heads), fewer queries than keys: ring attention's off-diagonal step.
+    Returns the largest difference of the output and of dq, dk, dv, relative to the largest reference value.
+    """
+    import torch.nn.functional as F
+
+    from mesh.private_api import attention_with_lse, attention_with_lse_backward
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    b, heads, kv_heads, n, d = 2, 4, 2, 24, 16
+    q = torch.randn(b, heads, n, d, generator=gen, device=device).to(dtype)
+    k, v = (torch.randn(b, kv_heads, 2 * n, d, generator=gen, device=device).to(dtype) for _ in "kv")
+    grad = torch.randn(b, heads, n, d, generator=gen, device=device).to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    mask = torch.ones(n, 2 * n, dtype=torch.bool, device=device).tril(n)  # all of block 0; block 1 causal
+    reference = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True)
+    reference.backward(grad)
+
+    blocks = [(slice(0, n), False), (slice(n, 2 * n), True)]
+    parts = [attention_with_lse(q, k[:, :, keys], v[:, :, keys], causal) for keys, causal in blocks]
+    (out_a, lse_a, _), (out_b, lse_b, _) = parts
+    acc = torch.promote_types(dtype, torch.float32)  # the merge's dtype (fp64 stays fp64)
+    lse = torch.logaddexp(lse_a.to(acc), lse_b.to(acc))
+    out = (out_a.to(acc) * (lse_a - lse).exp()[..., None] + out_b.to(acc) * (lse_b - lse).exp()[..., None]).to(dtype)
+    dq, dk, dv = torch.zeros_like(q, dtype=acc), [], []
+    for (keys, causal), (_, _, state) in zip(blocks, parts, strict=True):
+        dq_block, dk_block, dv_block = attention_with_lse_backward(
+            grad, q, k[:, :, keys], v[:, :, keys], out, lse, causal, state
+        )
+        dq += dq_block.to(acc)
+        dk.append(dk_block)
+        dv.append(dv_block)
+
+    def rel(a, e):
+        return ((a.float() - e.float()).abs().max() / e.float().abs().max()).item()
+
+    return {
+        "out": rel(out, reference),
+        "dq": rel(dq, leaves[0].grad),
+        "dk": rel(torch.cat(dk, 2), leaves[1].grad),
+        "dv": rel(torch.cat(dv, 2), leaves[2].grad),
+        "lse_dtype": lse_a.dtype,
+        "lse_shape": tuple(lse_a.shape),
+    }
+
+
+def test_fused_attention_with_lse_merges_blocks_into_sdpa_on_cpu():
+    from mesh.private_api import fused_attention_kernel
+
+    assert fused_attention_kernel(torch.zeros(1, 1, 1, 8)) == "cpu_flash"
+    # fp64: rounding only (~1e-16); 1e-12 fails on any wrong mask, scale or merge
+    r = blockwise_attention_against_sdpa("cpu", torch.float64)
+    assert max(r["out"], r["dq"], r["dk"], r["dv"]) < 1e-12, r
+    assert r["lse_shape"] == (2, 4, 24)  # one value per query row and head, kv heads read as grouped
+    # bf16: the kernel returns an fp32 LSE; the outputs differ from SDPA's by bf16 rounding (measured <= 7.3e-3,
+    # one bf16 step is 2^-7 = 7.8e-3 of a value near 1); 3e-2 allows a few steps and fails on a wrong block
+    r = blockwise_attention_against_sdpa("cpu", torch.bfloat16)
+    assert r["lse_dtype"] == torch.float32 and max(r["out"], r["dq"], r["dk"], r["dv"]) < 3e-2, r
+
+
+def test_grouped_mm_matches_a_loop_over_groups_and_takes_an_expanded_gradient():
+    """models/kernels.py wraps torch._grouped_mm, the one private torch API outside mesh/private_api.py."""
+    from models.kernels import grouped_mm, grouped_mm_works
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(7, 8, generator=gen, requires_grad=True)
+    b = torch.randn(3, 8, 16, generator=gen, requires_grad=True)
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)  # group 1 is empty
+    out = grouped_mm(a, b, offs)
+    assert torch.equal(out, torch.cat([a[:2] @ b[0], a[2:7] @ b[2]]))
+    out.sum().backward()  # an expanded (stride 0) gradient: torch's own backward refuses it
+    assert torch.allclose(b.grad[1], torch.zeros(8, 16)) and torch.allclose(
+        b.grad[2], a[2:].sum(0)[:, None].expand(8, 16)
+    )
+    assert torch.allclose(a.grad, torch.cat([b[0].sum(1).expand(2, 8), b[2].sum(1).expand(5, 8)]).detach())
+    assert grouped_mm_works(torch.device("cpu"), torch.float32, ((8, 16), (16, 8)))
+    # fp64 is refused by the kernel (CPU: fp32, bf16, fp16): the MoE experts then loop, with a warning
+    with pytest.warns(UserWarning, match="experts run one after another"):
+        assert not grouped_mm_works(torch.device("cpu"), torch.float64, ((8, 16), (16, 8)))

@@ -1,0 +1,94 @@
+"""Host syncs per training step, per layout, counted and pinned: the test fails if one is added anywhere.
+
+bench/host_syncs.py trains each layout for 2 and for 3 steps under bench/host_syncs.HostSyncCounter and
+takes the difference: one step's syncs, by the meshloom line they come from. ``PER_STEP`` below is today's
+count on every rank; ``bench.host_syncs.REASONS`` says why each one is there (docs/profiling.md prints the
+table). A new sync, or one more of an old kind, fails here; so does one fewer (then lower the number here
+and in the docs). The counter itself is checked on ops whose syncs are known.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.host_syncs import (
+    CAPACITY,
+    EMBEDDING_MASK,
+    EP_SPLITS,
+    EXPERT_LOAD,
+    LAYOUTS,
+    LOSS,
+    OPTIMIZER,
+    REASONS,
+    STOP_AGREEMENT,
+    HostSyncCounter,
+    device_syncs,
+    measure,
+)
+
+
+def test_the_counter_sees_each_kind_of_host_sync_and_nothing_else():
+    x = torch.arange(6.0)
+    with HostSyncCounter() as syncs:
+        x.sum().item(), bool(x[0]), float(x[1])  # three scalar reads
+        x.nonzero(), x[x > 2], torch.bincount(x.long()), torch.repeat_interleave(x, x.long())  # data-sized outputs
+        x.tolist(), x.numpy(), x.cpu()  # copies to the host
+        # none of these waits for the device: sizes known in advance
+        torch.repeat_interleave(x, x.long(), output_size=15), x.repeat_interleave(2), x[x.argsort()], x * 2
+    assert {op: n for (_, op), n in syncs.counts.items()} == {
+        "_local_scalar_dense": 3,
+        "nonzero": 1,
+        "boolean index": 1,
+        "bincount": 1,
+        "repeat_interleave": 1,
+        "tolist": 1,
+        "numpy": 1,
+        "cpu": 1,
+    }
+
+
+# One training step (debug model, 2 layers, one micro-batch per rank) on each rank, by site.
+_DENSE = {LOSS: 2, OPTIMIZER: 42, STOP_AGREEMENT: 1}  # 21 parameter tensors: AdamW reads 2 step counters each
+_MOE = {LOSS: 2, OPTIMIZER: 58, STOP_AGREEMENT: 1, EXPERT_LOAD: 1}  # 29 parameter tensors
+PER_STEP = {
+    "one process": [_DENSE],
+    "fsdp2": [_DENSE, _DENSE],
+    "tp2": [{**_DENSE, EMBEDDING_MASK: 1}] * 2,
+    "pp2": [{**_DENSE, OPTIMIZER: 20}, {**_DENSE, OPTIMIZER: 22}],  # stage 0: 10 tensors, stage 1: 11
+    "cp2 ring": [_DENSE, _DENSE],  # ring attention: no sync
+    "cp2 allgather": [_DENSE, _DENSE],  # all-gather attention: no sync (no host index, no mask)
+    "moe one process": [_MOE],  # dropless routing and grouped experts: no sync
+    "moe capacity": [{**_MOE, CAPACITY: 2}],  # one per MoE layer
+    "moe ep2": [{**_MOE, EP_SPLITS: 2}] * 2,  # one per MoE layer
+}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    return measure(list(PER_STEP), str(tmp_path_factory.mktemp("syncs")))
+
+
+def test_every_layout_of_the_table_is_measured():
+    assert set(PER_STEP) == set(LAYOUTS)
+
+
+@pytest.mark.parametrize("layout", list(PER_STEP))
+def test_host_syncs_per_step_are_as_documented(layout, measured):
+    for rank, (counts, expected) in enumerate(zip(measured[layout], PER_STEP[layout], strict=True)):
+        unexplained = set(counts) - set(REASONS)
+        assert not unexplained, (
+            f"{layout}, rank {rank}: a sync with no reason in bench.host_syncs.REASONS: {unexplained}"
+        )
+        assert counts == expected, (
+            f"{layout}, rank {rank}: host syncs per step changed; measured {counts}, documented {expected}. "
+            "Remove the new sync, or explain it in bench.host_syncs.REASONS and docs/profiling.md"
+        )
+
+
+def test_only_the_logging_reads_wait_for_the_device_in_dense_layouts(measured):
+    # the loss and the gradient norm; the optimizer's and the stop agreement's reads are host tensors on a GPU
+    for layout in ("one process", "fsdp2", "pp2", "cp2 ring", "cp2 allgather"):
+        assert [device_syncs(c) for c in measured[layout]] == [2] * len(measured[layout]), layout
+    # expert parallelism adds what its all-to-all needs: one read of the split sizes per MoE layer
+    assert [device_syncs(c) for c in measured["moe ep2"]] == [2 + 1 + 2] * 2
