@@ -435,7 +435,7 @@ def gpu_1b(args) -> None:
             if args.smoke and "compile" in name:
                 continue
             with tempfile.TemporaryDirectory(prefix="meshloom-1b-") as run_dir:
-                result = run_on_ranks(body, 1, DEBUG, {**shape, **more, **extra}, run_dir, timeout=1800)[0]
+                result = run_on_ranks(body, 1, DEBUG, {**shape, **more, **extra}, run_dir, timeout=1800, gpus=on_gpu)[0]
             rows.setdefault(name, []).append(result)
             print(f"  round {round_ + 1}: {name}", flush=True)
     from models.flops import flops_per_token

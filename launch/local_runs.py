@@ -8,6 +8,9 @@ Tests and benches both start runs this way, so it lives in neither of them:
   end and returns the finished process;
 - ``TorchrunLaunch`` starts ``torchrun ... train.py ARGS`` in the background, with its output in a file that
   the caller watches, signals and waits on (the fault tests and bench/fault_timings.py).
+
+Like the spawned ranks, launched commands see no GPU unless the caller passes ``gpus=True`` (the tests marked
+``gpu``): ``command_environment`` (launch/spawn.py: ``device_environment``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.spawn import run_on_ranks
+from launch.spawn import device_environment, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(ROOT / "configs" / "debug.toml")
@@ -46,21 +49,34 @@ def train_on(
     return results[0]
 
 
-def run_train_cli(nproc: int, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def command_environment(env: dict | None = None, gpus: bool = False) -> dict[str, str]:
+    """The environment of a launched command: this process's, one intra-op thread, no GPU unless ``gpus``."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **device_environment(gpus), **(env or {})}
+
+
+def run_train_cli(
+    nproc: int, *args: str, env: dict | None = None, timeout: float = 300, gpus: bool = False
+) -> subprocess.CompletedProcess:
     """``python train.py ARGS`` (nproc 1) or ``torchrun --nproc-per-node N train.py ARGS``, from the repo root."""
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
-        [*launcher, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [*launcher, "train.py", *args],
+        cwd=ROOT,
+        env=command_environment(env, gpus),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 class TorchrunLaunch:
     """``torchrun ... train.py ARGS`` in the background, its output in a file we can watch."""
 
-    def __init__(self, tmp_path: Path, nproc: int, *args: str, restarts: int = 0, env: dict | None = None):
+    def __init__(
+        self, tmp_path: Path, nproc: int, *args: str, restarts: int = 0, env: dict | None = None, gpus: bool = False
+    ):
         self.log = tmp_path / f"launch-{time.monotonic_ns()}.log"
         cmd = [
             sys.executable,
@@ -76,9 +92,10 @@ class TorchrunLaunch:
             "false",
             *args,
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.out = open(self.log, "w")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=command_environment(env, gpus), stdout=self.out, stderr=subprocess.STDOUT
+        )
 
     def text(self) -> str:
         return self.log.read_text()
