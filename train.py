@@ -38,7 +38,7 @@ from mesh.data_parallel import apply_fsdp
 from mesh.dims import Meshes, build_mesh, mesh_banner
 from mesh.expert_parallel import apply_expert_parallel, load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
-from mesh.materialize import materialize_weights
+from mesh.materialize import check_placement, materialize_weights
 from mesh.pipeline import build_pipeline_schedule, build_stage_module, run_schedule
 from mesh.pipeline_timeline import PipelineTimeline, write_pipeline_timeline
 from mesh.plan import LayoutPlan
@@ -108,7 +108,8 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
 
 def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes, device: torch.device) -> nn.Module:
     """The fixed order: TP -> EP -> activation checkpointing -> compile -> FSDP -> layout-independent weights
-    -> CP (which swaps each attention's kernel and cuts the rotary tables to this rank's positions)."""
+    -> CP (which swaps each attention's kernel and cuts the rotary tables to this rank's positions); then every
+    parameter and buffer is checked to be on ``device`` (or in host memory, for offloaded parameters)."""
     dims = plan.dims
     if dims.tp > 1:
         apply_tensor_parallel(
@@ -125,6 +126,7 @@ def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes,
         p.grad_compression == "powersgd"
     ):  # a pure data-parallel layout, replicated with DDP (mesh/comm_memory_savers.py)
         materialize_weights(model, device, cfg.training.seed)
+        check_placement(model, device)
         return apply_powersgd(model, meshes.world["dp_replicate"], p.powersgd_rank, device)
     if plan.fsdp:  # data or context parallelism, bf16, or CPU offload (mesh/plan.py: uses_fsdp)
         apply_fsdp(
@@ -140,6 +142,7 @@ def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes,
     materialize_weights(model, device, cfg.training.seed, torch.device("cpu") if p.fsdp_cpu_offload else None)
     if dims.cp > 1:
         apply_context_parallel(model, meshes.cp, p.cp_attention, plan.seq_len)
+    check_placement(model, device, host_params=p.fsdp_cpu_offload)  # every tensor where the layout says
     return model
 
 
