@@ -214,7 +214,7 @@ def train(cfg: Config) -> list[dict]:
         )
         assert meshes.pp.get_local_rank() == plan.pp_rank, "the plan's pp rank must match the mesh coordinate"
         is_logger = dist.get_rank() == 0
-        checkpoints = CheckpointManager(cfg, plan, resume, control)
+        checkpoints = CheckpointManager(cfg, plan, resume, control, device)
         with phase("checking the checkpoint folder and the resume checkpoint", "control plane"):
             checkpoints.start()
 
@@ -324,6 +324,7 @@ def train(cfg: Config) -> list[dict]:
                     + ", then resume with --checkpoint.resume auto."
                 )
             lr = optimizers.lr
+            checkpoints.wait_staged()  # an async save's copy: the step changes the weights and Adam state it copies
             with named_range("optimizer"):
                 optimizers.step()
             # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
