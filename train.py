@@ -42,6 +42,7 @@ from mesh.materialize import check_placement, materialize_weights
 from mesh.pipeline import build_pipeline_schedule, build_stage_module, run_schedule
 from mesh.pipeline_timeline import PipelineTimeline, write_pipeline_timeline
 from mesh.plan import LayoutPlan
+from mesh.private_api import flight_recorder_dump
 from mesh.tensor_parallel import (
     apply_tensor_parallel,
     loss_context,
@@ -51,7 +52,15 @@ from mesh.tensor_parallel import (
 )
 from models.llama import Transformer
 from runtime.config import Config, ConfigError, help_text, load_config
-from runtime.failures import explain, is_communication_failure, phase, report_to_launcher
+from runtime.failures import (
+    enable_flight_recorder,
+    explain,
+    is_communication_failure,
+    last_collective,
+    phase,
+    report_to_launcher,
+    write_flight_recorder,
+)
 from runtime.process import (
     ControlPlane,
     destroy_process_group,
@@ -199,6 +208,9 @@ def train(cfg: Config) -> list[dict]:
         if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: stop if torchrun dies
             watch = ParentWatch(grace_s=timeout_s + 60).start()
         device = select_device(t.device)
+        recorder = enable_flight_recorder(cfg.run.dir)  # before any group: torch reads it when it makes one
+        if device.type == "cuda":  # NCCL's watchdog dumps there on a timeout; the folder must exist
+            recorder.mkdir(parents=True, exist_ok=True)
         control = init_process_group(device, timeout_s)
         uses_checkpoints = cfg.checkpoint.interval > 0 or resume.candidates or resume.damaged
         folders = [Path(cfg.run.dir)] + ([checkpoint_folder(cfg)] if uses_checkpoints else [])
@@ -417,6 +429,19 @@ def open_metrics(cfg: Config, control: ControlPlane, is_logger: bool, resumed_st
     return writer
 
 
+def explain_communication_failure(exc: BaseException, cfg: Config) -> str:
+    """The one-line report of a timed-out or broken collective, after this rank's flight recorder is written to
+    run.dir (gloo: nothing else writes it; runtime/failures.py, "Which collective")."""
+    last, dumped = None, None
+    try:
+        dump = flight_recorder_dump()
+        last = last_collective(dump)
+        dumped = write_flight_recorder(dump, cfg.run.dir, dist.get_rank() if dist.is_initialized() else 0)
+    except Exception as error:  # noqa: BLE001 - the report must come out even if the recorder cannot
+        print(f"meshloom: could not write the flight recorder: {error}", file=sys.stderr, flush=True)
+    return explain(exc, cfg.parallel.collective_timeout_s, last, dumped)
+
+
 def fail(message: str, code: int) -> int:
     # Printed by every rank: whichever rank's output the user reads ends with the fix.
     print(f"meshloom: {message}", file=sys.stderr, flush=True)
@@ -430,10 +455,9 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
-    timeout_s = None
+    cfg = None
     try:
         cfg = load_config(argv)
-        timeout_s = cfg.parallel.collective_timeout_s
         train(cfg)
     except ConfigError as exc:
         return fail(f"configuration error: {exc}", 2)
@@ -445,9 +469,9 @@ def main(argv: list[str]) -> int:
         print(f"meshloom: {exc}", file=sys.stderr, flush=True)
         return 128 + exc.signum
     except Exception as exc:
-        if not is_communication_failure(exc):
+        if not is_communication_failure(exc) or cfg is None:
             raise
-        return fail(explain(exc, timeout_s or 0), 4)
+        return fail(explain_communication_failure(exc, cfg), 4)
     finally:
         destroy_process_group()
     return 0

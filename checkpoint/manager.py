@@ -154,7 +154,7 @@ class CheckpointManager:
         if self.enabled:
             # DCP's collectives get their own gloo group: an async save runs them from a thread while the
             # training thread runs its own collectives, and two threads must never share a group.
-            self.group = new_cpu_group(control.timeout_s)
+            self.group = new_cpu_group(control.timeout_s, "meshloom_checkpoint")
         self.pending = None  # the async save in flight: a future of its publishing
         self.staging = None  # ... and the future of its copy off the live tensors, until wait_staged
         self.stager: DefaultStager | None = None

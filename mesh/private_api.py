@@ -29,6 +29,9 @@ identifiers, not Python APIs.)
 | ``torch.profiler._memory_profiler._CATEGORY_TO_INDEX`` | the column order of the CPU memory timeline's JSON export  |
 | ``torch._C._autograd._top_saved_tensors_default_hooks`` | the saved-tensor hooks active now, so that SP's re-gather |
 |                                        | hooks hand every other tensor on to them (mesh/tensor_parallel.py)    |
+| ``torch._C._distributed_c10d._dump_fr_trace``, ``distributed_c10d._world.pg_names`` | the flight recorder's |
+|                                        | buffer on gloo (NCCL dumps it itself on a timeout), and every group's |
+|                                        | name and ranks, which gloo leaves out of the dump                     |
 """
 
 from __future__ import annotations
@@ -216,3 +219,29 @@ def dtensor_local_storage(t: torch.Tensor) -> torch.Tensor:
     re-enter the hook; reading the attribute does not.
     """
     return t._local_tensor
+
+
+# ---- flight recorder -------------------------------------------------------------------------------------
+def flight_recorder_dump() -> dict:
+    """This process's flight-recorder buffer: its recent collectives on every group, in the format torch's
+    analyser reads (``python -m torch.distributed.flight_recorder.fr_trace``), with Python stacks.
+
+    torch 2.13 records gloo collectives too, but only NCCL groups register their name and ranks in the dump
+    (``pg_config``); without them the analyser cannot match a rank's entries to its peers'. They are filled
+    in here from the groups this process knows.
+    """
+    import pickle
+
+    dump = pickle.loads(
+        torch._C._distributed_c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+    )
+    known = {
+        name for name, config in dump.get("pg_config", {}).items() if name and config.get("ranks") not in ("[]", "")
+    }
+    groups = {
+        name: {"name": name, "desc": group.group_desc, "ranks": str(dist.get_process_group_ranks(group))}
+        for group, name in dist.distributed_c10d._world.pg_names.items()
+        if name not in known
+    }
+    dump["pg_config"] = {**{k: v for k, v in dump.get("pg_config", {}).items() if k in known}, **groups}
+    return dump
