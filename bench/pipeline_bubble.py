@@ -45,6 +45,7 @@ def run_schedule(schedule: str, pp: int, microbatches: int, run_dir: str) -> Non
 
 
 def main() -> None:
+    from launch.local_runs import read_metrics
     from launch.spawn import run_on_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,7 +66,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as run_dir:
             run_on_ranks(run_schedule, args.pp, schedule, args.pp, args.microbatches, run_dir, timeout=600)
             summary = json.loads((Path(run_dir) / "pipeline_bubble.json").read_text())
-            records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+            records = read_metrics(run_dir)
             picture = out / f"pp{args.pp}_m{args.microbatches}_{schedule}.svg"
             shutil.copy(Path(run_dir) / "pipeline_timeline.svg", picture)
         predicted = summary["predicted_idle_fraction"]

@@ -7,7 +7,8 @@ Tests and benches both start runs this way, so it lives in neither of them:
 - ``run_train_cli(n, *args)`` runs ``python train.py ARGS`` (n = 1) or ``torchrun ... train.py ARGS`` to the
   end and returns the finished process;
 - ``TorchrunLaunch`` starts ``torchrun ... train.py ARGS`` in the background, with its output in a file that
-  the caller watches, signals and waits on (the fault tests and bench/fault_timings.py).
+  the caller watches, signals and waits on (the fault tests and bench/fault_timings.py);
+- ``read_metrics(run_dir)`` reads back the per-step records a run wrote to ``run_dir/metrics.jsonl``.
 
 Like the spawned ranks, launched commands see no GPU unless the caller passes ``gpus=True`` (the tests marked
 ``gpu``): ``command_environment`` (launch/spawn.py: ``device_environment``).
@@ -15,6 +16,7 @@ Like the spawned ranks, launched commands see no GPU unless the caller passes ``
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -28,6 +30,11 @@ from launch.spawn import device_environment, run_on_ranks
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(ROOT / "configs" / "debug.toml")
 PARITY_STEPS = 6
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records in ``run_dir/metrics.jsonl`` (training/metrics.py writes one JSON object per line)."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def run_training(overrides: dict, run_dir: str, config: str = DEBUG_CONFIG) -> list[dict]:

@@ -1,11 +1,12 @@
 import os
 
-import pytest
-
 # One intra-op thread per process: ranks share two cores, and more threads were measured 3-6x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.training_runs import SharedRun, SharedRuns  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -20,3 +21,26 @@ def no_gpu_unless_marked(request, monkeypatch):
     """
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> SharedRuns:
+    """The session's shared training runs (the one-process references above all), each trained once."""
+    return SharedRuns(tmp_path_factory.mktemp("shared-runs"))
+
+
+# Saving does not change the curve (every resume test relies on it), so the debug config's reference also
+# saves at steps 3 and 6, for the tests that resume from it or export it: one run serves both.
+SAVING = {"checkpoint.interval": 3}
+
+
+@pytest.fixture(scope="session")
+def one_process_saving(shared_runs) -> SharedRun:
+    """configs/debug.toml on one process for PARITY_STEPS steps, saving at steps 3 and 6: records and folder."""
+    return shared_runs.run(SAVING)
+
+
+@pytest.fixture(scope="session")
+def one_process(one_process_saving) -> list[dict]:
+    """The debug config's one-process curve, which every layout of the debug config matches."""
+    return one_process_saving.records

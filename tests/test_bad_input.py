@@ -1,8 +1,8 @@
 """The bad-input matrix: every case a new user or an operator hit, refused in seconds with the field and the fix.
 
-Each case runs the real command (``python train.py ...``, or torchrun where ranks matter) and asserts: a
-non-zero exit, in seconds; no traceback, the message last; and the words that name the field (or file) and
-the fix. ``CONFIG_ERRORS`` is the one table of configuration and layout rules (each tested once, in this
+Each case runs ``train.main`` in this process or the real command (``python train.py ...``, or torchrun
+where ranks matter) and asserts: a non-zero exit, in seconds; no traceback, the message last; and the words
+that name the field (or file) and the fix. ``CONFIG_ERRORS`` is the one table of configuration and layout rules (each tested once, in this
 process); the rules of one feature live beside it (test_pipeline.py, test_context_parallel.py,
 test_savers.py), as do bad data files (test_prepare.py) and damaged checkpoints (test_checkpoint.py). Two
 cases are repeated under torchrun here, to check that every worker exits with code 2.
@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -212,30 +213,43 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(tmp_path):
     assert "--checkpoint.interval 0" in message
 
 
-def test_a_checkpoint_folder_without_room_is_refused_before_training(tmp_path):
-    # 10 billion parameters need ~112 GiB per checkpoint, more than this machine's disk holds (checked).
+def test_a_checkpoint_folder_without_room_is_refused_before_training(tmp_path, monkeypatch):
+    """The free space is mocked, so the test checks meshloom's rule and not the disk it runs on; the rule is
+    checked in-process (check_config), and its ConfigError ends the command with exit 2 like every case above."""
+    import collections
     import shutil
 
-    from checkpoint.folder import checkpoint_bytes
+    from runtime.config import ConfigError, load_config
+    from train import check_config
 
-    need = checkpoint_bytes(10_000_000_000)
-    assert shutil.disk_usage(tmp_path).free < need
-    message = refused(
-        tmp_path,
-        "--checkpoint.interval",
-        "2",
-        "--model.vocab_size",
-        "2000000",
-        "--model.dim",
-        "2560",
-        "--model.n_heads",
-        "20",
-        "--model.n_kv_heads",
-        "4",
-        "--training.steps",
-        "1",
+    # configs/debug.toml by hand: 4 blocks x (attention 128*128*2 + 128*64*2, feed-forward 3*128*384, two norms
+    # 2*128) + embedding and head 2*256*128 + final norm 128 = 853,120 parameters; one checkpoint holds 12 bytes
+    # per parameter (fp32 weights + AdamW's two moments) plus 1 MiB for the rest: 11,286,016 bytes.
+    need = 12 * (4 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 384 + 2 * 128) + 2 * 256 * 128 + 128) + 2**20
+    assert need == 11_286_016
+    folder = tmp_path / "ckpt"
+    asked = []
+
+    def disk_with(free: int):
+        def disk_usage(path):
+            asked.append(Path(path))
+            return collections.namedtuple("usage", "total used free")(2**40, 2**40 - free, free)
+
+        monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+
+    cfg = load_config(
+        path=DEBUG_CONFIG,
+        overrides={"checkpoint.interval": 2, "checkpoint.folder": str(folder), "run.dir": str(tmp_path / "run")},
     )
-    assert "free, but one checkpoint of this model needs about" in message and "free space there" in message
+    disk_with(need - 1)
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg, 1)
+    message = str(err.value)
+    assert f"checkpoint.folder={str(folder)!r} has 0.01 GiB free, but one checkpoint" in message
+    assert "needs about 0.01 GiB (weights + AdamW state)" in message and "free space there" in message
+    assert asked == [folder]
+    disk_with(need)  # exactly one checkpoint's room is enough
+    check_config(cfg, 1)
 
 
 @pytest.mark.parametrize(

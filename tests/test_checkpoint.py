@@ -5,8 +5,8 @@ process trained 2N=6 steps (every layout matches one process: test_parity_dp, te
 inside the debug config's 5 warmup steps, where the LR does not depend on training.steps, so the 3-step
 run A follows the same schedule as a 6-step run up to its save.
 
-The transformers test needs the `transformers` package, which the dev extras install (so CI runs it); it
-is skipped only where transformers is absent. On its own:
+The transformers test needs the `transformers` package, which the dev extras install; like every dev
+dependency, a missing one fails the test rather than skipping it. On its own:
     .venv/bin/python -m pytest tests/test_checkpoint.py -k transformers
 """
 
@@ -28,7 +28,7 @@ from checkpoint.folder import published
 from checkpoint.hf import expected_hf_shapes, hf_name
 from checkpoint.manager import PAUSE_ENV
 from checkpoint.resume import Resume, find_resume
-from launch.local_runs import DEBUG_CONFIG, ROOT, run_train_cli, train_on
+from launch.local_runs import DEBUG_CONFIG, ROOT, read_metrics, run_train_cli, train_on
 from runtime.config import ConfigError, load_config, model_args
 from tests.training_runs import LOSS_RTOL, assert_same_curve
 from train import check_config
@@ -41,11 +41,11 @@ def overrides(folder, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One process, 2N steps, saving at N and 2N: the curve every resumed run must follow, and checkpoints."""
-    root = tmp_path_factory.mktemp("reference")
-    records = train_on(1, overrides(root / "ckpt", checkpoint__interval=N), root / "run")
-    return records, root / "ckpt"
+def reference(one_process_saving):
+    """One process, 2N steps, saving at N and 2N: the curve every resumed run must follow, and checkpoints
+    (the session's debug-config reference, tests/conftest.py)."""
+    assert len(one_process_saving.records) == 2 * N and list(published(one_process_saving.checkpoints)) == [N, 2 * N]
+    return one_process_saving
 
 
 def files_digest(folder: Path) -> dict[str, str]:
@@ -120,7 +120,7 @@ def test_cli_saves_on_fsdp2_and_resumes_auto_on_one_process(reference, tmp_path)
     proc = run_cli(1, "--training.steps", str(2 * N), "--checkpoint.resume", "auto", *common)
     assert f"resumed {tmp_path / 'ckpt' / f'step-{N}'} at step {N}" in proc.stdout
     # Same run.dir: the resumed run appends to metrics.jsonl, which then holds the whole 2N-step curve.
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path / "run")
     assert_same_curve(records, ref)
 
 
@@ -165,7 +165,7 @@ def test_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(reference
     resumed = train_on(1, {"checkpoint.resume": "auto", "checkpoint.interval": N}, run_dir)
     assert_same_curve(resumed, ref[N:])
     assert list(published(folder)) == [N, 2 * N] and not (folder / f"step-{2 * N}.tmp").exists()
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in read_metrics(run_dir)]
     assert steps == list(range(1, 2 * N + 1)), "the killed run's steps after the checkpoint are replaced, not doubled"
 
 
@@ -506,7 +506,8 @@ def test_export_has_hugging_face_names_shapes_and_config(exported):
 
 
 def test_transformers_llama_gives_our_logits(exported):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
     ours, _ = our_model(exported)
     tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
@@ -534,10 +535,10 @@ def test_importing_the_export_under_another_layout_reproduces_its_loss(exported,
 # ---- MoE: expert weights and the expert bias reshard to another ep -----------------------------------------
 
 
-def test_moe_resume_on_another_expert_parallel_degree(tmp_path):
+def test_moe_resume_on_another_expert_parallel_degree(shared_runs, tmp_path):
     moe = str(ROOT / "configs" / "debug_moe.toml")
     bias = {"model.moe_bias_update_rate": 0.01}  # the expert bias is training state too: it must be saved
-    ref = train_on(1, {**bias}, tmp_path / "ref", config=moe)
+    ref = shared_runs.records(bias, config=moe)
     folder = tmp_path / "ckpt"
     before = {**bias, "parallel.dp_shard": 2, "parallel.ep": 2, "checkpoint.interval": N, "training.steps": N}
     first = train_on(2, {**before, **overrides(folder)}, tmp_path / "a", config=moe)

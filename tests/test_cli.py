@@ -1,10 +1,8 @@
 """The user-facing commands: `python train.py` and `torchrun ... train.py`, compared through metrics.jsonl."""
 
-import json
-
 import pytest
 
-from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, read_metrics, run_train_cli
 from tests.training_runs import assert_same_curve
 
 
@@ -13,7 +11,7 @@ def launch(tmp_path, name: str, nproc: int, *args: str) -> list[dict]:
     proc = run_train_cli(nproc, *args, "--training.steps", str(PARITY_STEPS), "--run.dir", str(run_dir))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step " in proc.stdout and "tok/s" in proc.stdout
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "peak_mem_bytes"):
         assert key in records[0], key
     assert (run_dir / "tb").is_dir() and any((run_dir / "tb").iterdir()), "no TensorBoard events"

@@ -250,9 +250,12 @@ def test_selective_checkpointing_keeps_the_gather_and_repeats_the_ring():
 # ---- 3. training parity ------------------------------------------------------------------------------------
 
 
+EVAL = {"data.val_fraction": 0.05, "eval.interval": 3, "eval.steps": 2}  # every parity run here also evaluates
+
+
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    return train_on(1, {"data.val_fraction": 0.05, "eval.interval": 3, "eval.steps": 2}, tmp_path_factory.mktemp("one"))
+def evaluating_one_process(shared_runs):
+    return shared_runs.records(EVAL)
 
 
 @pytest.mark.parametrize(
@@ -292,26 +295,24 @@ def one_process(tmp_path_factory):
         "cp2-ring-compiled",
     ],
 )
-def test_context_parallel_matches_one_process(layout, one_process, tmp_path):
+def test_context_parallel_matches_one_process(layout, evaluating_one_process, tmp_path):
     world = 1
     for key in ("parallel.cp", "parallel.tp", "parallel.pp", "parallel.dp_replicate", "parallel.dp_shard"):
         world *= layout.get(key, 1)
-    run = train_on(
-        world, {**layout, "data.val_fraction": 0.05, "eval.interval": 3, "eval.steps": 2}, tmp_path, timeout=600
-    )
-    assert_same_curve(run, one_process)
+    run = train_on(world, {**layout, **EVAL}, tmp_path, timeout=600)
+    assert_same_curve(run, evaluating_one_process)
     if layout.get("run.pp_timeline"):  # the pipeline timeline still measures every rank's F/B on the last step
         bubble = json.loads((tmp_path / "pipeline_bubble.json").read_text())
         assert all(row["F"] > 0 and row["B"] > 0 for row in bubble["ranks"])
     # validation loss: the same held-out tokens, split the same way, summed over the loss mesh (with cp)
-    for r, e in zip(run, one_process, strict=True):
+    for r, e in zip(run, evaluating_one_process, strict=True):
         assert ("val_loss" in r) == ("val_loss" in e)
         if "val_loss" in e:
             assert abs(r["val_loss"] - e["val_loss"]) <= 1e-5 * e["val_loss"]
 
 
 @pytest.mark.slow
-def test_five_dimensional_layout_matches_one_process(one_process, tmp_path):
+def test_five_dimensional_layout_matches_one_process(evaluating_one_process, tmp_path):
     layout = {
         "parallel.pp": 2,
         "parallel.dp_shard": 2,
@@ -320,10 +321,8 @@ def test_five_dimensional_layout_matches_one_process(one_process, tmp_path):
         "parallel.pp_schedule": "Interleaved1F1B",
         "parallel.cp_attention": "ring",
     }
-    run = train_on(
-        16, {**layout, "data.val_fraction": 0.05, "eval.interval": 3, "eval.steps": 2}, tmp_path, timeout=900
-    )
-    assert_same_curve(run, one_process)
+    run = train_on(16, {**layout, **EVAL}, tmp_path, timeout=900)
+    assert_same_curve(run, evaluating_one_process)
 
 
 @pytest.mark.slow
@@ -332,12 +331,12 @@ def test_five_dimensional_layout_matches_one_process(one_process, tmp_path):
     [{"parallel.cp": 2, "parallel.dp_shard": 2}, {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp_shard": 1}],
     ids=["cp2xfsdp2", "cp2xtp2"],  # cp2xtp2: the tp ranks split each cp rank's tokens for the experts
 )
-def test_moe_with_context_parallel_matches_one_process(layout, tmp_path):
+def test_moe_with_context_parallel_matches_one_process(layout, shared_runs, tmp_path):
     # dropless, no aux loss (both per whole sequence, refused with cp), aux-loss-free bias on: its load is global
     moe = str(ROOT / "configs" / "debug_moe.toml")
     knobs = {"model.moe_aux_loss_coef": 0.0, "model.moe_bias_update_rate": 0.01}
-    reference = train_on(1, knobs, tmp_path / "one", config=moe)
-    run = train_on(4, {**knobs, **layout}, tmp_path / "cp", config=moe, timeout=400)
+    reference = shared_runs.records(knobs, config=moe)
+    run = train_on(4, {**knobs, **layout}, tmp_path, config=moe, timeout=400)
     assert_same_curve(run, reference)
     assert [r["expert_load"] for r in run] == [r["expert_load"] for r in reference]
 

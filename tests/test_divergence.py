@@ -5,7 +5,6 @@ gradient norm measured first, both identical on every rank, so every rank stops 
 code 3, and the newest checkpoint is the last finite step's.
 """
 
-import json
 import math
 import re
 
@@ -14,7 +13,7 @@ import torch
 
 from checkpoint.export import load_model_state
 from checkpoint.folder import published
-from launch.local_runs import DEBUG_CONFIG, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, read_metrics, run_train_cli
 
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "fsdp2"])
@@ -50,7 +49,7 @@ def test_a_diverging_run_stops_before_the_step_and_saves_nothing_after_the_last_
     assert saved == list(range(1, diverged)), saved
     state, _ = load_model_state(tmp_path / "checkpoints" / f"step-{diverged - 1}")
     assert all(torch.isfinite(t).all() for t in state.values())
-    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = read_metrics(tmp_path)
     assert [r["step"] for r in logged] == list(range(1, diverged))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in logged)
 

@@ -127,8 +127,8 @@ def test_aux_loss_gradient_is_added_once():
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    return train_on(1, {}, tmp_path_factory.mktemp("one"), config=MOE_CONFIG)
+def moe_one_process(shared_runs):
+    return shared_runs.records(config=MOE_CONFIG)
 
 
 def moe_run(world, layout, tmp_path, **kw):
@@ -145,25 +145,25 @@ def moe_run(world, layout, tmp_path, **kw):
     ],
     ids=["ep2", "efsdp2xep2", "ep2-in-dp2xtp2", "tp2"],
 )
-def test_expert_parallel_training_matches_one_process(world, layout, one_process, tmp_path):
-    run = moe_run(world, layout, tmp_path)
-    assert_same_curve(run, one_process)
+def test_expert_parallel_training_matches_one_process(world, layout, moe_one_process, shared_runs):
+    run = shared_runs.records(layout, config=MOE_CONFIG, world=world)  # shared: test_nccl_standin.py's ep2 too
+    assert_same_curve(run, moe_one_process)
     # The global expert load is integer counts of the same routing decisions: identical, not just close.
-    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in one_process]
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in moe_one_process]
 
 
-def test_4d_pipeline_fsdp_tp_ep_matches_one_process(one_process, tmp_path):
+def test_4d_pipeline_fsdp_tp_ep_matches_one_process(moe_one_process, tmp_path):
     layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 2}
     run = moe_run(8, layout, tmp_path, timeout=400)
-    assert_same_curve(run, one_process)
-    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in one_process]
+    assert_same_curve(run, moe_one_process)
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in moe_one_process]
 
 
-def test_bias_balancing_and_capacity_are_layout_independent(tmp_path):
+def test_bias_balancing_and_capacity_are_layout_independent(shared_runs, tmp_path):
     # Per-sequence capacity and bias updates from the all-reduced global load make drops and the bias
     # trajectory the same on every layout.
     knobs = {"model.moe_bias_update_rate": 0.01, "model.moe_capacity_factor": 1.0}
-    reference = moe_run(1, knobs, tmp_path / "one")
+    reference = shared_runs.records(knobs, config=MOE_CONFIG)
     sharded = moe_run(2, {**knobs, "parallel.dp_shard": 2, "parallel.ep": 2}, tmp_path / "ep2")
     assert_same_curve(sharded, reference)
     assert [r["dropped_assignments"] for r in sharded] == [r["dropped_assignments"] for r in reference]
@@ -175,8 +175,8 @@ def test_bias_balancing_and_capacity_are_layout_independent(tmp_path):
     assert reference[-1]["dropped_assignments"] > 0
 
 
-def test_load_metrics_are_logged(one_process):
-    record = one_process[-1]
+def test_load_metrics_are_logged(moe_one_process):
+    record = moe_one_process[-1]
     assert set(record["expert_load"]) == {"0", "1", "2", "3"} and len(record["expert_load"]["0"]) == 8
     assert sum(record["expert_load"]["0"]) == 8 * 128 * 2  # every token's top-2 assignments, dropless
     assert record["expert_load_max_over_mean"] >= 1.0 and record["expert_load_cv"] >= 0.0
@@ -206,10 +206,10 @@ def test_misfit_expert_layouts_are_refused(overrides, world, expected):
     assert expected in str(err.value)
 
 
-def test_activation_checkpointing_with_expert_parallel(one_process, tmp_path):
+def test_activation_checkpointing_with_expert_parallel(moe_one_process, tmp_path):
     # Recomputation reruns the block, all-to-alls included, inside backward: the curve must not change, and
     # the load must still count each token once (the counters skip the rerun).
     run = moe_run(2, {"parallel.dp_shard": 2, "parallel.ep": 2, "training.activation_checkpoint": "full"}, tmp_path)
-    assert_same_curve(run, one_process)
-    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in one_process]
-    assert [r["aux_loss"] for r in run] == pytest.approx([r["aux_loss"] for r in one_process], rel=1e-5)
+    assert_same_curve(run, moe_one_process)
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in moe_one_process]
+    assert [r["aux_loss"] for r in run] == pytest.approx([r["aux_loss"] for r in moe_one_process], rel=1e-5)

@@ -14,7 +14,6 @@
 Every test drives the real command line (torchrun over train.py) and has hard deadlines.
 """
 
-import json
 import os
 import re
 import signal
@@ -26,16 +25,12 @@ from pathlib import Path
 import pytest
 
 from checkpoint.folder import published
-from launch.local_runs import DEBUG_CONFIG, ROOT, TorchrunLaunch, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, ROOT, TorchrunLaunch, read_metrics, run_train_cli
 from tests.training_runs import assert_same_curve
 
 TIMEOUT_S = 15  # parallel.collective_timeout_s in these tests
 TORCHRUN_GRACE_S = 30  # torchrun 2.13 waits this long after a worker failed before it SIGKILLs the others
 SLACK_S = 5  # noticing the failure, exiting, torchrun's 0.1 s monitor interval: measured ~1-3 s here
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def alive(pid: int) -> bool:
@@ -47,12 +42,9 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(shared_runs):
     """The uninterrupted 12-step run every interrupted one must end on (one process: fsdp2 matches it)."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    proc = run_train_cli(1, "--config", DEBUG_CONFIG, "--training.steps", "12", "--run.dir", str(run_dir))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return records(run_dir)
+    return shared_runs.records({"training.steps": 12})
 
 
 # ---- a stalled rank ----------------------------------------------------------------------------------------
@@ -162,7 +154,7 @@ def interrupted_then_resumed(
         1, "--config", DEBUG_CONFIG, *common[2:], "--checkpoint.interval", "4", "--checkpoint.resume", "auto"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_same_curve(records(run_dir), reference)
+    assert_same_curve(read_metrics(run_dir), reference)
 
 
 def test_sigterm_mid_run_saves_the_step_and_the_resume_continues_the_curve(tmp_path, reference):
@@ -206,7 +198,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_on_the_uninterrupted_curv
     text = run.text()
     assert code == 0, text[-4000:]
     assert re.search(r"checkpoint: resumed .*step-\d+ at step \d+", text), "the restarted workers must resume"
-    assert_same_curve(records(run_dir), reference)
+    assert_same_curve(read_metrics(run_dir), reference)
 
 
 def test_workers_whose_launcher_was_killed_save_and_exit(tmp_path):
@@ -334,7 +326,7 @@ def test_the_supervisor_relaunches_a_failed_run_until_it_completes(tmp_path, ref
     text = log.read_text()
     assert "meshloom supervise: failed (exit code 1); relaunch 1 of 2" in text
     assert re.search(r"checkpoint: resumed .*step-\d+ at step \d+", text)
-    assert_same_curve(records(run_dir), reference)
+    assert_same_curve(read_metrics(run_dir), reference)
 
 
 def test_the_supervisor_does_not_relaunch_bad_input(tmp_path):

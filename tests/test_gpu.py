@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from checkpoint.folder import published
-from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, read_metrics, run_train_cli
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,17 +29,13 @@ FP32_RTOL = 1e-4
 BF16_RTOL = 3e-3
 
 
-def records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def launch(tmp_path, name: str, nproc: int, *args: str, config: str = DEBUG_CONFIG) -> list[dict]:
     run_dir = tmp_path / name
     proc = run_train_cli(
         nproc, "--config", config, "--training.steps", str(PARITY_STEPS), "--run.dir", str(run_dir), *args, gpus=True
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return records(run_dir)
+    return read_metrics(run_dir)
 
 
 def assert_close(run: list[dict], reference: list[dict], rtol: float, keys=("loss",)) -> None:
@@ -157,7 +153,7 @@ def test_save_on_fsdp2_and_resume_on_tp2_on_gpus(cpu_reference, tmp_path):
     )
     assert second.returncode == 0, second.stderr[-3000:]
     assert list(published(run_dir / "checkpoints"))[-1] == PARITY_STEPS
-    assert_close(records(run_dir), cpu_reference, FP32_RTOL)
+    assert_close(read_metrics(run_dir), cpu_reference, FP32_RTOL)
 
 
 # ---- savers (docs/data_parallel.md sections 16-18); written without a GPU at hand, not run yet ----------------
@@ -251,7 +247,7 @@ def test_profiled_gpu_run_writes_a_memory_snapshot_and_logs_mfu(tmp_path):
     assert snapshot["segments"] and any(snapshot["device_traces"])  # what pytorch.org/memory_viz draws
     trace = json.loads((run_dir / "profile" / "rank0.pt.trace.json").read_text())
     assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])  # CUDA kernels were recorded
-    assert all(r["mfu"] == r["tflops"] / 100 for r in records(run_dir))
+    assert all(r["mfu"] == r["tflops"] / 100 for r in read_metrics(run_dir))
 
 
 def test_grouped_kv_attention_runs_on_the_flash_kernel_where_meshloom_says_it_does():

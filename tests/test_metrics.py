@@ -1,5 +1,4 @@
-import json
-
+from launch.local_runs import read_metrics
 from training.metrics import MetricsWriter
 
 
@@ -17,7 +16,7 @@ def test_resume_keeps_records_up_to_the_checkpoint_and_tolerates_a_torn_line(tmp
     writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=False, resume_step=2)
     writer.log(record(3))
     writer.close()
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in read_metrics(tmp_path)]
     assert steps == [1, 2, 3]
 
 

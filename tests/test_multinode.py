@@ -5,14 +5,13 @@ checkpoint folder that is not one folder shared by every rank (here: each "node"
 node-local /tmp would be) is refused at start, naming the fix, before any training.
 """
 
-import json
 import os
 import socket
 import subprocess
 import sys
 import time
 
-from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_train_cli
+from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, read_metrics
 from tests.training_runs import assert_same_curve
 
 
@@ -63,19 +62,16 @@ def two_nodes(tmp_path, per_node_args, timeout: float = 240) -> list[subprocess.
     return done
 
 
-def test_two_nodes_train_the_same_model_as_one_process(tmp_path):
-    reference = run_train_cli(
-        1, "--config", DEBUG_CONFIG, "--training.steps", str(PARITY_STEPS), "--run.dir", str(tmp_path / "one")
-    )
-    assert reference.returncode == 0, reference.stderr[-2000:]
+def test_two_nodes_train_the_same_model_as_one_process(one_process, tmp_path):
     shared = ["--run.dir", str(tmp_path / "run"), "--checkpoint.interval", "3"]
     for node in two_nodes(tmp_path, [shared, shared]):
         assert node.returncode == 0, node.stdout[-3000:]
-    records = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    assert_same_curve(records(tmp_path / "run"), records(tmp_path / "one"))
+    assert_same_curve(read_metrics(tmp_path / "run"), one_process)
 
 
 def test_a_checkpoint_folder_that_is_not_shared_is_refused_at_start(tmp_path):
+    # A rank waits min(30 s, collective_timeout_s / 4) for the others' markers before it declares them missing
+    # (checkpoint/folder.py: check_shared); a 20 s collective timeout makes that 5 s instead of the default 30.
     start = time.monotonic()
     nodes = two_nodes(
         tmp_path,
@@ -87,6 +83,8 @@ def test_a_checkpoint_folder_that_is_not_shared_is_refused_at_start(tmp_path):
                 "2",
                 "--checkpoint.folder",
                 str(tmp_path / f"local{n}"),
+                "--parallel.collective_timeout_s",
+                "20",
             ]
             for n in range(2)
         ],

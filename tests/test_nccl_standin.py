@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_training, train_on
+from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_training
 from launch.spawn import RankFailure, run_on_ranks
 from tests.training_runs import assert_same_curve
 
@@ -108,11 +108,11 @@ def test_control_plane_paths_work_on_an_accelerator_only_default_group(tmp_path)
     ],
     ids=["pp2-timeline", "moe-ep2", "cp2-ring-eval", "fsdp2-step-sync-bf16-reduce", "moe-tp2-profiled", "tp2-bf16"],
 )
-def test_training_runs_on_an_accelerator_only_default_group(overrides, config, tmp_path):
+def test_training_runs_on_an_accelerator_only_default_group(overrides, config, shared_runs, tmp_path):
     standin = run_on_ranks(run_training, 2, overrides, str(tmp_path / "standin"), config, backend=STANDIN, timeout=180)[
         0
     ]
-    plain = train_on(2, overrides, tmp_path / "gloo", config=config)
+    plain = shared_runs.records(overrides, config=config, world=2)
     assert_same_curve(standin, plain, rtol=0.0)  # the same groups do the same sums: bit for bit
     if overrides.get("run.pp_timeline"):
         assert (tmp_path / "standin" / "pipeline_timeline.svg").is_file()
@@ -123,7 +123,7 @@ def test_training_runs_on_an_accelerator_only_default_group(overrides, config, t
         ]
 
 
-def test_checkpoint_save_and_resume_on_an_accelerator_only_default_group(tmp_path):
+def test_checkpoint_save_and_resume_on_an_accelerator_only_default_group(shared_runs, tmp_path):
     """An async save on fsdp2 (DCP planning, publish agreement), then a resume (DCP load) on the stand-in."""
     layout = {"parallel.dp_shard": 2, "checkpoint.interval": 3, "checkpoint.async": True}
     half = PARITY_STEPS // 2
@@ -145,5 +145,5 @@ def test_checkpoint_save_and_resume_on_an_accelerator_only_default_group(tmp_pat
         backend=STANDIN,
         timeout=180,
     )[0]
-    plain = train_on(2, {"parallel.dp_shard": 2}, tmp_path / "gloo")
+    plain = shared_runs.records({"parallel.dp_shard": 2}, world=2)
     assert_same_curve(first + resumed, plain)

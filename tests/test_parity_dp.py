@@ -8,12 +8,6 @@ from tests.reference import reference_losses
 from tests.training_runs import assert_same_curve
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """train.py's core on a world of one: the reference every layout is compared with."""
-    return train_on(1, {}, tmp_path_factory.mktemp("one"))
-
-
 def test_the_cosine_schedule_matches_a_plain_training_loop(tmp_path):
     # warmup 1 of 6 steps: five steps on the cosine part, which the default warmup of 5 barely reaches.
     knobs = {"training.warmup_steps": 1}
@@ -21,13 +15,13 @@ def test_the_cosine_schedule_matches_a_plain_training_loop(tmp_path):
     assert_same_curve(train_on(1, knobs, tmp_path), reference_losses(cfg))
 
 
-def test_moe_one_process_matches_a_plain_training_loop(tmp_path):
+def test_moe_one_process_matches_a_plain_training_loop(shared_runs):
     # MoE with every knob on: aux loss, bias balancing, capacity with drops, a shared expert.
     moe = str(ROOT / "configs" / "debug_moe.toml")
     knobs = {"model.moe_bias_update_rate": 0.01, "model.moe_capacity_factor": 1.0}
     cfg = load_config(path=moe, overrides={"training.steps": PARITY_STEPS, **knobs})
     plain = reference_losses(cfg)
-    run = train_on(1, knobs, tmp_path, config=moe)
+    run = shared_runs.records(knobs, config=moe)  # also the reference of test_expert_parallel's bias test
     assert_same_curve(run, plain)
     assert [r["expert_load"] for r in run] == [r["expert_load"] for r in plain]
 
@@ -51,9 +45,10 @@ def test_one_process_matches_a_plain_training_loop(one_process):
     ],
     ids=["fsdp2", "fsdp4", "hsdp2x2", "replicate2"],
 )
-def test_data_parallel_matches_one_process(layout, one_process, tmp_path):
+def test_data_parallel_matches_one_process(layout, one_process, shared_runs):
     world = layout.get("parallel.dp_replicate", 1) * layout["parallel.dp_shard"]
-    assert_same_curve(train_on(world, layout, tmp_path), one_process)
+    # shared: test_nccl_standin.py compares its fsdp2 run with the same gloo run
+    assert_same_curve(shared_runs.records(layout, world=world), one_process)
 
 
 @pytest.mark.parametrize("policy", ["always", "never"])
@@ -67,12 +62,12 @@ def test_gradient_accumulation_matches_one_process(one_process, tmp_path):
     assert_same_curve(train_on(2, {"parallel.dp_shard": 2, "training.micro_batch": 2}, tmp_path), one_process)
 
 
-def test_clipping_uses_the_global_norm(tmp_path):
+def test_clipping_uses_the_global_norm(shared_runs, tmp_path):
     # A clip far below the measured norm (~1-3) rescales every step, so any rank that clipped by its own
     # shard's norm would drift from the one-process run at once.
     clip = {"training.grad_clip": 0.05}
-    reference = train_on(1, clip, tmp_path / "one")
-    sharded = train_on(4, {**clip, "parallel.dp_replicate": 2, "parallel.dp_shard": 2}, tmp_path / "hsdp")
+    reference = shared_runs.records(clip)
+    sharded = train_on(4, {**clip, "parallel.dp_replicate": 2, "parallel.dp_shard": 2}, tmp_path)
     assert_same_curve(sharded, reference)
     assert all(r["grad_norm"] > 0.5 for r in reference), "the clip should be active on every step"
 

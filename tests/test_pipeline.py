@@ -11,12 +11,6 @@ from runtime.config import ConfigError, load_config
 from tests.training_runs import assert_same_curve
 from train import check_config
 
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    return train_on(1, {}, tmp_path_factory.mktemp("one"))
-
-
 # ---- parity ----------------------------------------------------------------------------------------------
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]

@@ -31,7 +31,7 @@ from data.prepare import prepare
 from data.token_file import TOKENS, read_header
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # from_pretrained reads local folders here: never the network
-from launch.local_runs import ROOT, train_on
+from launch.local_runs import ROOT, read_metrics, train_on
 from tests.bpe import tiny_bpe
 from tests.training_runs import LOSS_RTOL, assert_same_curve
 
@@ -85,9 +85,9 @@ def settings(datasets, source, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(datasets, tmp_path_factory):
+def reference(datasets, shared_runs):
     """Step 2: one process on the JSONL folder."""
-    return train_on(1, settings(datasets, datasets[1]), tmp_path_factory.mktemp("ref"))
+    return shared_runs.records(settings(datasets, datasets[1]))
 
 
 def assert_same_val_loss(run: list[dict], ref: list[dict]) -> int:
@@ -270,7 +270,7 @@ def test_val_loss_reaches_the_console_metrics_jsonl_and_tensorboard(datasets, tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     # evaluated at step 2 (the interval) and step 3 (the last), logged even though log_every is 5
     assert [line.count("| val_loss ") for line in proc.stdout.splitlines() if line.startswith("step")] == [1, 1]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run)
     assert [r["step"] for r in records] == [2, 3] and all(r["val_loss"] > 0 for r in records)
     events = EventAccumulator(str(run / "tb"))
     events.Reload()

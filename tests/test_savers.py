@@ -27,13 +27,6 @@ from train import check_config
 UNITS = 5  # FSDP units of the debug model: 4 blocks + the root (embedding, final norm, head)
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """One process, PARITY_STEPS steps, saving at step 3: the curve and the checkpoint the runs below use."""
-    root = tmp_path_factory.mktemp("one")
-    return train_on(1, {"checkpoint.interval": 3, "checkpoint.folder": str(root / "ckpt")}, root / "run"), root / "ckpt"
-
-
 # ---- misuse is refused before any process group ------------------------------------------------------------
 
 
@@ -137,7 +130,7 @@ def test_step_sync_on_fsdp_reduce_scatters_once_per_step_at_parity(one_process, 
     once = counted_run(2, {**layout, "parallel.grad_sync": "step"}, tmp_path / "step")
     assert every["calls"] == {"reduce_scatter_single@shard": UNITS * k * steps}
     assert once["calls"] == {"reduce_scatter_single@shard": UNITS * steps}  # k-1 fewer per unit and step
-    assert_same_curve(once["records"], one_process[0])
+    assert_same_curve(once["records"], one_process)
 
 
 def test_step_sync_on_hsdp_all_reduces_across_replicas_once_per_step_at_parity(one_process, tmp_path):
@@ -155,7 +148,7 @@ def test_step_sync_on_hsdp_all_reduces_across_replicas_once_per_step_at_parity(o
         "reduce_scatter_single@shard": UNITS * k * steps,
         "all_reduce@replicate": UNITS * steps,  # microbatch: UNITS * k * steps (the collective-count test)
     }
-    assert_same_curve(once["records"], one_process[0])
+    assert_same_curve(once["records"], one_process)
 
 
 @pytest.mark.slow  # ~10 s: two scans of every live object per rank; the bench prints the same numbers
@@ -232,7 +225,7 @@ def test_cpu_offload_trains_at_parity(layout, one_process, tmp_path):
     offload = {**layout, "parallel.fsdp_cpu_offload": True}
     assert all(run_on_ranks(offload_applied, world, offload))
     # The offloaded shards take the same arithmetic, on the host: fp32 parity (LOSS_RTOL).
-    assert_same_curve(train_on(world, offload, tmp_path), one_process[0])
+    assert_same_curve(train_on(world, offload, tmp_path), one_process)
 
 
 def offload_bench_on_cpu() -> dict:
@@ -255,7 +248,7 @@ def test_the_offload_bench_runs_on_cpu():
 
 
 def test_offload_step_sync_and_bf16_reduction_save_and_resume_on_another_layout(one_process, tmp_path):
-    reference, _ = one_process
+    reference = one_process
     folder = {"checkpoint.folder": str(tmp_path / "ckpt")}
     saving = {
         "parallel.dp_shard": 2,
@@ -284,8 +277,8 @@ def test_offload_step_sync_and_bf16_reduction_save_and_resume_on_another_layout(
     assert_same_curve(resumed, reference[3:], rtol=GAP_BOUNDS["bf16"], keys=("loss",))
 
 
-def test_powersgd_resumes_from_a_checkpoint_and_its_checkpoint_resumes_elsewhere(one_process, tmp_path):
-    reference, saved = one_process
+def test_powersgd_resumes_from_a_checkpoint_and_its_checkpoint_resumes_elsewhere(one_process_saving, tmp_path):
+    reference, saved = one_process_saving
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved / "step-3", ckpt / "step-3")  # the reference's step 3 (its step 6 would be in the way)
     # Resume the one-process run's step 3 on PowerSGD. Its compressor state (error feedback, warm-start

@@ -137,3 +137,18 @@ def test_readme_map_lists_the_rooms_in_an_order_where_each_imports_only_those_ab
     for position, room in enumerate(order):
         later = graph[room] & set(order[position + 1 :])
         assert not later, f"{room} imports {sorted(later)}, listed after it in README's map"
+
+
+def test_a_missing_dev_dependency_fails_its_tests_instead_of_skipping_them():
+    """The dev extras (pyproject.toml) are always installed for the tests, so none may skip without one: no
+    ``pytest.importorskip`` and no ``except ImportError`` in tests/. Only the ``gpu`` marker skips (no CUDA)."""
+    found = []
+    for file in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.Attribute) and node.attr == "importorskip":
+                found.append(f"{file.name}:{node.lineno} importorskip")
+            if isinstance(node, ast.ExceptHandler) and node.type is not None:
+                names = [n.id for n in ast.walk(node.type) if isinstance(n, ast.Name)]
+                if {"ImportError", "ModuleNotFoundError"} & set(names):
+                    found.append(f"{file.name}:{node.lineno} except {'/'.join(names)}")
+    assert found == [], "tests that skip or work around a missing dependency"

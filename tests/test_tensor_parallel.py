@@ -19,11 +19,6 @@ from train import check_config
 # ---- parity ----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    return train_on(1, {}, tmp_path_factory.mktemp("one"))
-
-
 @pytest.mark.parametrize(
     "layout",
     [
