@@ -2,6 +2,7 @@
 
     python train.py                                   # the embedded default, one process
     torchrun --standalone --nproc-per-node 4 train.py --config configs/debug.toml --parallel.dp_shard 4
+    python train.py --dry-run --world-size 16 --config configs/debug.toml --parallel.tp 4   # check a layout
 
 Every layout trains the same model as one process: the initial weights are a function of (seed, name),
 each data-parallel rank reads its slice of the same global batches, and the loss is the sum of token
@@ -36,6 +37,7 @@ from mesh.comm_memory_savers import apply_powersgd, offload_policy, reduce_dtype
 from mesh.context_parallel import apply_context_parallel, load_balanced_positions
 from mesh.data_parallel import apply_fsdp
 from mesh.dims import Meshes, build_mesh, mesh_banner
+from mesh.dry_run import dry_run, parse_dry_run
 from mesh.expert_parallel import apply_expert_parallel, load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
 from mesh.materialize import check_placement, materialize_weights
@@ -457,7 +459,11 @@ def main(argv: list[str]) -> int:
         return 0
     cfg = None
     try:
+        dry, world_size, argv = parse_dry_run(argv)
         cfg = load_config(argv)
+        if dry:  # the config and the layout for world_size ranks, then stop (mesh/dry_run.py)
+            print(dry_run(cfg, world_size), flush=True)
+            return 0
         train(cfg)
     except ConfigError as exc:
         return fail(f"configuration error: {exc}", 2)
