@@ -1,8 +1,8 @@
 """How long the training thread stands still per checkpoint save: a synchronous save against an async one.
 
-    python -m bench.async_save                  # one process, a 17.7M-parameter model (about 2 minutes on 2 cores)
+    python -m bench.async_save                  # one process, an 18M-parameter model (1-2 minutes on 2 cores)
     python -m bench.async_save --world 2        # fsdp2 on 2 ranks
-    python -m bench.async_save --gpu            # on a GPU (pinned staging buffers, a side stream)
+    python -m bench.async_save --gpu            # on a GPU, a 160M-parameter model (pinned staging, a side stream)
 
 Both runs train the same model for ``--steps`` steps with a save every ``--interval`` steps, once with
 ``checkpoint.async false`` and once with ``true``, in one invocation. The *stall* of a save is the time the
@@ -17,10 +17,10 @@ changed):
   ends must wait for its last save whatever the mode.
 
 Printed: the median stall per save (the saves before the last step) of each mode, their ratio, and the median
-step time (train.py's timed window, saves not included) for scale. The model is the debug model widened until a save moves a few hundred MB (weights and Adam's
-two moments in fp32: 12 bytes per parameter), so the copy and the write are not lost in noise. On this
-machine's 2 shared cores the staging thread and the writing thread compete with training for CPU, so the
-async figure is an upper bound of what a GPU node sees (there, the copy is device-to-host over PCIe).
+step time (train.py's timed window, saves not included) for scale. The model is the debug model widened until
+a save moves a few hundred MB (weights and Adam's two moments in fp32: 12 bytes per parameter), so the copy
+and the write are not lost in noise. On a 2-core machine the staging and writing threads compete with
+training for the same cores, and the async figure includes that; on a GPU the copy is device-to-host.
 """
 
 from __future__ import annotations
@@ -38,6 +38,17 @@ SHAPE = {
     "model.vocab_size": 256,
     "training.seq_len": 128,
     "training.global_batch": 4,
+}
+# On a GPU (``--gpu``): 160M parameters, 1.8 GiB per save, so the device-to-host copy and the write show.
+GPU_SHAPE = {
+    "model.dim": 1024,
+    "model.n_layers": 8,
+    "model.n_heads": 16,
+    "model.n_kv_heads": 8,
+    "model.vocab_size": 32768,
+    "training.seq_len": 1024,
+    "training.global_batch": 8,
+    "training.mixed_precision": "bf16",
 }
 
 
@@ -87,7 +98,7 @@ def train_and_time_stalls(overrides: dict, run_dir: str) -> dict:
     finally:
         for name, method in originals.items():
             setattr(CheckpointManager, name, method)
-    tokens = SHAPE["training.global_batch"] * SHAPE["training.seq_len"]
+    tokens = overrides["training.global_batch"] * overrides["training.seq_len"]
     step_s = [tokens / r["tokens_per_s"] for r in records]  # train.py's timed window: the step without the save
     return {"saves": saves, "finish_s": finish_s[0], "step_s": step_s, "last_step": records[-1]["step"]}
 
@@ -103,12 +114,13 @@ def measure(world: int, steps: int, interval: int, gpu: bool, timeout: float = 1
     """Run both modes in this invocation; returns per mode the median stall per save and the median step."""
     from launch.spawn import run_on_ranks
 
+    shape = GPU_SHAPE if gpu else SHAPE
     layout = {"parallel.dp_shard": world} if world > 1 else {}
     device = {"training.device": "cuda" if gpu else "cpu"}
     results = {}
     for async_ in (False, True):
         overrides = {
-            **SHAPE,
+            **shape,
             **layout,
             **device,
             "training.steps": steps,
@@ -126,7 +138,7 @@ def measure(world: int, steps: int, interval: int, gpu: bool, timeout: float = 1
             "step_s": statistics.median(out["step_s"]),
         }
     results["ratio"] = results["sync"]["stall_s"] / max(results["async"]["stall_s"], 1e-9)
-    results["state_bytes"] = state_bytes(SHAPE)
+    results["state_bytes"] = state_bytes(shape)
     return results
 
 
