@@ -88,6 +88,16 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: 
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+def check_prompt(prompt: list[int], max_seq_len: int) -> None:
+    """A prompt must have at least one token and leave room for one more within ``max_seq_len``."""
+    if not prompt:
+        raise ConfigError("--prompt is empty; give at least one character (it is tokenized to at least one token).")
+    if len(prompt) >= max_seq_len:
+        raise ConfigError(
+            f"the prompt has {len(prompt)} tokens, no fewer than model.max_seq_len={max_seq_len}; shorten it."
+        )
+
+
 @torch.no_grad()
 def generate_tokens(
     model: Transformer,
@@ -100,14 +110,8 @@ def generate_tokens(
     eos_id: int | None = None,
 ) -> Iterator[int]:
     """The new token ids after ``prompt``, one at a time (steps 3-4 of the module docstring)."""
-    if not prompt:
-        raise ConfigError("--prompt is empty; give at least one character (it is tokenized to at least one token).")
-    limit = model.args.max_seq_len - len(prompt)
-    if limit <= 0:
-        raise ConfigError(
-            f"the prompt has {len(prompt)} tokens, no fewer than model.max_seq_len={model.args.max_seq_len}."
-        )
-    max_new_tokens = min(max_new_tokens, limit)
+    check_prompt(prompt, model.args.max_seq_len)
+    max_new_tokens = min(max_new_tokens, model.args.max_seq_len - len(prompt))
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     cache = KVCache(model.args, 1, len(prompt) + max_new_tokens, device=device, dtype=next(model.parameters()).dtype)
@@ -172,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         model = model.to(device).eval()
         prompt = tokenizer.encode(opts.prompt)
+        check_prompt(prompt, model.args.max_seq_len)  # refused before anything is echoed
         print(
             f"[{source} | {model.args.num_params():,} parameters | tokenizer {tokenizer.name} | "
             f"temperature {opts.temperature} top-k {opts.top_k} seed {opts.seed}]",

@@ -40,6 +40,7 @@ from mesh.dims import Meshes, build_mesh, mesh_banner
 from mesh.dry_run import dry_run, parse_dry_run
 from mesh.expert_parallel import apply_expert_parallel, load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
+from mesh.layout_rules import check_memory
 from mesh.materialize import check_placement, materialize_weights
 from mesh.pipeline import build_pipeline_schedule, build_stage_module, run_schedule
 from mesh.pipeline_timeline import PipelineTimeline, write_pipeline_timeline
@@ -68,13 +69,14 @@ from runtime.process import (
     destroy_process_group,
     device_time,
     init_process_group,
+    memory_per_rank,
     rank_from_env,
     select_device,
     sum_over,
     world_size_from_env,
 )
-from runtime.run_dir import RunLock, check_run_dir, lock_run_folders
-from runtime.signals import ParentWatch
+from runtime.run_dir import RunLock, all_on_one_node, check_run_dir, lock_run_folders
+from runtime.signals import ParentWatch, resume_command
 from training.evaluation import eval_due, evaluate
 from training.loss import token_loss_sum
 from training.metrics import MetricsWriter, format_step, peak_memory_bytes
@@ -106,6 +108,8 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
     Returns the layout plan and the resume decision (checkpoint/resume.py), each worked out once.
     """
     plan = LayoutPlan.resolve(cfg, world_size, rank)  # the config's values, then the layout's rules
+    if cfg.run.memory_check:  # the estimate per rank against the machine, before anything is allocated
+        check_memory(plan, cfg, memory_per_rank(cfg.training.device))
     check_data(cfg)  # tokenizer, token-file headers, vocab, dataset and validation-split sizes
     resume = find_resume(cfg, plan.model)
     # A run that resumes continues the metrics of run.dir instead of refusing them; so does a torchrun restart
@@ -210,13 +214,21 @@ def train(cfg: Config) -> list[dict]:
         if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: stop if torchrun dies
             watch = ParentWatch(grace_s=timeout_s + 60).start()
         device = select_device(t.device)
+        # The run folders are locked before any process group starts, so that a second run on them is refused
+        # in seconds; when every rank can look at the locks itself, every rank refuses at once
+        # (runtime/run_dir.py, step 2).
+        uses_checkpoints = cfg.checkpoint.interval > 0 or resume.candidates or resume.damaged
+        folders = [("run.dir", Path(cfg.run.dir))]
+        folders += [("checkpoint.folder", checkpoint_folder(cfg))] if uses_checkpoints else []
+        every_rank_looks = not dist.is_initialized() and all_on_one_node(world_size)
+        lock_error = lock_run_folders(folders, locks, rank, look=every_rank_looks)
+        if lock_error is not None and every_rank_looks:
+            raise lock_error
         recorder = enable_flight_recorder(cfg.run.dir)  # before any group: torch reads it when it makes one
-        if device.type == "cuda":  # NCCL's watchdog dumps there on a timeout; the folder must exist
+        if device.type == "cuda" and lock_error is None:  # NCCL's watchdog dumps there on a timeout
             recorder.mkdir(parents=True, exist_ok=True)
         control = init_process_group(device, timeout_s)
-        uses_checkpoints = cfg.checkpoint.interval > 0 or resume.candidates or resume.damaged
-        folders = [Path(cfg.run.dir)] + ([checkpoint_folder(cfg)] if uses_checkpoints else [])
-        lock_run_folders(folders, control, locks, is_rank0=dist.get_rank() == 0)
+        control.raise_if_any_failed(lock_error, "locking the run folders", ConfigError)
         torch.manual_seed(t.seed)
         meshes = build_mesh(
             dims,
@@ -404,12 +416,7 @@ def stop_after(cfg: Config, step: int, signum: int, checkpoints, parts, optimize
     checkpoints.finish()
     if cfg.checkpoint.interval > 0:
         saved = f"step {step} is saved in {checkpoints.folder}"
-        again = " ".join(
-            ["torchrun ..." if "TORCHELASTIC_RUN_ID" in os.environ else "python", "train.py", *sys.argv[1:]]
-        )
-        if "--checkpoint.resume" not in again:
-            again += " --checkpoint.resume auto"
-        how = f"resume with: {again}"
+        how = f"resume with: {resume_command()}"  # shell-quoted, the launcher's own options, resume auto
     else:
         saved = "nothing was saved (checkpoint.interval is 0)"
         how = "set --checkpoint.interval to save on the next stop"

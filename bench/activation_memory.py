@@ -16,8 +16,8 @@ Layouts: one process, tp=2 without SP, tp=2 and tp=4 with SP, each also with ``p
 it (meta ``Transformer`` -> ``apply_tensor_parallel`` -> ``materialize_weights``); its input is this rank's
 (b, s/tp, h) sequence shard with SP and the full (b, s, h) without.
 
-The formula (``formula_bytes``) lists what models/llama.py's block saves, in elements, for batch b, sequence
-s, model dim h, SwiGLU hidden size H and a query heads, on the SDPA path that CPU takes for fp32 causal
+The formula (``formula_bytes``, computed by mesh/memory_estimate.py) lists what models/llama.py's block saves,
+in elements, for batch b, sequence s, model dim h, SwiGLU hidden size H and a query heads, on the SDPA path that CPU takes for fp32 causal
 attention (``_scaled_dot_product_flash_attention_for_cpu``, which keeps a logsumexp, not the s x s scores):
 
     each RMSNorm            x (bsh), rsqrt(mean x^2) (bs), x * rsqrt (bsh)                  x 2 norms
@@ -131,25 +131,6 @@ def measure_on_ranks(args: ModelArgs, batch: int, seq: int, sequence_parallel: b
     return measure_block(args, batch, seq, dist.get_world_size(), sequence_parallel, regather)
 
 
-def formula_terms(
-    args: ModelArgs, batch: int, seq: int, tp: int, sequence_parallel: bool, regather: bool = False
-) -> dict[str, float]:
-    """Elements saved per rank, split by what divides them (see the module docstring for the list).
-
-    ``regather`` (``parallel.sp_regather``, with SP): the gathered inputs are saved as their sequence shards.
-    """
-    b, s, h, hidden, a = batch, seq, args.dim, args.hidden_dim, args.n_heads
-    g, t = args.n_kv_heads * args.head_dim, tp
-    norms = 4 * b * s * h + 2 * b * s  # 2 x (input, rsqrt, normalised input)
-    gathered = 2 * b * s * h  # the inputs of wq/wk/wv and of w1/w3
-    inner = 2 * b * s * h + 2 * b * s * g + a * b * s + 4 * b * s * hidden  # q, out; k, v; logsumexp; SwiGLU
-    return {
-        "norms": norms / t if sequence_parallel else norms,
-        "gathered": gathered / t if sequence_parallel and regather else gathered,
-        "inner": inner / t,
-    }
-
-
 def formula_bytes(
     args: ModelArgs,
     batch: int,
@@ -159,7 +140,20 @@ def formula_bytes(
     dtype_bytes: int = 4,
     regather: bool = False,
 ) -> float:
-    return dtype_bytes * sum(formula_terms(args, batch, seq, tp, sequence_parallel, regather).values())
+    """The formula of the module docstring, in bytes: mesh/memory_estimate.py's count for one block without
+    activation checkpointing (the library the layout planner and the memory checks use). ``regather``
+    (``parallel.sp_regather``, with SP): the gathered inputs are saved as their sequence shards."""
+    from mesh.memory_estimate import MemoryLayout, layer_activation_bytes
+
+    layout = MemoryLayout(
+        tp=tp,
+        seq_len=seq,
+        sequences_per_microbatch=batch,
+        mixed_precision="fp32" if dtype_bytes == 4 else "bf16",
+        sequence_parallel=sequence_parallel,
+        sp_regather=regather,
+    )
+    return layer_activation_bytes(args, 0, layout, "none")
 
 
 def table(args: ModelArgs = BENCH_ARGS, batch: int = BATCH, seq: int = SEQ, layouts=LAYOUTS) -> list[dict]:

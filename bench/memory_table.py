@@ -19,6 +19,7 @@ from models.llama import PRESETS
 K = 12  # fp32 master weights + Adam m + Adam v, 4 bytes each
 DP_SIZES = (8, 64, 512)
 GB = 1e9  # decimal gigabytes, as in the usual "175B x 4 bytes = 700 GB"
+MODELS = ("llama3-1b", "llama3-8b", "llama3-70b")  # the presets docs/data_parallel.md section 1 tabulates
 
 
 def bytes_per_rank(psi: int, n: int = 1) -> dict[str, float]:
@@ -42,7 +43,7 @@ def main() -> None:
     )
 
     print(f"{'model':<11} {'Ψ':>8} {'fp32 weights':>13} {'16 B/param':>11}")
-    for name, args in PRESETS.items():
+    for name, args in ((n, PRESETS[n]) for n in MODELS):
         psi = args.num_params()
         one = bytes_per_rank(psi)
         print(f"{name:<11} {psi / 1e9:>7.2f}B {one['fp32 weights'] / GB:>10.1f} GB {one['full state'] / GB:>8.1f} GB")
@@ -50,7 +51,7 @@ def main() -> None:
     print(
         f"\nGB per rank on N data-parallel ranks\n{'model':<11} {'N':>4} {'ZeRO-1':>8} {'ZeRO-2':>8} {'ZeRO-3/FSDP':>12}"
     )
-    for name, args in PRESETS.items():
+    for name, args in ((n, PRESETS[n]) for n in MODELS):
         for n in DP_SIZES:
             b = bytes_per_rank(args.num_params(), n)
             print(f"{name:<11} {n:>4} {b['ZeRO-1'] / GB:>8.1f} {b['ZeRO-2'] / GB:>8.1f} {b['ZeRO-3/FSDP'] / GB:>12.2f}")

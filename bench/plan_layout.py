@@ -1,150 +1,280 @@
-"""Plan a layout: the least model parallelism (tp x pp) that fits a dense Llama in GPU memory and in the batch.
+"""Plan a cluster run before renting it: memory, step time and throughput of each layout, for dense and MoE models.
 
-    .venv/bin/python -m bench.plan_layout [--gpus 8,64,512] [--gpu-mem-gb 80] [--seq-len 8192]
-                                          [--global-batch-tokens 4e6] [--commands] [--model dense-1t]
-    .venv/bin/python -m bench.plan_layout --ac     # measure what activation checkpointing keeps (CPU, seconds)
-    .venv/bin/python -m bench.plan_layout --model dense-1t --gpus 512 --time   # a time model per layout
+    python -m bench.plan_layout --model llama3-70b --gpu h100 --gpus 512              # search: fastest that fit
+    python -m bench.plan_layout --model llama3-405b --gpu h100 --gpus 8192 --global-batch-tokens 16777216 \\
+        --layout tp=8,cp=1,pp=16,dp=64,ep=1,schedule=Interleaved1F1B --json    # one given layout
+    python -m bench.plan_layout --model-shape dim=4096,n_layers=32,n_heads=32,n_kv_heads=8,vocab_size=32000,\\
+        ffn_dim=14336,n_experts=8,top_k=2,moe_ffn_dim=14336 --gpu h800 --gpus 64          # any shape, MoE too
+    python -m bench.plan_layout --validate [--markdown]   # the time model beside Megatron-LM's published runs
+    python -m bench.plan_layout --ac                      # measure what activation checkpointing keeps (CPU)
 
-Everything but --ac is arithmetic. Per GPU, in bytes, for Ψ parameters, L layers, width h, vocabulary V,
-sequence length s, one sequence per micro-batch, and the worst pipeline stage:
+Everything but --ac is arithmetic, in three modules:
 
-1. states      16Ψ/(tp·pp·dp): bf16 params 2 + bf16 grads 2 + fp32 master weights and Adam m, v 12 bytes per
-               parameter; TP and PP cut the model, FSDP (ZeRO-3) over dp shards what each of them holds.
-2. weights     bf16 copies FSDP gathers for compute. pp = 1: two blocks (the current one, the prefetched
-               next) and the root unit (embedding, head), which stays gathered: 2·(2·Ψ_layer + 2Vh)/tp. pp > 1:
-               torch's pipeline runtime keeps a stage's units gathered and accumulates its unsharded gradients
-               in fp32 until the step's last backward (torch/distributed/pipelining/stage.py:
-               backward_maybe_with_nosync; mesh/data_parallel.py: reshard_after_forward_policy): 6Ψ/(tp·pp).
-3. activations Korthikanti et al. (2022), bf16, with sequence parallelism (everything / tp) and flash attention
-               (their 5·a·s/h term, the s x s scores, is gone): 34·s·h/tp per layer and micro-batch. With full
-               activation checkpointing a layer keeps only its input, 2·s·h/tp, and backward rebuilds one layer
-               at a time: + 34·s·h/tp. A stage has L/pp layers; under 1F1B the first stage holds min(pp, m)
-               micro-batches, the last holds one, plus the logits below.
-4. logits      12·s·V/tp on the last stage: bf16 logits, their fp32 copy and log-softmax (training/loss.py:
-               token_loss_sum), and fp32 gradients when backward starts; vocab-sharded by loss_parallel.
+1. **Memory** per rank, mesh/memory_estimate.py (the library the dry run and the pre-allocation check use too):
+   states, gathered weights, activations per layer (grouped-query attention's K/V at their own width; with and
+   without SP; no s x s scores), micro-batches in flight per schedule, logits. A layout fits when its fullest
+   rank's total is at most the GPU's memory, less ``HEADROOM`` for what the estimate leaves out.
+2. **Time** per step, bench/step_time.py: matmuls at one efficiency per GPU, memory-bound kernels at the
+   memory bandwidth, exposed TP/CP/EP/PP/DP communication from message sizes and link bandwidths, the bubble
+   per schedule, recomputation under activation checkpointing; uneven pipeline stages (the layers split by
+   FLOPs, mesh/pipeline.py: split_layers) are timed by the slowest.
+3. **The check against published runs**, bench/published_runs.py: Megatron-LM's Table 1 (Narayanan et al.
+   2021), predicted beside published, with each row's error.
 
-Batch, in sequences: B = global_batch_tokens / s, a cap set by convergence, split as micro-batch (1 sequence)
-x dp x accumulation: every dp rank takes m = floor(B/dp) micro-batches per step, so dp <= B. A pipeline
-needs m >= pp (1F1B), and its bubble (pp-1)/(m+pp-1) is under 20% exactly when m > 4(pp-1), i.e.
-m >= 4·pp - 3: dp x (4·pp - 3) sequences is then a floor on the global batch. DP and PP consume batch; TP does
-not (its ranks share the same tokens).
-
-FSDP traffic per GPU per step (ring, over dp): pp = 1 all-gathers bf16 weights for forward and again for
-backward and reduce-scatters fp32 gradients on every micro-batch, 8Ψ/tp·m·(dp-1)/dp; pp > 1 does it once
-per step, 6Ψ/(tp·pp)·(dp-1)/dp. Printed for comparison; the choice below looks at memory only.
-
-Choice: tp in {1, 2, 4, 8} (inside an 8-GPU node, dividing heads, kv heads, FFN, vocabulary and s), pp a
-divisor of L, dp = GPUs/(tp·pp). Candidates in order of tp·pp, larger tp first on ties; each without AC,
-then with full AC; the first that fits memory and batch wins. Not modelled: time (communication, the
-bubble's cost, recomputation's +1 forward), fragmentation, NCCL buffers, the CUDA context, optimizer-step
-temporaries. GB = 1e9 bytes, as in bench/memory_table.py.
+Search mode tries tp in {1, 2, 4, 8} (dividing heads, kv heads, FFN and vocabulary), cp in {1, 2, 4, 8}, every
+pp up to the layer count that divides the GPUs (uneven stages allowed), ep dividing the experts and dp, the
+1F1B and Interleaved1F1B schedules, and no, selective or full activation checkpointing; dp takes the rest.
+Each data-parallel rank runs m = B / dp micro-batches of one sequence, B = global batch tokens / seq_len
+(rounded down to a multiple of dp: the batch a layout can use). Layouts that fit are ranked by tokens per
+second per GPU; the best one's meshloom command closes the output. ``--json`` prints one object per layout:
+memory_gb, fits, step_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu and the breakdown in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import sys
 
 import torch
 
+from bench.step_time import (
+    MESHLOOM,
+    Layout,
+    LlamaWorkload,
+    matmul_efficiency,
+    memory_layout,
+    planner_gpu,
+    stage_ids,
+    step_time,
+)
+from mesh.memory_estimate import rank_memory
+from mesh.pipeline import SCHEDULE_FAMILIES
+from models.flops import flops_per_token
 from models.llama import PRESETS, ModelArgs
+from models.moe import MoEArgs
+from training.throughput import PLANNER_GPUS
 
 GPUS_PER_NODE = 8
-TP_DEGREES = (1, 2, 4, 8)
-ACT_BYTES_PER_SH = 34  # Korthikanti et al., per layer without the attention-score term
-AC_BYTES_PER_SH = 2  # full checkpointing: the layer's bf16 input
-LOGIT_BYTES = 12  # per (token, vocabulary entry) around the loss, see the docstring
 GB = 1e9
+HEADROOM = 0.9  # of a GPU's memory the estimate may fill: the CUDA context, NCCL buffers and fragmentation
+TP_DEGREES = CP_DEGREES = (1, 2, 4, 8)
+AC_MODES = ("none", "selective", "full")
+SEARCH_SCHEDULES = ("1F1B", "Interleaved1F1B")
 _V = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, max_seq_len=8192)
 MODELS: dict[str, ModelArgs] = {
-    "llama3-8b": PRESETS["llama3-8b"],
+    **PRESETS,
     "dense-10b": ModelArgs(dim=5120, n_layers=32, n_heads=40, ffn_dim=14336, **_V),
-    "llama3-70b": PRESETS["llama3-70b"],
     "dense-100b": ModelArgs(dim=10240, n_layers=72, n_heads=80, ffn_dim=36864, **_V),
     "dense-1t": ModelArgs(dim=25600, n_layers=128, n_heads=160, ffn_dim=90112, **_V),
 }
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "rope_theta", "max_seq_len")
+MOE_KEYS = ("n_experts", "top_k", "moe_ffn_dim", "moe_every", "moe_shared_experts")
 
 
-def states_bytes(psi: int, tp: int, pp: int, dp: int) -> float:
-    """Term 1: bf16 params + grads, fp32 master weights + Adam m, v, split by TP and PP, FSDP over dp."""
-    return 16 * psi / (tp * pp * dp)
+def model_from_shape(text: str) -> ModelArgs:
+    """``dim=...,n_layers=...,...`` (ModelArgs' fields; MoE with n_experts, top_k, moe_ffn_dim, moe_every,
+    moe_shared_experts, as the config's model.* keys name them)."""
+    fields = dict(kv.split("=") for kv in text.split(",") if kv)
+    unknown = set(fields) - set(SHAPE_KEYS) - set(MOE_KEYS)
+    if unknown:
+        raise ValueError(f"--model-shape: unknown keys {sorted(unknown)}; use {', '.join(SHAPE_KEYS + MOE_KEYS)}")
+    args = ModelArgs(**{k: float(v) if k == "rope_theta" else int(v) for k, v in fields.items() if k in SHAPE_KEYS})
+    if int(fields.get("n_experts", 0)):
+        top_k = int(fields.get("top_k", 2))
+        args.moe = MoEArgs(
+            n_experts=int(fields["n_experts"]),
+            top_k=top_k,
+            hidden_dim=int(fields.get("moe_ffn_dim", 0)) or max(1, args.hidden_dim // top_k),
+            n_shared_experts=int(fields.get("moe_shared_experts", 0)),
+        )
+        args.moe_every = int(fields.get("moe_every", 1))
+    return args
 
 
-def candidates(args: ModelArgs, gpus: int, seq_len: int):
-    """(tp, pp, dp) in the order the planner tries them: tp·pp ascending, larger tp first."""
-    sizes = (args.n_heads, args.n_kv_heads, args.hidden_dim, args.vocab_size, seq_len)
-    tps = [t for t in TP_DEGREES if t <= min(GPUS_PER_NODE, gpus) and not any(x % t for x in sizes)]
-    pps = [p for p in range(1, args.n_layers + 1) if args.n_layers % p == 0]
-    found = [(t, p, gpus // (t * p)) for t in tps for p in pps if gpus % (t * p) == 0]
-    return sorted(found, key=lambda c: (c[0] * c[1], -c[0]))
+def parse_layout(text: str, args: ModelArgs, seq_len: int) -> Layout:
+    """``tp=..,cp=..,pp=..,dp=..,ep=..`` plus optional dp_replicate, schedule, v (stages per rank), mb (sequences
+    per micro-batch), ac and cp_attention. Uneven pipeline stages are split by FLOPs (mesh/pipeline.py)."""
+    fields = dict(kv.split("=") for kv in text.split(",") if kv)
+    ints = {k: int(fields.pop(k)) for k in ("tp", "cp", "pp", "dp", "ep", "dp_replicate", "v", "mb") if k in fields}
+    schedule = fields.pop("schedule", "1F1B")
+    ac = fields.pop("ac", "full")
+    cp_attention = fields.pop("cp_attention", "allgather")
+    if fields:
+        raise ValueError(
+            f"--layout: unknown keys {sorted(fields)}; use tp, cp, pp, dp, ep, dp_replicate, schedule, v, "
+            "mb, ac, cp_attention"
+        )
+    for key, value, allowed in (
+        ("schedule", schedule, tuple(SCHEDULE_FAMILIES)),
+        ("ac", ac, AC_MODES),
+        ("cp_attention", cp_attention, ("allgather", "ring")),
+    ):
+        if value not in allowed:
+            raise ValueError(f"--layout {key}={value} is unknown; choose one of {', '.join(allowed)}")
+    if any(value < 1 for value in ints.values()):
+        raise ValueError(f"--layout: every degree must be >= 1, got {ints}")
+    v = ints.get("v", 2 if schedule not in ("GPipe", "1F1B") else 1)
+    layout = Layout(
+        tp=ints.get("tp", 1),
+        cp=ints.get("cp", 1),
+        pp=ints.get("pp", 1),
+        dp=ints.get("dp", 1),
+        ep=ints.get("ep", 1),
+        dp_replicate=ints.get("dp_replicate", 1),
+        schedule=schedule if ints.get("pp", 1) > 1 else "1F1B",
+        stages_per_rank=v if ints.get("pp", 1) > 1 else 1,
+        sequences_per_microbatch=ints.get("mb", 1),
+        ac=ac,
+        cp_attention=cp_attention,
+    )
+    return with_split(args, layout, seq_len)
 
 
-def estimate(args: ModelArgs, tp: int, pp: int, dp: int, ac: bool, seq_len: int, batch: int) -> dict:
-    """Per-GPU bytes of the worst stage for one layout, and its batch arithmetic (terms 1-4 of the docstring)."""
-    psi, h, s, vocab, layers = args.num_params(), args.dim, seq_len, args.vocab_size, args.n_layers
-    m = batch // dp  # micro-batches of one sequence per dp rank per step (accumulation, or the pipeline's m)
-    layer_params = (psi - 2 * vocab * h - h) / layers
-    weights = (6 * psi / pp if pp > 1 else 2 * (2 * layer_params + 2 * vocab * h)) / tp
-    fsdp = (6 * psi / (tp * pp) if pp > 1 else 8 * psi / tp * m) * (dp - 1) / dp
-    per_layer = (AC_BYTES_PER_SH if ac else ACT_BYTES_PER_SH) * s * h / tp
-    rebuild = ACT_BYTES_PER_SH * s * h / tp if ac else 0.0
-    logits = LOGIT_BYTES * s * vocab / tp
-    first = min(pp, max(m, 1)) * (layers // pp) * per_layer + rebuild + (logits if pp == 1 else 0.0)
-    last = (layers // pp) * per_layer + rebuild + logits
-    acts = max(first, last)
-    states = states_bytes(psi, tp, pp, dp)
+def with_split(args: ModelArgs, layout: Layout, seq_len: int) -> Layout:
+    """The layout with its stages' layers: meshloom's FLOPs-balanced split (any pp up to the layer count)."""
+    if layout.pp == 1:
+        return layout
+    split = flops_split(args, layout.n_stages, seq_len)
+    return Layout(**{**vars(layout), "stage_layers": split})
+
+
+_SPLITS: dict[tuple, tuple[tuple[int, ...], ...]] = {}
+
+
+def flops_split(args: ModelArgs, n_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
+    """mesh/pipeline.py's ``pp_split flops`` (what the printed command asks for), remembered per shape."""
+    from mesh.pipeline import split_layers
+
+    key = (repr(args), n_stages, seq_len)
+    if key not in _SPLITS:
+        _SPLITS[key] = tuple(tuple(s) for s in split_layers(args, n_stages, "flops", seq_len))
+    return _SPLITS[key]
+
+
+# ---- one layout ------------------------------------------------------------------------------------------------
+
+
+def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, tokens: float) -> dict:
+    """Memory and time of one layout, as the ``--json`` object (see the module docstring)."""
+    gpu = planner_gpu(gpu_name)
+    replicas = layout.dp * layout.dp_replicate
+    m = int(tokens // seq_len) // (replicas * layout.sequences_per_microbatch)
+    batch = m * replicas * layout.sequences_per_microbatch
+    workload = LlamaWorkload(args, seq_len)
+    mem_layout = memory_layout(layout, seq_len, m)
+    stages = [list(s) for s in layout.stage_layers] if layout.stage_layers else [list(range(args.n_layers))]
+    ranks = [rank_memory(args, mem_layout, stages, r, stage_ids(layout, r)) for r in range(layout.pp)]
+    worst = max(range(layout.pp), key=lambda r: ranks[r].total)
+    out = {
+        "gpu": gpu_name,
+        "gpus": layout.gpus,
+        **{k: getattr(layout, k) for k in ("tp", "cp", "pp", "dp", "ep", "dp_replicate")},
+        "schedule": layout.schedule if layout.pp > 1 else None,
+        "stages_per_rank": layout.stages_per_rank,
+        "stage_layers": [len(s) for s in stages] if layout.pp > 1 else None,
+        "activation_checkpoint": layout.ac,
+        "seq_len": seq_len,
+        "global_batch": batch,
+        "microbatches": m,
+        "memory_gb": ranks[worst].total / GB,
+        "memory_rank": worst,
+        "memory_breakdown_gb": {k: v / GB for k, v in vars(ranks[worst]).items()},
+        "fits": m >= 1 and ranks[worst].total <= HEADROOM * gpu.hbm_gb * GB,
+    }
+    if m < 1:
+        return {**out, "fits": False, "why": f"the batch ({int(tokens // seq_len)} sequences) is smaller than dp"}
+    t = step_time(workload, layout, MESHLOOM, gpu, batch)
+    tokens_per_s = batch * seq_len / t.step / layout.gpus
+    tflops = flops_per_token(args, seq_len) * tokens_per_s / 1e12
     return {
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "ac": ac,
-        "m": m,
-        "global_batch": m * dp,
-        "bubble": (pp - 1) / (m + pp - 1) if m else 1.0,
-        "batch_ok": m >= 1 and (pp == 1 or m >= pp),
-        "fsdp": fsdp,
-        "states": states,
-        "weights": weights,
-        "acts": acts,
-        "total": states + weights + acts,
+        **out,
+        "step_s": t.step,
+        "tokens_per_s_per_gpu": tokens_per_s,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / gpu.bf16_tflops,
+        "matmul_efficiency": matmul_efficiency(gpu),
+        "breakdown_s": {
+            "compute": t.matmul,
+            "memory_bound": t.memory_bound,
+            "recompute": t.recompute,
+            "tp": t.tp,
+            "cp": t.cp,
+            "ep": t.ep,
+            "pp": t.pp,
+            "dp": t.dp,
+            "bubble": t.bubble,
+            "optimizer": t.optimizer,
+        },
     }
 
 
-def layouts(args: ModelArgs, gpus: int, seq_len: int, batch: int):
-    """Every candidate's estimate in the planner's order: tp·pp ascending, larger tp first, no AC before AC."""
-    for tp, pp, dp in candidates(args, gpus, seq_len):
-        yield from (estimate(args, tp, pp, dp, ac, seq_len, batch) for ac in (False, True))
+# ---- the search --------------------------------------------------------------------------------------------
 
 
-def fitting(args: ModelArgs, gpus: int, mem_gb: float, seq_len: int, batch: int):
-    return (e for e in layouts(args, gpus, seq_len, batch) if e["batch_ok"] and e["total"] <= mem_gb * GB)
+def candidates(args: ModelArgs, gpus: int, seq_len: int, batch: int):
+    """Every layout the search tries (module docstring), with its stages' layers."""
+    dividing = (args.n_heads, args.n_kv_heads, args.vocab_size, args.hidden_dim)  # mesh/layout_rules.py: layout_errors
+    tps = [t for t in TP_DEGREES if t <= min(GPUS_PER_NODE, gpus) and not any(x % t for x in dividing)]
+    experts = args.moe.n_experts if args.moe else 1
+    for tp in tps:
+        for cp in CP_DEGREES:
+            if (cp > 1 and seq_len % (2 * cp)) or (seq_len // cp) % tp:  # mesh/plan.py's CP and SP rules
+                continue
+            for pp in range(1, args.n_layers + 1):
+                if gpus % (tp * cp * pp):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                m = batch // dp
+                if m < 1:
+                    continue
+                for ep in [e for e in range(1, experts + 1) if experts % e == 0 and dp % e == 0]:
+                    if ep > 1 and cp > 1:
+                        continue
+                    for schedule in SEARCH_SCHEDULES if pp > 1 else ("1F1B",):
+                        v = 2 if schedule == "Interleaved1F1B" else 1
+                        if pp * v > args.n_layers or (pp > 1 and m < pp):
+                            continue
+                        if schedule == "Interleaved1F1B" and m % max(1, m // pp):
+                            continue
+                        base = Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, schedule=schedule, stages_per_rank=v)
+                        base = with_split(args, base, seq_len)
+                        for ac in AC_MODES:
+                            yield Layout(**{**vars(base), "ac": ac})
 
 
-def plan(args: ModelArgs, gpus: int, mem_gb: float, seq_len: int, batch: int) -> dict | None:
-    """The first layout that fits in memory and in the batch; None if none does."""
-    return next(fitting(args, gpus, mem_gb, seq_len, batch), None)
+def search(args: ModelArgs, gpu_name: str, gpus: int, seq_len: int, tokens: float) -> list[dict]:
+    """Every candidate evaluated; those that fit first, fastest first, then the rest by memory."""
+    batch = int(tokens // seq_len)
+    found = [evaluate(args, layout, gpu_name, seq_len, tokens) for layout in candidates(args, gpus, seq_len, batch)]
+    fits = sorted((e for e in found if e["fits"]), key=lambda e: -e["tokens_per_s_per_gpu"])
+    return fits + sorted((e for e in found if not e["fits"]), key=lambda e: e["memory_gb"])
 
 
-def why_not(args: ModelArgs, gpus: int, mem_gb: float, seq_len: int, batch: int) -> str:
-    if (states := states_bytes(args.num_params(), 1, 1, gpus)) > mem_gb * GB:
-        return f"no: 16Ψ/{gpus} = {states / GB:.0f} GB of states alone"
-    fits = [e for e in layouts(args, gpus, seq_len, batch) if e["total"] <= mem_gb * GB]
-    if fits:
-        need = min(e["dp"] * e["pp"] for e in fits)
-        return f"no: batch too small; the layouts that fit in memory need >= {need:,} sequences (dp x pp)"
-    return "no: activations and gathered weights do not fit, even with tp=8 and full AC"
+# ---- the meshloom command ------------------------------------------------------------------------------------
 
 
-def command(args: ModelArgs, e: dict, gpus: int, seq_len: int) -> str:
-    """The meshloom command line for a planned layout: one torchrun agent per node of 8 GPUs."""
-    nodes, rdzv = max(1, gpus // GPUS_PER_NODE), " --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500"
-    launch = f"torchrun --nnodes {nodes} --nproc-per-node {min(GPUS_PER_NODE, gpus)}" + (rdzv if nodes > 1 else "")
-    return " ".join([launch, "train.py", *(f"--{k} {v}" for k, v in overrides(args, e, seq_len))])
-
-
-def overrides(args: ModelArgs, e: dict, seq_len: int) -> list[tuple[str, str]]:
-    """The dotted config overrides of ``command`` (the test feeds them to train.check_config)."""
-    pipeline = [("parallel.pp_schedule", "1F1B"), ("parallel.pp_microbatches", e["m"])] if e["pp"] > 1 else []
+def overrides(args: ModelArgs, e: dict) -> list[tuple[str, str]]:
+    """The dotted config overrides of a planned layout ``e`` (tests feed them to train.check_config)."""
+    moe = []
+    if args.moe is not None:
+        m = args.moe
+        moe = [
+            ("model.n_experts", m.n_experts),
+            ("model.top_k", m.top_k),
+            ("model.moe_ffn_dim", m.hidden_dim),
+            ("model.moe_every", args.moe_every),
+            ("model.moe_shared_experts", m.n_shared_experts),
+        ]
+    pipeline = []
+    if e["pp"] > 1:
+        pipeline = [
+            ("parallel.pp_schedule", e["schedule"]),
+            ("parallel.pp_microbatches", e["microbatches"]),
+            ("parallel.pp_split", "flops"),
+        ]
+    per_microbatch = e["global_batch"] // (e["dp"] * e["dp_replicate"] * e["microbatches"])
     pairs = [
         ("model.dim", args.dim),
         ("model.n_layers", args.n_layers),
@@ -153,65 +283,175 @@ def overrides(args: ModelArgs, e: dict, seq_len: int) -> list[tuple[str, str]]:
         ("model.ffn_dim", args.hidden_dim),
         ("model.vocab_size", args.vocab_size),
         ("model.rope_theta", int(args.rope_theta)),
-        ("model.max_seq_len", max(seq_len, args.max_seq_len)),
+        ("model.max_seq_len", max(e["seq_len"], args.max_seq_len)),
+        *moe,
         ("parallel.tp", e["tp"]),
+        ("parallel.cp", e["cp"]),
         ("parallel.pp", e["pp"]),
+        ("parallel.ep", e["ep"]),
+        *([("parallel.dp_replicate", e["dp_replicate"])] if e["dp_replicate"] > 1 else []),
         ("parallel.dp_shard", -1),
         *pipeline,
-        ("training.seq_len", seq_len),
+        ("training.seq_len", e["seq_len"]),
         ("training.global_batch", e["global_batch"]),
-        ("training.micro_batch", 1 if e["pp"] == 1 else 0),
+        ("training.micro_batch", 0 if e["pp"] > 1 else per_microbatch),
         ("training.mixed_precision", "bf16"),
-        ("training.activation_checkpoint", "full" if e["ac"] else "none"),
+        ("training.activation_checkpoint", e["activation_checkpoint"]),
     ]
     return [(k, str(v)) for k, v in pairs]
 
 
+def command(args: ModelArgs, e: dict) -> str:
+    """The meshloom command line for a planned layout: one torchrun agent per node of 8 GPUs."""
+    gpus = e["gpus"]
+    nodes, rdzv = max(1, gpus // GPUS_PER_NODE), " --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500"
+    launch = f"torchrun --nnodes {nodes} --nproc-per-node {min(GPUS_PER_NODE, gpus)}" + (rdzv if nodes > 1 else "")
+    return " ".join([launch, "train.py", *(f"--{k} {v}" for k, v in overrides(args, e))])
+
+
+# ---- printing ------------------------------------------------------------------------------------------------
+
 HEADER = (
-    f"{'model':<11} {'Ψ':>7} {'GPUs':>5} {'tp':>3} {'pp':>3} {'dp':>5} {'AC':>4} {'batch':>5} {'m':>4} {'bubble':>7}"
-    f" {'states':>7} {'weights':>8} {'activ.':>7} {'total GB':>9} {'FSDP GB/step':>13}"
+    f"{'tp':>2} {'cp':>2} {'pp':>3} {'dp':>5} {'ep':>2} {'schedule':<15} {'AC':<9} {'batch':>5} {'m':>4} {'mem GB':>6} "
+    f"{'step s':>8} {'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>5}  compute mem-bd recomp     TP     CP     EP"
+    f"     PP     DP bubble"
 )
 
 
-def bubble_above_20_percent(e: dict) -> bool:
-    """(pp-1)/(m+pp-1) >= 0.2 exactly when m <= 4(pp-1)."""
-    return e["pp"] > 1 and e["m"] <= 4 * (e["pp"] - 1)
-
-
-def row(lead: str, e: dict) -> str:
-    low = "*" if bubble_above_20_percent(e) else " "
+def row(e: dict) -> str:
+    if "step_s" not in e:
+        return f"{e['tp']:>2} {e['cp']:>2} {e['pp']:>3} {e['dp']:>5} {e['ep']:>2}  {e.get('why', '')}"
+    b = e["breakdown_s"]
+    schedule = e["schedule"] or "-"
+    parts = " ".join(
+        f"{b[k]:>6.2f}" for k in ("compute", "memory_bound", "recompute", "tp", "cp", "ep", "pp", "dp", "bubble")
+    )
     return (
-        f"{lead} {e['tp']:>3} {e['pp']:>3} {e['dp']:>5} {'full' if e['ac'] else 'none':>4} {e['global_batch']:>5} "
-        f"{e['m']:>4} {e['bubble']:>6.1%}{low}{e['states'] / GB:>7.1f} {e['weights'] / GB:>8.1f} "
-        f"{e['acts'] / GB:>7.1f} {e['total'] / GB:>9.1f} {e['fsdp'] / GB:>13,.1f}"
+        f"{e['tp']:>2} {e['cp']:>2} {e['pp']:>3} {e['dp']:>5} {e['ep']:>2} {schedule:<15} "
+        f"{e['activation_checkpoint']:<9} {e['global_batch']:>5} {e['microbatches']:>4} {e['memory_gb']:>6.1f} {e['step_s']:>8.2f} "
+        f"{e['tokens_per_s_per_gpu']:>9,.0f} {e['tflops_per_gpu']:>7.0f} {e['mfu']:>5.1%} {parts}"
     )
 
 
-def main_plan(gpu_counts, mem_gb: float, seq_len: int, tokens: float, only: str | None, show_commands: bool) -> None:
-    batch = int(tokens // seq_len)
-    print(f"global batch {tokens:,.0f} tokens / seq_len {seq_len:,} = B = {batch:,} sequences per step (a cap)")
-    print("  B >= micro-batch (1 sequence) x dp x accumulation; every dp rank runs m = floor(B/dp) micro-batches")
-    print(f"  pipeline bubble (pp-1)/(m+pp-1) < 20% needs m > 4(pp-1): dp x (4·pp-3) <= {batch:,}")
-    print(f"GPU memory {mem_gb:g} GB; bf16 + fp32 master weights + Adam, FSDP (ZeRO-3) over dp; 1F1B for pp > 1")
-    print("all arithmetic (see the docstring); batch = sequences used per step\n" + HEADER)
-    commands = []
-    for name, args in MODELS.items():
-        if only and name != only:
-            continue
-        for gpus in gpu_counts:
-            lead = f"{name:<11} {args.num_params() / 1e9:>6.1f}B {gpus:>5}"
-            if only:  # every layout that fits memory and batch, in the planner's order
-                print("\n".join(row(lead, e) for e in fitting(args, gpus, mem_gb, seq_len, batch)))
-                continue
-            e = plan(args, gpus, mem_gb, seq_len, batch)
-            if e is None:
-                print(f"{lead}   {why_not(args, gpus, mem_gb, seq_len, batch)}")
-                continue
-            print(row(lead, e))
-            commands.append(f"# {name} on {gpus} GPUs\n{command(args, e, gpus, seq_len)}")
-    print("* m <= 4(pp-1): the bubble is 20% or more; a larger global batch (or fewer dp ranks) would shrink it")
-    if show_commands:
-        print("\n" + "\n".join(commands))
+def gpu_markdown() -> str:
+    """The planner's GPUs and the figures it uses (training/throughput.py: GPUS), as docs/combining.md shows them."""
+    lines = [
+        "| --gpu | bf16 peak TFLOP/s | MAMF | matmul efficiency | HBM GB | HBM TB/s | NVLink GB/s | network GB/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key in PLANNER_GPUS:
+        g = planner_gpu(key)
+        lines.append(
+            f"| {key} | {g.bf16_tflops:g} | {g.mamf_tflops:g} | {matmul_efficiency(g):.3f} | {g.hbm_gb:g} "
+            f"| {g.hbm_tb_s:g} | {g.nvlink_gb_s:g} | {g.network_gb_s:g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def describe(args: ModelArgs, name: str, gpu_name: str, seq_len: int, tokens: float) -> str:
+    gpu = planner_gpu(gpu_name)
+    kind = f", MoE {args.moe.n_experts} experts top-{args.moe.top_k}" if args.moe else ""
+    return (
+        f"{name}: {args.num_params() / 1e9:,.1f}B parameters{kind}, {flops_per_token(args, seq_len) / 1e9:,.1f} "
+        f"GFLOP per token at seq_len {seq_len:,}; batch {int(tokens // seq_len):,} sequences ({tokens:,.0f} tokens)\n"
+        f"{gpu_name}: {gpu.bf16_tflops:g} TFLOP/s bf16 peak, matmuls at {matmul_efficiency(gpu):.3f} of it; "
+        f"{gpu.hbm_gb:g} GB at {gpu.hbm_tb_s:g} TB/s; NVLink {gpu.nvlink_gb_s:g} GB/s, network {gpu.network_gb_s:g} "
+        f"GB/s per GPU and direction; a layout fits under {HEADROOM:.0%} of the memory\n"
+        "seconds per step: compute (matmuls), mem-bd (memory-bound kernels), recomp (recomputed forward), exposed "
+        "TP/CP/EP/PP/DP communication, bubble"
+    )
+
+
+def main_plan(
+    args: ModelArgs, name: str, gpu_name: str, gpus: int, seq_len: int, tokens: float, top: int, as_json: bool
+):
+    found = search(args, gpu_name, gpus, seq_len, tokens)
+    fitting = [e for e in found if e["fits"]]
+    if as_json:
+        print(json.dumps(found[: max(top, 1)] if fitting else found[:top], indent=1))
+        return
+    print(describe(args, name, gpu_name, seq_len, tokens))
+    print(f"{len(found)} layouts of {gpus:,} GPUs tried, {len(fitting)} fit; the fastest {min(top, len(fitting))}:")
+    print(HEADER)
+    print("\n".join(row(e) for e in fitting[:top]))
+    if not fitting:
+        print("none fits; the smallest:\n" + "\n".join(row(e) for e in found[:3]))
+        return
+    best = fitting[0]
+    print(f"\nbest: {best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {best['step_s']:.2f} s per step")
+    print(command(args, best))
+
+
+def meshloom_refusal(args: ModelArgs, e: dict) -> str | None:
+    """meshloom's own verdict on a planned layout (runtime/config.py's value checks, mesh/plan.py's layout
+    rules, no processes started): None if it accepts the command, else its message."""
+    from mesh.plan import LayoutPlan
+    from runtime.config import ConfigError, check_values, load_config
+
+    try:
+        cfg = load_config(overrides=overrides(args, e))
+        check_values(cfg)
+        LayoutPlan.resolve(cfg, e["gpus"])
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def main_layout(args: ModelArgs, name: str, gpu_name: str, layout: Layout, seq_len: int, tokens: float, as_json: bool):
+    e = evaluate(args, layout, gpu_name, seq_len, tokens)
+    refusal = meshloom_refusal(args, e) if "step_s" in e else None
+    if refusal:  # exit 2, meshloom's status for bad input
+        print(f"meshloom would refuse this layout: {refusal}", file=sys.stderr)
+        raise SystemExit(2)
+    if as_json:
+        print(json.dumps(e, indent=1))
+        return
+    print(describe(args, name, gpu_name, seq_len, tokens))
+    print(
+        f"layout {layout.describe()} on {layout.gpus:,} GPUs"
+        + (f", stages {e['stage_layers']}" if e["stage_layers"] else "")
+    )
+    print(HEADER)
+    print(row(e))
+    mem = e["memory_breakdown_gb"]
+    print(
+        f"memory of pipeline rank {e['memory_rank']}: states {mem['states']:.1f} + gathered {mem['gathered']:.1f} "
+        f"+ activations {mem['activations']:.1f} + logits {mem['logits']:.1f} = {e['memory_gb']:.1f} GB "
+        f"({'fits' if e['fits'] else 'does not fit'})"
+    )
+    if "step_s" in e:
+        print(command(args, e))
+
+
+def main_validate(markdown: bool) -> None:
+    from bench.published_runs import (
+        derive_mamf_share,
+        markdown_table,
+        torchtitan_markdown,
+        torchtitan_rows,
+        validation_rows,
+    )
+
+    rows = validation_rows()
+    if markdown:
+        print(markdown_table(rows) + "\n" + torchtitan_markdown(), end="")
+        return
+    print("Megatron-LM, Narayanan et al. 2021, Table 1 (A100 80GB, GPT, seq 2048, full recomputation)")
+    print(
+        f"{'params':>8} {'tp':>2} {'pp':>3} {'v':>2} {'GPUs':>5} {'batch':>5} {'m':>4} {'published':>9} {'predicted':>9} {'error':>7}"
+    )
+    for r in rows:
+        run = r["run"]
+        print(
+            f"{run.name:>8} {run.tp:>2} {run.pp:>3} {run.layout.stages_per_rank:>2} {run.gpus:>5} {run.batch:>5} "
+            f"{r['microbatches']:>4} {run.published_tflops:>9.0f} {r['predicted']:>9.1f} {r['error']:>+7.1%}"
+        )
+    print(f"MAMF share derived from the 1T row: {derive_mamf_share():.4f}")
+    print("\ntorchtitan, Llama 3.1 8B on H100s at 500 W (bf16, FSDP, selective AC): a check outside the goal")
+    for r in torchtitan_rows():
+        print(
+            f"{r['run'].name:<30} published {r['run'].published_tokens_per_s:>6,} predicted {r['predicted']:>6,.0f} {r['error']:>+7.1%}"
+        )
 
 
 def kept_bytes(args: ModelArgs, batch: int, seq: int, mode: str) -> int:
@@ -270,75 +510,43 @@ def main_ac() -> None:
         print(f"{mode:<31} {kept:>11,} {kept / bsh:>8.2f} {kept / none:>7.3f}")
 
 
-# Time model (arithmetic, docs/combining.md section 7): vendor peak, link bandwidths per GPU and direction.
-PEAK_FLOPS = 989e12  # H100 dense bf16
-IB_BYTES_S, NVLINK_BYTES_S = 50e9, 450e9  # 400 Gb/s InfiniBand; NVLink 900 GB/s bidirectional
-
-
-def time_estimate(args: ModelArgs, e: dict, seq_len: int) -> dict:
-    """Seconds per step for one layout, each term alone (nothing overlapped): compute at peak (8Ψ FLOP per token
-    with full AC, 6Ψ without; attention ignored), FSDP traffic over InfiniBand (tp = 8 fills a node, so dp
-    crosses nodes), TP traffic over NVLink (4 collectives per layer and micro-batch forward, 4 backward, 4 more
-    in the recomputed forward with AC, each (tp-1)/tp·s·h·2 bytes), PP send/recv over InfiniBand (one s·h·2
-    activation each way per micro-batch), and the step stretched by the bubble: compute / (1 - bubble)."""
-    psi, h, layers = args.num_params(), args.dim, args.n_layers
-    tokens = e["global_batch"] * seq_len
-    compute = (8 if e["ac"] else 6) * psi * tokens / (e["tp"] * e["pp"] * e["dp"]) / PEAK_FLOPS
-    per_collective = (e["tp"] - 1) / e["tp"] * seq_len * h * 2
-    tp_bytes = (12 if e["ac"] else 8) * per_collective * (layers // e["pp"]) * e["m"] if e["tp"] > 1 else 0.0
-    pp_bytes = 2 * seq_len * h * 2 * e["m"] if e["pp"] > 1 else 0.0
-    return {
-        "compute": compute,
-        "fsdp_bytes": e["fsdp"],
-        "fsdp": e["fsdp"] / IB_BYTES_S,
-        "tp_bytes": tp_bytes,
-        "tp": tp_bytes / NVLINK_BYTES_S,
-        "pp_bytes": pp_bytes,
-        "pp": pp_bytes / IB_BYTES_S,
-        "with_bubble": compute / (1 - e["bubble"]),
-    }
-
-
-def main_time(name: str, gpus: int, mem_gb: float, seq_len: int, tokens: float) -> None:
-    args, batch = MODELS[name], int(tokens // seq_len)
-    print(
-        f"{name} on {gpus} GPUs, every layout that fits; seconds per step, each term alone (docstring of time_estimate)"
-    )
-    print(
-        f"{'tp x pp x dp':<14} {'m':>4} {'compute':>8} {'FSDP over IB':>19} {'TP over NVLink':>19} "
-        f"{'PP over IB':>17} {'bubble':>15}"
-    )
-    for e in fitting(args, gpus, mem_gb, seq_len, batch):
-        t = time_estimate(args, e, seq_len)
-        pp = f"{t['pp_bytes'] / GB:,.0f} GB {t['pp']:5.1f} s" if e["pp"] > 1 else "-"
-        tp = f"{t['tp_bytes'] / 1e12:,.1f} TB {t['tp']:5.1f} s" if e["tp"] > 1 else "-"
-        bubble = f"{e['bubble']:.1%} -> {t['with_bubble']:.0f} s" if e["pp"] > 1 else "0"
-        print(
-            f"{e['tp']} x {e['pp']} x {e['dp']:<7} {e['m']:>4} {t['compute']:>7.0f}s "
-            f"{t['fsdp_bytes'] / GB:>9,.1f} GB {t['fsdp']:>5.2f} s {tp:>19} {pp:>17} {bubble:>15}"
-        )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--gpus", default="8,64,512,4096", help="comma-separated GPU counts")
-    p.add_argument("--gpu-mem-gb", type=float, default=80.0)
+    p.add_argument("--model", default="llama3-70b", choices=list(MODELS), help="a preset or a shape of this module")
+    p.add_argument(
+        "--model-shape", help="any shape: dim=..,n_layers=..,n_heads=..,n_kv_heads=..,vocab_size=.. (MoE too)"
+    )
+    p.add_argument("--gpu", default="h100", choices=list(PLANNER_GPUS))
+    p.add_argument("--gpus", type=int, help="GPUs to search over (with --layout: checked against the layout)")
     p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--global-batch-tokens", type=float, default=4e6)
-    p.add_argument("--model", choices=list(MODELS), help="list every layout that fits, not just the chosen one")
-    p.add_argument("--commands", action="store_true", help="print the meshloom command line of each plan")
-    p.add_argument("--ac", action="store_true", help="measure one block's kept bytes under each AC mode")
-    p.add_argument("--time", action="store_true", help="with --model and one --gpus: seconds per step of each layout")
+    p.add_argument("--global-batch-tokens", type=float, default=4e6, help="tokens per step, a cap set by convergence")
+    p.add_argument("--layout", help="evaluate one layout: tp=..,cp=..,pp=..,dp=..,ep=..[,schedule=..,v=..,mb=..,ac=..]")
+    p.add_argument("--json", action="store_true", help="one JSON object per layout")
+    p.add_argument("--top", type=int, default=10, help="search: how many layouts to print")
+    p.add_argument("--validate", action="store_true", help="the time model beside Megatron-LM's Table 1")
+    p.add_argument("--markdown", action="store_true", help="with --validate: the table of docs/combining.md")
+    p.add_argument("--ac", action="store_true", help="measure one block's kept bytes under each AC mode (CPU)")
     a = p.parse_args()
     if a.ac:
         main_ac()
-    elif a.time:
-        if "," in a.gpus or not a.model:
-            p.error("--time needs --model NAME and a single --gpus count")
-        main_time(a.model, int(a.gpus), a.gpu_mem_gb, a.seq_len, a.global_batch_tokens)
-    else:
-        counts = [int(g) for g in a.gpus.split(",")]
-        main_plan(counts, a.gpu_mem_gb, a.seq_len, a.global_batch_tokens, a.model, a.commands)
+        return
+    if a.validate:
+        main_validate(a.markdown)
+        return
+    try:
+        args = model_from_shape(a.model_shape) if a.model_shape else MODELS[a.model]
+        name = "--model-shape" if a.model_shape else a.model
+        if a.layout:
+            layout = parse_layout(a.layout, args, a.seq_len)
+            if a.gpus and a.gpus != layout.gpus:
+                p.error(f"--layout {a.layout} uses {layout.gpus} GPUs, not --gpus {a.gpus}")
+            main_layout(args, name, a.gpu, layout, a.seq_len, a.global_batch_tokens, a.json)
+            return
+    except ValueError as err:
+        p.error(str(err))
+    if not a.gpus:
+        p.error("give --gpus N to search, or --layout to evaluate one layout")
+    main_plan(args, name, a.gpu, a.gpus, a.seq_len, a.global_batch_tokens, a.top, a.json)
 
 
 if __name__ == "__main__":

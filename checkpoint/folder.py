@@ -86,6 +86,23 @@ def remove_stale(folder: Path) -> list[str]:
     return removed
 
 
+def move_aside(path: Path) -> str:
+    """Rename a damaged step to ``step-N.damaged`` (``-1``, ``-2``, ... when taken): kept, never read again.
+    Returns what happened, for the log. A step that cannot be renamed (a folder this user may not write)
+    stays where it is: the run goes on without it, since every rank has already ruled it out."""
+    target, n = path.with_name(f"{path.name}.damaged"), 1
+    try:
+        while target.exists():
+            target, n = path.with_name(f"{path.name}.damaged-{n}"), n + 1
+        os.rename(path, target)
+    except OSError as exc:
+        return (
+            f"could not move the damaged checkpoint {path} aside ({(exc.strerror or str(exc)).lower()}); it stays "
+            "where it is and is not read: move or remove it by hand"
+        )
+    return f"moved the damaged checkpoint {path} aside to {target.name}; it is kept, not read"
+
+
 def _missing_markers(markers: Path, world: int, patience_s: float) -> list[int]:
     """Ranks whose marker this rank cannot open. Each is opened by name (NFS revalidates a name on open,
     while a directory listing may be served from a cache for tens of seconds), and the check is retried for

@@ -23,6 +23,7 @@ the parameter's placements, no communication) and copy it in, one tensor at a ti
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -154,6 +155,10 @@ def export_safetensors(
         raise ValueError(f"the state does not match the model: missing {sorted(set(expected) - set(tensors))[:5]}")
     # metadata format=pt: what transformers checks to accept a safetensors file as PyTorch weights.
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors creates the file with mode 0600; give it the mode the user's umask gives every other file.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)
     (out / "config.json").write_text(json.dumps(hf_config(args, eos_token_id), indent=2) + "\n")
     return out / "model.safetensors"
 

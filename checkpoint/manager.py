@@ -12,8 +12,10 @@ Starting (``start``, every rank, right after the process group exists):
 2. Rank 0 moves aside the published steps ``find_resume`` found damaged (``step-N.damaged``: never
    deleted, never read again) and removes ``.tmp``/``.deleting`` folders left by killed runs.
 3. ``choose``: the ranks hash the resume candidate's shards, each rank a share of the files, and agree on
-   the result on the control plane. A damaged shard is reported by name; under ``resume auto`` the run
-   falls back to the next good step (said loudly), under an explicit step it stops.
+   the result on the control plane. A damaged shard, or one this rank cannot read, is reported by name
+   and reason to every rank; under ``resume auto`` the run falls back to the next good step (said loudly),
+   under an explicit step every rank stops with exit 2. A step that cannot be moved aside is said so and
+   left where it is.
 
 Saving step N (every ``checkpoint.interval`` steps, at the last step, and when a signal stops the run):
 
@@ -30,7 +32,9 @@ Saving step N (every ``checkpoint.interval`` steps, at the last step, and when a
    ``keep_last`` (a failure there is a warning: the new step is already safe).
 5. The ranks agree on the control plane that it worked. If any rank failed (a full disk, a read-only
    folder), rank 0 removes step-N.tmp, so the failed save keeps no disk space, and every rank raises
-   ``CheckpointSaveError`` with one line naming the error, the folder and the newest good checkpoint.
+   ``CheckpointSaveError`` with one line naming the error, the folder, the fix for that error (free space
+   for a full disk, permissions for a denied write), what became of the partial ``.tmp`` (removed, could
+   not be removed, or never created) and the newest good checkpoint.
    Async: step 5 runs when the next save starts or training ends (``wait``); the publishing itself happens
    in a thread as soon as the write finished. ``close`` drains a save in flight and stops its thread on
    every exit path, also when training failed.
@@ -72,7 +76,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from checkpoint.folder import check_shared, checkpoint_folder, published, remove_stale
+from checkpoint.folder import check_shared, checkpoint_folder, move_aside, published, remove_stale
 from checkpoint.hf import import_safetensors, safetensors_path
 from checkpoint.resume import FORMAT, META_FILE, Resume, check_usable, inspect, warn
 from checkpoint.state import apply_training_state, training_state
@@ -110,19 +114,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _describe(error: BaseException) -> tuple[int | None, str]:
-    """(the rank where it failed, if DCP says; one line): the OS error, wherever DCP wrapped it."""
+# What to do about a failed save, by the OS error behind it (anything else: the generic advice).
+FIX_BY_ERRNO = {
+    errno.ENOSPC: "Free space there or set --checkpoint.folder elsewhere",
+    errno.EDQUOT: "Free space there (a disk quota) or set --checkpoint.folder elsewhere",
+    errno.EACCES: "Make the folder writable for this user again or set --checkpoint.folder elsewhere",
+    errno.EPERM: "Make the folder writable for this user again or set --checkpoint.folder elsewhere",
+    errno.EROFS: "The filesystem is read-only: set --checkpoint.folder elsewhere",
+}
+OTHER_FIX = "Fix the folder or set --checkpoint.folder elsewhere"
+
+
+def _describe(error: BaseException) -> tuple[int | None, str, int | None]:
+    """(the rank where it failed, if DCP says; one line; the errno): the OS error, wherever DCP wrapped it."""
     if isinstance(error, CheckpointException):
         for rank, failure in error.failures.items():  # (exception, traceback) per failed rank
-            return rank, _describe(failure[0] if isinstance(failure, tuple) else failure)[1]
+            return rank, *_describe(failure[0] if isinstance(failure, tuple) else failure)[1:]
     cause = error
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     if isinstance(cause, OSError):
-        reason = "the disk is full" if cause.errno == errno.ENOSPC else (cause.strerror or str(cause))
+        reason = "the disk is full" if cause.errno == errno.ENOSPC else (cause.strerror or str(cause)).lower()
         where = f" writing {cause.filename}" if cause.filename else ""
-        return None, f"{reason}{where} ({errno.errorcode.get(cause.errno, 'OSError')})"
-    return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return None, f"{reason}{where} ({errno.errorcode.get(cause.errno, 'OSError')})", cause.errno
+    return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", None
 
 
 def staging_options(device: torch.device) -> StagingOptions:
@@ -178,7 +193,7 @@ class CheckpointManager:
             )
         if rank == 0:
             for path in self.resume.damaged:
-                self._move_aside(path)
+                warn(move_aside(path))  # a step that cannot be moved stays, ruled out anyway
             removed = remove_stale(self.folder) if self.folder.is_dir() else []
             if removed:
                 self._log(f"checkpoint: removed {len(removed)} unfinished save(s) left by an earlier run: {removed}")
@@ -205,7 +220,7 @@ class CheckpointManager:
                 )
             warn(f"checkpoint.resume=auto skips it: {message}")
             if rank == 0:
-                self._move_aside(path)
+                warn(move_aside(path))  # a step that cannot be moved stays, ruled out anyway
             self.control.barrier()
         if self.resume.candidates:
             raise ConfigError(
@@ -213,13 +228,6 @@ class CheckpointManager:
                 "restore them from a copy, or start fresh with --checkpoint.resume none and another folder."
             )
         return None
-
-    def _move_aside(self, path: Path) -> None:
-        target, n = path.with_name(f"{path.name}.damaged"), 1
-        while target.exists():
-            target, n = path.with_name(f"{path.name}.damaged-{n}"), n + 1
-        os.rename(path, target)
-        warn(f"moved the damaged checkpoint {path} aside to {target.name}; it is kept, not read")
 
     # ---- resume ----------------------------------------------------------------------------------------
     def restore(self, parts, optimizers, loader) -> int:
@@ -359,24 +367,26 @@ class CheckpointManager:
     def _agree(self, error: BaseException | None, step: int, tmp: Path) -> None:
         """Step 5: all ranks learn whether the save worked, and a failed save leaves nothing behind."""
         reports = self.control.all_gather_object(None if error is None else _describe(error))
-        failures = []  # (the rank where it failed, one line)
+        failures = []  # (the rank where it failed, one line, errno)
         for reporter, report in enumerate(reports):
             if report is not None:
-                origin, text = report
-                failures.append((reporter if origin is None else origin, text))
+                origin, text, code = report
+                failures.append((reporter if origin is None else origin, text, code))
         if not failures:
             self.last_saved = step
             return
-        if dist.get_rank() == 0:
+        partial = None  # what rank 0 found of the partial step-N.tmp, said as it is (it may never have existed)
+        if dist.get_rank() == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        self.control.barrier()
-        rank, text = min(failures)
+            partial = f"removed the partial {tmp.name}" if not tmp.exists() else f"could not remove {tmp}"
+        partial = self.control.broadcast_object(partial)
+        rank, text, code = min(failures, key=lambda failure: failure[0])
         newest = max(published(self.folder), default=None)
         keep = f"the newest good checkpoint is step-{newest}" if newest else "no checkpoint was saved yet"
         raise CheckpointSaveError(
-            f"saving step {step} to {self.folder} failed on rank {rank}: {text}; removed the partial "
-            f"{tmp.name}. Free space there or set --checkpoint.folder elsewhere, then resume with "
-            f"--checkpoint.resume auto ({keep})."
+            f"saving step {step} to {self.folder} failed on rank {rank}: {text}"
+            + (f"; {partial}" if partial else "")
+            + f". {FIX_BY_ERRNO.get(code, OTHER_FIX)}, then resume with --checkpoint.resume auto ({keep})."
         )
 
     def _publish_on_rank0(self, tmp: Path, final: Path, meta: dict) -> BaseException | None:

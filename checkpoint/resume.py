@@ -8,16 +8,20 @@
    JSON) must parse and list the checksums of every file (checkpoint/verify.py); every listed file must
    exist with its size and DCP's pickled ``.metadata`` must match its checksum; only then is ``.metadata``
    read, and every data file it points to must be long enough.
-3. A step that fails is skipped with a loud warning under ``auto`` (and moved aside as ``step-N.damaged``
-   once the run starts, checkpoint/manager.py), and refused under an explicit step.
+3. A step that fails, or cannot be read at all (a folder or file without read permission, an I/O error:
+   the problem names the path and the reason), is skipped with a loud warning under ``auto`` (and moved
+   aside as ``step-N.damaged`` once the run starts, checkpoint/manager.py), and refused under an explicit
+   step.
 4. The newest good step must be of this model: every ``[model]`` field is compared (a ConfigError names each
    difference), then every tensor key and shape the model and AdamW need; the data stream (source,
-   seq_len) must be the same, and steps must be left to train.
+   seq_len, the tokenizer by path *and* by the SHA-256 of its content) must be the same, and steps must
+   be left to train.
 5. When this run will save, the folder must not hold good checkpoints beyond its starting step: they belong
    to another history, and saving would mix the two or collide with them.
 
 The shards themselves are hashed after the process group exists, each rank a share of the files
-(``CheckpointManager.choose``); a damaged shard makes ``auto`` fall back to the next good candidate.
+(``CheckpointManager.choose``); a damaged or unreadable shard makes ``auto`` fall back to the next good
+candidate, on every rank together.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from checkpoint.folder import STEP_DIR, checkpoint_folder, published
 from checkpoint.hf import safetensors_problems
 from checkpoint.state import TRAIN, TRAIN_KEYS, expected_entries
 from checkpoint.verify import manifest_problems
+from data.tokenizers import load_tokenizer
 from models.llama import ModelArgs, Transformer
 from runtime.config import Config, ConfigError, ModelConfig
 
@@ -56,11 +61,26 @@ class Resume:
         return self.candidates[0] if self.candidates else None
 
 
+def unreadable(exc: OSError) -> str:
+    """One line for a file or folder that cannot be read (permissions, I/O error): the reason and the path."""
+    reason = (exc.strerror or type(exc).__name__).lower()
+    return f"{exc.filename or 'a file'} cannot be read ({reason})"
+
+
 def inspect(path: Path):
     """(meshloom.json dict, DCP Metadata, problems): problems is empty when the checkpoint is whole.
 
-    Step 2 of the module docstring: ``.metadata`` (a pickle) is read only after its checksum matched.
+    Step 2 of the module docstring: ``.metadata`` (a pickle) is read only after its checksum matched. A
+    step that cannot be read (a folder or file without read permission, an I/O error) is damaged too: its
+    problem names the path and the reason.
     """
+    try:
+        return _inspect(path)
+    except OSError as exc:
+        return None, None, [unreadable(exc)]
+
+
+def _inspect(path: Path):
     meta_file = path / META_FILE
     if not meta_file.is_file():
         return None, None, [f"{META_FILE} is missing (a save that never finished, or not a meshloom checkpoint)"]
@@ -140,6 +160,27 @@ def warn(message: str) -> None:
         print(f"meshloom: WARNING: {message}", file=sys.stderr, flush=True)
 
 
+def changed_tokenizer(stream: dict, spec: str, eos_token: str, field: str) -> str | None:
+    """Why the tokenizer ``spec`` is not the one a checkpoint's stream (meshloom.json ``data``) recorded, by
+    content: the same path may hold another tokenizer.json now, which gives the same text other token ids.
+    None when it is the same (or the checkpoint recorded no hash)."""
+    recorded = stream.get("tokenizer_sha256")
+    if not recorded:
+        return None
+    tokenizer = load_tokenizer(spec, eos_token, field=field)
+    if tokenizer.sha256 != recorded:
+        return (
+            f"was trained with a tokenizer whose SHA-256 is {recorded}, but {field}={spec!r} is now "
+            f"{tokenizer.file or spec} with SHA-256 {tokenizer.sha256}: the same text would become other token ids."
+        )
+    if "eos_token" in stream and stream["eos_token"] != tokenizer.eos_token:
+        return (
+            f"was trained with the end-of-document token {stream['eos_token']!r}, but this run's is "
+            f"{tokenizer.eos_token!r} (data.eos_token): the packed stream would differ."
+        )
+    return None
+
+
 def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, args: ModelArgs) -> None:
     """Step 4 for one checkpoint; raises a ConfigError naming the difference and the fix."""
     problems = compatibility_problems(meta, dcp_meta, cfg, args)
@@ -163,6 +204,12 @@ def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, args: ModelArgs)
                 f"data position (tokens_consumed) only means the same stream with the same {name}; set it back, "
                 "or start a new --checkpoint.folder."
             )
+    tokenizer_problem = changed_tokenizer(stream, d.tokenizer, d.eos_token, "data.tokenizer")
+    if tokenizer_problem:
+        raise ConfigError(
+            f"checkpoint {path} {tokenizer_problem} Put back the tokenizer the run was trained with, or start a "
+            "new --checkpoint.folder."
+        )
     if cfg.training.steps <= meta["step"]:
         raise ConfigError(
             f"training.steps={cfg.training.steps} but checkpoint {path} is already at step {meta['step']}: nothing "
@@ -174,7 +221,15 @@ def find_resume(cfg: Config, args: ModelArgs) -> Resume:
     """Steps 1-5 of the module docstring; no process group needed, the same answer on every rank."""
     c = cfg.checkpoint
     mode, folder = parse_resume(c.resume), checkpoint_folder(cfg)
-    steps = published(folder)
+    try:
+        steps = published(folder)
+    except OSError as exc:
+        if mode == "none" and c.interval == 0:
+            return Resume(mode)  # this run neither reads nor writes the folder
+        raise ConfigError(
+            f"checkpoint.folder={str(folder)!r} cannot be listed ({(exc.strerror or str(exc)).lower()}); make it "
+            "readable by this user, or pass another --checkpoint.folder (or --run.dir)."
+        ) from None
     resume = Resume(mode)
     if mode == "auto":
         for step in reversed(steps):

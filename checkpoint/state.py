@@ -89,8 +89,11 @@ def apply_training_state(state: dict, parts: list[nn.Module], optimizers: Optimi
     """Put a loaded state back into the parts, optimizers, schedules, loader and RNG; returns its step.
 
     The LR schedule is restored from its position only (last_epoch, step count): its per-group base LRs come
-    from this run's config and its group count from this layout, while the current LR of every parameter
-    comes back with the optimizer's param groups.
+    from this run's config and its group count from this layout. The optimizer's param groups come back
+    with the LR the *saved* run's schedule had reached, which is not this run's when it changed the
+    schedule (a larger ``training.steps`` stretches the cosine, another ``training.lr`` or warmup): so every
+    group's LR is then set to this run's schedule at the restored position, and the first step after a
+    resume already takes the LR of the run it resumes into.
     """
     model_state, optim_state = split(state, MODEL), split(state, OPTIM)
     for part, optimizer in zip(parts, optimizers.optimizers, strict=True):
@@ -98,12 +101,13 @@ def apply_training_state(state: dict, parts: list[nn.Module], optimizers: Optimi
         set_optimizer_state_dict(part, optimizer, optim_state, options=FLAT_OPTIM)
     for scheduler in optimizers.schedulers:
         restored = scheduler.state_dict()
-        restored.update(
-            last_epoch=int(state[TRAIN + "lr_last_epoch"]),
-            _step_count=int(state[TRAIN + "lr_step_count"]),
-            _last_lr=[group["lr"] for group in scheduler.optimizer.param_groups],
-        )
+        position = int(state[TRAIN + "lr_last_epoch"])
+        # LambdaLR's own closed form at the restored position: base LR (this run's) x this run's factor.
+        lrs = [base * factor(position) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+        restored.update(last_epoch=position, _step_count=int(state[TRAIN + "lr_step_count"]), _last_lr=lrs)
         scheduler.load_state_dict(restored)
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
     loader.load_state_dict({"tokens_consumed": int(state[TRAIN + "tokens_consumed"])})
     torch.set_rng_state(state[TRAIN + "rng_cpu"])
     return int(state[TRAIN + "step"])

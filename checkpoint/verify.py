@@ -61,9 +61,15 @@ def manifest_problems(folder: Path, files: dict) -> list[str]:
 
 
 def digest_problems(folder: Path, files: dict, names: list[str]) -> list[str]:
-    """Step 3: the files ``names`` (of the manifest ``files``) hashed and compared."""
-    return [
-        f"{name} does not match its checksum (damaged)"
-        for name in names
-        if sha256_of(folder / name) != files[name].get("sha256")
-    ]
+    """Step 3: the files ``names`` (of the manifest ``files``) hashed and compared. A file that cannot be
+    read (no permission, an I/O error) is a problem too, named with its reason, never an exception: under
+    resume every rank hashes its own share, and one rank's unreadable shard must reach the others as a
+    verdict they agree on, not as one rank dying alone."""
+    problems = []
+    for name in names:
+        try:
+            if sha256_of(folder / name) != files[name].get("sha256"):
+                problems.append(f"{name} does not match its checksum (damaged)")
+        except OSError as exc:
+            problems.append(f"{name} cannot be read ({(exc.strerror or type(exc).__name__).lower()})")
+    return problems

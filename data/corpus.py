@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import functools
 import os
+import stat
 import sys
 import sysconfig
 from pathlib import Path
@@ -89,10 +90,29 @@ def corpus_files(source: str, field: str = "data.source") -> list[Path]:
                 flush=True,
             )
         return list(files)
+    kind = special_file_kind(path)
     raise ConfigError(
-        f"{field}={source!r} does not exist; give a text file, a folder of text files, a folder written by "
-        "python -m data.prepare, or 'default'."
+        f"{field}={source!r} "
+        + (f"is not a regular file: it is {kind}" if kind else "does not exist")
+        + "; give a text file, a folder of text files, a folder written by python -m data.prepare, or 'default'."
     )
+
+
+def special_file_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists but is neither a regular file nor a folder (a device, a FIFO, a socket):
+    such a source never ends (/dev/zero) or blocks the reader (a FIFO nobody writes), so it is refused by
+    name, without opening it."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    kinds = [
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+    ]
+    return next((name for test, name in kinds if test(mode)), None)
 
 
 def load_corpus(source: str, max_bytes: int) -> torch.Tensor:

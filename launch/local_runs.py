@@ -8,10 +8,11 @@ Tests and benches both start runs this way, so it lives in neither of them:
   end and returns the finished process;
 - ``TorchrunLaunch`` starts ``torchrun ... train.py ARGS`` in the background, with its output in a file that
   the caller watches, signals and waits on (the fault tests and bench/fault_timings.py);
-- ``read_metrics(run_dir)`` reads back the per-step records a run wrote to ``run_dir/metrics.jsonl``.
-
-Like the spawned ranks, launched commands see no GPU unless the caller passes ``gpus=True`` (the tests marked
-``gpu``): ``command_environment`` (launch/spawn.py: ``device_environment``).
+- ``read_metrics(run_dir)`` reads back the per-step records a run wrote to ``run_dir/metrics.jsonl``;
+- ``unprivileged(cmd)`` is ``cmd`` run the way a normal user's command runs as far as file permissions go:
+  root's override of them (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH) dropped with ``setpriv``, so that a file
+  made unreadable with ``chmod 000`` is unreadable to the run (the permission tests need that; containers and
+  CI often run as root).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,20 +59,52 @@ def train_on(
     return results[0]
 
 
+# Every capability cleared: bounding and inheritable sets (after exec, root's permitted set is their union).
+DROP_CAPABILITIES = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
+
+
+def unprivileged(cmd: list[str]) -> list[str] | None:
+    """``cmd`` without the power to ignore file permissions (module docstring), or None where this process
+    cannot arrange that (root without ``setpriv``, or a sandbox that refuses it)."""
+    if os.geteuid() != 0:
+        return cmd  # a normal user: permissions apply already
+    probe = Path(tempfile.mkdtemp()) / "unreadable"
+    try:
+        probe.write_text("x")
+        probe.chmod(0)
+        try:
+            denied = subprocess.run([*DROP_CAPABILITIES, "cat", str(probe)], capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return [*DROP_CAPABILITIES, *cmd] if denied.returncode != 0 and b"ermission denied" in denied.stderr else None
+    finally:
+        shutil.rmtree(probe.parent, ignore_errors=True)
+
+
+def train_command(nproc: int, *args: str) -> list[str]:
+    """``python train.py ARGS`` (nproc 1) or ``torchrun --nproc-per-node N train.py ARGS``."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [*launcher, "train.py", *args]
+
+
 def command_environment(env: dict | None = None, gpus: bool = False) -> dict[str, str]:
     """The environment of a launched command: this process's, one intra-op thread, no GPU unless ``gpus``."""
     return {**os.environ, "OMP_NUM_THREADS": "1", **device_environment(gpus), **(env or {})}
 
 
 def run_train_cli(
-    nproc: int, *args: str, env: dict | None = None, timeout: float = 300, gpus: bool = False
+    nproc: int,
+    *args: str,
+    env: dict | None = None,
+    timeout: float = 300,
+    prefix: list[str] | None = None,
+    gpus: bool = False,
 ) -> subprocess.CompletedProcess:
-    """``python train.py ARGS`` (nproc 1) or ``torchrun --nproc-per-node N train.py ARGS``, from the repo root."""
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    """``train_command(nproc, *args)`` from the repo root, to the end; ``prefix`` goes in front (``setpriv ...``)."""
     return subprocess.run(
-        [*launcher, "train.py", *args],
+        [*(prefix or []), *train_command(nproc, *args)],
         cwd=ROOT,
         env=command_environment(env, gpus),
         capture_output=True,

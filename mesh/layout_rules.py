@@ -15,14 +15,23 @@ reaches a collective. Single fields were already checked against their ranges wh
 7. **Batch.** global batch = micro-batch x dp x accumulation, split evenly (``batch_split``, worked out once).
 8. **Savers.** Gradient sync once per step, compression and CPU offload against the layout.
 9. **Sequence.** seq_len within the rotary tables.
+
+One more rule needs the resolved plan and the machine: ``check_memory`` (train.check_config calls it right
+after ``LayoutPlan.resolve``, every rank, before anything is allocated) compares the per-rank memory
+estimate (mesh/memory_estimate.py) of the busiest pipeline rank with the memory one rank may use, and
+refuses a layout that exceeds it by a clear margin, naming the model's size, a layout and a size that would
+fit; ``run.memory_check = false`` turns it off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mesh.pipeline import SCHEDULE_FAMILIES, SCHEDULES, schedules_of
+from mesh.memory_estimate import MemoryLayout, RankMemory, even_stage_layers, rank_memory
+from mesh.pipeline import SCHEDULE_FAMILIES, SCHEDULES, schedules_of, stage_ids_of_rank
+from runtime.config import ConfigError
 
 if TYPE_CHECKING:
     from mesh.dims import ParallelDims
@@ -380,3 +389,109 @@ def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> l
                 "PowerSGD runs on a replicated (DDP) model without FSDP; turn one of them off."
             )
     return errors
+
+
+# ---- memory: the estimate against the machine ---------------------------------------------------------------
+# Refuse only when the estimate exceeds what one rank may use by this factor. The estimate leaves out the
+# CUDA context, kernels' workspaces, communication buffers and the allocator's fragmentation (so a run needs
+# somewhat more), but it also counts peaks that a particular run may not reach together: a layout this close
+# to the limit is left to try, while one that cannot fit (a model 10x or 1000x too large) stops in seconds.
+MEMORY_MARGIN = 1.5
+GIB = 2**30
+
+
+def peak_rank_memory(args: ModelArgs, layout: MemoryLayout, stage_layers, pp_schedule: str | None) -> RankMemory:
+    """The estimate of the pipeline rank that holds the most (every rank computes the same number, so every
+    rank reaches the same verdict without a collective)."""
+    n_stages, pp = len(stage_layers), layout.pp
+    if pp == 1:
+        return rank_memory(args, layout, stage_layers, 0, (0,))
+    n_local = n_stages // pp
+    ranks = [
+        rank_memory(args, layout, stage_layers, r, stage_ids_of_rank(r, pp, n_local, pp_schedule)) for r in range(pp)
+    ]
+    return max(ranks, key=lambda memory: memory.total)
+
+
+def check_memory(plan, cfg: Config, budget: tuple[int, str] | None) -> None:
+    """Raise a ConfigError when the busiest rank's estimate exceeds ``budget`` (the bytes one rank may use,
+    and words saying whose they are) by ``MEMORY_MARGIN``; ``plan`` is the resolved LayoutPlan (mesh/plan.py).
+
+    The message names the model's size and what would fit, each found with the same estimate: the FSDP
+    degree (a power of two times this one) whose sharded states fit, full activation checkpointing, and the
+    most layers this layout holds.
+    """
+    if budget is None:
+        return  # the machine does not say how much memory it has
+    limit, where = budget
+    layout = MemoryLayout.of_plan(plan, cfg)
+    args, stages = plan.model, [list(layers) for layers in plan.stage_layers]
+    peak = peak_rank_memory(args, layout, stages, plan.pp_schedule)
+    if peak.total <= MEMORY_MARGIN * limit:
+        return
+
+    def fits(model_args: ModelArgs, with_layout: MemoryLayout, stage_layers) -> bool:
+        return peak_rank_memory(model_args, with_layout, stage_layers, plan.pp_schedule).total <= limit
+
+    def even(n_layers: int) -> list[list[int]]:
+        return even_stage_layers(n_layers, len(stages))
+
+    d, m, options = plan.dims, cfg.model, []
+
+    def sharded(n: int, checkpoint: str = layout.activation_checkpoint) -> MemoryLayout:
+        """This layout with FSDP over n shards: the states split n ways, and each rank's share of the global
+        batch shrinks with the data-parallel degree (down to one sequence)."""
+        sequences = max(1, layout.sequences_per_microbatch * d.dp_shard // n)
+        return dataclasses.replace(
+            layout, dp_shard=n, fsdp=True, sequences_per_microbatch=sequences, activation_checkpoint=checkpoint
+        )
+
+    for checkpoint in dict.fromkeys([layout.activation_checkpoint, "full"]):  # this AC mode first, then full
+        more = next(
+            (n for n in (d.dp_shard * 2**k for k in range(1, 21)) if fits(args, sharded(n, checkpoint), stages)), None
+        )
+        if more is not None:
+            with_ac = " with training.activation_checkpoint=full" if checkpoint != layout.activation_checkpoint else ""
+            processes = d.world_size // d.dp_shard * more
+            options.append(f"parallel.dp_shard={more}{with_ac} ({processes} processes, each with this much memory)")
+            break
+    if layout.activation_checkpoint != "full" and fits(
+        args, dataclasses.replace(layout, activation_checkpoint="full"), stages
+    ):
+        options.append("training.activation_checkpoint=full")
+    layers = largest(len(stages), m.n_layers - 1, lambda n: fits(replace_model(args, n_layers=n), layout, even(n)))
+    if layers is not None:
+        options.append(f"model.n_layers={layers} on this layout")
+    else:  # not even one layer per stage: a narrower model (dim a multiple of 2 x n_heads: even head_dim)
+        step = 2 * m.n_heads
+        width = largest(1, m.dim // step - 1, lambda k: fits(replace_model(args, dim=k * step), layout, stages))
+        if width is not None:
+            options.append(f"model.dim={width * step} with these {m.n_layers} layers, on this layout")
+    size = f"model.dim={m.dim}, model.n_layers={m.n_layers}, model.vocab_size={m.vocab_size}"
+    size += f", model.n_experts={m.n_experts}" if m.n_experts else ""
+    raise ConfigError(
+        f"the model does not fit in memory: {size} ({args.num_params():,} parameters) needs about "
+        f"{peak.total / GIB:,.1f} GiB on its busiest rank (states {peak.states / GIB:,.1f}, gathered weights "
+        f"{peak.gathered / GIB:,.1f}, activations {peak.activations / GIB:,.1f}, logits {peak.logits / GIB:,.1f}; "
+        f"mesh/memory_estimate.py), more than {MEMORY_MARGIN:g}x the {limit / GIB:,.1f} GiB {where}. Would fit: "
+        + ("; ".join(options) if options else "no FSDP degree and no depth of this width: lower model.dim")
+        + ". Or set --run.memory_check false to try anyway."
+    )
+
+
+def largest(lo: int, hi: int, fits) -> int | None:
+    """The largest n in [lo, hi] with ``fits(n)``, for a ``fits`` that holds up to some n and not beyond it
+    (memory grows with the model's size): a binary search, about log2(hi - lo) estimates."""
+    found = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            found, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return found
+
+
+def replace_model(args: ModelArgs, **sizes) -> ModelArgs:
+    """``args`` with other sizes (a copy; an explicit ffn_dim stays as it was, a derived one follows dim)."""
+    return dataclasses.replace(args, **sizes)

@@ -7,11 +7,12 @@ prints every key with its default and meaning (``help_text``).
 
 Input is strict, because a silently misread setting costs a whole run:
 
-1. Unknown sections or keys are errors that list what is allowed; a key given twice on the command line is
-   an error (which one did you mean?).
+1. Unknown sections (an empty one too) or keys are errors that list what is allowed; a key given twice on
+   the command line is an error (which one did you mean?).
 2. Types are strict: in TOML an int field takes an int (``steps = "3"`` is refused, not coerced), a float
-   field an int or a float, a string field a string, a choice field one of its ``Literal`` values. On the
-   command line the text is parsed into the field's type.
+   field an int or a float, a string field a string, a choice field one of its ``Literal`` values (a quoted
+   value that would fit without its quotes is told so). On the command line the text is parsed into the
+   field's type.
 3. ``check_values`` checks every number against the range in its field's metadata (``ge``/``gt``/``le``/
    ``lt``; floats must also be finite), then the rules that tie several fields together. Every broken rule
    is reported at once, naming the field, the value and the fix.
@@ -158,6 +159,9 @@ class RunConfig:
     tensorboard: bool = opt(True, "write TensorBoard events to <run.dir>/tb")
     overwrite: bool = opt(False, "allow replacing the metrics of an earlier run in the same run.dir")
     pp_timeline: bool = opt(False, "pipeline runs: time F/B/W per rank on the last step, write bubble + SVG")
+    memory_check: bool = opt(
+        True, "refuse a layout whose memory estimate per rank exceeds the GPU's (CPU: the host's free) memory by 1.5x"
+    )
 
 
 @dataclass
@@ -248,12 +252,24 @@ def _convert(key: str, raw: object, typ, from_text: bool, int_ok: bool = False) 
             return float(raw)
         if typ is str and (isinstance(raw, str) or (int_ok and isinstance(raw, int) and not isinstance(raw, bool))):
             return str(raw)
-        if isinstance(raw, str) and typ is not str:
+        if isinstance(raw, str) and typ is not str and _fits_unquoted(raw, typ):
             raise ConfigError(
                 f"{key}={raw!r} is a string in the TOML file but must be a {typ.__name__}; write it without quotes."
             )
     example = {"int": "e.g. 8", "float": "e.g. 0.5", "bool": "true or false", "str": 'e.g. "text"'}[typ.__name__]
     raise ConfigError(f"{key}={raw!r} is not a valid {typ.__name__}; set it to a {typ.__name__} value ({example}).")
+
+
+def _fits_unquoted(text: str, typ) -> bool:
+    """Whether the TOML string ``text``, written without its quotes, is a valid ``typ`` value (``"3"`` for an
+    int: yes; ``"fast"`` for a float: no, so the advice to drop the quotes is given only where it helps)."""
+    if "\n" in text:
+        return False
+    try:
+        _convert("", tomllib.loads(f"value = {text}")["value"], typ, from_text=False)
+    except (tomllib.TOMLDecodeError, ConfigError):
+        return False
+    return True
 
 
 def _set(cfg: Config, key: str, raw: object, from_text: bool) -> None:
@@ -321,6 +337,11 @@ def load_config(argv: list[str] | None = None, *, path: str | None = None, overr
         for section, entries in table.items():
             if not isinstance(entries, dict):
                 raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table.")
+            if section not in _sections(cfg):  # also an empty one: a misspelt [trainig] must not pass unseen
+                raise ConfigError(
+                    f"{path}: unknown section [{section}]; the sections are {', '.join(_sections(cfg))} "
+                    "(`python train.py --help` lists every key)."
+                )
             for name, value in entries.items():
                 _set(cfg, f"{section}.{name}", value, from_text=False)
     for key, value in pairs:

@@ -39,6 +39,7 @@ Timing: CUDA kernels run asynchronously, so a wall-clock reading means nothing u
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import time
@@ -58,6 +59,37 @@ def select_device(requested: str = "auto") -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def memory_per_rank(requested: str = "auto") -> tuple[int, str] | None:
+    """The bytes one rank may use, and whose they are, for the memory check before allocation
+    (mesh/layout_rules.py: check_memory): the total memory of this rank's GPU, or on CPU the host's available
+    memory (/proc/meminfo's MemAvailable, read once) shared by the ranks on this host. None where the machine
+    does not say."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            return None  # select_device refuses this with its own message
+        props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+        return props.total_memory, f"of the {props.name}'s memory"
+    available = host_available_bytes()
+    if available is None:
+        return None
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    share = f", shared by {ranks} ranks on this host" if ranks > 1 else ""
+    return available // ranks, f"of this host's available memory (MemAvailable{share})"
+
+
+@functools.cache
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def world_size_from_env() -> int:

@@ -3,11 +3,22 @@
 1. ``check_run_dir`` (every rank, before any process group): an existing ``metrics.jsonl`` belongs to an
    earlier run; a new run may not append to it unless it resumes that run's checkpoint or
    ``run.overwrite`` says so.
-2. ``RunLock`` (taken by ``lock_run_folders`` on global rank 0, at start): an exclusive ``fcntl.flock`` on ``<run.dir>/.meshloom.lock``,
-   held for the whole run. A second live run on the same folder cannot take it and is refused, naming the
-   holder; the kernel releases the lock when its holder dies, however it dies, so a stale lock from a
-   killed run is simply taken over (and said so). Rank 0's verdict reaches every rank through the control
-   plane (mesh/runtime.ControlPlane.raise_if_any_failed) before the first collective on the model.
+2. ``RunLock``: an exclusive ``fcntl.flock`` on ``<folder>/.meshloom.lock``, on run.dir and on the
+   checkpoint folder when the run uses one (another run may point its ``checkpoint.folder`` there), held for
+   the whole run. The kernel releases it when its holder dies, however it dies, so a stale lock from a
+   killed run is simply taken over (and said so). ``lock_run_folders`` takes the locks before any process
+   group exists, so that a second run on a folder in use is refused in seconds, naming the field, the
+   folder and the holder:
+
+   a. global rank 0 takes each lock (retrying for half a second: another rank of its own job may be
+      looking at the lock at that instant, step b);
+   b. when every rank runs on rank 0's node (one torchrun, or one process), the other ranks look too: a
+      lock held by a live process of *another* job (the lock file records the job: torchrun's run id and
+      rendezvous store, the same on every worker of a job) refuses the run on every rank at once, each
+      with exit 2, before any of them starts the process group;
+   c. otherwise (several nodes, whose run.dir may be a node-local path; or a process group that already
+      exists) rank 0's verdict reaches every rank through the control plane
+      (runtime/process.py: ControlPlane.raise_if_any_failed) before the first collective on the model.
 """
 
 from __future__ import annotations
@@ -41,28 +52,38 @@ def check_run_dir(run_dir: str, overwrite: bool, resuming: bool = False) -> None
 class RunLock:
     """An exclusive lock on a run folder for the lifetime of this process (module docstring, step 2)."""
 
-    def __init__(self, run_dir: str):
-        self.path = Path(run_dir) / LOCK_FILE
+    def __init__(self, folder: str | Path, field: str = "run.dir"):
+        self.folder, self.field = Path(folder), field
+        self.path = self.folder / LOCK_FILE
         self.fd: int | None = None
         self.took_over: dict | None = None  # the record of a dead run whose lock this run took
 
-    def acquire(self) -> RunLock:
+    def acquire(self, job: str | None = None, patience_s: float = 0.5) -> RunLock:
+        """Take the lock, or raise the ConfigError naming the live holder. ``patience_s``: how long to retry
+        while the lock is held, which a look by another rank of this job (step 2b) does for microseconds."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_record(fd)
-            os.close(fd)
-            who = f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('started')}" if holder else "?"
-            raise ConfigError(
-                f"run.dir={str(self.path.parent)!r} is in use by another live run ({who}); two runs in one folder "
-                "would tear each other's metrics and checkpoints. Wait for it, stop it, or pass another --run.dir."
-            ) from None
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                holder = _read_record(fd)
+                os.close(fd)
+                raise in_use(self.field, self.folder, holder) from None
         previous = _read_record(fd)
         if previous:
             self.took_over = previous
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "job": job or job_id(),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         self.fd = fd
@@ -76,15 +97,72 @@ class RunLock:
             self.fd = None
 
 
-def lock_run_folders(folders: list[Path], control, locks: list[RunLock], is_rank0: bool) -> None:
-    """Rank 0 locks each folder (run.dir, and the checkpoint folder when the run uses one, since another run
-    may point its checkpoint.folder there) and appends the held locks to ``locks`` for the caller to release;
-    every rank learns the verdict together through ``control`` (a runtime.process.ControlPlane)."""
-    error = None
-    if is_rank0:
+def in_use(field: str, folder: Path, holder: dict) -> ConfigError:
+    """The refusal of a folder whose lock a live run holds."""
+    who = f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('started')}" if holder else "?"
+    torn = "metrics and checkpoints" if field == "run.dir" else "checkpoints"
+    return ConfigError(
+        f"{field}={str(folder)!r} is in use by another live run ({who}); two runs in one folder would tear each "
+        f"other's {torn}. Wait for it, stop it, or pass another --{field}."
+    )
+
+
+def job_id() -> str:
+    """The job this process belongs to: under torchrun its run id and rendezvous store (the same on every
+    worker of one job, and no two live jobs share a store address); otherwise this process alone."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env:
+        return f"torchrun {env['TORCHELASTIC_RUN_ID']} at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def live_holder(folder: Path) -> dict | None:
+    """The record of the live process holding ``folder``'s lock ({} if it has not written one yet), or None
+    when nobody holds it. Looks with a shared lock, released at once; creates nothing."""
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
         try:
-            for folder in folders:
-                lock = RunLock(str(folder)).acquire()
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_record(fd)
+        return None  # free: closing the file below drops the shared lock
+    finally:
+        os.close(fd)
+
+
+def check_not_in_use(folder: Path, field: str, job: str, patience_s: float = 2.0) -> None:
+    """Step 2b on a rank other than 0: refuse a folder whose lock a live process of another job holds."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        holder = live_holder(folder)
+        if holder is None or holder.get("job") == job:
+            return  # free (rank 0 is about to take it), or rank 0 of this job holds it
+        if holder or time.monotonic() > deadline:
+            raise in_use(field, folder, holder)
+        time.sleep(0.02)  # a holder between taking the lock and writing its record: likely this job's rank 0
+
+
+def all_on_one_node(world_size: int) -> bool:
+    """Every rank runs on this node (one process, or one torchrun holding the whole world)."""
+    return world_size == 1 or os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
+
+
+def lock_run_folders(
+    folders: list[tuple[str, Path]], locks: list[RunLock], rank: int, look: bool
+) -> ConfigError | None:
+    """Step 2 before any process group: rank 0 locks each (field, folder) and appends the held locks to
+    ``locks`` for the caller to release; with ``look`` the other ranks check the locks (step 2b). Returns
+    this rank's verdict: None to go on, or the ConfigError to raise (at once when every rank looked, else
+    after the control plane shared it: step 2c)."""
+    job = job_id()
+    field, folder = folders[0]
+    try:
+        for field, folder in folders:
+            if rank == 0:
+                lock = RunLock(folder, field).acquire(job)
                 locks.append(lock)
                 if lock.took_over:
                     print(
@@ -92,9 +170,16 @@ def lock_run_folders(folders: list[Path], control, locks: list[RunLock], is_rank
                         file=sys.stderr,
                         flush=True,
                     )
-        except (ConfigError, OSError) as exc:
-            error = exc if isinstance(exc, ConfigError) else ConfigError(f"run.dir={str(folders[0])!r}: {exc}")
-    control.raise_if_any_failed(error, "locking run.dir", ConfigError)
+            elif look:
+                check_not_in_use(folder, field, job)
+    except ConfigError as exc:
+        return exc
+    except OSError as exc:
+        return ConfigError(
+            f"{field}={str(folder)!r}: its lock file cannot be created ({(exc.strerror or str(exc)).lower()}); "
+            f"make the folder writable, or pass another --{field}."
+        )
+    return None
 
 
 def _read_record(fd: int) -> dict:

@@ -14,19 +14,30 @@ Ctrl-C arrives as SIGINT. torchrun forwards SIGTERM to its workers and kills the
 2. At the end of every step the ranks agree on the control plane (``agreed_stop``: one all-reduce of the
    signal number, MAX), because the signal reaches ranks at slightly different moments and all of them
    must stop after the *same* step. train.py then saves that step (when checkpointing is configured),
-   prints the step and the resume command, and exits with 128 + signal.
+   prints the step and the resume command (``resume_command``, step 4), and exits with 128 + signal.
 3. ``ParentWatch`` covers a launcher that died without forwarding anything (SIGKILL of torchrun, a lost
    SSH session): a daemon thread notices that this process was re-parented and sends itself SIGTERM, so
    step 2 runs; if the run cannot get there (its peers are gone too) it exits after ``grace_s``.
+4. ``resume_command`` writes the command that continues the run, so that it runs as printed when pasted
+   into a shell: the launcher as it was started (under torchrun, the launcher's own command line, read from
+   ``/proc/<parent>/cmdline``: a worker's parent is torchrun; where that cannot be read, rebuilt from what
+   torchrun exports to every worker: ``--nproc-per-node`` from LOCAL_WORLD_SIZE, ``--nnodes`` from
+   GROUP_WORLD_SIZE, and the rendezvous: ``--standalone`` on one node, else c10d at MASTER_ADDR:MASTER_PORT
+   with the run id TORCHELASTIC_RUN_ID), then the script and its arguments with any ``--checkpoint.resume``
+   replaced by ``auto`` (a step named at the start no longer fits: the run has moved on), every word
+   shell-quoted (a run.dir with a space stays one argument).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 INSIST_AFTER_S = 2.0  # a second signal sooner than this is a duplicate delivery, not the user insisting
@@ -109,3 +120,83 @@ class ParentWatch:
                     if time.monotonic() > deadline:
                         os._exit(128 + signal.SIGTERM)
                 return
+
+
+# ---- the resume command (module docstring, step 4) ---------------------------------------------------------
+TORCHRUN_MODULE = "torch.distributed.run"
+
+
+def resume_command(argv: list[str] | None = None, environ=None, launcher_cmdline: list[str] | None = None) -> str:
+    """The shell command that continues this run from its newest checkpoint (step 4 of the module docstring).
+
+    ``argv`` is this process's (the script and its arguments, default ``sys.argv``); ``environ`` and
+    ``launcher_cmdline`` (default: this process's environment and its parent's command line) are parameters
+    so that a test can play a torchrun worker.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" in env:  # a torchrun worker
+        cmdline = _parent_cmdline() if launcher_cmdline is None else launcher_cmdline
+        launcher = _launcher_from_cmdline(cmdline, argv) or _launcher_from_env(env)
+    else:
+        launcher = [_as_typed("python", sys.executable)]
+    return shlex.join([*launcher, *with_resume_auto(argv)])
+
+
+def with_resume_auto(argv: list[str]) -> list[str]:
+    """``argv`` without any ``--checkpoint.resume X`` (or ``=X``), then ``--checkpoint.resume auto``."""
+    kept, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--checkpoint.resume":
+            i += 2  # the option and its value
+            continue
+        if not argv[i].startswith("--checkpoint.resume="):
+            kept.append(argv[i])
+        i += 1
+    return [*kept, "--checkpoint.resume", "auto"]
+
+
+def _parent_cmdline() -> list[str]:
+    """The parent process's argv (Linux), empty where it cannot be read."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [os.fsdecode(word) for word in raw.split(b"\0")[:-1]]
+
+
+def _launcher_from_cmdline(cmdline: list[str], argv: list[str]) -> list[str] | None:
+    """torchrun and its options as the launcher was started, or None when ``cmdline`` is not a torchrun
+    that ended with this worker's own ``argv`` (torchrun runs ``python -u SCRIPT ARGS`` as each worker)."""
+    if not argv or len(cmdline) <= len(argv) or cmdline[-len(argv) :] != argv:
+        return None
+    head = cmdline[: len(cmdline) - len(argv)]
+    for i, word in enumerate(head):
+        if Path(word).name == "torchrun":  # the console script, run by the interpreter of its #! line
+            return [_as_typed("torchrun", word), *head[i + 1 :]]
+        if word == "-m" and head[i + 1 : i + 2] == [TORCHRUN_MODULE]:  # python -m torch.distributed.run
+            return [_as_typed("python", head[0]), *head[1:]]
+    return None
+
+
+def _launcher_from_env(env) -> list[str]:
+    """torchrun's options rebuilt from the variables it exports to every worker (when its command line is
+    out of reach): processes per node, nodes, rendezvous and restarts."""
+    nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
+    words = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={env.get('LOCAL_WORLD_SIZE', '1')}"]
+    if nodes == 1:
+        words.append("--standalone")
+    else:
+        endpoint = f"{env.get('MASTER_ADDR', 'HOST')}:{env.get('MASTER_PORT', 'PORT')}"
+        words += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={env['TORCHELASTIC_RUN_ID']}"]
+    if env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        words.append(f"--max-restarts={env['TORCHELASTIC_MAX_RESTARTS']}")
+    return words
+
+
+def _as_typed(name: str, path: str) -> str:
+    """``name`` when the shell finds exactly ``path`` under that name (a venv's ``python``), else ``path``."""
+    if os.sep not in path:
+        return path  # already a bare name, found on PATH
+    found = shutil.which(name)
+    return name if found and Path(found).absolute() == Path(path).absolute() else path

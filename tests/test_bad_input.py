@@ -37,11 +37,11 @@ def messages(stderr: str) -> list[str]:
     return found
 
 
-def refused(tmp_path, *args, nproc: int = 1, config: str | None = DEBUG_CONFIG) -> str:
-    """Run train.py with ``args``; assert the refusal's shape; return the message."""
+def refused(tmp_path, *args, nproc: int = 1, config: str | None = DEBUG_CONFIG, prefix=None) -> str:
+    """Run train.py with ``args`` (after ``prefix``: setpriv); assert the refusal's shape; return the message."""
     start = time.monotonic()
     pre = ["--config", config] if config else []
-    proc = run_train_cli(nproc, *pre, "--run.dir", str(tmp_path / "run"), *args, timeout=120)
+    proc = run_train_cli(nproc, *pre, "--run.dir", str(tmp_path / "run"), *args, timeout=120, prefix=prefix)
     seconds = time.monotonic() - start
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert seconds < 60, f"took {seconds:.0f} s"
@@ -140,7 +140,18 @@ CONFIG_ERRORS = [
     ),
     ("ep_without_experts", 2, ["--parallel.ep", "2", "--parallel.dp_shard", "2"], ["parallel.ep=2 needs an MoE model"]),
     ("sp_regather_without_tp", 1, ["--parallel.sp_regather", "true"], ["parallel.sp_regather=true re-gathers"]),
+    # the layout against the machine's memory (mesh/layout_rules.py: check_memory; a 64 GiB machine, mocked)
+    (
+        "model_cannot_fit",
+        2,
+        ["--model.dim", "1000000", "--model.n_layers", "200", "--parallel.dp_shard", "2"],
+        ["does not fit in memory: model.dim=1000000, model.n_layers=200", "Would fit: model.dim=", "memory_check"],
+    ),
 ]
+
+# What one rank may use in the in-process cases: a machine with 64 GiB (runtime/process.py: memory_per_rank is
+# mocked, so that no case depends on the memory of the machine the tests run on).
+TEST_MACHINE = (64 * 2**30, "of a 64 GiB test machine")
 
 
 @pytest.mark.parametrize("world, args, words", [c[1:] for c in CONFIG_ERRORS], ids=[c[0] for c in CONFIG_ERRORS])
@@ -151,6 +162,7 @@ def test_a_bad_setting_is_refused_naming_the_field_and_the_fix(world, args, word
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr("train.memory_per_rank", lambda device: TEST_MACHINE)
     start = time.monotonic()
     config = [] if "--config" in args else ["--config", DEBUG_CONFIG]
     code = main([*config, "--run.dir", str(tmp_path / "run"), *args])
@@ -163,6 +175,50 @@ def test_a_bad_setting_is_refused_naming_the_field_and_the_fix(world, args, word
     assert not (tmp_path / "run").exists()
 
 
+def test_the_memory_check_refuses_only_a_clear_excess_and_its_suggestions_fit(tmp_path, monkeypatch):
+    """mesh/layout_rules.py: check_memory against a mocked machine. The margin: an estimate up to 1.5x what a
+    rank may use is let through, more is refused. What the refusal proposes fits by the same estimate (the
+    model sizes are checked here; a larger FSDP degree also needs a larger global batch). run.memory_check
+    false lets anything through."""
+    from mesh.layout_rules import MEMORY_MARGIN, peak_rank_memory
+    from mesh.memory_estimate import MemoryLayout
+    from runtime.config import ConfigError, load_config
+    from train import check_config
+
+    def config(**overrides):
+        base = {"run.dir": str(tmp_path / "run"), "model.n_heads": 16, "model.n_kv_heads": 4}
+        return load_config(path=DEBUG_CONFIG, overrides={**base, **overrides})
+
+    def machine(limit: float):
+        monkeypatch.setattr("train.memory_per_rank", lambda device: (int(limit), "of a test machine"))
+
+    wide = {"model.dim": 2048, "model.n_layers": 24}
+    plan, _ = check_config(config(**wide, **{"run.memory_check": False}), 1)
+    need = peak_rank_memory(plan.model, MemoryLayout.of_plan(plan, config(**wide)), plan.stage_layers, None).total
+    assert need > 12 * plan.model.num_params(), "at least the states (16 bytes a parameter, fp32 Adam)"
+    machine(need / MEMORY_MARGIN * 1.01)
+    check_config(config(**wide), 1)  # within the margin: left to try
+    machine(need / MEMORY_MARGIN * 0.99)
+    with pytest.raises(ConfigError) as err:
+        check_config(config(**wide), 1)
+    message = str(err.value)
+    assert "does not fit in memory: model.dim=2048, model.n_layers=24, model.vocab_size=256" in message
+    layers = int(re.search(r"model.n_layers=(\d+) on this layout", message).group(1))
+    assert 1 <= layers < 24
+    machine(need / MEMORY_MARGIN * 0.99 / MEMORY_MARGIN)  # the suggestion fits without the margin's help
+    check_config(config(**{**wide, "model.n_layers": layers}), 1)
+    with pytest.raises(ConfigError):
+        check_config(config(**{**wide, "model.n_layers": layers + 1}), 1)  # and it is the most that does
+    # The issue's case: no depth of this width fits anywhere; a width is proposed, and it fits.
+    machine(64 * 2**30)
+    with pytest.raises(ConfigError) as err:
+        check_config(config(**{"model.dim": 1_000_000, "model.n_layers": 200}), 1)
+    width = int(re.search(r"model.dim=(\d+) with these 200 layers", str(err.value)).group(1))
+    machine(64 * 2**30 / MEMORY_MARGIN)
+    check_config(config(**{"model.dim": width, "model.n_layers": 200}), 1)
+    check_config(config(**{"model.dim": 1_000_000, "model.n_layers": 200, "run.memory_check": False}), 1)
+
+
 def test_a_bad_setting_on_the_real_command_line(tmp_path):
     assert "model.norm_eps=-1.0 must be > 0" in refused(tmp_path, "--model.norm_eps", "-1")
 
@@ -170,6 +226,47 @@ def test_a_bad_setting_on_the_real_command_line(tmp_path):
 def test_a_string_in_toml_is_not_coerced(tmp_path):
     message = refused(tmp_path, config=toml(tmp_path, '[training]\nsteps = "3"\n'))
     assert "training.steps='3' is a string in the TOML file but must be a int; write it without quotes" in message
+
+
+def refused_here(tmp_path, capsys, *args: str, config: str = DEBUG_CONFIG) -> str:
+    """train.main in this process (world of one); asserts exit 2 with the message last; returns it."""
+    from train import main
+
+    code = main(["--config", config, "--run.dir", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    (message,) = messages(err)
+    assert err.rstrip().endswith(message.splitlines()[-1]) and "Traceback" not in err
+    return message
+
+
+@pytest.mark.parametrize(
+    "text, words, not_words",
+    [
+        ('[training]\nlr = "fast"\n', ["training.lr='fast' is not a valid float", "e.g. 0.5"], ["without quotes"]),
+        ('[training]\nlr = "0.1"\n', ["training.lr='0.1' is a string", "write it without quotes"], []),
+        ('[run]\ntensorboard = "True"\n', ["run.tensorboard='True' is not a valid bool"], ["without quotes"]),
+        ("[trainig]\n", ["unknown section [trainig]", "the sections are model, parallel, training"], []),
+    ],
+    ids=["quoted-word", "quoted-number", "quoted-python-bool", "empty-unknown-section"],
+)
+def test_toml_mistakes_get_the_advice_that_fits(text, words, not_words, tmp_path, capsys):
+    message = refused_here(tmp_path, capsys, config=toml(tmp_path, text))
+    for word in words:
+        assert word in message
+    for word in not_words:
+        assert word not in message
+
+
+def test_a_device_or_a_fifo_as_source_is_not_a_regular_file(tmp_path, capsys):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for source, kind in (("/dev/zero", "a character device"), (str(fifo), "a FIFO (named pipe)")):
+        for field in ("data.source", "data.val_source"):
+            message = refused_here(tmp_path, capsys, f"--{field}", source)
+            assert (
+                f"{field}={source!r} is not a regular file: it is {kind}" in message and "does not exist" not in message
+            )
 
 
 def test_a_binary_source_is_refused(tmp_path):
@@ -211,6 +308,43 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(tmp_path):
     message = refused(tmp_path, "--checkpoint.interval", "2", "--checkpoint.folder", str(blocker / "ckpt"))
     assert f"checkpoint.folder={str(blocker / 'ckpt')!r} cannot be written" in message
     assert "--checkpoint.interval 0" in message
+
+
+def test_a_read_only_checkpoint_folder_is_refused_naming_the_permission(tmp_path):
+    from launch.local_runs import unprivileged
+
+    prefix = unprivileged([])
+    if prefix is None:
+        pytest.skip("this process runs as root and cannot drop its override of file permissions (no setpriv)")
+    folder = tmp_path / "ckpt"
+    folder.mkdir(mode=0o555)
+    message = refused(tmp_path, "--checkpoint.interval", "2", "--checkpoint.folder", str(folder), prefix=prefix)
+    assert f"checkpoint.folder={str(folder)!r} cannot be written (Permission denied)" in message
+    assert "free space" not in message.lower() and "--checkpoint.interval 0" in message
+
+
+def test_a_second_run_on_folders_in_use_is_refused_by_every_rank_before_any_process_group(tmp_path, capsys):
+    """Another live run holds the lock (this test process plays it, runtime/run_dir.py: RunLock). Under
+    torchrun every worker looks at the lock itself and exits 2 before the process group starts: none of
+    them needs rank 0's word on the control plane ("reported by rank 0")."""
+    from runtime.run_dir import RunLock
+
+    held = RunLock(tmp_path / "run").acquire()
+    try:
+        message = refused(tmp_path, nproc=2)
+    finally:
+        held.release()
+    assert f"run.dir={str(tmp_path / 'run')!r} is in use by another live run (pid {os.getpid()}" in message
+    assert "reported by rank" not in message and "--run.dir" in message
+    # A run whose checkpoint.folder is another live run's: named as the checkpoint folder, with its fix.
+    folder = tmp_path / "other-run" / "checkpoints"
+    held = RunLock(folder, "checkpoint.folder").acquire()
+    try:
+        message = refused_here(tmp_path, capsys, "--checkpoint.folder", str(folder), "--checkpoint.interval", "2")
+    finally:
+        held.release()
+    assert f"checkpoint.folder={str(folder)!r} is in use by another live run" in message
+    assert "pass another --checkpoint.folder" in message and "run.dir=" not in message
 
 
 def test_a_checkpoint_folder_without_room_is_refused_before_training(tmp_path, monkeypatch):

@@ -10,9 +10,11 @@ dependency, a missing one fails the test rather than skipping it. On its own:
     .venv/bin/python -m pytest tests/test_checkpoint.py -k transformers
 """
 
+import copy
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -502,6 +504,11 @@ def test_export_has_hugging_face_names_shapes_and_config(exported):
         assert name in tensors
     config = json.loads((exported / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
+    # every file with the mode the umask gives (safetensors alone would make its file 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in ("model.safetensors", "config.json"):
+        assert (exported / file).stat().st_mode & 0o777 == 0o666 & ~umask, file
     assert (config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"]) == (128, 384, 4)
 
 
@@ -548,3 +555,198 @@ def test_moe_resume_on_another_expert_parallel_degree(shared_runs, tmp_path):
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert_same_curve(resumed, ref[N:])
     assert [r["expert_load"] for r in resumed] == [r["expert_load"] for r in ref[N:]]
+
+
+# ---- the learning rate after a resume -------------------------------------------------------------------------
+
+
+def test_after_a_restore_every_optimizer_takes_the_schedule_of_the_run_resumed_into():
+    """20 steps saved, restored into a 40-step run: every param group of every part's AdamW gets the 40-step
+    schedule's LR at step 20, not the 20-step schedule's (its floor) that the optimizer state carries."""
+    from checkpoint.state import apply_training_state, training_state
+    from data.loader import GlobalBatchLoader
+    from training.optimizer import Optimizers, lr_factor
+
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))]
+    loader = GlobalBatchLoader(torch.arange(2000) % 256, seq_len=8, global_batch=2, micro_batch=2, dp_rank=0, dp_size=1)
+    short = Optimizers(parts, load_config(path=DEBUG_CONFIG, overrides={"training.steps": 20}))
+    for _ in range(20):
+        for part in parts:
+            part(torch.ones(2, 4)).sum().backward()
+        short.step()
+    saved = copy.deepcopy(training_state(parts, short, loader, step=20))  # the live tensors, as a save copies them
+    cfg = load_config(path=DEBUG_CONFIG, overrides={"training.steps": 40})
+    longer = Optimizers(parts, cfg)
+    apply_training_state(saved, parts, longer, loader)
+    t = cfg.training
+    expected = t.lr * lr_factor(20, t.warmup_steps, 40, t.min_lr_ratio)
+    assert short.lr == pytest.approx(t.lr * t.min_lr_ratio), "the 20-step schedule ended at its floor"
+    groups = [group for optimizer in longer.optimizers for group in optimizer.param_groups]
+    assert len(groups) == 4 and all(group["lr"] == pytest.approx(expected, rel=1e-12) for group in groups)
+    assert longer.lr == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_run_resumed_with_more_steps_logs_its_own_schedule_from_the_first_step(reference, tmp_path):
+    """The README's real-data walk, in small: a 6-step run saved at step 6, resumed with training.steps 8."""
+    from training.optimizer import lr_factor
+
+    ref, source = reference
+    folder = tmp_path / "ckpt"
+    shutil.copytree(source, folder)
+    longer = 2 * N + 2
+    resumed = train_on(1, {**overrides(folder, checkpoint__resume="auto"), "training.steps": longer}, tmp_path / "run")
+    t = load_config(path=DEBUG_CONFIG).training
+    assert [r["step"] for r in resumed] == [2 * N + 1, 2 * N + 2]
+    # the LR logged at step s is the one step s applies: the schedule after s - 1 steps, of the 8-step run
+    expected = [t.lr * lr_factor(r["step"] - 1, t.warmup_steps, longer, t.min_lr_ratio) for r in resumed]
+    assert [r["lr"] for r in resumed] == pytest.approx(expected, rel=1e-12)
+    assert resumed[0]["lr"] > 5 * t.lr * t.min_lr_ratio, "not the 6-step schedule's floor the checkpoint stored"
+
+
+# ---- the tokenizer, by content ------------------------------------------------------------------------------
+
+
+def test_a_tokenizer_changed_under_the_same_path_is_refused_by_resume_and_generate(tmp_path, capsys):
+    """Another tokenizer.json of the same vocabulary size, copied over the one a run was trained with: the
+    path and the size still fit, the token ids do not. Resume and generate compare the SHA-256 the
+    checkpoint recorded, and name both."""
+    import generate
+    from data.tokenizers import load_tokenizer
+    from tests.bpe import tiny_bpe
+
+    trained, other = tiny_bpe(tmp_path / "a", n_files=30), tiny_bpe(tmp_path / "b", n_files=10)
+    path = tmp_path / "tok" / "tokenizer.json"
+    path.parent.mkdir()
+    shutil.copyfile(trained, path)
+    folder = tmp_path / "ckpt"
+    text = {"data.tokenizer": str(path), "model.vocab_size": 512, "data.max_bytes": 200_000}
+    train_on(1, {**text, **overrides(folder, checkpoint__interval=2), "training.steps": 2}, tmp_path / "run")
+    shutil.copyfile(other, path)
+    before, after = load_tokenizer(str(trained)), load_tokenizer(str(path))
+    assert before.vocab_size == after.vocab_size and before.sha256 != after.sha256
+    with pytest.raises(ConfigError) as err:
+        check(
+            tmp_path,
+            folder,
+            checkpoint__resume="auto",
+            training__steps=4,
+            **{k.replace(".", "__"): v for k, v in text.items()},
+        )
+    message = str(err.value)
+    assert before.sha256 in message and after.sha256 in message and "other token ids" in message
+    assert generate.main(["--checkpoint", str(folder), "--prompt", "def ", "--max-new-tokens", "2"]) == 2
+    err_text = capsys.readouterr().err
+    assert before.sha256[:12] in err_text and after.sha256[:12] in err_text and "Traceback" not in err_text
+
+
+# ---- unreadable checkpoints (run as a user without root's override of file permissions) ---------------------
+
+
+def unreadable_checkpoints(source: Path, folder: Path) -> None:
+    """A copy of the reference folder (step-3, step-6) where step-6 has a shard nobody may read, plus a
+    step-9 (a copy of step-6 relabelled) whose folder nobody may read."""
+    shutil.copytree(source, folder)
+    newest = folder / f"step-{3 * N}"
+    shutil.copytree(folder / f"step-{2 * N}", newest)
+    meta = json.loads((newest / "meshloom.json").read_text())
+    (newest / "meshloom.json").write_text(json.dumps({**meta, "step": 3 * N}))
+    (folder / f"step-{2 * N}" / "__0_0.distcp").chmod(0)
+    newest.chmod(0)
+
+
+def without_override() -> list[str]:
+    from launch.local_runs import unprivileged
+
+    prefix = unprivileged([])
+    if prefix is None:
+        pytest.skip("this process runs as root and cannot drop its override of file permissions (no setpriv)")
+    return prefix
+
+
+def test_unreadable_checkpoints_are_damaged_and_every_rank_falls_back(reference, tmp_path):
+    """An unreadable step folder (found before any process group) and an unreadable shard (found while the
+    ranks hash their shares) are damaged checkpoints: named with their reason, skipped on every rank under
+    resume auto, moved aside; the run resumes from step-3 on the reference curve. An explicit step that
+    cannot be read is refused with exit 2."""
+    ref, source = reference
+    prefix = without_override()
+    folder = tmp_path / "ckpt"
+    unreadable_checkpoints(source, folder)
+    common = ["--config", DEBUG_CONFIG, "--run.tensorboard", "false", "--checkpoint.folder", str(folder)]
+    explicit = run_train_cli(
+        1, *common, "--checkpoint.resume", str(3 * N), "--run.dir", str(tmp_path / "x"), prefix=prefix, timeout=120
+    )
+    assert explicit.returncode == 2, explicit.stderr[-3000:]
+    assert f"checkpoint {folder / f'step-{3 * N}'} is damaged or incomplete" in explicit.stderr
+    assert "cannot be read (permission denied)" in explicit.stderr and "Traceback" not in explicit.stderr
+    run_dir = tmp_path / "run"
+    proc = run_train_cli(
+        2,
+        *common,
+        "--parallel.dp_shard",
+        "2",
+        "--checkpoint.resume",
+        "auto",
+        "--checkpoint.interval",
+        str(N),
+        "--training.steps",
+        str(2 * N + 1),
+        "--run.dir",
+        str(run_dir),
+        prefix=prefix,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr
+    assert f"skips {folder / f'step-{3 * N}'}, which is damaged or incomplete" in proc.stderr
+    assert f"step-{2 * N} is damaged: __0_0.distcp cannot be read (permission denied)" in proc.stderr
+    assert f"resumed {folder / f'step-{N}'} at step {N}" in proc.stdout
+    assert (folder / f"step-{3 * N}.damaged").is_dir() and (folder / f"step-{2 * N}.damaged").is_dir()
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [4, 5, 6, 7]
+    assert_same_curve(records[:N], ref[N:])
+
+
+@pytest.mark.slow
+def test_an_unreadable_shard_of_an_explicit_step_stops_every_rank_with_exit_2(reference, tmp_path):
+    prefix = without_override()
+    folder = tmp_path / "ckpt"
+    unreadable_checkpoints(reference[1], folder)
+    proc = run_train_cli(
+        2,
+        "--config",
+        DEBUG_CONFIG,
+        "--parallel.dp_shard",
+        "2",
+        "--checkpoint.folder",
+        str(folder),
+        "--checkpoint.resume",
+        str(2 * N),
+        "--training.steps",
+        str(2 * N + 1),
+        "--run.dir",
+        str(tmp_path / "run"),
+        prefix=prefix,
+        timeout=240,
+    )
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+    assert codes and set(codes) == {"2"}, proc.stderr[-4000:]
+    assert proc.stderr.count("__0_0.distcp cannot be read (permission denied)") >= 2  # each rank says it
+
+
+def test_a_damaged_step_that_cannot_be_moved_aside_is_said_and_left(tmp_path, monkeypatch):
+    from checkpoint.folder import move_aside
+
+    step = tmp_path / "step-6"
+    step.mkdir()
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied", str(src))
+
+    monkeypatch.setattr(os, "rename", refuse)
+    said = move_aside(step)
+    assert f"could not move the damaged checkpoint {step} aside (permission denied)" in said
+    assert step.is_dir()
+    monkeypatch.undo()
+    assert "aside to step-6.damaged" in move_aside(step) and (tmp_path / "step-6.damaged").is_dir()

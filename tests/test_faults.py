@@ -124,13 +124,23 @@ def test_a_rank_stalled_mid_save_ends_the_job_within_the_timeout(tmp_path):
 
 
 def interrupted_then_resumed(
-    tmp_path, reference, *, pause: str | None, wait_pattern: str, saving=("--checkpoint.interval", "4")
+    tmp_path,
+    reference,
+    *,
+    pause: str | None,
+    wait_pattern: str,
+    saving=("--checkpoint.interval", "4"),
+    run_printed: bool = False,
 ) -> None:
-    run_dir = tmp_path / "run"
+    """SIGTERM to the launcher once ``wait_pattern`` shows, then resume: on one process (another layout), or,
+    with ``run_printed``, by running the printed resume command as it is, in a shell (the run.dir then has a
+    space in its name, and the first launch names an explicit ``--checkpoint.resume none``)."""
+    run_dir = tmp_path / ("a run" if run_printed else "run")
     common = ["--parallel.dp_shard", "2", "--training.steps", "12", "--run.dir", str(run_dir)]
     from checkpoint.manager import PAUSE_ENV
 
-    run = TorchrunLaunch(tmp_path, 2, *common, *saving, env={PAUSE_ENV: pause} if pause else {})
+    first = ["--checkpoint.resume", "none"] if run_printed else []
+    run = TorchrunLaunch(tmp_path, 2, *common, *saving, *first, env={PAUSE_ENV: pause} if pause else {})
     run.wait_for(wait_pattern)
     sent = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
@@ -149,16 +159,51 @@ def interrupted_then_resumed(
     assert step in published(run_dir / "checkpoints") and step < 12
     # the workers print no traceback; torchrun prints one of its own (SignalException) as it exits
     assert text.count("Traceback") == text.count("SignalException: Process") <= 1, text[-4000:]
-    # Resume on another layout (one process): the whole metrics.jsonl is the uninterrupted curve.
-    proc = run_train_cli(
-        1, "--config", DEBUG_CONFIG, *common[2:], "--checkpoint.interval", "4", "--checkpoint.resume", "auto"
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    if run_printed:
+        # The printed line, pasted into a shell as it is: the launcher's own options, the quoted run.dir.
+        printed = re.search(r"resume with: (.*)", text).group(1)
+        assert "torch.distributed.run --standalone --nproc-per-node=2" in printed and "..." not in printed
+        assert printed.endswith("--checkpoint.resume auto") and "--checkpoint.resume none" not in printed
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(printed, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"resumed {run_dir / 'checkpoints' / f'step-{step}'} at step {step}" in proc.stdout
+    else:
+        # Resume on another layout (one process): the whole metrics.jsonl is the uninterrupted curve.
+        proc = run_train_cli(
+            1, "--config", DEBUG_CONFIG, *common[2:], "--checkpoint.interval", "4", "--checkpoint.resume", "auto"
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_curve(read_metrics(run_dir), reference)
 
 
-def test_sigterm_mid_run_saves_the_step_and_the_resume_continues_the_curve(tmp_path, reference):
-    interrupted_then_resumed(tmp_path, reference, pause=None, wait_pattern=r"step +5 \|")
+def test_sigterm_mid_run_saves_the_step_and_the_printed_command_resumes_the_curve(tmp_path, reference):
+    interrupted_then_resumed(tmp_path, reference, pause=None, wait_pattern=r"step +5 \|", run_printed=True)
+
+
+def test_the_resume_command_names_the_launcher_and_quotes_every_word():
+    """The three sources of runtime/signals.py: resume_command (the CLI test above runs one printed line)."""
+    import shlex
+
+    from runtime.signals import resume_command
+
+    argv = ["train.py", "--run.dir", "runs/a b", "--checkpoint.resume", "7", "--training.steps", "40"]
+    expected_tail = "train.py --run.dir 'runs/a b' --training.steps 40 --checkpoint.resume auto"
+    # torchrun's console script, read from the launcher's own command line (the worker's parent)
+    launcher = ["/opt/py/bin/python", "/opt/py/bin/torchrun", "--nnodes", "1", "--nproc-per-node", "4", "--standalone"]
+    torchrun_env = {"TORCHELASTIC_RUN_ID": "abc", "LOCAL_WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "1"}
+    line = resume_command(argv, torchrun_env, launcher_cmdline=launcher + argv)
+    assert line == "/opt/py/bin/torchrun --nnodes 1 --nproc-per-node 4 --standalone " + expected_tail
+    assert shlex.split(line)[-6:-4] == ["--run.dir", "runs/a b"]
+    # where that command line is out of reach (or is not torchrun's): rebuilt from torchrun's variables
+    multinode = {**torchrun_env, "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "29400"}
+    line = resume_command(argv, {**multinode, "TORCHELASTIC_MAX_RESTARTS": "3"}, launcher_cmdline=[])
+    assert line == (
+        "torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node0:29400 --rdzv-id=abc "
+        "--max-restarts=3 " + expected_tail
+    )
+    # no torchrun: this interpreter
+    assert resume_command(["train.py", "--checkpoint.resume=none"], {}).endswith(" train.py --checkpoint.resume auto")
 
 
 def test_sigterm_with_async_saves_every_step_publishes_that_step_once(tmp_path, reference):
@@ -359,3 +404,43 @@ def _is_child_torchrun(proc_dir: Path, supervisor: int) -> bool:
         return _parent(proc_dir) == supervisor and b"torch.distributed.run" in (proc_dir / "cmdline").read_bytes()
     except OSError:
         return False
+
+
+# ---- a checkpoint folder that became read-only (run as a user without root's override of permissions) -------
+
+
+def test_a_checkpoint_folder_made_read_only_mid_run_fails_the_save_naming_the_permission(tmp_path):
+    """The folder was writable at start; SIGTERM asks for a save after it became read-only. The save fails on
+    creating step-N.tmp: exit 4 with "permission denied" and the fix for it, no advice to free space, and no
+    claim about a partial step-N.tmp, which never existed."""
+    from launch.local_runs import train_command, unprivileged
+
+    prefix = unprivileged([])
+    if prefix is None:
+        pytest.skip("this process runs as root and cannot drop its override of file permissions (no setpriv)")
+    folder = tmp_path / "ckpt"
+    args = ["--config", DEBUG_CONFIG, "--run.tensorboard", "false", "--training.steps", "500"]
+    args += ["--checkpoint.interval", "400", "--checkpoint.folder", str(folder), "--run.dir", str(tmp_path / "run")]
+    log = tmp_path / "log.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*prefix, *train_command(1, *args)], cwd=ROOT, env=env, stdout=out, stderr=out)
+        try:
+            deadline = time.monotonic() + 180
+            while not re.search(r"step +2 \|", log.read_text()):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.1)
+            folder.chmod(0o555)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            folder.chmod(0o755)
+    text = log.read_text()
+    assert code == 4, text[-3000:]
+    line = next(line for line in text.splitlines() if line.startswith("meshloom: checkpoint save failed"))
+    assert "failed on rank 0: permission denied" in line and "(EACCES)" in line, line
+    assert "Make the folder writable for this user again" in line and "--checkpoint.resume auto" in line
+    assert "Free space" not in line and "removed the partial" not in line and "could not remove" not in line
+    assert "Traceback" not in text and not list(folder.glob("step-*"))

@@ -94,3 +94,14 @@ def test_greedy_generation_equals_transformers_generate(tmp_path):
     out = theirs_model.generate(torch.tensor([PROMPT]), max_new_tokens=48, do_sample=False)
     assert ours == out[0, len(PROMPT) :].tolist()
     assert len(set(ours)) >= 5
+
+
+def test_an_over_long_prompt_is_refused_before_anything_is_echoed(tmp_path, capsys):
+    import generate
+
+    export_safetensors(random_model().state_dict(), ARGS, tmp_path)
+    code = generate.main(["--checkpoint", str(tmp_path), "--prompt", "x" * ARGS.max_seq_len])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "", "nothing of the prompt is echoed"
+    assert f"the prompt has {ARGS.max_seq_len} tokens, no fewer than model.max_seq_len={ARGS.max_seq_len}" in out.err
+    assert "parameters |" not in out.err, "refused before the banner too"

@@ -1,6 +1,7 @@
 import torch
 import torch.nn.functional as F
 
+from models.flops import matmul_params_per_token
 from models.llama import PRESETS, ModelArgs, Transformer
 
 
@@ -56,12 +57,18 @@ def test_grouped_query_attention_shares_kv_heads():
 
 
 def test_presets_have_llama3_sizes():
-    # Published sizes: Llama 3.2 1B ~1.24B, Llama 3 8B ~8.03B, Llama 3 70B ~70.6B parameters (untied heads
-    # here, so the 1B preset counts its output head separately: +0.26B).
+    # Published sizes: Llama 3.2 1B ~1.24B, Llama 3 8B ~8.03B, Llama 3 70B ~70.6B, Llama 3.1 405B ~405.9B
+    # parameters (untied heads here, so the 1B preset counts its output head separately: +0.26B); Mixtral 8x7B
+    # 46.7B in all, 12.9B active per token (two of eight experts, the embedding included).
     counts = {name: args.num_params() / 1e9 for name, args in PRESETS.items()}
     assert abs(counts["llama3-8b"] - 8.03) < 0.01
     assert abs(counts["llama3-70b"] - 70.55) < 0.05
     assert abs(counts["llama3-1b"] - 1.50) < 0.01
+    assert abs(counts["llama3-405b"] - 405.85) < 0.01 and PRESETS["llama3-405b"].hidden_dim == 53248
+    assert abs(counts["mixtral-8x7b"] - 46.70) < 0.01
+    mixtral = PRESETS["mixtral-8x7b"]
+    active = matmul_params_per_token(mixtral) + mixtral.vocab_size * mixtral.dim  # + the embedding's lookup
+    assert abs(active / 1e9 - 12.88) < 0.01
 
 
 def test_num_params_matches_the_built_model():

@@ -1,0 +1,377 @@
+"""What one rank holds in GPU memory at the peak of a training step: an estimate in bytes, arithmetic only.
+
+Nothing here builds a model or a process group, so a layout can be judged before anything is allocated: the
+layout planner (bench/plan_layout.py) adds a search and a time model on top, and the same functions serve a
+dry run, a "will it fit" check before allocation, and a memory-balanced pipeline split. Inputs: a
+``ModelArgs`` (models/llama.py; MoE layers through ``args.moe``), the degrees, the batch and sequence, the
+pipeline schedule, the activation checkpointing mode and the precision, gathered in ``MemoryLayout``.
+
+Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
+
+1. **States** (``states_bytes``): 16 bytes per parameter the rank owns: fp32 weights 4, fp32 gradients 4,
+   Adam's m and v 8. ``mixed_precision = bf16`` keeps the same 16: FSDP2's MixedPrecisionPolicy keeps the
+   sharded weights and their gradients in fp32 and computes with bf16 copies (item 2). A block's attention and
+   dense FFN are split over tp, its norms are not; an MoE layer's router, experts and shared expert stay
+   whole on every tp rank (mesh/tensor_parallel.py: TokenSplitMoE) and the experts are split over ep. FSDP
+   then shards everything over dp_shard x cp (mesh/dims.py), experts over the same ranks as efsdp x ep;
+   dp_replicate (HSDP) holds copies. ``fsdp_cpu_offload`` moves the states to the host: 0 here.
+2. **Gathered weights** (``gathered_bytes``), only under FSDP, in the compute dtype (2 bytes in bf16, 4 in fp32):
+   without pipelining the root unit (embedding, final norm, head) stays gathered, and at the start of
+   backward two blocks are gathered (the last one, kept, and the next one, prefetched); the head's unsharded
+   gradient lives until the root reduces last, and the block being reduced holds its unsharded gradient
+   (in bf16 also the fp32 copy FSDP reduce-scatters: 2 + 4 bytes). With pipelining torch keeps a stage's
+   units gathered and accumulates unsharded fp32 gradients until the step's last backward
+   (torch/distributed/pipelining/stage.py: backward_maybe_with_nosync): (compute dtype + 4) bytes for every
+   parameter of the rank's stages.
+3. **Activations** (``layer_activation_bytes``): what one block keeps from its forward for its backward,
+   for one micro-batch of n = sequences x seq_len / cp tokens on this rank. For models/llama.py's block
+   (h = dim, g = n_kv_heads x head_dim, H = the FFN's hidden size, a = n_heads, w = bytes of the compute
+   dtype, t = tp), counted from the ops that save tensors, the same list as bench/activation_memory.py:
+
+   - each RMSNorm: its input in fp32 (the ``x.float()`` copy in bf16; the input itself in fp32), the fp32
+     rsqrt per token and the normalised activation in the compute dtype: n·h·(4 + w) + 4n, twice;
+   - the inputs of wq/wk/wv and of w1/w3 (the norms' outputs): 2·n·h·w;
+   - attention: q and the output n·h·w each; **k and v at their own n_kv_heads width**, 2·n·g·w (grouped-query
+     attention: SDPA reads each k/v head for its query heads, no repeated copies); the fp32 log-sum-exp
+     4·n·a; no s x s scores (a fused, flash-style kernel);
+   - the SwiGLU: w1's and w3's outputs, silu of w1's, and their product: 4·n·H·w;
+   - an MoE layer instead: the fp32 router scores and the gates' sum, n·(4E + 4); per routed (token, expert)
+     pair the dispatched token, the expert's output and its gated copy (3·h·w: the combining ``index_add_``
+     saves its source), the expert's SwiGLU (4·He·w), and four int64 indices and two fp32 gates (40 bytes);
+     plus the shared expert's 4·n·H·w.
+
+   Tensor parallelism divides the attention and FFN terms by t. Without sequence parallelism the norms and
+   the two gathered inputs are whole on every rank; with it the norms are divided by t, and the gathered
+   inputs too only with ``sp_regather`` (DTensor's column-parallel matmul saves the input it gathered). An MoE
+   layer under TP works on its rank's tokens only, so its terms divide by t, and its input is not gathered.
+   Context parallelism divides n, except that ``cp_attention = allgather`` saves the gathered K and V of the
+   whole sequence. Activation checkpointing (mesh/activation_checkpoint.py): ``full`` keeps only the block's
+   input (n·h·w, /t with SP), and backward rebuilds one block at a time (the largest block's ``none`` bytes
+   once per rank); ``selective`` keeps the block input and the outputs of the matmuls, of attention and of
+   the collectives (under TP: the gathered inputs, and the row-parallel outputs before their reduction, are
+   whole; the column-parallel outputs divide by t), and rebuilds the elementwise rest one block at a time.
+4. **In flight** (``chunks_in_flight``): how many (stage, micro-batch) chunks a rank holds at once, from the
+   order in which each of torch's schedules runs its actions (``_get_warmup_ops`` and the V-schedules'
+   warm-up in torch/distributed/pipelining/schedules.py; docs/pipeline_parallel.md section 4 counts them
+   from torch's own action lists, and tests/test_memory_estimate.py checks every formula against them). With
+   m micro-batches, pp ranks, rank r and v stages per rank:
+
+   - GPipe: m; 1F1B: min(m, pp - r);
+   - Interleaved1F1B: min(v·m, (v - 1)·q + 2·(pp - 1 - r) + 1), q = m // max(1, m // pp) micro-batches
+     per round (the warm-up forwards, plus the first steady-state forward before the first backward);
+     LoopedBFS: v·m (all forwards first);
+   - InterleavedZeroBubble: min(v·m, (v - 1)·q + (pp - 1 - r) + 1) (counted until the input-gradient half;
+     a chunk keeps its matmul inputs a little longer, until its weight-gradient half);
+   - ZBVZeroBubble: min(2m, 2·pp, m + 1 + r); DualPipeV: min(2m, 2·pp + 1): with m >= 2·pp - 1 both are
+     flat across the ranks (2·pp and 2·pp + 1 chunks).
+
+   A chunk is one stage's layers for one micro-batch; a rank's activations are its chunks in flight times
+   its stages' mean chunk. Without pipelining a rank holds one micro-batch (accumulation runs them one
+   after the other).
+5. **Logits** (``logits_bytes``), on the rank holding the last stage: 12 bytes per logit at the peak around
+   the loss (bf16 logits 2, their fp32 copy 4, the fp32 log-softmax 4, the gradient; measured by
+   bench/logits_memory.py), plus 4 bytes per logit (the saved log-softmax) for every other micro-batch the
+   last stage holds in flight; logits are split over tp by the vocabulary-parallel loss.
+
+Not counted: the CUDA context and kernels' workspaces, NCCL's buffers, the allocator's fragmentation, the
+optimizer step's temporaries, the data loader, and anything torch.compile changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (no mesh.plan import, even here: mesh/plan.py may import this module)
+    from models.llama import ModelArgs
+    from runtime.config import Config
+
+STATE_BYTES = 16  # fp32 weights 4 + fp32 gradients 4 + Adam m, v 8, per owned parameter
+COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
+LOGIT_PEAK_BYTES = 12  # per logit around the loss: bench/logits_memory.py measures 10.0 forward, 12.0 backward
+LOGIT_KEPT_BYTES = 4  # per logit of a micro-batch waiting for its backward: the fp32 log-softmax
+ROUTING_BYTES = 40  # per routed (token, expert) pair: four int64 indices, two fp32 gates (models/moe.py: MoE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryLayout:
+    """Everything besides the model that decides what a rank holds."""
+
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    ep: int = 1
+    seq_len: int
+    sequences_per_microbatch: int = 1  # one pipeline micro-batch (or one forward call without pipelining)
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 1
+    stages_per_rank: int = 1
+    activation_checkpoint: str = "none"  # none | full | selective
+    mixed_precision: str = "bf16"  # bf16 | fp32
+    sequence_parallel: bool = True
+    sp_regather: bool = False
+    cp_attention: str = "allgather"  # allgather | ring
+    fsdp: bool = True  # FSDP2 wraps the model (mesh/plan.py: uses_fsdp)
+    cpu_offload: bool = False  # parallel.fsdp_cpu_offload
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 and self.sequence_parallel
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on this rank (context parallelism splits each sequence)."""
+        return self.sequences_per_microbatch * self.seq_len // self.cp
+
+    @property
+    def dtype_bytes(self) -> int:
+        return COMPUTE_BYTES[self.mixed_precision]
+
+    @classmethod
+    def of_plan(cls, plan, cfg: Config) -> MemoryLayout:
+        """The layout a resolved ``LayoutPlan`` (mesh/plan.py) and its config describe."""
+        d, p, t = plan.dims, cfg.parallel, cfg.training
+        per_microbatch = plan.micro_batch // plan.pp_microbatches if d.pp > 1 else plan.micro_batch
+        return cls(
+            tp=d.tp,
+            pp=d.pp,
+            dp_replicate=d.dp_replicate,
+            dp_shard=d.dp_shard,
+            cp=d.cp,
+            ep=d.ep,
+            seq_len=plan.seq_len,
+            sequences_per_microbatch=per_microbatch,
+            pp_schedule=plan.pp_schedule or "1F1B",
+            pp_microbatches=plan.pp_microbatches,
+            stages_per_rank=plan.stages_per_rank,
+            activation_checkpoint=t.activation_checkpoint,
+            mixed_precision=t.mixed_precision,
+            sequence_parallel=p.sequence_parallel,
+            sp_regather=p.sp_regather,
+            cp_attention=p.cp_attention,
+            fsdp=plan.fsdp,
+            cpu_offload=p.fsdp_cpu_offload,
+        )
+
+
+# ---- 1. parameters and states ----------------------------------------------------------------------------
+
+
+def block_parameters(args: ModelArgs, layer_id: int) -> dict[str, int]:
+    """A block's parameters by how they are split: ``tp`` (attention, dense FFN), ``whole`` (norms, and an MoE
+    layer's router and shared expert), ``experts`` (split over ep). They add up to ``args.layer_params``."""
+    kv = args.n_kv_heads * args.head_dim
+    attention = 2 * args.dim * args.dim + 2 * args.dim * kv
+    dense_ffn = 3 * args.dim * args.hidden_dim
+    if not args.is_moe_layer(layer_id):
+        return {"tp": attention + dense_ffn, "whole": 2 * args.dim, "experts": 0}
+    m = args.moe
+    shared = dense_ffn if m.n_shared_experts else 0
+    return {
+        "tp": attention,
+        "whole": 2 * args.dim + args.dim * m.n_experts + shared,
+        "experts": 3 * m.n_experts * args.dim * m.hidden_dim,
+    }
+
+
+def stage_parameters(args: ModelArgs, layers, first: bool, last: bool) -> dict[str, int]:
+    """The parameters of a stage holding ``layers`` (the embedding on the first stage, norm and head on the last)."""
+    total = {"tp": 0, "whole": 0, "experts": 0}
+    for i in layers:
+        for key, n in block_parameters(args, i).items():
+            total[key] += n
+    total["tp"] += args.vocab_size * args.dim * (int(first) + int(last))  # vocabulary-parallel under tp
+    total["whole"] += args.dim if last else 0  # the final norm
+    return total
+
+
+def rank_parameters(args: ModelArgs, layout: MemoryLayout, params: dict[str, int]) -> float:
+    """How many of ``params`` one rank owns after TP, EP and FSDP (item 1 of the module docstring)."""
+    shards = layout.dp_shard * layout.cp if layout.fsdp else 1
+    experts = params["experts"] / (layout.dp_shard * layout.cp if layout.fsdp else layout.ep)
+    return params["tp"] / (layout.tp * shards) + params["whole"] / shards + experts
+
+
+def states_bytes(args: ModelArgs, layout: MemoryLayout, params: dict[str, int]) -> float:
+    """Item 1: 16 bytes per owned parameter; none on the device with CPU offload."""
+    return 0.0 if layout.cpu_offload else STATE_BYTES * rank_parameters(args, layout, params)
+
+
+def gathered_parameters(layout: MemoryLayout, params: dict[str, int]) -> float:
+    """Parameters of ``params`` this rank holds gathered: TP and EP still split them, FSDP does not."""
+    return params["tp"] / layout.tp + params["whole"] + params["experts"] / layout.ep
+
+
+def gathered_bytes(args: ModelArgs, layout: MemoryLayout, layers, first: bool, last: bool) -> float:
+    """Item 2: FSDP's unsharded copies of the weights (and gradients) this rank computes with."""
+    if not layout.fsdp:
+        return 0.0
+    w = layout.dtype_bytes
+    if layout.pp > 1:
+        return (w + 4) * gathered_parameters(layout, stage_parameters(args, layers, first, last))
+    grad_w = w + (4 if w != 4 else 0)  # the unsharded gradient, and in bf16 its fp32 copy for the reduce-scatter
+    blocks = sorted((gathered_parameters(layout, block_parameters(args, i)) for i in layers), reverse=True)
+    root = gathered_parameters(layout, stage_parameters(args, [], first, last))
+    head = args.vocab_size * args.dim / layout.tp if last else 0.0
+    return w * (root + sum(blocks[:2])) + w * head + grad_w * (blocks[0] if blocks else 0.0)
+
+
+# ---- 3. activations ----------------------------------------------------------------------------------------
+
+
+def layer_activation_terms(args: ModelArgs, layer_id: int, layout: MemoryLayout, mode: str) -> dict[str, float]:
+    """Bytes one block keeps for backward for one micro-batch on this rank, by term (item 3 of the docstring)."""
+    n, h, a, w, t = layout.tokens, args.dim, args.n_heads, layout.dtype_bytes, layout.tp
+    g = args.n_kv_heads * args.head_dim
+    sp = layout.sp
+    moe = args.is_moe_layer(layer_id)
+    shard = t if sp else 1  # what divides the sequence-sharded parts (the residual stream, the norms)
+    kv_tokens = (
+        layout.sequences_per_microbatch * layout.seq_len if layout.cp > 1 and layout.cp_attention == "allgather" else n
+    )
+    if mode == "full":
+        return {"input": n * h * w / shard}
+    if mode == "selective":
+        terms = {
+            "input": n * h * w / shard,
+            "attention": ((2 * n * h + 2 * kv_tokens * g) * w + 4 * n * a) / t,  # wq, wk, wv, attention's output, lse
+            "row_outputs": n * h * w * (1 if moe else 2),  # wo's (and w2's) output: whole partial sums under TP
+            "ffn": selective_ffn_bytes(args, layer_id, layout),
+        }
+        if t > 1:  # collectives' outputs: SP's all-gathers (whole), the reduce-scatters' (sharded) or all-reduces'
+            gathers = (1 if moe else 2) if sp else (1 if moe else 0)  # without SP, an MoE layer gathers its chunks
+            terms["collectives"] = n * h * w * (gathers + (1 if moe else 2) / shard)
+        return terms
+    norm = n * h * (4 + w) + 4 * n
+    terms = {
+        "norms": 2 * norm / shard,
+        "gathered": (1 if moe else 2) * n * h * w / (t if sp and layout.sp_regather else 1),
+        "attention": (2 * n * h * w + 2 * kv_tokens * g * w + 4 * n * a) / t,
+    }
+    if moe:
+        terms["gathered"] += n * h * w / t  # the MoE block's input: this rank's tokens only (TokenSplitMoE)
+    terms["ffn"] = ffn_activation_bytes(args, layer_id, layout)
+    return terms
+
+
+def ffn_activation_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout) -> float:
+    """The FFN's share of ``layer_activation_terms`` without checkpointing: a SwiGLU, or an MoE layer."""
+    n, w, t = layout.tokens, layout.dtype_bytes, layout.tp
+    if not args.is_moe_layer(layer_id):
+        return 4 * n * args.hidden_dim * w / t
+    m = args.moe
+    routed = n / t * m.top_k  # TokenSplitMoE: each tp rank routes its own tokens
+    shared = 4 * n / t * args.hidden_dim * w if m.n_shared_experts else 0.0
+    per_token = 4 * m.n_experts + 4  # the fp32 router scores, the sum that renormalises the gates
+    return n / t * per_token + routed * (3 * args.dim * w + 4 * m.hidden_dim * w + ROUTING_BYTES) + shared
+
+
+def selective_ffn_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout) -> float:
+    """The FFN's share under selective checkpointing: w1's and w3's outputs (w2's is a row output); for an MoE
+    layer the router's output, topk's values and indices, each routed pair's expert matmul outputs, the
+    all-to-alls' outputs under EP, and the shared expert's matmul outputs."""
+    n, w, t, h = layout.tokens, layout.dtype_bytes, layout.tp, args.dim
+    if not args.is_moe_layer(layer_id):
+        return 2 * n * args.hidden_dim * w / t
+    m = args.moe
+    routed = n / t * m.top_k
+    exchanged = 2 * h * w if layout.ep > 1 else 0.0  # dispatched and combined tokens
+    shared = (2 * args.hidden_dim + h) * n / t * w if m.n_shared_experts else 0.0
+    return n / t * m.n_experts * w + routed * ((2 * m.hidden_dim + h) * w + 12 + exchanged) + shared
+
+
+def layer_activation_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout, mode: str | None = None) -> float:
+    """Item 3 in one number: bytes block ``layer_id`` keeps for one micro-batch under ``mode`` (default: the
+    layout's ``activation_checkpoint``)."""
+    return sum(layer_activation_terms(args, layer_id, layout, mode or layout.activation_checkpoint).values())
+
+
+def rebuild_bytes(args: ModelArgs, layers, layout: MemoryLayout) -> float:
+    """With checkpointing, backward rebuilds one block at a time: the largest block's unsaved bytes, once."""
+    if layout.activation_checkpoint == "none" or not layers:
+        return 0.0
+    return max(
+        layer_activation_bytes(args, i, layout, "none") - layer_activation_bytes(args, i, layout) for i in layers
+    )
+
+
+# ---- 4. in flight ----------------------------------------------------------------------------------------
+
+
+def chunks_in_flight(schedule: str, pp: int, pp_rank: int, microbatches: int, stages_per_rank: int) -> int:
+    """(stage, micro-batch) chunks rank ``pp_rank`` holds at its peak under ``schedule`` (item 4)."""
+    m, v, r = microbatches, stages_per_rank, pp_rank
+    if pp == 1:
+        return 1
+    per_round = m // max(1, m // pp)
+    counts = {
+        "GPipe": m,
+        "1F1B": min(m, pp - r),
+        "Interleaved1F1B": min(v * m, (v - 1) * per_round + 2 * (pp - 1 - r) + 1),
+        "LoopedBFS": v * m,
+        "InterleavedZeroBubble": min(v * m, (v - 1) * per_round + (pp - 1 - r) + 1),
+        "ZBVZeroBubble": min(2 * m, 2 * pp, m + 1 + r),
+        "DualPipeV": min(2 * m, 2 * pp + 1),
+    }
+    return counts[schedule]
+
+
+# ---- 5. logits, and the whole rank -------------------------------------------------------------------------
+
+
+def logits_bytes(args: ModelArgs, layout: MemoryLayout, held: int = 1) -> float:
+    """Item 5: the peak around the loss, plus the saved log-softmax of ``held - 1`` other micro-batches."""
+    logits = layout.tokens * args.vocab_size / layout.tp
+    return logits * (LOGIT_PEAK_BYTES + LOGIT_KEPT_BYTES * max(0, held - 1))
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    states: float
+    gathered: float
+    activations: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.states + self.gathered + self.activations + self.logits
+
+
+def rank_memory(
+    args: ModelArgs,
+    layout: MemoryLayout,
+    stage_layers: list[list[int]] | tuple[tuple[int, ...], ...],
+    pp_rank: int = 0,
+    stage_ids: list[int] | tuple[int, ...] = (0,),
+) -> RankMemory:
+    """Bytes pipeline rank ``pp_rank`` holds at its peak; ``stage_layers`` lists every stage's layer ids and
+    ``stage_ids`` are the stages this rank runs (mesh/pipeline.py: stage_ids_of_rank)."""
+    n_stages = len(stage_layers)
+    first, last = 0 in stage_ids, n_stages - 1 in stage_ids
+    layers = [i for s in stage_ids for i in stage_layers[s]]
+    params = stage_parameters(args, layers, first, last)
+    held = chunks_in_flight(layout.pp_schedule, layout.pp, pp_rank, layout.pp_microbatches, len(stage_ids))
+    per_chunk = sum(layer_activation_bytes(args, i, layout) for i in layers) / len(stage_ids)
+    activations = held * per_chunk + rebuild_bytes(args, layers, layout)
+    # The last stage's chunks in flight: one for single-stage and looped schedules' last rank per round, all of
+    # them under GPipe and LoopedBFS (every forward first).
+    last_held = 1
+    if layout.pp > 1 and layout.pp_schedule in ("GPipe", "LoopedBFS"):
+        last_held = layout.pp_microbatches
+    return RankMemory(
+        states=states_bytes(args, layout, params),
+        gathered=gathered_bytes(args, layout, layers, first, last),
+        activations=activations,
+        logits=logits_bytes(args, layout, last_held) if last else 0.0,
+    )
+
+
+def even_stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """Layers cut into ``n_stages`` contiguous stages whose sizes differ by at most one, the larger ones last
+    (the first stage also holds the embedding, the last the head: a simple default when no split is given)."""
+    base, extra = divmod(n_layers, n_stages)
+    sizes = [base + (1 if s >= n_stages - extra else 0) for s in range(n_stages)]
+    bounds = [sum(sizes[:s]) for s in range(n_stages + 1)]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]

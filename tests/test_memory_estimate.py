@@ -1,0 +1,178 @@
+"""mesh/memory_estimate.py: hand-worked examples, bytes autograd really saves, and torch's own schedule orders.
+
+The per-layer count is also checked on 2 ranks under TP, with and without SP (tests/test_activation_memory.py:
+bench/activation_memory.py's formula_bytes is this module's count).
+"""
+
+import pytest
+
+from bench.activation_memory import SavedBytes, storage_ptr
+from bench.plan_layout import kept_bytes
+from bench.schedule_ir import activations_in_flight, schedule_actions
+from mesh.memory_estimate import (
+    MemoryLayout,
+    chunks_in_flight,
+    even_stage_layers,
+    layer_activation_bytes,
+    rank_memory,
+    stage_parameters,
+    states_bytes,
+)
+from mesh.pipeline import SCHEDULE_FAMILIES, stage_ids_of_rank
+from models.llama import PRESETS, ModelArgs
+from models.moe import MoEArgs
+
+LLAMA8B = PRESETS["llama3-8b"]
+
+
+def test_llama3_8b_layer_by_hand_with_grouped_query_attention():
+    # One sequence of 8,192 tokens, one rank, bf16, no checkpointing. h = 4096, 8 kv heads of 128 (g = 1024),
+    # H = 14336, 32 heads. Bytes, worked out by hand from the list in the module docstring:
+    #   two RMSNorms   2 x (8192·4096·(4 + 2) + 4·8192)        = 402,718,720
+    #   wq/wk/wv and w1/w3 inputs  2·8192·4096·2               = 134,217,728
+    #   q and attention's output   2·8192·4096·2               = 134,217,728
+    #   k and v at 8 kv heads      2·8192·1024·2               =  33,554,432
+    #   log-sum-exp (fp32)         4·8192·32                   =   1,048,576
+    #   SwiGLU                     4·8192·14336·2              = 939,524,096
+    #                                                     total = 1,645,281,280
+    layout = MemoryLayout(seq_len=8192, sequences_per_microbatch=1, mixed_precision="bf16")
+    assert layer_activation_bytes(LLAMA8B, 0, layout, "none") == 1_645_281_280
+    # The same model with 32 kv heads (multi-head attention) keeps k and v 4x wider: 2·8192·(4096 - 1024)·2 more.
+    mha = ModelArgs(**{**vars(LLAMA8B), "n_kv_heads": 32})
+    assert layer_activation_bytes(mha, 0, layout, "none") - 1_645_281_280 == 100_663_296
+    # Korthikanti et al.'s 34·s·h (GPT: MHA, a 4h GeLU MLP, fused norms) is 1,140,850,688 here: 31% under.
+    assert 1_140_850_688 / 1_645_281_280 == pytest.approx(0.693, abs=1e-3)
+    # Full checkpointing keeps the block's bf16 input, 8192·4096·2; with tp = 4 and SP, a quarter of it.
+    assert layer_activation_bytes(LLAMA8B, 0, layout, "full") == 67_108_864
+    sp4 = MemoryLayout(tp=4, seq_len=8192, sequences_per_microbatch=1, activation_checkpoint="full")
+    assert layer_activation_bytes(LLAMA8B, 0, sp4) == 16_777_216
+
+
+def test_llama3_8b_states_by_hand():
+    # tp = 2, FSDP over dp_shard = 4. Split over tp: per block wq, wo 2·4096² + wk, wv 2·4096·1024 + the SwiGLU
+    # 3·4096·14336 = 218,103,808, x 32 = 6,979,321,856, plus embedding and head 2·128256·4096 = 1,050,673,152:
+    # 8,029,995,008. Whole on every tp rank: the norms, 32·2·4096 + 4096 = 266,240 (together: 8,030,261,248 = Ψ).
+    # One rank owns 8,029,995,008 / 8 + 266,240 / 4 = 1,003,815,936 parameters, 16 bytes each.
+    layout = MemoryLayout(tp=2, dp_shard=4, seq_len=8192)
+    params = stage_parameters(LLAMA8B, range(32), first=True, last=True)
+    assert params == {"tp": 8_029_995_008, "whole": 266_240, "experts": 0}
+    assert sum(params.values()) == LLAMA8B.num_params()
+    assert states_bytes(LLAMA8B, layout, params) == 16 * 1_003_815_936
+    assert states_bytes(LLAMA8B, MemoryLayout(tp=2, dp_shard=4, seq_len=8192, cpu_offload=True), params) == 0
+
+
+def test_mixtral_states_by_hand():
+    # Mixtral 8x7B with ep = 8 carved from dp_shard = 16 (experts FSDP-sharded over efsdp = 2). Experts per layer
+    # 8 x 3 x 4096 x 14336 = 1,409,286,144, x 32 = 45,097,156,608, owned 1/16: 2,818,572,288. Attention per layer
+    # 2·4096² + 2·4096·1024 = 41,943,040, x 32 + embedding and head 2·32000·4096 = 262,144,000: 1,604,321,280,
+    # owned 1/16: 100,270,080. Whole (router 4096·8 and two norms 2·4096 per layer, the final norm) 32·40,960 +
+    # 4096 = 1,314,816, owned 1/16: 82,176. In all 2,918,924,544 parameters, 16 bytes each.
+    mixtral = PRESETS["mixtral-8x7b"]
+    layout = MemoryLayout(dp_shard=16, ep=8, seq_len=4096)
+    params = stage_parameters(mixtral, range(32), first=True, last=True)
+    assert params == {"tp": 1_604_321_280, "whole": 1_314_816, "experts": 45_097_156_608}
+    assert states_bytes(mixtral, layout, params) == 16 * 2_918_924_544
+
+
+def measured_block_bytes(args: ModelArgs, batch: int, seq: int, dtype) -> int:
+    """What autograd saves in one block's forward on CPU (bench/activation_memory.py's SavedBytes), in ``dtype``."""
+    import torch
+
+    from mesh.materialize import materialize_weights
+    from models.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    materialize_weights(model, torch.device("cpu"), seed=0)
+    model.to(dtype)
+    x = torch.randn(batch, seq, args.dim, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+    state = {storage_ptr(t) for t in (*model.parameters(), *model.buffers())}
+    with SavedBytes(exclude=state) as saved:
+        out = model.layers["0"](x, model.rope_cos, model.rope_sin)
+    out.float().sum().backward()  # what was saved really was enough for backward
+    return saved.total
+
+
+DENSE = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
+MOE = ModelArgs(
+    dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, moe=MoEArgs(8, 2, hidden_dim=32)
+)
+
+
+@pytest.mark.parametrize("args", [DENSE, MOE], ids=["dense", "moe"])
+def test_layer_bytes_equal_what_autograd_saves(args):
+    """Measured on CPU: fp32 and bf16 (fp32 norm statistics and copies included) without checkpointing; selective
+    and full checkpointing by the storages alive after forward (bench/plan_layout.py: kept_bytes, fp32)."""
+    import torch
+
+    batch, seq = 2, 32
+    for dtype, precision in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        layout = MemoryLayout(seq_len=seq, sequences_per_microbatch=batch, mixed_precision=precision)
+        estimate = layer_activation_bytes(args, 0, layout, "none")
+        measured = measured_block_bytes(args, batch, seq, dtype)
+        # exact for the dense block; the MoE block's routing (indices, gates) is counted per routed pair, so a
+        # few bytes per token of bookkeeping may differ: within 0.5%
+        assert estimate == pytest.approx(measured, rel=0 if args.moe is None else 5e-3), precision
+    fp32 = MemoryLayout(seq_len=seq, sequences_per_microbatch=batch, mixed_precision="fp32")
+    for mode in ("selective", "full"):
+        assert layer_activation_bytes(args, 0, fp32, mode) == kept_bytes(args, batch, seq, mode), mode
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_chunks_in_flight_follow_torchs_own_schedule_orders(pp):
+    """Every formula against the action lists torch builds (bench/schedule_ir.py), for several m and v."""
+    known = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    assert set(SCHEDULE_FAMILIES) == set(known)  # a new schedule needs its formula in chunks_in_flight
+    checked = 0
+    for schedule, family in SCHEDULE_FAMILIES.items():
+        for v in (1,) if family.placement == "single" else (2,) if family.placement == "v" else (2, 3):
+            for m in sorted({pp, pp + 1, 2 * pp, 2 * pp + 2, 4 * pp}):
+                try:
+                    actions = schedule_actions(schedule, pp, m, v)
+                except ValueError:  # a combination torch refuses (e.g. DualPipeV with m < 2pp)
+                    continue
+                held = [activations_in_flight(actions[r]) for r in range(pp)]
+                assert held == [chunks_in_flight(schedule, pp, r, m, v) for r in range(pp)], (schedule, m, v)
+                checked += 1
+    assert checked >= 40
+
+
+def test_uneven_stages_and_the_rank_that_holds_the_most():
+    """Llama 3 405B's 126 layers over 16 stages, one fewer on the first and the last (where the embedding and the
+    head sit): under 1F1B the first rank holds 16 micro-batches of its 7 layers' inputs, the last the logits."""
+    args = PRESETS["llama3-405b"]
+    stages = [list(range(0, 7))] + [list(range(7 + 8 * k, 15 + 8 * k)) for k in range(14)] + [list(range(119, 126))]
+    assert sum(len(s) for s in stages) == 126
+    layout = MemoryLayout(tp=8, pp=16, dp_shard=64, seq_len=8192, pp_microbatches=32, activation_checkpoint="full")
+    first = rank_memory(args, layout, stages, 0, [0])
+    # states: 7 blocks + the embedding over tp 8 x dp 64; activations: 16 in flight x 7 layers x the block input
+    # 8192·16384·2 / 8 (SP), plus one block rebuilt
+    assert first.activations > 16 * 7 * 8192 * 16384 * 2 / 8
+    assert first.logits == 0 and rank_memory(args, layout, stages, 15, [15]).logits > 0
+    assert chunks_in_flight("1F1B", 16, 0, 32, 1) == 16 and chunks_in_flight("1F1B", 16, 15, 32, 1) == 1
+    assert even_stage_layers(126, 16)[0] == list(range(7)) and len(even_stage_layers(126, 16)[-1]) == 8
+
+
+def test_the_layout_of_a_resolved_plan(tmp_path):
+    """MemoryLayout.of_plan reads a LayoutPlan: pipeline micro-batches of micro_batch / pp_microbatches sequences."""
+    from runtime.config import load_config
+    from train import check_config
+
+    cfg = load_config(
+        overrides=[
+            ("parallel.pp", "2"),
+            ("parallel.tp", "2"),
+            ("parallel.dp_shard", "2"),
+            ("parallel.pp_microbatches", "4"),
+            ("training.global_batch", "16"),
+            ("training.mixed_precision", "bf16"),
+            ("run.dir", str(tmp_path / "run")),
+        ]
+    )
+    plan, _ = check_config(cfg, 8)
+    layout = MemoryLayout.of_plan(plan, cfg)
+    assert (layout.tp, layout.pp, layout.dp_shard, layout.pp_microbatches) == (2, 2, 2, 4)
+    assert layout.sequences_per_microbatch == 2  # 16 sequences / dp 2 = 8 per step, cut into 4 micro-batches
+    memory = rank_memory(plan.model, layout, plan.stage_layers, plan.pp_rank, plan.stage_ids)
+    assert memory.total > 0 and memory.states > 0 and memory.gathered > 0
+    assert list(plan.stage_ids) == stage_ids_of_rank(0, 2, 1, "1F1B")
