@@ -9,10 +9,12 @@ decides before its first collective that needs neither a process group nor a fil
 2. Resolve the plan for the world size, once per pipeline rank (its stages differ): every field's range
    and every layout rule (mesh/plan.py: ``LayoutPlan.resolve``). A broken rule raises the same
    ConfigError, listing every broken rule, that every rank of the real launch would raise: exit 2.
-3. Print the banner: the mesh (every dim and its size, in mesh order), the parameters (in total, and per
-   pipeline rank before TP and FSDP split them), the batch split, the pipeline's stages, and what was not
-   checked because it needs files: the data (``data.*``: sources, tokenizer, token-file headers, split
-   sizes), the checkpoints (``checkpoint.*``: resume, folder, init_from) and ``run.dir``. Exit 0.
+3. Print the banner: the mesh (every dim and its size, in mesh order); the parameters in total, then per
+   pipeline rank those of its stages and those each of its ranks holds once TP, EP and FSDP split them; the
+   estimated memory per rank (mesh/memory_estimate.py: states, gathered weights, activations, logits); the
+   batch split; the pipeline's stages; and what was not checked because it needs files or the machine: the
+   data (``data.*``: sources, tokenizer, token-file headers, split sizes), the checkpoints (``checkpoint.*``:
+   resume, folder, init_from), ``run.dir``, and the estimate against the device's memory. Exit 0.
 
 Nothing here creates a process group, reads a data or checkpoint file, or writes anything; the config
 file itself is read (tests/test_launch_commands.py runs every command of README.md and launch/ through it).
@@ -23,11 +25,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mesh.dims import MESH_DIMS
+from mesh.memory_estimate import MemoryLayout, rank_memory, rank_parameters, stage_parameters
 from mesh.plan import LayoutPlan
 from runtime.config import ConfigError
 
 if TYPE_CHECKING:
-    from models.llama import ModelArgs
     from runtime.config import Config
 
 DRY_RUN, WORLD_SIZE = "--dry-run", "--world-size"
@@ -56,11 +58,8 @@ def parse_dry_run(argv: list[str]) -> tuple[bool, int, list[str]]:
     return dry, world or 1, rest
 
 
-def stage_parameters(args: ModelArgs, layers, first: bool, last: bool) -> int:
-    """Parameters of one pipeline stage, whole (before TP and FSDP split them): its blocks, plus the
-    embedding on the first stage and the final norm and head on the last."""
-    ends = (args.vocab_size * args.dim if first else 0) + (args.dim + args.vocab_size * args.dim if last else 0)
-    return ends + sum(args.layer_params(i) for i in layers)
+def size(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:,.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:,.1f} MiB"
 
 
 def dry_run(cfg: Config, world_size: int) -> str:
@@ -77,12 +76,25 @@ def dry_run(cfg: Config, world_size: int) -> str:
     if d.ep > 1:
         lines.append(f"  {'ep':<13} size {d.ep:>3}   (carved from dp_shard: the MoE experts' ranks)")
     lines.append(f"  parameters    {m.num_params():,} total")
+    layout = MemoryLayout.of_plan(plan, cfg)
     for pp_rank in range(d.pp):
         rank_plan = plan if pp_rank == 0 else LayoutPlan.resolve(cfg, world_size, rank=pp_rank * ranks_per_pp)
         stages = rank_plan.stage_ids
-        whole = sum(stage_parameters(m, plan.stage_layers[s], s == 0, s == plan.n_stages - 1) for s in stages)
-        where = f"pp rank {pp_rank} (stages {list(stages)}, layers {[list(plan.stage_layers[s]) for s in stages]})"
-        lines.append(f"                {whole:,} on {where if d.pp > 1 else 'each rank'} before tp and fsdp split them")
+        layers = [i for s in stages for i in plan.stage_layers[s]]
+        params = stage_parameters(m, layers, 0 in stages, plan.n_stages - 1 in stages)
+        owned = rank_parameters(m, layout, params)
+        memory = rank_memory(m, layout, plan.stage_layers, pp_rank, stages)
+        if d.pp > 1:
+            what = f"stages {list(stages)} (layers {layers}): {sum(params.values()):,} parameters, {round(owned):,}"
+            what += " on each of its ranks"
+        else:
+            what = f"{round(owned):,} of the parameters"
+        lines += [
+            f"  {f'pp rank {pp_rank}' if d.pp > 1 else 'per rank':<13} {what} (after tp, ep and fsdp split them)",
+            f"  {'':<13} memory about {size(memory.total)} per rank: states {size(memory.states)}, gathered weights "
+            f"{size(memory.gathered)}, activations {size(memory.activations)}, logits {size(memory.logits)} "
+            "(mesh/memory_estimate.py)",
+        ]
     lines.append(f"  batch         {plan.batch_line()}")
     if d.pp > 1:
         lines.append(
@@ -93,11 +105,12 @@ def dry_run(cfg: Config, world_size: int) -> str:
         lines.append(f"  context       cp {d.cp}, {p.cp_attention} attention, {plan.seq_len // d.cp} tokens per rank")
     c = cfg.checkpoint
     lines += [
-        "  not checked (they need files; the real launch checks them on every rank before any collective):",
+        "  not checked (they need files or the machine; the launch checks them on every rank before any collective):",
         f"    data        source {cfg.data.source!r}, tokenizer {cfg.data.tokenizer!r}"
         + (f", validation {cfg.data.val_source!r}" if cfg.data.val_source else ""),
         f"    checkpoint  folder {c.folder or cfg.run.dir + '/checkpoints'!r}, resume {c.resume!r}"
         + (f", init_from {c.init_from!r}" if c.init_from else ""),
         f"    run.dir     {cfg.run.dir!r}",
+        "    memory      the estimate against each machine's memory (run.memory_check: every rank compares it)",
     ]
     return "\n".join(lines)

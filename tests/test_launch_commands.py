@@ -148,13 +148,17 @@ def test_the_dry_run_touches_no_file_and_says_what_it_did_not_check(monkeypatch,
         "  cp            size   1",
         "  tp            size   2",
         "  parameters    853,120 total",
-        "426,496 on pp rank 0 (stages [0], layers [[0, 1]]) before tp and fsdp split them",
+        # each pp rank's stages, then what one of its ranks holds (mesh/memory_estimate.py: rank_parameters)
+        "  pp rank 0     stages [0] (layers [0, 1]): 426,496 parameters, 106,752 on each of its ranks",
+        "  pp rank 1     stages [1] (layers [2, 3]): 426,624 parameters, 106,816 on each of its ranks",
         "  batch         global 8 = micro 4 x dp 2 x accumulation 1",
         f"    data        source '{tmp_path / 'missing'}'",
         f"    checkpoint  folder '{folder}', resume 'auto'",
         f"    run.dir     '{run_dir}'",
+        "    memory      the estimate against each machine's memory",
     ):
         assert line in printed, printed
+    assert printed.count("memory about ") == 2  # one estimate per pp rank
     # the same layout on a world it does not fit: exit 2, the broken rule named, still no file
     code, printed = dry_run(6, args)
     assert code == 2 and "WORLD_SIZE=6 is not divisible by dp_replicate*cp*tp*pp=4" in printed, printed
