@@ -451,9 +451,16 @@ def explain_communication_failure(exc: BaseException, cfg: Config) -> str:
     return explain(exc, cfg.parallel.collective_timeout_s, last, dumped)
 
 
+def say_last(message: str) -> None:
+    """``message`` on stderr in one write, newline included: torchrun merges every rank's stderr into one stream,
+    and ``print`` writes the text and its newline separately, so two ranks' lines could interleave mid-line."""
+    sys.stderr.write(f"meshloom: {message}\n")
+    sys.stderr.flush()
+
+
 def fail(message: str, code: int) -> int:
     # Printed by every rank: whichever rank's output the user reads ends with the fix.
-    print(f"meshloom: {message}", file=sys.stderr, flush=True)
+    say_last(message)
     report_to_launcher(message)
     return code
 
@@ -479,7 +486,7 @@ def main(argv: list[str]) -> int:
     except CheckpointSaveError as exc:
         return fail(f"checkpoint save failed: {exc}", 4)
     except StopRequested as exc:
-        print(f"meshloom: {exc}", file=sys.stderr, flush=True)
+        say_last(str(exc))
         return 128 + exc.signum
     except Exception as exc:
         if not is_communication_failure(exc) or cfg is None:

@@ -111,7 +111,7 @@ def print_table(rows: list[dict], steps: int) -> None:
         )
 
 
-# ---- the bandwidth arithmetic of docs/data_parallel.md section 17 -------------------------------------------
+# ---- the bandwidth arithmetic of docs/dp_savers.md section 3 -----------------------------------------------
 
 LINKS = {  # bytes per second per rank, one direction: round figures for the three kinds of link
     "NVLink (H100, 450 GB/s)": 450e9,

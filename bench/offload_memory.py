@@ -13,7 +13,7 @@ random tokens and reports, on the largest rank:
   gradients and the activations);
 - ``host state``: bytes of the sharded parameters, gradients and Adam moments that live in host memory.
 
-The formula (fp32 training with AdamW, Ψ parameters, N ranks, docs/data_parallel.md section 18):
+The formula (fp32 training with AdamW, Ψ parameters, N ranks, docs/dp_savers.md section 4):
 
     without offload   device: (4 + 4 + 8) Ψ / N     host: 0
     with offload      device: ~0 persistent state   host: (4 + 4 + 8) Ψ / N   (pinned)

@@ -1,7 +1,12 @@
-"""The three lines every example's ``__main__`` needs: join the group torchrun describes, run, leave."""
+"""The few lines every example's ``__main__`` needs: join the group torchrun describes, run, leave.
+
+Started without torchrun (no RANK in the environment), a script runs as one process without a process group;
+only examples/mixed_precision_fp16.py, which does not communicate, is meant to be run that way.
+"""
 
 from __future__ import annotations
 
+import os
 import pprint
 
 import torch
@@ -10,6 +15,9 @@ import torch.distributed as dist
 
 def main(run) -> None:
     torch.set_num_threads(1)  # ranks share the CPU cores; one thread each is fastest
+    if "RANK" not in os.environ:
+        print(pprint.pformat(run(), width=110, sort_dicts=False), flush=True)
+        return
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from torchrun
     try:
         result = run()

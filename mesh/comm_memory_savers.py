@@ -1,6 +1,6 @@
 """Communication and memory savers for data parallelism: fewer reductions, smaller ones, state on the host.
 
-Three config switches, each a trade (docs/data_parallel.md, sections 16-18 give the arithmetic):
+Three config switches, each a trade (docs/dp_savers.md, sections 2-4 give the arithmetic):
 
 1. ``parallel.grad_sync = step``: reduce the gradients once per optimizer step instead of after every
    micro-batch. ``reduction_window`` wraps the forward *and* backward of each micro-batch; on every one but

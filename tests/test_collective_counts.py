@@ -4,7 +4,7 @@ FSDP2 (docs/data_parallel.md, ZeRO-3 / FSDP): per unit, one all-gather before it
 its backward when the unit resharded after forward, and one reduce-scatter of its gradients. HSDP adds one
 all-reduce per unit across the replicas. Expert parallelism (docs/expert_parallel.md): per MoE layer, a
 count exchange and two token all-to-alls in forward, and the two reverse all-to-alls in backward.
-Gradient accumulation with ``parallel.grad_sync step`` (docs/data_parallel.md section 16): one reduction per
+Gradient accumulation with ``parallel.grad_sync step`` (docs/dp_savers.md section 2): one reduction per
 unit and step instead of one per micro-batch (on HSDP: the all-reduce across replicas), and on PowerSGD's
 replicated model only when the forward runs inside the window too.
 (Tensor parallelism's counts are in tests/test_tensor_parallel.py.)

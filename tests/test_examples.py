@@ -18,6 +18,7 @@ from examples import (
     dtensor_placements,
     hello_ranks,
     loss_bookkeeping,
+    mixed_precision_fp16,
     moe_from_scratch,
     pipeline_1f1b_from_scratch,
     ring_allreduce,
@@ -43,6 +44,7 @@ def test_every_example_is_tested_here():
             dtensor_placements,
             hello_ranks,
             loss_bookkeeping,
+            mixed_precision_fp16,
             moe_from_scratch,
             pipeline_1f1b_from_scratch,
             ring_allreduce,
@@ -119,6 +121,36 @@ def test_no_sync_skips_the_reduction_only_when_the_forward_runs_inside_it():
         assert r["backward inside, forward outside: all-reduces"] == 2  # the misuse: nothing saved
         assert r["forward and backward inside: all-reduces"] == 1
         assert r["same final gradient"]
+
+
+def test_mixed_precision_fp16_underflow_loss_scaling_and_grad_scaler():
+    # One process, no process group: the script does not communicate.
+    r = mixed_precision_fp16.run()
+    f = r["formats"]
+    assert [f[n]["bits of 0.1"] for n in ("fp32", "bf16", "fp16")] == [
+        "0 01111011 10011001100110011001101",
+        "0 01111011 1001101",
+        "0 01011 1001100110",
+    ]
+    assert f["bf16"]["eps (gap after 1.0)"] == 2**-7 and f["fp16"]["eps (gap after 1.0)"] == 2**-10
+    assert f["fp16"]["largest"] == 65504 and f["bf16"]["smallest normal"] == f["fp32"]["smallest normal"]
+    # 1,000 additions of 0.001: bf16 never moves (0.001 is under half its gap at 1.0), fp16 drifts, fp32 is close
+    sums = {n: f[n]["1.0 + 1000 x 0.001"] for n in f}
+    assert sums["bf16"] == 1.0 and abs(sums["fp32"] - 2.0) < 1e-4 and 1.9 < sums["fp16"] < 1.99
+    # fp16 output gradients underflow, more as the loss falls; a 2^16 loss scale keeps them
+    start, late = r["gradient damage at the start"], r["gradient damage after 60 fp32 steps"]
+    assert 0 < start["unscaled"]["output gradients zero"] < late["unscaled"]["output gradients zero"]
+    assert late["unscaled"]["output gradients zero"] > 0.5 and late["scaled 2^16"]["output gradients zero"] == 0
+    for d in (start, late):
+        assert d["unscaled"]["weight-gradient error"] > 5 * d["scaled 2^16"]["weight-gradient error"]
+    # dynamic scaling from 2^40: every early step overflows and is skipped, halving the scale, until it fits
+    skipped = r["skipped steps (by hand)"]
+    assert skipped == list(range(1, len(skipped) + 1)) and len(skipped) >= 5
+    scales = r["loss scale at steps 1-16 (by hand, from 2^40)"].split()
+    assert scales[: len(skipped) + 1] == [f"2^{40 - i}" for i in range(len(skipped) + 1)]
+    assert r["by hand equals GradScaler"]  # the same scales, the same skipped steps, the same losses
+    gap = r["largest relative loss difference from fp32"]
+    assert float(gap["fp16, scaled"]) < 2e-3 and float(gap["fp16, unscaled"]) > 5 * float(gap["fp16, scaled"])
 
 
 def check_ddp(results):

@@ -48,6 +48,36 @@ def test_every_picture_is_well_formed_and_referenced_from_a_chapter():
         assert f"img/{svg.name}" in text, f"{svg.name} is not referenced from any chapter"
 
 
+def test_every_caption_and_label_fits_inside_its_picture():
+    """No text runs past the picture's edge (monospace: a glyph is about 0.6 of the font size wide); long captions
+    are wrapped by docs/figures/svg.py: Svg.lines. The measured pictures in docs/img are checked too."""
+    ns, overflowing = "{http://www.w3.org/2000/svg}", []
+    for svg in sorted(figures.IMG.glob("*.svg")):
+        root = ET.parse(svg).getroot()
+        width, base = float(root.get("width")), float(root.get("font-size", 12))
+        for t in root.iter(f"{ns}text"):
+            size, x, n = float(t.get("font-size", base)), float(t.get("x")), len(t.text or "")
+            w = figures.CHAR_WIDTH * size * n
+            left = {"start": x, "middle": x - w / 2, "end": x - w}[t.get("text-anchor", "start")]
+            if left < -0.5 or left + w > width + 0.5:
+                overflowing.append(f"{svg.name}: {t.text!r}")
+    assert not overflowing, "\n".join(overflowing)
+
+
+def test_the_mesh_picture_draws_every_group_of_every_dim_in_its_own_colour():
+    from docs.figures.mesh_grid import DIM_COLOUR
+
+    sizes = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2}
+    root = ET.fromstring(figures.mesh_svg(sizes, 2))
+    lines = [e for e in root.iter("{http://www.w3.org/2000/svg}line") if float(e.get("stroke-width")) == 3]
+    groups = figures.layout_groups(sizes, 2)
+    for dim in ("dp_shard", "ep", "efsdp", "tp"):
+        drawn = [e for e in lines if e.get("stroke") == DIM_COLOUR[dim]]
+        # one stroke along each group, one tick per member, and one stroke in the legend
+        assert len(drawn) == sum(1 + len(g) for g in groups[dim]) + 1, dim
+    assert len({DIM_COLOUR[d] for d in ("dp_shard", "ep", "efsdp", "tp")}) == 4
+
+
 # ---- the collectives ---------------------------------------------------------------------------------------
 
 

@@ -156,7 +156,7 @@ def test_save_on_fsdp2_and_resume_on_tp2_on_gpus(cpu_reference, tmp_path):
     assert_close(read_metrics(run_dir), cpu_reference, FP32_RTOL)
 
 
-# ---- savers (docs/data_parallel.md sections 16-18); written without a GPU at hand, not run yet ----------------
+# ---- savers (docs/dp_savers.md sections 2-4); written without a GPU at hand, not run yet --------------------
 
 
 def test_cpu_offload_on_one_gpu_matches_the_cpu_reference_with_less_device_memory(cpu_reference, tmp_path):

@@ -51,7 +51,7 @@ def bf16_state_dtypes() -> dict:
 
 
 def test_bf16_computes_in_bf16_but_keeps_fp32_state():
-    # docs/data_parallel.md, section 7 and docs/combining.md, section 3: the sharded parameters are the fp32
+    # docs/data_parallel.md, section 7 and docs/mixed_precision.md, section 5: the sharded parameters are the fp32
     # master weights; gradients arrive reduced in fp32; Adam's moments are fp32; the compute (logits) is bf16.
     for r in run_on_ranks(bf16_state_dtypes, 2):
         assert r == {

@@ -1,4 +1,4 @@
-"""Communication and memory savers (mesh/comm_memory_savers.py, docs/data_parallel.md sections 16-18).
+"""Communication and memory savers (mesh/comm_memory_savers.py, docs/dp_savers.md sections 2-4).
 
 - ``parallel.grad_sync=step``: parity with one process, and train.py's loop issuing k-1 fewer gradient
   reductions per step for k micro-batches (counted on the real loop with bench/grad_traffic.py; the per-unit

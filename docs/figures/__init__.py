@@ -29,11 +29,12 @@ from docs.figures.dcp import DCP_EXAMPLE, LOAD_MESH, SAVE_MESH, dcp_reads, dcp_s
 from docs.figures.expert_parallel import ep_example, ep_svg
 from docs.figures.mesh_grid import MESH_ORDER, layout_groups, mesh_svg
 from docs.figures.pipeline import PIPELINE_FIGURES, SCHEDULE_STAGES, pipeline_ideal, pipeline_svg, pipeline_table
-from docs.figures.svg import IMG, ROOT, Svg
+from docs.figures.svg import CHAR_WIDTH, IMG, ROOT, Svg
 from docs.figures.tensor_parallel import sp_svg, sp_transitions, tp_split_svg
 from docs.figures.zero import zero_svg
 
 __all__ = [
+    "CHAR_WIDTH",
     "DCP_EXAMPLE",
     "IMG",
     "LOAD_MESH",
@@ -49,6 +50,7 @@ __all__ = [
     "evaluate_cells",
     "layout_groups",
     "main",
+    "mesh_svg",
     "pipeline_ideal",
     "placement_boxes",
     "ring_cells",

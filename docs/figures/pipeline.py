@@ -3,63 +3,86 @@
 from __future__ import annotations
 
 from bench.schedule_ir import SCHEDULE_STAGES, pipeline_ideal
-from docs.figures.svg import LIGHT, Svg
+from docs.figures.svg import CHAR_WIDTH, LIGHT, Svg
 
 PIPELINE_FIGURES = ((2, 4), (4, 8))
+LABEL_SIZE = 12
+
+
+def darker(hex_colour: str, by: float = 0.4) -> str:
+    """The colour mixed with black: the rank's second stage in a looped or V-shaped schedule."""
+    r, g, b = (int(hex_colour[i : i + 2], 16) for i in (1, 3, 5))
+    return "#" + "".join(f"{round(c * (1 - by)):02x}" for c in (r, g, b))
 
 
 def pipeline_svg(schedule: str, pp: int, microbatches: int) -> str:
+    """One row per rank, a box per F/B/I/W of torch's action list run with unit times, every box labelled."""
     from mesh.pipeline_timeline import COLOURS, predicted_bubble
 
     ideal = pipeline_ideal(schedule, pp, microbatches)
     timed, v = ideal["timed"], ideal["v"]
     span = max(t.end for t in timed)
-    width, row_h, left, top = 1000, 34, 70, 40
-    svg = Svg(left + width + 20, top + pp * row_h + 66, font_size=11)
+    left, top, row_h = 70, 58, 40
+    # The shortest box is one stage's forward, 1/v of a time unit: about 26 pixels for it, 1,000 to 1,200 in all.
+    width = max(1000, min(1200, span * v * 26))
+    svg = Svg(left + width + 20, 0, font_size=12)
     predicted = predicted_bubble(schedule, pp, microbatches, v)
-    svg.text(
+    y = svg.lines(
         left,
-        20,
+        22,
         f"{schedule}: pp={pp}, {v} stage(s)/rank, m={microbatches}, idealized: idle {ideal['idle']:.1%} "
         f"(formula {predicted:.1%})",
-        size=12,
+        width,
+        size=13,
+        weight="bold",
     )
+    top = max(top, y + 10)
     for rank in range(pp):
-        y = top + rank * row_h
-        svg.text(5, y + row_h / 2 + 4, f"rank {rank}")
-        svg.rect(left, y, width, row_h - 6, LIGHT, stroke=LIGHT)
+        ry = top + rank * row_h
+        svg.text(5, ry + row_h / 2 + 1, f"rank {rank}")
+        svg.rect(left, ry, width, row_h - 8, LIGHT, stroke=LIGHT)
     for t in timed:
         a = t.action
         x, w = left + t.start / span * width, (t.end - t.start) / span * width
-        label = f"{a.kind}{a.microbatch}" + (f"s{a.stage}" if v > 1 else "")
-        later = v > 1 and a.stage >= pp  # the rank's second stage
-        short = f"{a.microbatch}" + ("'" if later else "")
-        shown = label if w > 7 * len(label) else short if w > 7 * len(short) else None
+        # One stage per rank: the whole label (F3). Two: the micro-batch number, the rank's second stage darker.
+        second = v > 1 and a.stage >= pp
+        label = f"{a.kind}{a.microbatch}" if v == 1 else str(a.microbatch)
+        fits = w > CHAR_WIDTH * LABEL_SIZE * len(label) + 4
+        box_y, box_h = top + t.rank * row_h, row_h - 8
         svg.rect(
             x,
-            top + t.rank * row_h,
+            box_y,
             w,
-            row_h - 6,
+            box_h,
             COLOURS[a.kind],
-            tooltip=f"{label}: {t.start:g}-{t.end:g}",
-            text=shown,
-            size=10,
+            tooltip=f"{a.kind}{a.microbatch}s{a.stage}: {t.start:g}-{t.end:g}",
+            text=label if fits else None,
+            size=LABEL_SIZE,
         )
-    legend_y = top + pp * row_h + 25
+        if second:  # a dark band along the bottom of the box
+            svg.rect(x + 0.5, box_y + box_h - 6, max(0.5, w - 1), 5, darker(COLOURS[a.kind]), stroke="none")
+    legend_y = top + pp * row_h + 22
     for i, (kind, fill) in enumerate(COLOURS.items()):
-        svg.rect(left + i * 110, legend_y - 10, 12, 12, fill)
+        svg.rect(left + i * 130, legend_y - 10, 12, 12, fill)
         svg.text(
-            left + i * 110 + 16,
+            left + i * 130 + 16,
             legend_y,
             f"{kind} " + {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}[kind],
         )
-    second = "; n' = micro-batch n on the rank's second stage" if v > 1 else ""
-    svg.text(
-        left,
-        legend_y + 18,
-        f"grey: idle, {span:g} time units shown: a forward of one rank's layers takes 1, a "
-        f"backward 2 (I = W = 1); sends are free{second}",
+    stages = (
+        " Each box is labelled by its micro-batch; a dark band along its bottom marks the rank's second stage"
+        f" (stage r + {pp} looped, 2·{pp} - 1 - r V-shaped)."
+        if v > 1
+        else ""
     )
+    y = svg.lines(
+        left,
+        legend_y + 22,
+        f"Grey: idle. {span:g} time units shown: a forward of one rank's layers takes 1, a backward 2 (I = W = 1); "
+        f"sends are free.{stages}",
+        width,
+    )
+    svg.height = y
     return svg.render()
 
 

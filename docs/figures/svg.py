@@ -14,6 +14,21 @@ def colour(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
 
 
+CHAR_WIDTH = 0.6  # a monospace glyph is about 0.6 of the font size wide
+
+
+def wrap(text: str, width_px: float, size: float) -> list[str]:
+    """``text`` cut at spaces into lines that fit ``width_px`` in a monospace font of ``size``."""
+    limit, lines, line = max(1, int(width_px / (CHAR_WIDTH * size))), [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > limit:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return [*lines, line] if line else lines
+
+
 class Svg:
     """A minimal SVG writer: rectangles, text, lines and arrows, in document order."""
 
@@ -38,6 +53,14 @@ class Svg:
         self.parts.append(
             f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" fill="{fill}"{size}{bold}>{escaped}</text>'
         )
+
+    def lines(self, x, y, text, width_px, size=None, leading=1.35, **kw) -> float:
+        """``text`` wrapped to ``width_px``, one <text> per line from baseline ``y``; returns the next free y."""
+        size = size or self.font_size
+        for line in wrap(text, width_px, size):
+            self.text(x, y, line, size=size, **kw)
+            y += size * leading
+        return y
 
     def line(self, x1, y1, x2, y2, stroke=GREY, width=1.0, arrow=False):
         head = ' marker-end="url(#arrow)"' if arrow else ""

@@ -1,0 +1,137 @@
+"""The growing trainer, step 2: data parallelism by hand (step 1 + a rank grid and two all-reduces).
+
+    torchrun --standalone --nproc-per-node 2 examples/trainer/step2_data_parallel.py
+    diff examples/trainer/step1_single_process.py examples/trainer/step2_data_parallel.py
+
+Every rank builds the same model from the same seed and holds all of it. What changes:
+
+1. ``rank_grid`` arranges the ranks as a named grid and makes one process group per row of each dim, like
+   DeviceMesh (docs/00_foundations.md, section 4); here the grid has one dim, dp;
+2. data-parallel rank r takes the r-th slice of the step's GLOBAL_BATCH sequences;
+3. the loss share is still divided by the tokens of the *whole* step, so after the backward passes the ranks'
+   gradients only need to be **summed** (one all-reduce per parameter) to be the one-process gradient;
+4. every rank then takes the same AdamW step, so the replicas never drift apart;
+5. the logged loss is summed over dp too.
+
+Same losses as step 1 up to fp32 round-off: the gradient is summed in another order
+(tests/test_trainer_steps.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, HIDDEN, LAYERS, SEQ = 64, 32, 64, 4, 16
+GLOBAL_BATCH, MICRO_BATCHES, STEPS = 8, 2, 6  # sequences per optimizer step; micro-batches per step
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.1
+
+
+def token_stream() -> torch.Tensor:
+    """STEPS x GLOBAL_BATCH windows of SEQ + 1 tokens: mostly next = (5 token + 3) mod VOCAB, 20% random."""
+    gen = torch.Generator().manual_seed(1)
+    n = STEPS * GLOBAL_BATCH * (SEQ + 1)
+    noise, keep = torch.randint(VOCAB, (n,), generator=gen), torch.rand(n, generator=gen) < 0.8
+    tokens = [0]
+    for i in range(1, n):
+        tokens.append((5 * tokens[-1] + 3) % VOCAB if keep[i] else int(noise[i]))
+    return torch.tensor(tokens).view(STEPS, GLOBAL_BATCH, SEQ + 1)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)  # weight (HIDDEN, DIM)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)  # weight (DIM, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(torch.relu(self.w1(x)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def loss_share(logits: torch.Tensor, targets: torch.Tensor, step_tokens: int) -> torch.Tensor:
+    """This micro-batch's share of the step's mean loss: its token-loss sum over the step's token count."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / step_tokens
+
+
+def adamw_step(params: list, grads: list, moments: list, step: int) -> None:
+    """AdamW, element by element (decoupled weight decay, bias-corrected moments), in place."""
+    (b1, b2), lr = BETAS, LR
+    for p, g, (m, v) in zip(params, grads, moments, strict=True):
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        update = (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + EPS)
+        p.mul_(1 - lr * WEIGHT_DECAY).sub_(lr * update)
+
+
+def rank_grid(dims: dict[str, int]) -> dict[str, tuple]:
+    """This rank's (group, ranks) along each dim of a row-major grid of the world (last dim innermost).
+
+    Every rank creates every group, in the same order: ``new_group`` is itself a collective call."""
+    names, shape = list(dims), list(dims.values())
+    grid = torch.arange(dist.get_world_size()).view(shape)
+    mine = {}
+    for i, name in enumerate(names):
+        for ranks in grid.movedim(i, -1).reshape(-1, shape[i]).tolist():
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine[name] = (group, ranks)
+    return mine
+
+
+def train(model: Model, groups: dict, steps: int) -> list[float]:
+    dp_group, dp_ranks = groups["dp"]
+    dp, dp_rank = len(dp_ranks), dp_ranks.index(dist.get_rank())
+    params = list(model.parameters())
+    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    data, losses = token_stream(), []
+    for step in range(1, steps + 1):
+        batch = data[step - 1].chunk(dp)[dp_rank]  # this data-parallel rank's sequences
+        step_tokens = GLOBAL_BATCH * SEQ
+        total = torch.zeros(())
+        for micro in batch.chunk(MICRO_BATCHES):
+            loss = loss_share(model(micro[:, :-1]), micro[:, 1:], step_tokens)
+            loss.backward()  # gradients of the micro-batches add up in p.grad
+            total += loss.detach()
+        for p in params:  # each rank holds its share of the step's gradient: sum the shares
+            dist.all_reduce(p.grad, group=dp_group)
+        with torch.no_grad():
+            adamw_step([p.data for p in params], [p.grad for p in params], moments, step)
+        for p in params:
+            p.grad = None
+        dist.all_reduce(total, group=dp_group)
+        losses.append(total.item())
+    return losses
+
+
+def run(steps: int = STEPS) -> dict:
+    torch.manual_seed(0)  # the initial weights: the same on every rank
+    dims = {"dp": dist.get_world_size()}
+    groups = rank_grid(dims)
+    return {"layout": dims, "losses": train(Model(), groups, steps)}
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from torchrun
+    result = run()
+    if dist.get_rank() == 0:
+        print(result["layout"])
+        for step, loss in enumerate(result["losses"], 1):
+            print(f"step {step}: loss {loss:.6f}")
+    dist.destroy_process_group()
