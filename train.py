@@ -56,6 +56,7 @@ from mesh.tensor_parallel import (
 from models.llama import Transformer
 from runtime.config import Config, ConfigError, help_text, load_config
 from runtime.failures import (
+    disable_flight_recorder,
     enable_flight_recorder,
     explain,
     is_communication_failure,
@@ -208,6 +209,7 @@ def train(cfg: Config) -> list[dict]:
     t, dims, timeout_s = cfg.training, plan.dims, cfg.parallel.collective_timeout_s
     locks: list[RunLock] = []
     writer, records, checkpoints, watch, profiler = None, [], None, None, None
+    recorder_variables: list[str] = []  # the flight recorder's variables this run set (removed at the end)
     signals = (STARTUP_SIGNALS or StopSignals()).install()  # SIGTERM/SIGINT stop the run after a step
     signals.announce = True  # the configuration is accepted: from here on a signal is a stop request
     try:
@@ -224,7 +226,7 @@ def train(cfg: Config) -> list[dict]:
         lock_error = lock_run_folders(folders, locks, rank, look=every_rank_looks)
         if lock_error is not None and every_rank_looks:
             raise lock_error
-        recorder = enable_flight_recorder(cfg.run.dir)  # before any group: torch reads it when it makes one
+        recorder, recorder_variables = enable_flight_recorder(cfg.run.dir)  # before any group: torch reads them
         if device.type == "cuda" and lock_error is None:  # NCCL's watchdog dumps there on a timeout
             recorder.mkdir(parents=True, exist_ok=True)
         control = init_process_group(device, timeout_s)
@@ -401,6 +403,7 @@ def train(cfg: Config) -> list[dict]:
             lock.release()
         if watch is not None:
             watch.stop()
+        disable_flight_recorder(recorder_variables)
         signals.uninstall()
     return records
 

@@ -21,8 +21,8 @@ Which collective: torch's flight recorder
 torch keeps a ring buffer of each process's recent collectives (the *flight recorder*): for each, the group,
 its sequence number on that group, the operation, the tensor sizes, and whether it finished.
 
-4. ``enable_flight_recorder`` sets its variables before the first process group exists (setdefault: the
-   user's own settings win): a buffer of 2,000 entries, and, for NCCL, a dump on timeout into
+4. ``enable_flight_recorder`` sets its variables before the first process group exists (the user's own
+   settings win; they are removed again when the run ends): a buffer of 2,000 entries, and, for NCCL, a dump on timeout into
    ``<run.dir>/flight_recorder/rank_<rank>``. On NCCL the watchdog thread notices the timeout, writes that
    file and ends the process (SIGABRT) itself, so steps 2-3 never run there: the dump is the explanation.
 5. On gloo nothing dumps by itself: ``train.main``, on a communication failure, writes the buffer to the
@@ -94,21 +94,34 @@ def flight_recorder_folder(run_dir: str) -> Path:
     return Path(run_dir).resolve() / FLIGHT_RECORDER_DIR
 
 
-def enable_flight_recorder(run_dir: str) -> Path:
-    """Step 4: the flight recorder's variables, before the first process group exists; returns its folder.
+def enable_flight_recorder(run_dir: str) -> tuple[Path, list[str]]:
+    """Step 4: the flight recorder's variables, before the first process group exists; returns its folder and
+    the names it set (``disable_flight_recorder`` removes them when the run ends, so that a process that
+    trains twice, or the commands it starts, do not inherit this run's folder).
 
     torch reads them when it creates a group: the buffer size (``TORCH_FR_BUFFER_SIZE``, formerly
     ``TORCH_NCCL_TRACE_BUFFER_SIZE``), NCCL's dump on a watchdog timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``) and
     the file name it dumps to, the rank appended (``TORCH_FR_DUMP_TEMP_FILE``, formerly
-    ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``). A value the user set is kept.
+    ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``). A value the user set, under either name, is kept.
     """
     folder = flight_recorder_folder(run_dir)
-    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
-        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "rank_"))
-    return folder
+    wanted = {
+        ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): str(FLIGHT_RECORDER_ENTRIES),
+        ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+        ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): str(folder / "rank_"),
+    }
+    added = []
+    for names, value in wanted.items():
+        if not any(name in os.environ for name in names):
+            os.environ[names[0]] = value
+            added.append(names[0])
+    return folder, added
+
+
+def disable_flight_recorder(added: list[str]) -> None:
+    """Remove the variables ``enable_flight_recorder`` set (the groups that read them are gone)."""
+    for name in added:
+        os.environ.pop(name, None)
 
 
 def write_flight_recorder(dump: dict, run_dir: str, rank: int) -> Path:

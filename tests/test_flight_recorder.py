@@ -15,7 +15,7 @@ import sys
 
 from launch.local_runs import DEBUG_CONFIG, ROOT
 from launch.spawn import run_on_ranks
-from runtime.failures import FLIGHT_RECORDER_DIR, enable_flight_recorder, last_collective
+from runtime.failures import FLIGHT_RECORDER_DIR, disable_flight_recorder, enable_flight_recorder, last_collective
 
 TIMEOUT_S = 5  # parallel.collective_timeout_s: how long the mismatched collective waits
 
@@ -82,18 +82,22 @@ def test_a_mismatched_collective_is_named_by_every_rank_and_by_the_analyser(tmp_
     assert "group info: " in report and "mesh_pp_dp_cp" in report
 
 
-def test_the_flight_recorder_variables_keep_what_the_user_set(tmp_path, monkeypatch):
+def test_the_flight_recorder_variables_keep_what_the_user_set_and_leave_with_the_run(tmp_path, monkeypatch):
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
     monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/elsewhere/trace_")  # the user's own, older name
-    folder = enable_flight_recorder(str(tmp_path / "run"))
+    folder, added = enable_flight_recorder(str(tmp_path / "run"))
     assert folder == (tmp_path / "run").resolve() / FLIGHT_RECORDER_DIR
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ  # torch falls back to the user's name
+    disable_flight_recorder(added)
+    assert "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/elsewhere/trace_"  # the user's stays
     monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-    enable_flight_recorder(str(tmp_path / "run"))
+    _, added = enable_flight_recorder(str(tmp_path / "run"))
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(folder / "rank_")  # NCCL appends the rank
+    disable_flight_recorder(added)
 
 
 def test_the_last_collective_is_the_newest_unfinished_one():
