@@ -2,6 +2,7 @@
 
     python train.py                                   # the embedded default, one process
     torchrun --standalone --nproc-per-node 4 train.py --config configs/debug.toml --parallel.dp_shard 4
+    python train.py --dry-run --world-size 16 --config configs/debug.toml --parallel.tp 4   # check a layout
 
 Every layout trains the same model as one process: the initial weights are a function of (seed, name),
 each data-parallel rank reads its slice of the same global batches, and the loss is the sum of token
@@ -36,13 +37,15 @@ from mesh.comm_memory_savers import apply_powersgd, offload_policy, reduce_dtype
 from mesh.context_parallel import apply_context_parallel, load_balanced_positions
 from mesh.data_parallel import apply_fsdp
 from mesh.dims import Meshes, build_mesh, mesh_banner
+from mesh.dry_run import dry_run, parse_dry_run
 from mesh.expert_parallel import apply_expert_parallel, load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
 from mesh.layout_rules import check_memory
-from mesh.materialize import materialize_weights
+from mesh.materialize import check_placement, materialize_weights
 from mesh.pipeline import build_pipeline_schedule, build_stage_module, run_schedule
 from mesh.pipeline_timeline import PipelineTimeline, write_pipeline_timeline
 from mesh.plan import LayoutPlan
+from mesh.private_api import flight_recorder_dump
 from mesh.tensor_parallel import (
     apply_tensor_parallel,
     loss_context,
@@ -52,7 +55,16 @@ from mesh.tensor_parallel import (
 )
 from models.llama import Transformer
 from runtime.config import Config, ConfigError, help_text, load_config
-from runtime.failures import explain, is_communication_failure, phase, report_to_launcher
+from runtime.failures import (
+    disable_flight_recorder,
+    enable_flight_recorder,
+    explain,
+    is_communication_failure,
+    last_collective,
+    phase,
+    report_to_launcher,
+    write_flight_recorder,
+)
 from runtime.process import (
     ControlPlane,
     destroy_process_group,
@@ -112,7 +124,8 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
 
 def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes, device: torch.device) -> nn.Module:
     """The fixed order: TP -> EP -> activation checkpointing -> compile -> FSDP -> layout-independent weights
-    -> CP (which swaps each attention's kernel and cuts the rotary tables to this rank's positions)."""
+    -> CP (which swaps each attention's kernel and cuts the rotary tables to this rank's positions); then every
+    parameter and buffer is checked to be on ``device`` (or in host memory, for offloaded parameters)."""
     dims = plan.dims
     if dims.tp > 1:
         apply_tensor_parallel(
@@ -129,6 +142,7 @@ def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes,
         p.grad_compression == "powersgd"
     ):  # a pure data-parallel layout, replicated with DDP (mesh/comm_memory_savers.py)
         materialize_weights(model, device, cfg.training.seed)
+        check_placement(model, device)
         return apply_powersgd(model, meshes.world["dp_replicate"], p.powersgd_rank, device)
     if plan.fsdp:  # data or context parallelism, bf16, or CPU offload (mesh/plan.py: uses_fsdp)
         apply_fsdp(
@@ -144,6 +158,7 @@ def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes,
     materialize_weights(model, device, cfg.training.seed, torch.device("cpu") if p.fsdp_cpu_offload else None)
     if dims.cp > 1:
         apply_context_parallel(model, meshes.cp, p.cp_attention, plan.seq_len)
+    check_placement(model, device, host_params=p.fsdp_cpu_offload)  # every tensor where the layout says
     return model
 
 
@@ -194,6 +209,7 @@ def train(cfg: Config) -> list[dict]:
     t, dims, timeout_s = cfg.training, plan.dims, cfg.parallel.collective_timeout_s
     locks: list[RunLock] = []
     writer, records, checkpoints, watch, profiler = None, [], None, None, None
+    recorder_variables: list[str] = []  # the flight recorder's variables this run set (removed at the end)
     signals = (STARTUP_SIGNALS or StopSignals()).install()  # SIGTERM/SIGINT stop the run after a step
     signals.announce = True  # the configuration is accepted: from here on a signal is a stop request
     try:
@@ -210,6 +226,9 @@ def train(cfg: Config) -> list[dict]:
         lock_error = lock_run_folders(folders, locks, rank, look=every_rank_looks)
         if lock_error is not None and every_rank_looks:
             raise lock_error
+        recorder, recorder_variables = enable_flight_recorder(cfg.run.dir)  # before any group: torch reads them
+        if device.type == "cuda" and lock_error is None:  # NCCL's watchdog dumps there on a timeout
+            recorder.mkdir(parents=True, exist_ok=True)
         control = init_process_group(device, timeout_s)
         control.raise_if_any_failed(lock_error, "locking the run folders", ConfigError)
         torch.manual_seed(t.seed)
@@ -223,7 +242,7 @@ def train(cfg: Config) -> list[dict]:
         )
         assert meshes.pp.get_local_rank() == plan.pp_rank, "the plan's pp rank must match the mesh coordinate"
         is_logger = dist.get_rank() == 0
-        checkpoints = CheckpointManager(cfg, plan, resume, control)
+        checkpoints = CheckpointManager(cfg, plan, resume, control, device)
         with phase("checking the checkpoint folder and the resume checkpoint", "control plane"):
             checkpoints.start()
 
@@ -333,6 +352,7 @@ def train(cfg: Config) -> list[dict]:
                     + ", then resume with --checkpoint.resume auto."
                 )
             lr = optimizers.lr
+            checkpoints.wait_staged()  # an async save's copy: the step changes the weights and Adam state it copies
             with named_range("optimizer"):
                 optimizers.step()
             # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
@@ -383,6 +403,7 @@ def train(cfg: Config) -> list[dict]:
             lock.release()
         if watch is not None:
             watch.stop()
+        disable_flight_recorder(recorder_variables)
         signals.uninstall()
     return records
 
@@ -420,6 +441,19 @@ def open_metrics(cfg: Config, control: ControlPlane, is_logger: bool, resumed_st
     return writer
 
 
+def explain_communication_failure(exc: BaseException, cfg: Config) -> str:
+    """The one-line report of a timed-out or broken collective, after this rank's flight recorder is written to
+    run.dir (gloo: nothing else writes it; runtime/failures.py, "Which collective")."""
+    last, dumped = None, None
+    try:
+        dump = flight_recorder_dump()
+        last = last_collective(dump)
+        dumped = write_flight_recorder(dump, cfg.run.dir, dist.get_rank() if dist.is_initialized() else 0)
+    except Exception as error:  # noqa: BLE001 - the report must come out even if the recorder cannot
+        print(f"meshloom: could not write the flight recorder: {error}", file=sys.stderr, flush=True)
+    return explain(exc, cfg.parallel.collective_timeout_s, last, dumped)
+
+
 def say_last(message: str) -> None:
     """``message`` on stderr in one write, newline included: torchrun merges every rank's stderr into one stream,
     and ``print`` writes the text and its newline separately, so two ranks' lines could interleave mid-line."""
@@ -440,10 +474,13 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
-    timeout_s = None
+    cfg = None
     try:
+        dry, world_size, argv = parse_dry_run(argv)
         cfg = load_config(argv)
-        timeout_s = cfg.parallel.collective_timeout_s
+        if dry:  # the config and the layout for world_size ranks, then stop (mesh/dry_run.py)
+            print(dry_run(cfg, world_size), flush=True)
+            return 0
         train(cfg)
     except ConfigError as exc:
         return fail(f"configuration error: {exc}", 2)
@@ -455,9 +492,9 @@ def main(argv: list[str]) -> int:
         say_last(str(exc))
         return 128 + exc.signum
     except Exception as exc:
-        if not is_communication_failure(exc):
+        if not is_communication_failure(exc) or cfg is None:
             raise
-        return fail(explain(exc, timeout_s or 0), 4)
+        return fail(explain_communication_failure(exc, cfg), 4)
     finally:
         destroy_process_group()
     return 0

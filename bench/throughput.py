@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], help="extra override for every run, key=value")
     parser.add_argument("--gpu-1b", action="store_true", help="a Llama-3.2-1B-shaped model in bf16 on one GPU")
     parser.add_argument("--smoke", action="store_true", help="with --gpu-1b: 1 layer, short sequences, any device")
+    parser.add_argument("--no-compile", action="store_true", help="with --gpu-1b: leave out the compiled run")
     args = parser.parse_args(argv)
     if args.gpu_1b:
         return gpu_1b(args)
@@ -376,11 +377,12 @@ def print_table(results: dict, runs: list, shape: dict, args) -> None:
 
 
 # ---- one GPU, a 1B model ---------------------------------------------------------------------------------------
-def gpu_1b(args) -> None:
+def gpu_1b(args) -> dict:
     """Llama-3.2-1B's shape (models/llama.PRESETS["llama3-1b"]) in bf16 on one GPU: meshloom vs the plain loop.
 
     Not run here (no GPU on the machine this was written on); ``--smoke`` runs the same path with one layer
-    and short sequences on whatever device there is, so the script itself is checked.
+    and short sequences on whatever device there is, so the script itself is checked. Returns each run's
+    tokens/s, TFLOP/s, MFU (None without a known peak) and peak GiB (``python -m bench.gpu_check`` reports them).
     """
     import torch
 
@@ -432,10 +434,10 @@ def gpu_1b(args) -> None:
             ("meshloom bf16, selective AC", meshloom_steps, {}),
             ("meshloom bf16, selective AC, compile", meshloom_steps, {"training.compile": True}),
         ):
-            if args.smoke and "compile" in name:
+            if (args.smoke or args.no_compile) and "compile" in name:
                 continue
             with tempfile.TemporaryDirectory(prefix="meshloom-1b-") as run_dir:
-                result = run_on_ranks(body, 1, DEBUG, {**shape, **more, **extra}, run_dir, timeout=1800)[0]
+                result = run_on_ranks(body, 1, DEBUG, {**shape, **more, **extra}, run_dir, timeout=1800, gpus=on_gpu)[0]
             rows.setdefault(name, []).append(result)
             print(f"  round {round_ + 1}: {name}", flush=True)
     from models.flops import flops_per_token
@@ -448,12 +450,20 @@ def gpu_1b(args) -> None:
     peak = peak_tflops(args.peak_tflops, device, "bf16")
     tokens = shape["training.global_batch"] * seq
     print(f"{'run':<40} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
+    table = {}
     for name, results in rows.items():
         rate = statistics.median(tokens / median_after(r["full_s"], args.warmup) for r in results)
         tflops = per_token * rate / 1e12
         mfu = f"{tflops / peak:6.1%}" if peak else "   n/a"
         peak_gib = max(r["peak_mem_bytes"] for r in results) / 2**30
         print(f"{name:<40} {rate:9,.0f} {tflops:8.1f} {mfu} {peak_gib:9.2f}")
+        table[name] = {
+            "tokens_per_s": rate,
+            "tflops": tflops,
+            "mfu": tflops / peak if peak else None,
+            "peak_gib": peak_gib,
+        }
+    return {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "peak_tflops": peak, "runs": table}
 
 
 if __name__ == "__main__":

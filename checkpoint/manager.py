@@ -21,9 +21,9 @@ Saving step N (every ``checkpoint.interval`` steps, at the last step, and when a
 
 1. The ranks agree that step-N does not exist, so a published checkpoint is never overwritten.
 2. Rank 0 removes a stale step-N.tmp; a barrier on the control plane (runtime/process.py).
-3. ``dcp.save`` (or ``dcp.async_save``, which copies the state to CPU memory first and writes from a
-   thread while training goes on) into step-N.tmp. Each rank writes its shards; rank 0 writes .metadata
-   only after every rank reported its writes, so when rank 0's save returns, everything is on disk.
+3. ``dcp.save`` (or ``dcp.async_save``: see "Asynchronous saves" below) into step-N.tmp. Each rank writes
+   its shards; rank 0 writes .metadata only after every rank reported its writes, so when rank 0's save
+   returns, everything is on disk.
 4. Each rank hashes the files it wrote (``__<rank>_*.distcp``; rank 0 also ``.metadata``) while they are
    still in the page cache, and the digests are gathered on the checkpoint group, so no rank reads more
    than its share. Rank 0 publishes: meshloom.json (step, model config, layout, tokens consumed, versions,
@@ -41,6 +41,22 @@ Saving step N (every ``checkpoint.interval`` steps, at the last step, and when a
 
 DCP's own collectives run on a gloo group of their own (the checkpoint group): an async save issues them
 from a background thread while the training thread uses the control plane.
+
+Asynchronous saves (``checkpoint.async``): the training thread waits only for the copy it must.
+
+1. ``save`` hands the state to ``dcp.async_save`` with a stager of its own (``DefaultStager``, kept for the
+   whole run so its host buffers are reused from one save to the next): on a GPU the copies go to pinned
+   host memory with non-blocking copies on a side stream, and everywhere the copying runs in a staging thread.
+   On a GPU, ``save`` first waits for the work already queued on the device (the optimizer step that made the
+   state): the side stream does not wait for the compute stream by itself. Then it returns: the next step's
+   forward and backward run while the state is copied, since they read the weights but change only gradients.
+2. ``wait_staged``, called by train.py just before the optimizer step, waits until the copy is done: from there
+   on the live weights and Adam state may change. This wait, and the call to ``save``, are all the training
+   thread stalls for.
+3. A writing thread (DCP's) writes the staged copy, then the publishing thread hashes and publishes it
+   (steps 3-4 above); the next save or the end of training waits for that (``wait``, step 5).
+
+bench/async_save.py measures the training thread's stall of a synchronous and an asynchronous save.
 """
 
 from __future__ import annotations
@@ -58,6 +74,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from checkpoint.folder import check_shared, checkpoint_folder, move_aside, published, remove_stale
 from checkpoint.hf import import_safetensors, safetensors_path
@@ -66,7 +83,7 @@ from checkpoint.state import apply_training_state, training_state
 from checkpoint.verify import METADATA, digest_problems, file_digests
 from data.dataset import stream_identity
 from runtime.config import Config, ConfigError
-from runtime.process import ControlPlane, all_gather_objects, new_cpu_group
+from runtime.process import ControlPlane, all_gather_objects, new_cpu_group, synchronize
 
 # Test hook: "STEP:SECONDS" makes rank 0 sleep after step STEP is fully written, before it is published,
 # so a test can kill or signal the run in the middle of a save (tests/test_checkpoint.py, tests/test_faults.py).
@@ -123,11 +140,24 @@ def _describe(error: BaseException) -> tuple[int | None, str, int | None]:
     return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", None
 
 
+def staging_options(device: torch.device) -> StagingOptions:
+    """How an async save copies the state off the live tensors (step 1 of "Asynchronous saves").
+
+    Pinned host memory and non-blocking copies need a GPU; the staging thread works everywhere. Shared memory
+    serves a writer in another process, and meshloom's writer is a thread.
+    """
+    on_gpu = device.type == "cuda"
+    return StagingOptions(
+        use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=on_gpu
+    )
+
+
 class CheckpointManager:
     """Resume, periodic saves and the final save of one training run (see the module docstring)."""
 
-    def __init__(self, cfg: Config, plan, resume: Resume, control: ControlPlane):
+    def __init__(self, cfg: Config, plan, resume: Resume, control: ControlPlane, device: torch.device | None = None):
         self.cfg, self.plan, self.control, self.resume = cfg, plan, control, resume
+        self.device = device or torch.device("cpu")  # the compute device: where the state to save lives
         self.folder = checkpoint_folder(cfg)
         self.resume_dir: Path | None = None
         self.resumed_step: int | None = None
@@ -139,8 +169,10 @@ class CheckpointManager:
         if self.enabled:
             # DCP's collectives get their own gloo group: an async save runs them from a thread while the
             # training thread runs its own collectives, and two threads must never share a group.
-            self.group = new_cpu_group(control.timeout_s)
+            self.group = new_cpu_group(control.timeout_s, "meshloom_checkpoint")
         self.pending = None  # the async save in flight: a future of its publishing
+        self.staging = None  # ... and the future of its copy off the live tensors, until wait_staged
+        self.stager: DefaultStager | None = None
         self.executor = None
 
     # ---- start -----------------------------------------------------------------------------------------
@@ -255,11 +287,27 @@ class CheckpointManager:
                 tmp,
             )
             return
-        # async_save stages a CPU copy before it returns, so training may change the live tensors at once.
-        written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+        # Steps 1-3 of "Asynchronous saves": the copy runs in the stager's thread; wait_staged waits for it.
+        self.stager = self.stager or DefaultStager(staging_options(self.device))
+        synchronize(self.device)  # the state the side stream copies is the one the queued optimizer step wrote
+        response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager)
+        self.staging = response.staging_completion
         self.executor = self.executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshloom-publish")
-        future = self.executor.submit(self._write_and_publish, written.result, tmp, final, meta)
+        future = self.executor.submit(self._write_and_publish, response.upload_completion.result, tmp, final, meta)
         self.pending = (future, step, tmp)
+
+    def wait_staged(self) -> None:
+        """Block until the async save in flight has copied the state; call before anything changes it.
+
+        A failed copy is not raised here: it fails the write too, and the ranks agree on that in ``wait``.
+        """
+        if self.staging is None:
+            return
+        staging, self.staging = self.staging, None
+        try:
+            staging.result()
+        except Exception:  # noqa: BLE001 - reported by the write's future, agreed on in wait()
+            pass
 
     def _write_and_publish(self, write, tmp: Path, final: Path, meta: dict) -> BaseException | None:
         """Steps 3-4 on this rank (the training thread for a sync save, the publish thread for an async one).
@@ -286,7 +334,7 @@ class CheckpointManager:
         if self.pending is None:
             return
         future, step, tmp = self.pending
-        self.pending = None
+        self.pending, self.staging = None, None  # written implies staged
         try:
             error = future.result()
         except Exception as exc:  # noqa: BLE001 - re-raised after the ranks agreed
@@ -308,10 +356,13 @@ class CheckpointManager:
                 self.pending[0].result()
             except Exception:  # noqa: BLE001 - the failure that ended training is the one to report
                 pass
-            self.pending = None
+            self.pending, self.staging = None, None
         if self.executor is not None:
             self.executor.shutdown(wait=True)
             self.executor = None
+        if self.stager is not None:  # its staging thread and its host buffers (torch leaves them to the owner)
+            self.stager.close()
+            self.stager = None
 
     def _agree(self, error: BaseException | None, step: int, tmp: Path) -> None:
         """Step 5: all ranks learn whether the save worked, and a failed save leaves nothing behind."""

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch.spawn import run_on_ranks
+from launch.spawn import device_environment, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(ROOT / "configs" / "debug.toml")
@@ -89,15 +89,24 @@ def train_command(nproc: int, *args: str) -> list[str]:
     return [*launcher, "train.py", *args]
 
 
+def command_environment(env: dict | None = None, gpus: bool = False) -> dict[str, str]:
+    """The environment of a launched command: this process's, one intra-op thread, no GPU unless ``gpus``."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **device_environment(gpus), **(env or {})}
+
+
 def run_train_cli(
-    nproc: int, *args: str, env: dict | None = None, timeout: float = 300, prefix: list[str] | None = None
+    nproc: int,
+    *args: str,
+    env: dict | None = None,
+    timeout: float = 300,
+    prefix: list[str] | None = None,
+    gpus: bool = False,
 ) -> subprocess.CompletedProcess:
     """``train_command(nproc, *args)`` from the repo root, to the end; ``prefix`` goes in front (``setpriv ...``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [*(prefix or []), *train_command(nproc, *args)],
         cwd=ROOT,
-        env=env,
+        env=command_environment(env, gpus),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -107,7 +116,9 @@ def run_train_cli(
 class TorchrunLaunch:
     """``torchrun ... train.py ARGS`` in the background, its output in a file we can watch."""
 
-    def __init__(self, tmp_path: Path, nproc: int, *args: str, restarts: int = 0, env: dict | None = None):
+    def __init__(
+        self, tmp_path: Path, nproc: int, *args: str, restarts: int = 0, env: dict | None = None, gpus: bool = False
+    ):
         self.log = tmp_path / f"launch-{time.monotonic_ns()}.log"
         cmd = [
             sys.executable,
@@ -123,9 +134,10 @@ class TorchrunLaunch:
             "false",
             *args,
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.out = open(self.log, "w")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=command_environment(env, gpus), stdout=self.out, stderr=subprocess.STDOUT
+        )
 
     def text(self) -> str:
         return self.log.read_text()

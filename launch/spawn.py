@@ -9,6 +9,13 @@ the test fails: a hang becomes a failure, never a stuck CI job.
 Processes come from a *forkserver* that has already imported torch and meshloom, so a rank starts in a
 fraction of a second instead of paying torch's ~2 s import each time. ``fn`` must be a module-level
 function (it is pickled by name) and its result must be picklable by ``torch.save``.
+
+Ranks run on the CPU unless the caller asks for GPUs (``gpus=True``, for tests marked ``gpu``): each rank
+gets ``CUDA_VISIBLE_DEVICES=""`` before anything asks CUDA, so ``select_device("auto")`` picks the CPU even on
+a GPU host. Without it the harness's LOCAL_RANK would send rank r to ``cuda:r`` (a one-GPU machine fails with
+"invalid device ordinal"; a multi-GPU one runs the CPU parity tests on NCCL, against tolerances meant for CPU
+fp32). The forkserver never touches CUDA (nothing meshloom imports asks it at import time), so the variable,
+which CUDA reads once when it first starts in a process, still decides in every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +32,15 @@ PRELOAD = ["torch", "torch.distributed", "train", "launch.spawn"]
 _CONTEXT = None
 
 
+def device_environment(gpus: bool) -> dict[str, str]:
+    """The variable that decides which GPUs a rank or a launched command sees: none (the CPU) unless ``gpus``,
+    then the ones this process sees."""
+    if not gpus:
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return {} if seen is None else {"CUDA_VISIBLE_DEVICES": seen}
+
+
 def _context():
     global _CONTEXT
     if _CONTEXT is None:
@@ -34,8 +50,14 @@ def _context():
     return _CONTEXT
 
 
-def _rank_main(fn, args, kwargs, rank: int, world_size: int, workdir: str, timeout: float, backend: str) -> None:
+def _rank_main(
+    fn, args, kwargs, rank: int, world_size: int, workdir: str, timeout: float, backend: str, devices: dict
+) -> None:
     import datetime
+
+    # First, before anything asks CUDA: the forkserver's environment is that of whichever test started it.
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    os.environ.update(devices)
 
     import torch
     import torch.distributed as dist
@@ -65,12 +87,14 @@ class RankFailure(AssertionError):
     pass
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo", **kwargs) -> list:
+def run_on_ranks(
+    fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo", gpus: bool = False, **kwargs
+) -> list:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results in rank order.
 
     ``backend`` is the default group's backend string: ``"cuda:gloo"`` builds a group that, like NCCL, serves
     CUDA tensors only, so any collective on a CPU tensor on it fails (the NCCL stand-in of
-    tests/test_nccl_standin.py).
+    tests/test_nccl_standin.py). ``gpus``: let the ranks see this process's GPUs (module docstring).
     """
     import torch
 
@@ -78,7 +102,9 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: st
     with tempfile.TemporaryDirectory(prefix="meshloom-ranks-") as workdir:
         procs = [
             ctx.Process(
-                target=_rank_main, args=(fn, args, kwargs, r, world_size, workdir, timeout, backend), daemon=True
+                target=_rank_main,
+                args=(fn, args, kwargs, r, world_size, workdir, timeout, backend, device_environment(gpus)),
+                daemon=True,
             )
             for r in range(world_size)
         ]

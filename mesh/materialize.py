@@ -10,6 +10,13 @@ order or shape in which shards are created differs between layouts. So instead, 
 3. Copy that piece into the parameter's local storage.
 
 One parameter is materialised in full at a time, so peak extra memory is the largest single parameter.
+
+Then ``check_placement`` (train.py runs it once the model is built) looks at every parameter and buffer:
+each must sit on the compute device, except parameters under FSDP's CPU offload, which sit in host memory.
+On a CPU machine a tensor left on the wrong device cannot be seen (the host *is* the compute device), and on
+a GPU it fails at the first forward with an error about mixed devices, far from its cause; the check names
+the tensor at start-up instead. tests/test_materialize.py runs it on every layout with the meta device
+standing in for the GPU.
 """
 
 from __future__ import annotations
@@ -48,3 +55,42 @@ def materialize_weights(
         else:
             param.copy_(full)
     model.reset_buffers(device)
+
+
+def on_device(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` (a DTensor: its local shard) lives on ``device`` (``cuda`` without an index: any GPU)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.device.type == device.type and device.index in (None, local.device.index)
+
+
+def misplaced_tensors(model: nn.Module, device: torch.device, host_params: bool = False) -> list[str]:
+    """Each parameter and buffer of ``model`` that is not where the layout says, with where it is instead.
+
+    Buffers belong on ``device``; parameters too, or on the host when ``host_params`` (FSDP's CPU offload).
+    """
+    host = torch.device("cpu")
+    wrong = []
+    for kind, tensors, expected in (
+        ("parameter", model.named_parameters(), host if host_params else device),
+        ("buffer", model.named_buffers(), device),
+    ):
+        for name, tensor in tensors:
+            if not on_device(tensor, expected):
+                actual = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).device
+                wrong.append(f"{kind} {canonical_name(name)} is on {actual}, not {expected}")
+    return wrong
+
+
+def check_placement(model: nn.Module, device: torch.device, host_params: bool = False) -> None:
+    """Raise naming every tensor of ``model`` that is not on its device (see ``misplaced_tensors``).
+
+    A walk over the module's tensors reading their device: no copy, no synchronisation.
+    """
+    wrong = misplaced_tensors(model, device, host_params)
+    if wrong:
+        raise RuntimeError(
+            f"{len(wrong)} tensor(s) of the model are not on the device their layout puts them on: "
+            + "; ".join(wrong[:8])
+            + ("; ..." if len(wrong) > 8 else "")
+            + ". Whatever created them must pass the compute device (mesh/materialize.py: materialize_weights)."
+        )

@@ -35,6 +35,10 @@ identifiers, not Python APIs.)
 | ``_backward`` ops                                                    | a merged output and log-sum-exp: ring |
 |                                        | attention's blocks (mesh/context_parallel.py); SDPA returns neither   |
 
+| ``torch._C._distributed_c10d._dump_fr_trace``, ``distributed_c10d._world.pg_names`` | the flight recorder's |
+|                                        | buffer on gloo (NCCL dumps it itself on a timeout), and every group's |
+|                                        | name and ranks, which gloo leaves out of the dump                     |
+
 One exception lives outside this file: ``torch._grouped_mm`` (all experts of an MoE layer in one grouped
 matmul) is wrapped in models/kernels.py, because models/ is single-device code that never imports mesh/.
 """
@@ -336,3 +340,29 @@ def attention_with_lse_backward(grad_out, q, k, v, out, lse, causal: bool, state
         causal,
     )
     return dq, _fold_heads(dk, kv_heads), _fold_heads(dv, kv_heads)
+
+
+# ---- flight recorder -------------------------------------------------------------------------------------
+def flight_recorder_dump() -> dict:
+    """This process's flight-recorder buffer: its recent collectives on every group, in the format torch's
+    analyser reads (``python -m torch.distributed.flight_recorder.fr_trace``), with Python stacks.
+
+    torch 2.13 records gloo collectives too, but only NCCL groups register their name and ranks in the dump
+    (``pg_config``); without them the analyser cannot match a rank's entries to its peers'. They are filled
+    in here from the groups this process knows.
+    """
+    import pickle
+
+    dump = pickle.loads(
+        torch._C._distributed_c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+    )
+    known = {
+        name for name, config in dump.get("pg_config", {}).items() if name and config.get("ranks") not in ("[]", "")
+    }
+    groups = {
+        name: {"name": name, "desc": group.group_desc, "ranks": str(dist.get_process_group_ranks(group))}
+        for group, name in dist.distributed_c10d._world.pg_names.items()
+        if name not in known
+    }
+    dump["pg_config"] = {**{k: v for k, v in dump.get("pg_config", {}).items() if k in known}, **groups}
+    return dump

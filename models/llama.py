@@ -377,7 +377,7 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = cos, sin
         for module in self.modules():
             if isinstance(module, MoE):
-                module.reset_buffers()
+                module.reset_buffers(device)
 
     @torch.no_grad()
     def init_weights(self, seed: int, device: torch.device | str = "cpu") -> Transformer:

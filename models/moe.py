@@ -163,7 +163,16 @@ class MoE(nn.Module):
         self.count_stats = True  # False while activation checkpointing recomputes the block
         self.sequence = WholeSequence()  # tensor parallelism replaces it (module docstring)
 
-    def reset_buffers(self) -> None:
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """Zero the bias and the step statistics; with ``device``, make them anew there.
+
+        The router's scores meet the bias on the compute device, but a materialised model may have its buffers
+        elsewhere: under FSDP's CPU offload, ``to_empty`` allocates the whole module in host memory
+        (mesh/materialize.py), and only the parameters belong there.
+        """
+        if device is not None:
+            for name, buffer in list(self.named_buffers(recurse=False)):
+                setattr(self, name, torch.zeros_like(buffer, device=device))
         self.expert_bias.zero_()
         self.reset_stats()
 

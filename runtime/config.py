@@ -415,6 +415,11 @@ def help_text() -> str:
     """Every key with its type, default and meaning (``python train.py --help``)."""
     lines = [
         "usage: [torchrun --standalone --nproc-per-node N] train.py [--config FILE.toml] [--section.key VALUE ...]",
+        "       python train.py --dry-run --world-size N [--config FILE.toml] [--section.key VALUE ...]",
+        "",
+        "--dry-run --world-size N: check the config and the layout for N ranks and print the banner (mesh, parameters",
+        "and memory per rank, batch split) without a process group or any data, checkpoint or run.dir file; exit 0, or",
+        "2 listing every broken rule.",
         "",
         "Every key below can be set in a TOML file ([section] key = value) or overridden on the command line.",
     ]

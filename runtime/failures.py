@@ -13,7 +13,25 @@ first rank that *reported* a failure: a healthy one.
 2. ``is_communication_failure`` recognises a timed-out or broken collective among the exceptions that
    reach ``train.main``.
 3. ``explain`` turns it into one line: rank, what timed out (or broke), after how long, during which phase
-   and on which group, and the fix. ``train.main`` prints it and exits with code 4.
+   and on which group, this rank's last collective, and the fix. ``train.main`` prints it and exits with
+   code 4.
+
+Which collective: torch's flight recorder
+-----------------------------------------
+torch keeps a ring buffer of each process's recent collectives (the *flight recorder*): for each, the group,
+its sequence number on that group, the operation, the tensor sizes, and whether it finished.
+
+4. ``enable_flight_recorder`` sets its variables before the first process group exists (the user's own
+   settings win; they are removed again when the run ends): a buffer of 2,000 entries, and, for NCCL, a dump on timeout into
+   ``<run.dir>/flight_recorder/rank_<rank>``. On NCCL the watchdog thread notices the timeout, writes that
+   file and ends the process (SIGABRT) itself, so steps 2-3 never run there: the dump is the explanation.
+5. On gloo nothing dumps by itself: ``train.main``, on a communication failure, writes the buffer to the
+   same file (mesh/private_api.py: ``flight_recorder_dump``), and ``last_collective`` names the newest
+   unfinished entry (or, if all finished, the newest one) in the one-line report.
+6. ``python -m torch.distributed.flight_recorder.fr_trace <run.dir>/flight_recorder`` (torch's analyser)
+   reads every rank's file and names the first collective on which the ranks disagree: "Culprit rank 1;
+   Error type: COLLECTIVE_TYPE_MISMATCH, Expected collective type: 'all_reduce' does not match found
+   collective type: 'all_gather'". A rank that stalled wrote no file: add ``--allow-incomplete-ranks``.
 """
 
 from __future__ import annotations
@@ -21,7 +39,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -66,8 +86,83 @@ def is_communication_failure(exc: BaseException) -> bool:
     return any(w in text for w in _TIMEOUT_WORDS + _BROKEN_WORDS)
 
 
-def explain(exc: BaseException, timeout_s: float) -> str:
-    """One line for the console: which operation, which group, how long, and the fix."""
+FLIGHT_RECORDER_DIR = "flight_recorder"  # under run.dir: one file per rank, rank_<global rank>
+FLIGHT_RECORDER_ENTRIES = 2000
+
+
+def flight_recorder_folder(run_dir: str) -> Path:
+    return Path(run_dir).resolve() / FLIGHT_RECORDER_DIR
+
+
+def enable_flight_recorder(run_dir: str) -> tuple[Path, list[str]]:
+    """Step 4: the flight recorder's variables, before the first process group exists; returns its folder and
+    the names it set (``disable_flight_recorder`` removes them when the run ends, so that a process that
+    trains twice, or the commands it starts, do not inherit this run's folder).
+
+    torch reads them when it creates a group: the buffer size (``TORCH_FR_BUFFER_SIZE``, formerly
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE``), NCCL's dump on a watchdog timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``) and
+    the file name it dumps to, the rank appended (``TORCH_FR_DUMP_TEMP_FILE``, formerly
+    ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``). A value the user set, under either name, is kept.
+    """
+    folder = flight_recorder_folder(run_dir)
+    wanted = {
+        ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): str(FLIGHT_RECORDER_ENTRIES),
+        ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+        ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): str(folder / "rank_"),
+    }
+    added = []
+    for names, value in wanted.items():
+        if not any(name in os.environ for name in names):
+            os.environ[names[0]] = value
+            added.append(names[0])
+    return folder, added
+
+
+def disable_flight_recorder(added: list[str]) -> None:
+    """Remove the variables ``enable_flight_recorder`` set (the groups that read them are gone)."""
+    for name in added:
+        os.environ.pop(name, None)
+
+
+def write_flight_recorder(dump: dict, run_dir: str, rank: int) -> Path:
+    """Step 5: this rank's buffer (mesh/private_api.py: flight_recorder_dump) where NCCL would put it."""
+    path = flight_recorder_folder(run_dir) / f"rank_{rank}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(dump))
+    return path
+
+
+def last_collective(dump: dict) -> str | None:
+    """Step 5: the newest collective this rank had not finished (else its newest), as words.
+
+    ``pg_status`` holds, per group, the sequence number of the last collective enqueued and completed; an
+    entry is unfinished when its sequence number is past its group's last completed one.
+    """
+    entries = [e for e in dump.get("entries", []) if not e.get("is_p2p")]
+    if not entries:
+        return None
+    status = dump.get("pg_status", {})
+
+    def unfinished(entry: dict) -> bool:
+        done = status.get(entry["process_group"][0], {}).get("last_completed_collective", -1)
+        return entry["collective_seq_id"] > done
+
+    pending = [e for e in entries if unfinished(e)]
+    entry = (pending or entries)[-1]
+    name, desc = entry["process_group"]
+    ranks = dump.get("pg_config", {}).get(name, {}).get("ranks", "?")
+    state = "not finished" if pending else "its newest, finished"
+    return (
+        f"{entry['profiling_name']} #{entry['collective_seq_id']} on group {name} ({desc}, ranks {ranks}), "
+        f"sizes {entry['input_sizes']}, {state}"
+    )
+
+
+def explain(exc: BaseException, timeout_s: float, last: str | None = None, dumped: Path | None = None) -> str:
+    """One line for the console: which operation, which group, how long, and the fix.
+
+    ``last``: this rank's last collective (``last_collective``); ``dumped``: where its flight recorder went.
+    """
     text = str(exc).strip()
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
     timed_out = any(w in text.lower() for w in _TIMEOUT_WORDS) or "timeout" in type(exc).__name__.lower()
@@ -78,10 +173,18 @@ def explain(exc: BaseException, timeout_s: float) -> str:
         if timed_out
         else f"a peer closed its connection after {waited:.0f} s"
     )
+    collective = f" Its last collective: {last}." if last else ""
+    analyse = (
+        f" Every rank's recent collectives are in {dumped.parent}: python -m "
+        f"torch.distributed.flight_recorder.fr_trace {dumped.parent} names where the ranks disagree."
+        if dumped
+        else ""
+    )
     return (
-        f"rank {rank}: {what} during {_PHASE['what']} (groups: {_PHASE['groups']}): {first[:200]}. "
-        "Another rank stalled or died: it is the one that printed no such line (torchrun names the first "
-        "rank to report, usually a healthy one). Fix or restart it, then resume with --checkpoint.resume auto."
+        f"rank {rank}: {what} during {_PHASE['what']} (groups: {_PHASE['groups']}): {first[:200]}.{collective}"
+        " Another rank stalled or died, or issued another collective: a rank that printed no such line stalled "
+        "or died (torchrun names the first rank to report, usually a healthy one)."
+        f"{analyse} Fix or restart it, then resume with --checkpoint.resume auto."
     )
 
 

@@ -169,9 +169,10 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def new_cpu_group(timeout_s: float):
-    """A gloo group over the whole world with our timeout (every rank must call it, in the same order)."""
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+def new_cpu_group(timeout_s: float, desc: str):
+    """A gloo group over the whole world with our timeout (every rank must call it, in the same order);
+    ``desc`` names it in the flight recorder's dumps (runtime/failures.py)."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), group_desc=desc)
 
 
 def all_gather_objects(obj, group) -> list:
@@ -186,7 +187,7 @@ class ControlPlane:
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
-        self.group = new_cpu_group(timeout_s)
+        self.group = new_cpu_group(timeout_s, "meshloom_control_plane")
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -11,6 +11,18 @@ from tests.training_runs import SharedRun, SharedRuns  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def no_gpu_unless_marked(request, monkeypatch):
+    """Every command a test starts sees no GPU unless the test is marked ``gpu``.
+
+    launch/spawn.py and launch/local_runs.py already pin their ranks and commands to the CPU; this also covers
+    a test's own ``subprocess`` calls, which inherit this environment. On a GPU host the CPU tests would
+    otherwise run on ``cuda:LOCAL_RANK`` (tests/test_harness.py).
+    """
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory) -> SharedRuns:
     """The session's shared training runs (the one-process references above all), each trained once."""

@@ -378,6 +378,77 @@ def test_saving_an_existing_step_does_not_clobber_it(tmp_path):
     assert "never overwrites" in outcomes[0] and outcomes[1] == "OSError"
 
 
+def async_save_then_change_the_weights(folder: str, wait: bool) -> bool:
+    """Rank body: an async save of step 1 whose copy starts late, then (after wait_staged, if ``wait``) an
+    in-place change of every weight, as the optimizer step makes; returns whether the checkpoint holds step 1."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from checkpoint.manager import CheckpointManager, staging_options
+    from data.loader import GlobalBatchLoader
+    from mesh.plan import LayoutPlan
+    from runtime.process import init_process_group
+    from training.optimizer import Optimizers
+
+    class LateStager(DefaultStager):
+        """DefaultStager whose copy starts 0.5 s late, so a step that does not wait for it changes the save."""
+
+        def stage(self, state_dict, **kwargs):
+            staged: Future = Future()
+
+            def later():
+                time.sleep(0.5)
+                try:
+                    staged.set_result(DefaultStager.stage(self, state_dict, **kwargs).result())
+                except Exception as exc:  # noqa: BLE001 - handed to the waiter
+                    staged.set_exception(exc)
+
+            threading.Thread(target=later, daemon=True).start()
+            return staged
+
+    overrides = {"checkpoint.folder": folder, "checkpoint.interval": 1, "checkpoint.async": True}
+    cfg = load_config(path=DEBUG_CONFIG, overrides=overrides)
+    part = torch.nn.Linear(64, 64)
+    optimizers = Optimizers([part], cfg)
+    loader = GlobalBatchLoader(torch.arange(2000) % 256, seq_len=8, global_batch=2, micro_batch=2, dp_rank=0, dp_size=1)
+    control = init_process_group(torch.device("cpu"), 60)
+    manager = CheckpointManager(cfg, LayoutPlan.resolve(cfg, 1), Resume("none"), control, torch.device("cpu"))
+    manager.restore([part], optimizers, loader)
+    manager.stager = LateStager(staging_options(torch.device("cpu")))
+    saved = part.weight.detach().clone()
+    manager.maybe_save(1, [part], optimizers, loader)
+    if wait:
+        manager.wait_staged()
+    with torch.no_grad():
+        part.weight.add_(1.0)
+    manager.finish()
+    manager.close()
+    on_disk = {"model.weight": torch.empty_like(saved)}
+    dcp.load(on_disk, checkpoint_id=str(Path(folder) / "step-1"), process_group=manager.group)
+    return torch.equal(on_disk["model.weight"], saved)
+
+
+def test_an_async_save_holds_its_step_when_the_optimizer_waits_for_the_copy(tmp_path):
+    from launch.spawn import run_on_ranks
+
+    assert run_on_ranks(async_save_then_change_the_weights, 1, str(tmp_path / "wait"), True, timeout=120) == [True]
+    # ... and the wait is what makes it hold: without it the step's change reaches the checkpoint
+    assert run_on_ranks(async_save_then_change_the_weights, 1, str(tmp_path / "no"), False, timeout=120) == [False]
+
+
+def test_async_saves_stage_in_a_thread_and_through_pinned_memory_on_a_gpu():
+    from checkpoint.manager import staging_options
+
+    cpu, gpu = staging_options(torch.device("cpu")), staging_options(torch.device("cuda", 0))
+    assert cpu.use_async_staging and not cpu.use_pinned_memory and not cpu.use_non_blocking_copy
+    assert gpu.use_async_staging and gpu.use_pinned_memory and gpu.use_non_blocking_copy
+    assert not cpu.use_shared_memory and not gpu.use_shared_memory  # the writer is a thread, not a process
+
+
 def test_config_accepts_checkpoint_async_and_checks_resume(tmp_path):
     assert load_config(["--checkpoint.async", "true"]).checkpoint.async_ is True
     toml = tmp_path / "c.toml"

@@ -32,7 +32,7 @@ BF16_RTOL = 3e-3
 def launch(tmp_path, name: str, nproc: int, *args: str, config: str = DEBUG_CONFIG) -> list[dict]:
     run_dir = tmp_path / name
     proc = run_train_cli(
-        nproc, "--config", config, "--training.steps", str(PARITY_STEPS), "--run.dir", str(run_dir), *args
+        nproc, "--config", config, "--training.steps", str(PARITY_STEPS), "--run.dir", str(run_dir), *args, gpus=True
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return read_metrics(run_dir)
@@ -131,6 +131,7 @@ def test_save_on_fsdp2_and_resume_on_tp2_on_gpus(cpu_reference, tmp_path):
         "2",
         "--training.steps",
         half,
+        gpus=True,
     )
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_train_cli(
@@ -148,6 +149,7 @@ def test_save_on_fsdp2_and_resume_on_tp2_on_gpus(cpu_reference, tmp_path):
         str(PARITY_STEPS),
         "--checkpoint.resume",
         "auto",
+        gpus=True,
     )
     assert second.returncode == 0, second.stderr[-3000:]
     assert list(published(run_dir / "checkpoints"))[-1] == PARITY_STEPS
@@ -238,6 +240,7 @@ def test_profiled_gpu_run_writes_a_memory_snapshot_and_logs_mfu(tmp_path):
         "true",
         "--training.peak_tflops",
         "100",
+        gpus=True,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     snapshot = pickle.loads((run_dir / "profile" / "rank0.memory_snapshot.pickle").read_bytes())

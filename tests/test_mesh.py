@@ -25,7 +25,7 @@ def mesh_facts(dp_replicate: int, dp_shard: int, ep: int, tp: int) -> dict:
         "roots": {name: root_mesh(m) is meshes.world for name, m in meshes.all().items()},
         "ep_ranks": dist.get_process_group_ranks(meshes.ep.get_group()),
         "expert_fsdp_dims": meshes.expert_fsdp.mesh_dim_names,
-        "timeouts": {group_timeout(g) for g in [*groups, control.group, new_cpu_group(TIMEOUT_S)]},
+        "timeouts": {group_timeout(g) for g in [*groups, control.group, new_cpu_group(TIMEOUT_S, "test")]},
     }
 
 

@@ -249,3 +249,25 @@ def test_grouped_mm_matches_a_loop_over_groups_and_takes_an_expanded_gradient():
     # fp64 is refused by the kernel (CPU: fp32, bf16, fp16): the MoE experts then loop, with a warning
     with pytest.warns(UserWarning, match="experts run one after another"):
         assert not grouped_mm_works(torch.device("cpu"), torch.float64, ((8, 16), (16, 8)))
+
+
+def flight_recorder_on_two_ranks() -> dict:
+    from mesh.private_api import flight_recorder_dump
+
+    group = dist.new_group(backend="gloo", group_desc="meshloom_test")
+    dist.all_reduce(torch.ones(3), group=group)
+    dump = flight_recorder_dump()
+    [name] = {e["process_group"][0] for e in dump["entries"] if e["process_group"][1] == "meshloom_test"}
+    return {
+        "ops": [e["profiling_name"] for e in dump["entries"] if e["process_group"][0] == name],
+        "config": dump["pg_config"][name],
+        "completed": dump["pg_status"][name]["last_completed_collective"],
+        "frames": any(f["name"] == "flight_recorder_on_two_ranks" for f in dump["entries"][-1]["frames"]),
+    }
+
+
+def test_the_flight_recorder_dump_holds_gloo_collectives_with_their_groups():
+    # runtime/failures.py reads these fields; torch's analyser needs pg_config, which gloo leaves empty
+    for r in run_on_ranks(flight_recorder_on_two_ranks, 2):
+        assert r["ops"] == ["gloo:all_reduce"] and r["completed"] == 1 and r["frames"]
+        assert r["config"]["desc"] == "meshloom_test" and r["config"]["ranks"] == "[0, 1]"

@@ -1,0 +1,116 @@
+"""Check a launch before launching it: ``python train.py --dry-run --world-size N [--config F] [--key value ...]``.
+
+A misfit layout on a cluster costs a queue wait, a rendezvous and a torch import on every node before the
+first rank says what is wrong. The dry run does, in one process and in a second, everything ``train.py``
+decides before its first collective that needs neither a process group nor a file:
+
+1. Split the dry-run flags off the command line (``parse_dry_run``); the rest is the run's own
+   ``[--config F] [--key value ...]``, parsed by runtime/config.py as the run would parse it.
+2. Resolve the plan for the world size, once per pipeline rank (its stages differ): every field's range
+   and every layout rule (mesh/plan.py: ``LayoutPlan.resolve``). A broken rule raises the same
+   ConfigError, listing every broken rule, that every rank of the real launch would raise: exit 2.
+3. Print the banner: the mesh (every dim and its size, in mesh order); the parameters in total, then per
+   pipeline rank those of its stages and those each of its ranks holds once TP, EP and FSDP split them; the
+   estimated memory per rank (mesh/memory_estimate.py: states, gathered weights, activations, logits); the
+   batch split; the pipeline's stages; and what was not checked because it needs files or the machine: the
+   data (``data.*``: sources, tokenizer, token-file headers, split sizes), the checkpoints (``checkpoint.*``:
+   resume, folder, init_from), ``run.dir``, and the estimate against the device's memory. Exit 0.
+
+Nothing here creates a process group, reads a data or checkpoint file, or writes anything; the config
+file itself is read (tests/test_launch_commands.py runs every command of README.md and launch/ through it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mesh.dims import MESH_DIMS
+from mesh.memory_estimate import MemoryLayout, rank_memory, rank_parameters, stage_parameters
+from mesh.plan import LayoutPlan
+from runtime.config import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.config import Config
+
+DRY_RUN, WORLD_SIZE = "--dry-run", "--world-size"
+
+
+def parse_dry_run(argv: list[str]) -> tuple[bool, int, list[str]]:
+    """Step 1: (whether ``--dry-run`` was given, ``--world-size`` (default 1), the remaining arguments)."""
+    rest, world, dry, i = [], None, False, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == DRY_RUN:
+            dry = True
+        elif arg == WORLD_SIZE or arg.startswith(WORLD_SIZE + "="):
+            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 0 if "=" in arg else 1
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(
+                    f"{WORLD_SIZE} {value!r}: give the number of ranks to plan for, e.g. --world-size 16."
+                )
+            world = int(value)
+        else:
+            rest.append(arg)
+        i += 1
+    if world is not None and not dry:
+        raise ConfigError(f"{WORLD_SIZE} only goes with {DRY_RUN} (torchrun sets the world size of a real run).")
+    return dry, world or 1, rest
+
+
+def size(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:,.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:,.1f} MiB"
+
+
+def dry_run(cfg: Config, world_size: int) -> str:
+    """Steps 2-3: the banner of ``cfg`` on ``world_size`` ranks, or a ConfigError naming every broken rule."""
+    plan = LayoutPlan.resolve(cfg, world_size, rank=0)
+    d, p, m = plan.dims, cfg.parallel, plan.model
+    ranks_per_pp = world_size // d.pp
+    lines = [
+        f"meshloom dry run | world {world_size} | {d.describe()} | {cfg.training.mixed_precision} | "
+        "no process group; no data, checkpoint or run.dir file touched",
+        "  mesh (outermost first: consecutive ranks differ in tp, then cp, ...)",
+        *(f"  {name:<13} size {getattr(d, name):>3}" for name in MESH_DIMS),
+    ]
+    if d.ep > 1:
+        lines.append(f"  {'ep':<13} size {d.ep:>3}   (carved from dp_shard: the MoE experts' ranks)")
+    lines.append(f"  parameters    {m.num_params():,} total")
+    layout = MemoryLayout.of_plan(plan, cfg)
+    for pp_rank in range(d.pp):
+        rank_plan = plan if pp_rank == 0 else LayoutPlan.resolve(cfg, world_size, rank=pp_rank * ranks_per_pp)
+        stages = rank_plan.stage_ids
+        layers = [i for s in stages for i in plan.stage_layers[s]]
+        params = stage_parameters(m, layers, 0 in stages, plan.n_stages - 1 in stages)
+        owned = rank_parameters(m, layout, params)
+        memory = rank_memory(m, layout, plan.stage_layers, pp_rank, stages)
+        if d.pp > 1:
+            what = f"stages {list(stages)} (layers {layers}): {sum(params.values()):,} parameters, {round(owned):,}"
+            what += " on each of its ranks"
+        else:
+            what = f"{round(owned):,} of the parameters"
+        lines += [
+            f"  {f'pp rank {pp_rank}' if d.pp > 1 else 'per rank':<13} {what} (after tp, ep and fsdp split them)",
+            f"  {'':<13} memory about {size(memory.total)} per rank: states {size(memory.states)}, gathered weights "
+            f"{size(memory.gathered)}, activations {size(memory.activations)}, logits {size(memory.logits)} "
+            "(mesh/memory_estimate.py)",
+        ]
+    lines.append(f"  batch         {plan.batch_line()}")
+    if d.pp > 1:
+        lines.append(
+            f"  pipeline      {plan.pp_schedule}, {plan.n_stages} stages ({plan.stages_per_rank} per rank), "
+            f"{plan.pp_microbatches} micro-batches per forward call"
+        )
+    if d.cp > 1:
+        lines.append(f"  context       cp {d.cp}, {p.cp_attention} attention, {plan.seq_len // d.cp} tokens per rank")
+    c = cfg.checkpoint
+    lines += [
+        "  not checked (they need files or the machine; the launch checks them on every rank before any collective):",
+        f"    data        source {cfg.data.source!r}, tokenizer {cfg.data.tokenizer!r}"
+        + (f", validation {cfg.data.val_source!r}" if cfg.data.val_source else ""),
+        f"    checkpoint  folder {c.folder or cfg.run.dir + '/checkpoints'!r}, resume {c.resume!r}"
+        + (f", init_from {c.init_from!r}" if c.init_from else ""),
+        f"    run.dir     {cfg.run.dir!r}",
+        "    memory      the estimate against each machine's memory (run.memory_check: every rank compares it)",
+    ]
+    return "\n".join(lines)
