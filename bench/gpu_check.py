@@ -24,11 +24,13 @@ The checks:
   CPU reference, on one GPU (tests needing two skip on one).
 - ``throughput-1b``: bench/throughput.py ``--gpu-1b``: a Llama-3.2-1B-shaped model in bf16, meshloom against a
   plain PyTorch loop, tokens/s, TFLOP/s, MFU (with a known peak) and peak memory.
-- ``ring-attention-16k``: one ring-attention block as mesh/context_parallel.py runs it, against plain SDPA
-  (models/llama.py: ``causal_attention``) on 16,384 tokens, 32 query heads and 8 kv heads of 128 in bf16,
-  forward and backward: time and peak memory (one GPU holds a one-rank ring: one block, no messages).
-- ``moe-experts``: models/moe.py's ``GroupedExperts`` forward and backward on 65,536 routed rows, 8 experts of
-  2048 -> 1408, bf16: rows per second.
+- ``ring-attention-16k``: bench/ring_attention.py ``--cp 1``: ring attention as mesh/context_parallel.py runs
+  it (a one-rank ring on one GPU: one causal block through the fused kernel, no messages) against plain SDPA
+  (models/llama.py: ``causal_attention``) on 16,384 tokens in bf16, forward and backward: time and peak
+  memory.
+- ``moe-experts``: bench/moe_grouped_mm.py: models/moe.py's experts as one grouped GEMM
+  (``torch._grouped_mm``) against the per-expert loop, forward and backward on 65,536 routed rows, 8 experts of
+  2048 -> 1408, bf16: rows per second of each.
 - ``async-save``: bench/async_save.py ``--gpu``: the training thread's stall per save, synchronous against
   asynchronous.
 """
@@ -117,101 +119,40 @@ def peak_tracker(device):
     return reset, lambda: torch.cuda.max_memory_allocated(device)
 
 
-def ring_attention_16k(
-    seq: int = 16384, heads: int = 32, kv_heads: int = 8, head_dim: int = 128, device_name: str = "cuda"
-) -> dict:
-    """One ring block against plain SDPA on ``seq`` local tokens: forward + backward time and peak memory.
+def ring_attention_16k(seq: int = 16384, device_name: str = "cuda") -> dict:
+    """bench/ring_attention.py on one GPU: a one-rank ring (one causal block through the fused kernel, no
+    messages) against plain SDPA on ``seq`` local tokens, bf16, forward and backward: time and peak memory."""
+    from bench import ring_attention
 
-    One GPU holds a one-rank ring, which is one block: the causal block of the rank's own tokens. It runs
-    here as ``RingAttention`` runs each block (mesh/context_parallel.py: ``block_attention`` forward, then
-    ``block_gradients`` from the final log-sum-exp), beside ``causal_attention`` (SDPA) on the same tensors.
-    """
-    import torch
-
-    from mesh.context_parallel import block_attention, block_gradients
-    from models.llama import causal_attention
-    from runtime.process import synchronize
-
-    on_gpu = device_name == "cuda"
-    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    reset, peak = peak_tracker(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def tensor(n_heads: int) -> torch.Tensor:
-        shape = (1, seq, n_heads, head_dim)  # (b, n, heads, d): the model's layout
-        return torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_()
-
-    q, k, v = tensor(heads), tensor(kv_heads), tensor(kv_heads)
-    grad = torch.randn(q.shape, generator=gen, device=device, dtype=dtype)
-
-    def sdpa() -> None:
-        causal_attention(q, k, v).backward(grad)
-
-    def ring_block() -> None:
-        with torch.no_grad():  # RingAttention is an autograd.Function: its forward records no graph
-            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # its (b, heads, n, d)
-            out, lse = block_attention(qt, kt, vt, causal=True)
-            d_out = grad.transpose(1, 2).float()
-            delta = (d_out * out).sum(-1)
-            block_gradients(qt, kt, vt, d_out, lse, delta, causal=True)
-
-    measured = {}
-    for name, run in (("sdpa", sdpa), ("ring block", ring_block)):
-        run()  # warm-up (kernel selection, allocator)
-        q.grad = k.grad = v.grad = None
-        base = reset()
-        start = time.perf_counter()
-        run()
-        synchronize(device)
-        measured[name] = {"seconds": time.perf_counter() - start, "peak_gib": (peak() - base) / 2**30}
-        q.grad = k.grad = v.grad = None
-    ring, plain = measured["ring block"], measured["sdpa"]
-    measured["summary"] = (
-        f"{seq:,} tokens, {heads} heads: ring block {ring['seconds'] * 1e3:.0f} ms, {ring['peak_gib']:.2f} GiB above "
-        f"the inputs; SDPA {plain['seconds'] * 1e3:.0f} ms, {plain['peak_gib']:.2f} GiB"
+    dtype = "bf16" if device_name == "cuda" else "fp32"
+    argv = ["--device", device_name, "--dtype", dtype, "--cp", "1", "--lengths", str(seq), "--repeats", "2", "--json"]
+    result = ring_attention.main(argv)
+    row = result["rows"][-1]
+    result["summary"] = (
+        f"{row['n']:,} tokens, {dtype}: ring {row['ring_s']:.3f} s vs SDPA {row['sdpa_s']:.3f} s; peak "
+        f"{row['ring_bytes'] / 2**30:.2f} GiB vs {row['sdpa_bytes'] / 2**30:.2f} GiB ({row['ring_vs_sdpa']:.2f}x)"
     )
-    return measured
+    return result
 
 
-def moe_experts(
-    rows: int = 65536, experts: int = 8, dim: int = 2048, hidden: int = 1408, rounds: int = 5, device_name="cuda"
-) -> dict:
-    """models/moe.py's GroupedExperts, forward and backward, on rows routed with a skewed load (expert e gets
-    a share proportional to e + 1); rows per second, median of ``rounds`` after a warm-up."""
-    import statistics
+def moe_experts(rows: int = 65536, dim: int = 2048, hidden: int = 1408, rounds: int = 5, device_name="cuda") -> dict:
+    """bench/moe_grouped_mm.py on the GPU: 8 experts as one grouped GEMM against the per-expert loop, bf16,
+    forward and backward on ``rows`` routed rows: rows per second of each path."""
+    from bench import moe_grouped_mm
 
-    import torch
-
-    from models.moe import GroupedExperts
-    from runtime.process import synchronize
-
-    on_gpu = device_name == "cuda"
-    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    layer = GroupedExperts(dim, hidden, experts).to(device=device, dtype=dtype)
-    for w in layer.parameters():
-        torch.nn.init.normal_(w, std=0.02)
-    share = torch.arange(1, experts + 1, dtype=torch.float64)
-    counts = (share / share.sum() * rows).floor().long()
-    counts[-1] += rows - counts.sum()
-    x = torch.randn(rows, dim, device=device, dtype=dtype, requires_grad=True)
-    grad = torch.randn(rows, dim, device=device, dtype=dtype)
-    counts = counts.to(device)
-    times = []
-    for _ in range(rounds + 1):
-        synchronize(device)
-        start = time.perf_counter()
-        layer(x, counts).backward(grad)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times[1:])
-    return {
-        "path": "GroupedExperts as in models/moe.py",
-        "seconds": seconds,
-        "rows_per_s": rows / seconds,
-        "summary": f"{rows:,} rows, {experts} experts {dim}->{hidden}: {rows / seconds:,.0f} rows/s (fwd+bwd)",
-    }
+    dtype = "bf16"
+    argv = ["--device", device_name, "--dtypes", dtype, "--tokens", str(rows), "--dim", str(dim)]
+    result = moe_grouped_mm.main([*argv, "--hidden", str(hidden), "--rounds", str(rounds), "--json"])
+    row = result["rows"][0]
+    grouped = (
+        f"grouped {row['grouped_rows_per_s']:,.0f} rows/s ({row['grouped_speedup']:.2f}x the loop)"
+        if row["grouped_mm_runs"]
+        else "torch._grouped_mm does not run here"
+    )
+    result["summary"] = (
+        f"{rows:,} rows, {dim}->{hidden}, {dtype}: loop {row['looped_rows_per_s']:,.0f} rows/s, {grouped}"
+    )
+    return result
 
 
 def async_save_stall() -> dict:
@@ -230,7 +171,7 @@ CHECKS = [
     Check("gpu-tests", gpu_tests, 190, "pytest -m gpu"),
     Check("throughput-1b", throughput_1b, 140, "1B bf16 tokens/s, TFLOP/s, MFU, peak memory"),
     Check("ring-attention-16k", ring_attention_16k, 45, "ring attention vs plain SDPA at 16k: time, memory"),
-    Check("moe-experts", moe_experts, 25, "MoE experts' throughput (rows/s)"),
+    Check("moe-experts", moe_experts, 25, "MoE experts: grouped GEMM vs loop (rows/s)"),
     Check("async-save", async_save_stall, 70, "training-thread stall per save, sync vs async"),
 ]
 

@@ -34,7 +34,8 @@ identifiers, not Python APIs.)
 | ``aten._scaled_dot_product_efficient_attention`` (CUDA), and their   | log-sum-exp, and its backward given   |
 | ``_backward`` ops                                                    | a merged output and log-sum-exp: ring |
 |                                        | attention's blocks (mesh/context_parallel.py); SDPA returns neither   |
-
+| ``DTensor._local_tensor``              | a DTensor's local shard without an autograd op, inside SP's re-gather |
+|                                        | pack hook (``dtensor_local_storage``)                                 |
 | ``torch._C._distributed_c10d._dump_fr_trace``, ``distributed_c10d._world.pg_names`` | the flight recorder's |
 |                                        | buffer on gloo (NCCL dumps it itself on a timeout), and every group's |
 |                                        | name and ranks, which gloo leaves out of the dump                     |
