@@ -254,10 +254,19 @@ def test_grouped_mm_matches_a_loop_over_groups_and_takes_an_expanded_gradient():
 def flight_recorder_on_two_ranks() -> dict:
     from mesh.private_api import flight_recorder_dump
 
+    import time
+
     group = dist.new_group(backend="gloo", group_desc="meshloom_test")
     dist.all_reduce(torch.ones(3), group=group)
-    dump = flight_recorder_dump()
-    [name] = {e["process_group"][0] for e in dump["entries"] if e["process_group"][1] == "meshloom_test"}
+    # The recorder marks a collective completed from gloo's work thread, which may lag the caller under load
+    # (seen once: -1 right after the all-reduce returned); give it a few seconds before reading the status.
+    deadline = time.monotonic() + 10
+    while True:
+        dump = flight_recorder_dump()
+        [name] = {e["process_group"][0] for e in dump["entries"] if e["process_group"][1] == "meshloom_test"}
+        if dump["pg_status"][name]["last_completed_collective"] >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     return {
         "ops": [e["profiling_name"] for e in dump["entries"] if e["process_group"][0] == name],
         "config": dump["pg_config"][name],
