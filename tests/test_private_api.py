@@ -252,9 +252,9 @@ def test_grouped_mm_matches_a_loop_over_groups_and_takes_an_expanded_gradient():
 
 
 def flight_recorder_on_two_ranks() -> dict:
-    from mesh.private_api import flight_recorder_dump
-
     import time
+
+    from mesh.private_api import flight_recorder_dump
 
     group = dist.new_group(backend="gloo", group_desc="meshloom_test")
     dist.all_reduce(torch.ones(3), group=group)
