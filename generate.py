@@ -55,6 +55,7 @@ def load_export(path: Path, tokenizer_override: str = ""):
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty replaced the Parameters: a tied head is the embedding's again
     model.reset_buffers("cpu")
     import_safetensors([model], path)  # one file or shards; a tied head reads the embedding
     spec = tokenizer_override or (str(path) if (path / "tokenizer.json").is_file() else "bytes")

@@ -284,9 +284,12 @@ def safetensors_problems(path: str | Path, args: ModelArgs) -> list[str]:
     return problems
 
 
-def _source_name(name: str, files: dict[str, Path]) -> str:
-    """The file's name for meshloom parameter ``name``: a tied head reads the embedding (not in the file)."""
-    key = hf_name(canonical_name(name))
+def _source_name(part: nn.Module, name: str, files: dict[str, Path]) -> str:
+    """The file's name for parameter ``name`` of ``part``. A tied head (or a last pipeline stage's copy of a
+    tied weight) reads the embedding (``ModelArgs.stored_name``); so does a head missing from the file."""
+    name = canonical_name(name)
+    args = getattr(part, "args", None)
+    key = hf_name(args.stored_name(name) if args is not None else name)
     if key not in files and key == TOP_LEVEL["output.weight"]:
         return TOP_LEVEL["tok_embeddings.weight"]
     return key
@@ -317,7 +320,7 @@ def import_safetensors(parts: list[nn.Module], path: str | Path, sliced: bool = 
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
     for part in parts:
         for name, param in part.named_parameters():
-            key = _source_name(name, files)
+            key = _source_name(part, name, files)
             by_file.setdefault(files[key], []).append((key, param))
     for file, items in by_file.items():
         with safe_open(str(file), framework="pt") as f:

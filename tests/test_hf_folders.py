@@ -42,12 +42,12 @@ SHAPE = dict(
     rms_norm_eps=1e-5,
     initializer_range=0.3,
 )
-# (rope, legacy dialect, max_shard_size for save_pretrained or None: one file, num_key_value_heads)
+# (rope, legacy dialect, max_shard_size for save_pretrained or None: one file, num_key_value_heads, tied)
 CASES = {
-    "current_plain_gqa": (PLAIN, False, None, 2),
-    "legacy_llama3_sharded": (LLAMA3, True, "40KB", 2),
-    "current_linear_mha": (LINEAR, False, None, 4),
-    "current_llama3_sharded": (LLAMA3, False, "40KB", 1),
+    "current_plain_gqa": (PLAIN, False, None, 2, False),
+    "legacy_llama3_sharded": (LLAMA3, True, "40KB", 2, False),
+    "current_linear_mha_tied": (LINEAR, False, None, 4, True),
+    "current_llama3_sharded_tied": (LLAMA3, False, "40KB", 1, True),
 }
 # What a run trains from a folder: no [model] section; the folder's config.json is the model.
 RUN_TOML = """
@@ -71,11 +71,15 @@ def to_legacy(config: dict) -> dict:
     return config
 
 
-def make_folder(path: Path, rope: dict, legacy: bool = False, shard: str | None = None, kv: int = 2, **extra) -> Path:
+def make_folder(
+    path: Path, rope: dict, legacy: bool = False, shard: str | None = None, kv: int = 2, tied: bool = False
+) -> Path:
+    """save_pretrained's folder; tied: transformers leaves lm_head.weight out of the file."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**SHAPE, "num_key_value_heads": kv, **extra}, rope_parameters=dict(rope))
+    shape = {**SHAPE, "num_key_value_heads": kv, "tie_word_embeddings": tied}
+    config = transformers.LlamaConfig(**shape, rope_parameters=dict(rope))
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(str(path), **({"max_shard_size": shard} if shard else {}))
     if legacy:
@@ -93,9 +97,7 @@ def theirs(path: Path):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf_folders")
-    return {
-        name: make_folder(root / name, rope, legacy, shard, kv) for name, (rope, legacy, shard, kv) in CASES.items()
-    }
+    return {name: make_folder(root / name, *case) for name, case in CASES.items()}
 
 
 def tokens(n: int = 2, length: int = 200) -> torch.Tensor:
@@ -113,6 +115,12 @@ def test_a_transformers_folder_gives_transformers_logits(folders, case):
     if CASES[case][2]:
         assert (folder / "model.safetensors.index.json").is_file() and not (folder / "model.safetensors").exists()
     ours, _ = load_export(folder)
+    if CASES[case][4]:
+        names = (
+            json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"] if CASES[case][2] else {}
+        )
+        assert "lm_head.weight" not in names  # transformers did leave it out: the head reads the embedding
+        assert ours.output.weight is ours.tok_embeddings.weight
     x = tokens()
     with torch.no_grad():
         a, b = ours(x), theirs(folder)(x).logits
@@ -195,9 +203,10 @@ def step_one_loss(folder: Path) -> float:
 
 
 def test_every_layout_starts_from_transformers_loss_and_exports_back(folders, tmp_path):
-    """fsdp2 x tp2 (4 ranks, a sharded legacy llama3 folder) and pp2 (a linear one): the first step's loss
-    (every token's logits through the cross entropy) is transformers'. The fsdp x tp run's checkpoint then
-    exports with shards and loads in transformers with meshloom's logits."""
+    """fsdp2 x tp2 (4 ranks, a sharded legacy llama3 folder) and pp2 (a tied linear one: the head on the last
+    stage, the embedding on the first): the first step's loss (every token's logits through the cross
+    entropy) is transformers'. Each run's checkpoint then exports (shards for the first) and loads in
+    transformers with meshloom's logits; the tied one is tied there."""
     from checkpoint.export import main as export_main
     from generate import load_checkpoint
 
@@ -205,7 +214,7 @@ def test_every_layout_starts_from_transformers_loss_and_exports_back(folders, tm
     config.write_text(RUN_TOML)
     runs = {
         "legacy_llama3_sharded": (4, {"parallel.dp_shard": 2, "parallel.tp": 2, "checkpoint.interval": 1}),
-        "current_linear_mha": (2, {"parallel.pp": 2, "parallel.pp_microbatches": 2}),
+        "current_linear_mha_tied": (2, {"parallel.pp": 2, "parallel.pp_microbatches": 2, "checkpoint.interval": 1}),
     }
     for case, (world, layout) in runs.items():
         init = {"checkpoint.init_from": str(folders[case]), "training.steps": 1, **layout}
@@ -215,17 +224,22 @@ def test_every_layout_starts_from_transformers_loss_and_exports_back(folders, tm
         # scaling left out (unscaled tables) moves this loss by 2.3e-3 (llama3) and 3.3e-2 (linear), measured.
         assert abs(record["loss"] - expected) <= 1e-5 * expected, (case, record["loss"], expected)
 
-    out = tmp_path / "export"
-    checkpoints = tmp_path / "legacy_llama3_sharded" / "checkpoints"
-    assert export_main(["--checkpoint", str(checkpoints), "--out", str(out), "--max-shard-size", "40KB"]) == 0
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) > 1 and not (out / "model.safetensors").exists()
-    written = json.loads((out / "config.json").read_text())
-    assert written["rope_parameters"] == {**LLAMA3, "rope_theta": 500000.0}
-    assert written["tie_word_embeddings"] is False
-    assert json.loads((out / "generation_config.json").read_text())["bos_token_id"] is None
-    ours, _, _ = load_checkpoint(checkpoints, None)
-    x = tokens()
-    with torch.no_grad():
-        a, b = ours(x), theirs(out)(x).logits
-    assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()  # as in the one-process test above
+    for case, shard in (("legacy_llama3_sharded", "40KB"), ("current_linear_mha_tied", "5GB")):
+        out, checkpoints = tmp_path / f"export_{case}", tmp_path / case / "checkpoints"
+        assert export_main(["--checkpoint", str(checkpoints), "--out", str(out), "--max-shard-size", shard]) == 0
+        written = json.loads((out / "config.json").read_text())
+        assert json.loads((out / "generation_config.json").read_text())["bos_token_id"] is None
+        ours, _, _ = load_checkpoint(checkpoints, None)
+        hf = theirs(out)
+        x = tokens()
+        with torch.no_grad():
+            a, b = ours(x), hf(x).logits
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()  # as in the one-process test above
+        if case == "legacy_llama3_sharded":
+            index = json.loads((out / "model.safetensors.index.json").read_text())
+            assert len(set(index["weight_map"].values())) > 1 and not (out / "model.safetensors").exists()
+            assert written["rope_parameters"] == LLAMA3 and written["tie_word_embeddings"] is False
+        else:  # one file under 5GB; written tied, loaded tied, the head saved once (as the embedding)
+            assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
+            assert written["rope_parameters"] == LINEAR and written["tie_word_embeddings"] is True
+            assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
