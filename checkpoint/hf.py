@@ -59,6 +59,27 @@ IN_LAYER = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+# The order of LlamaForCausalLM's state_dict (its modules' registration order), which save_pretrained fills
+# its files in: the embedding, then per layer attention, MLP and the two norms, then the final norm, the head.
+_HF_LAYER_ORDER = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+]
+
+
+def hf_order(name: str) -> tuple:
+    """Sort key of an HF tensor name in LlamaForCausalLM's state_dict order."""
+    match = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
+    if match:
+        return (1, int(match.group(1)), _HF_LAYER_ORDER.index(match.group(2)))
+    return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, 0)
 
 
 def hf_name(name: str) -> str:
@@ -172,18 +193,23 @@ def parse_size(text: str) -> int:
 
 
 def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """Greedy, in order, as ``save_pretrained`` does: a shard is closed when the next tensor would take it
-    past ``max_bytes``; a tensor larger than that gets a shard of its own."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    """Files of at most ``max_bytes``, filled in order, as ``save_pretrained`` fills them: a tensor larger
+    than that gets a file of its own at once (the file being filled stays open for the next tensors);
+    any other tensor closes the file being filled when it would not fit, and opens the next."""
+    shards: list[dict[str, torch.Tensor]] = []
+    current: dict[str, torch.Tensor] = {}
     size = 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
+        if n > max_bytes:
+            shards.append({name: t})
+            continue
+        if size + n > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
         size += n
-    return shards
+    return [*shards, current] if current else shards
 
 
 def _write(path: Path, text_or_tensors) -> None:
@@ -216,7 +242,7 @@ def export_safetensors(
         tensors.pop(TOP_LEVEL["output.weight"], None)
     if set(tensors) != set(expected):
         raise ValueError(f"the state does not match the model: missing {sorted(set(expected) - set(tensors))[:5]}")
-    shards = plan_shards(tensors, max_shard_bytes)
+    shards = plan_shards(dict(sorted(tensors.items(), key=lambda item: hf_order(item[0]))), max_shard_bytes)
     written = []
     if len(shards) == 1:
         written.append(out / "model.safetensors")

@@ -243,3 +243,23 @@ def test_every_layout_starts_from_transformers_loss_and_exports_back(folders, tm
             assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
             assert written["rope_parameters"] == LINEAR and written["tie_word_embeddings"] is True
             assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+
+
+def test_export_shards_like_save_pretrained(folders, tmp_path):
+    """The same tensors and max size give the files save_pretrained gives: same names, same tensors in each."""
+    from checkpoint.hf import export_safetensors, parse_size
+    from generate import load_export
+
+    assert (parse_size("5GB"), parse_size("500MB"), parse_size("2GiB")) == (5 * 10**9, 5 * 10**8, 2 * 2**30)
+    for bad in ("5 parsecs", "-1GB", "0"):
+        with pytest.raises(ValueError, match="--max-shard-size"):
+            parse_size(bad)
+    folder = folders["legacy_llama3_sharded"]  # save_pretrained(max_shard_size="40KB")
+    ours, _ = load_export(folder)
+    written = export_safetensors(ours.state_dict(), ours.args, tmp_path, max_shard_bytes=parse_size("40KB"))
+    assert sorted(p.name for p in written if p.suffix == ".safetensors") == sorted(
+        p.name for p in folder.glob("*.safetensors")
+    )
+    index = "model.safetensors.index.json"
+    theirs_map = json.loads((folder / index).read_text())["weight_map"]
+    assert json.loads((tmp_path / index).read_text())["weight_map"] == theirs_map
