@@ -126,13 +126,18 @@ def stored_names(args: ModelArgs, entries: dict) -> dict:
 
 def with_tied_head(args: ModelArgs, entries: dict) -> dict:
     """The inverse of ``stored_names`` for loading: every ``tok_embeddings.weight`` key also under
-    ``output.weight`` (same value), so a tied head or a last stage's copy reads the embedding's weight."""
+    ``output.weight``, so a tied head or a last stage's copy reads the embedding's weight and Adam state.
+
+    The values are copies: a V-schedule rank loads the same entries into both of its parts, and an optimizer
+    may keep a loaded state tensor as it is; two AdamWs sharing one ``exp_avg`` would update it twice a step.
+    """
     if not args.tie_embeddings:
         return entries
     out = dict(entries)
     for key, value in entries.items():
         if key == EMBEDDING or _param_of(key) == EMBEDDING:
-            out.setdefault(HEAD if key == EMBEDDING else key.replace(EMBEDDING, HEAD, 1), value)
+            copy = value.clone() if isinstance(value, torch.Tensor) else value
+            out.setdefault(HEAD if key == EMBEDDING else key.replace(EMBEDDING, HEAD, 1), copy)
     return out
 
 
