@@ -153,8 +153,18 @@ def test_pipeline_copies_have_the_same_placements_at_the_same_coordinate():
 
 
 def test_embedding_groups_pair_the_first_and_last_pp_rank_of_each_coordinate():
+    from bench.schedule_ir import fake_world
+    from docs.figures.tied_embeddings import TIED_EXAMPLE, tied_groups
+    from mesh.dims import ParallelDims, build_mesh
+
     world = torch.arange(4 * 2 * 2).reshape(4, 1, 2, 1, 2)  # (pp, dp_replicate, dp_shard, cp, tp) = 4 x 2 x 2
     assert embedding_group_ranks(world) == [[0, 12], [1, 13], [2, 14], [3, 15]]
+    # The chapter's picture (pp 4 x dp_shard 2) shows the groups of meshloom's real world mesh.
+    pp, dp = TIED_EXAMPLE["pp"], TIED_EXAMPLE["dp_shard"]
+    dims = ParallelDims(pp=pp, dp_replicate=1, dp_shard=dp, cp=1, tp=1, ep=1, world_size=pp * dp)
+    with fake_world(pp * dp):
+        meshes = build_mesh(dims, torch.device("cpu"), 60, has_experts=False)
+        assert embedding_group_ranks(meshes.world.mesh) == tied_groups(pp, dp) == [[0, 6], [1, 7]]
 
 
 # ---- training parity and resuming across layouts ------------------------------------------------------------
@@ -203,8 +213,23 @@ def test_one_process_checkpoint_resumes_on_a_v_schedule(shared_runs, tied_refere
         2, {**TIED, **ZBV, "checkpoint.folder": str(one.checkpoints), "checkpoint.resume": "3"}, tmp_path
     )
     assert_same_curve(resumed, tied_reference[3:])
-    # generate.py reads the same checkpoint into one tied model
+
+
+def test_a_tied_checkpoint_exports_as_a_tied_transformers_model(shared_runs, tmp_path):
+    """The export writes the weight once with ``tie_word_embeddings: true``; transformers ties it on load and
+    gives generate.py's logits (the same fp32 ops: measured identical)."""
+    import transformers
+
+    from checkpoint.export import main as export
     from generate import load_checkpoint
 
-    model, _, _ = load_checkpoint(one.checkpoints, None)
-    assert model.output.weight is model.tok_embeddings.weight
+    one = shared_runs.run(TIED_SAVING)
+    assert export(["--checkpoint", str(one.checkpoints), "--out", str(tmp_path / "hf")]) == 0
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    assert theirs.lm_head.weight is theirs.model.embed_tokens.weight
+    ours, _, _ = load_checkpoint(one.checkpoints, None)
+    assert ours.output.weight is ours.tok_embeddings.weight
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(tokens), theirs(tokens).logits
+    assert (a - b).abs().max().item() <= 1e-4 * a.abs().max().item()
