@@ -191,7 +191,6 @@ def test_v_schedule_matches_one_process(tied_reference, tmp_path):
 SLOW_LAYOUTS = {
     "fsdp2": (2, {"parallel.dp_shard": 2}),
     "tp2": (2, TP2),
-    "pp2xfsdp2": (4, {"parallel.pp": 2, "parallel.dp_shard": 2}),
     "pp2xtp2": (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 1}),
     "pp4": (4, {"parallel.pp": 4, "parallel.dp_shard": 1}),  # pp > 2: the embedding group is a group of its own
     "dualpipev-fsdp2": (4, {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.pp_schedule": "DualPipeV"}),
@@ -211,6 +210,19 @@ def test_one_process_checkpoint_resumes_on_a_v_schedule(shared_runs, tied_refere
     one = shared_runs.run(TIED_SAVING)
     resumed = train_on(
         2, {**TIED, **ZBV, "checkpoint.folder": str(one.checkpoints), "checkpoint.resume": "3"}, tmp_path
+    )
+    assert_same_curve(resumed, tied_reference[3:])
+
+
+@pytest.mark.slow
+def test_pipeline_fsdp_checkpoint_resumes_on_fsdp(tied_reference, tmp_path):
+    """pp2 x fsdp2: both stages offer FSDP shards of tok_embeddings.weight (DCP keeps one copy of each chunk);
+    resumed on fsdp2, where the head is the embedding again."""
+    layout = {**TIED, "parallel.pp": 2, "parallel.dp_shard": 2, "checkpoint.interval": 3}
+    assert_same_curve(train_on(4, layout, tmp_path / "pp2xfsdp2"), tied_reference)
+    saved = str(tmp_path / "pp2xfsdp2" / "checkpoints")
+    resumed = train_on(
+        2, {**TIED, "parallel.dp_shard": 2, "checkpoint.folder": saved, "checkpoint.resume": "3"}, tmp_path / "fsdp2"
     )
     assert_same_curve(resumed, tied_reference[3:])
 
