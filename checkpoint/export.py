@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as exc:
         print(f"meshloom export: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    size = sum(t.numel() for t in state.values())
+    size = sum(t.numel() for name, t in state.items() if args.stored_name(name) == name)
     print(f"exported {step_dir} ({size:,} parameters) to {', '.join(str(w) for w in written)}")
     return 0
 

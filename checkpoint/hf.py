@@ -125,7 +125,7 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": bool(getattr(args, "tie_embeddings", False)),
+        "tie_word_embeddings": args.tie_embeddings,
         "dtype": "float32",
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
@@ -176,7 +176,7 @@ def expected_hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:
     with torch.device("meta"):
         model = Transformer(args)
     shapes = {hf_name(name): p.shape for name, p in model.named_parameters()}
-    if getattr(args, "tie_embeddings", False):
+    if args.tie_embeddings:
         shapes.pop(TOP_LEVEL["output.weight"], None)
     return shapes
 
@@ -236,10 +236,12 @@ def export_safetensors(
     model-0000k-of-0000n.safetensors shards and model.safetensors.index.json. Returns the files written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {hf_name(name): t.detach().contiguous().cpu() for name, t in model_state.items()}
+    tensors = {  # a tied head is the embedding: written once, as model.embed_tokens.weight
+        hf_name(name): t.detach().contiguous().cpu()
+        for name, t in model_state.items()
+        if args.stored_name(name) == name
+    }
     expected = expected_hf_shapes(args)
-    if getattr(args, "tie_embeddings", False):  # one weight: the file holds it once, as the embedding
-        tensors.pop(TOP_LEVEL["output.weight"], None)
     if set(tensors) != set(expected):
         raise ValueError(f"the state does not match the model: missing {sorted(set(expected) - set(tensors))[:5]}")
     shards = plan_shards(dict(sorted(tensors.items(), key=lambda item: hf_order(item[0]))), max_shard_bytes)
@@ -297,7 +299,7 @@ def safetensors_problems(path: str | Path, args: ModelArgs) -> list[str]:
                 shapes.update({name: torch.Size(f.get_slice(name).get_shape()) for name in f.keys()})
     except Exception as exc:  # noqa: BLE001 - any parse failure means a corrupt file or index
         return [f"{p} is not a readable safetensors model ({exc})"]
-    if getattr(args, "tie_embeddings", False):  # a tied folder may still carry the head's copy: not read
+    if args.tie_embeddings:  # a tied folder may still carry the head's copy: not read
         shapes.pop(TOP_LEVEL["output.weight"], None)
     missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     if missing:

@@ -46,12 +46,6 @@ _MUST_BE = {
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
 
 
-def _has_tied_embeddings() -> bool:
-    from runtime.config import ModelConfig
-
-    return "tie_embeddings" in ModelConfig.__dataclass_fields__
-
-
 def rope_parameters(config: dict) -> dict:
     """The RoPE settings in the current dialect, {"rope_type", "rope_theta", ...}, from either dialect."""
     if isinstance(config.get("rope_parameters"), dict):
@@ -92,8 +86,6 @@ def unsupported(config: dict) -> list[str]:
         out.append(f"config.json RoPE type {kind!r} is not supported; meshloom supports default (none), linear, llama3")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         out.append(f"config.json partial_rotary_factor={rope['partial_rotary_factor']}: meshloom rotates whole heads")
-    if config.get("tie_word_embeddings") and not _has_tied_embeddings():
-        out.append("config.json tie_word_embeddings=true: this meshloom has no tied embeddings (model.tie_embeddings)")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         if not isinstance(config.get(key), int):
             out.append(f"config.json {key}={config.get(key)!r}: a Llama config needs it as an integer")
@@ -116,9 +108,8 @@ def model_fields(config: dict) -> dict[str, object]:
         "max_seq_len": config.get("max_position_embeddings", 2048),
         "rope_scaling": kind,
         "n_experts": 0,
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),  # transformers leaves lm_head out
     }
-    if _has_tied_embeddings():
-        fields["tie_embeddings"] = bool(config.get("tie_word_embeddings", False))
     if kind in ("linear", "llama3"):
         fields["rope_factor"] = float(rope["factor"])
     if kind == "llama3":

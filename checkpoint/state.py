@@ -77,10 +77,10 @@ def training_state(parts: list[nn.Module], optimizers: Optimizers, loader: Globa
     """
     state: dict = {}
     for part, optimizer in zip(parts, optimizers.optimizers, strict=True):
-        args = part.args
+        args = _args_of(part)
         model_state = stored_names(args, get_model_state_dict(part))
         optim_state = stored_names(args, get_optimizer_state_dict(part, optimizer, options=FLAT_OPTIM))
-        tied = args.tie_embeddings
+        tied = args is not None and args.tie_embeddings
         _merge(state, MODEL, model_state, frozenset({EMBEDDING} if tied else ()))
         _merge(state, OPTIM, optim_state, frozenset(k for k in optim_state if tied and _param_of(k) == EMBEDDING))
     scheduler = optimizers.schedulers[0]  # all parts' schedules advance together
@@ -108,13 +108,18 @@ def _param_of(key: str) -> str | None:
     return None
 
 
-def stored_names(args: ModelArgs, entries: dict) -> dict:
+def _args_of(part: nn.Module) -> ModelArgs | None:
+    """A part's ModelArgs (None for a module that is not meshloom's Transformer, as some tests train)."""
+    return getattr(part, "args", None)
+
+
+def stored_names(args: ModelArgs | None, entries: dict) -> dict:
     """``entries`` (a part's model or flattened optimizer state) keyed by stored names (step 3 above).
 
     With tied embeddings a key of ``output.weight`` becomes one of ``tok_embeddings.weight``, unless the part
     already has that key (a whole model, where the head *is* the embedding): then it is dropped.
     """
-    if not args.tie_embeddings:
+    if args is None or not args.tie_embeddings:
         return entries
     out: dict = {}
     for key, value in entries.items():
@@ -124,15 +129,20 @@ def stored_names(args: ModelArgs, entries: dict) -> dict:
     return out
 
 
-def with_tied_head(args: ModelArgs, entries: dict) -> dict:
+def with_tied_head(args: ModelArgs | None, entries: dict) -> dict:
     """The inverse of ``stored_names`` for loading: every ``tok_embeddings.weight`` key also under
-    ``output.weight`` (same value), so a tied head or a last stage's copy reads the embedding's weight."""
-    if not args.tie_embeddings:
+    ``output.weight``, so a tied head or a last stage's copy reads the embedding's weight and Adam state.
+
+    The values are copies: a V-schedule rank loads the same entries into both of its parts, and an optimizer
+    may keep a loaded state tensor as it is; two AdamWs sharing one ``exp_avg`` would update it twice a step.
+    """
+    if args is None or not args.tie_embeddings:
         return entries
     out = dict(entries)
     for key, value in entries.items():
         if key == EMBEDDING or _param_of(key) == EMBEDDING:
-            out.setdefault(HEAD if key == EMBEDDING else key.replace(EMBEDDING, HEAD, 1), value)
+            copy = value.clone() if isinstance(value, torch.Tensor) else value
+            out.setdefault(HEAD if key == EMBEDDING else key.replace(EMBEDDING, HEAD, 1), copy)
     return out
 
 
@@ -155,8 +165,9 @@ def apply_training_state(state: dict, parts: list[nn.Module], optimizers: Optimi
     model_state, optim_state = split(state, MODEL), split(state, OPTIM)
     for part, optimizer in zip(parts, optimizers.optimizers, strict=True):
         part_model, part_optim = model_state, optim_state
-        if part.tok_embeddings is None:  # a pipeline last stage's copy of a tied weight reads the embedding's
-            part_model, part_optim = with_tied_head(part.args, model_state), with_tied_head(part.args, optim_state)
+        args = _args_of(part)
+        if getattr(part, "tok_embeddings", True) is None:  # a pipeline last stage's tied copy reads the embedding's
+            part_model, part_optim = with_tied_head(args, model_state), with_tied_head(args, optim_state)
         set_model_state_dict(part, part_model, options=PART_OF_MODEL)
         set_optimizer_state_dict(part, optimizer, part_optim, options=FLAT_OPTIM)
     for scheduler in optimizers.schedulers:

@@ -64,6 +64,22 @@ def copies_of(part: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return []
 
 
+def _local_piece(param: nn.Parameter) -> torch.Tensor:
+    """The local tensor of ``param``'s gradient, laid out like ``param`` itself.
+
+    Under TP (without FSDP) DTensor's embedding backward returns the lookup's weight gradient Replicate while
+    the weight is Shard(0); the head's is Shard(0). Redistributing to the weight's own placements (here a local
+    slice: no communication) makes the two copies' local pieces cover the same rows.
+    """
+    grad = param.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    if grad.placements != param.placements:
+        grad = grad.redistribute(device_mesh=param.device_mesh, placements=param.placements)
+        param.grad = grad
+    return grad.to_local()
+
+
 class TiedEmbeddings:
     """This rank's copies of the tied weight and the group that sums their gradients (module docstring)."""
 
@@ -109,7 +125,7 @@ class TiedEmbeddings:
         """Give every copy the sum of the copies' gradients (steps 2 and 3): local, then over the group."""
         if not self.copies:
             return
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for _, p in self.copies]
+        grads = [_local_piece(p) for _, p in self.copies]
         total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
         if self.group is not None:
             # Offloaded (FSDP CPU offload) gradients are host tensors; the group reduces device tensors.
