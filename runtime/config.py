@@ -187,7 +187,9 @@ class CheckpointConfig:
     resume: str = opt("none", "auto (the newest complete checkpoint) | none | a step number", int_ok=True)
     async_: bool = opt(False, "save in a background thread while training goes on (key: checkpoint.async)")
     keep_last: int = opt(3, "published checkpoints to keep, newest first; 0: keep all", ge=0)
-    init_from: str = opt("", "a Hugging Face-named model.safetensors (or its folder): initial weights")
+    init_from: str = opt(
+        "", "initial weights: a transformers Llama folder (its config.json sets [model]) or a .safetensors file"
+    )
 
 
 @dataclass
