@@ -59,11 +59,13 @@ def rope_svg() -> str:
     ):
         svg.line(left, y_of(tokens), left + plot_w, y_of(tokens), stroke=GREY, width=0.8)
         svg.text(left + 6, y_of(tokens) - 4, label, fill=GREY, size=10)
+    # Where two types agree the curves lie on each other: drawn wide to narrow, each stays visible.
+    styles = {"none": ("#c8c8c8", 6.0), "linear x8": (colour(1), 3.5), "llama3": (colour(0), 1.5)}
     for k, (name, values) in enumerate(curves.items()):
-        stroke = {0: GREY, 1: colour(1), 2: colour(0)}[k]
+        stroke, width_px = styles[name]
         for i in range(len(values) - 1):
-            svg.line(x_of(i), y_of(values[i]), x_of(i + 1), y_of(values[i + 1]), stroke=stroke, width=2.0)
-        svg.line(left + 20 + 190 * k, height - 56, left + 50 + 190 * k, height - 56, stroke=stroke, width=2.0)
+            svg.line(x_of(i), y_of(values[i]), x_of(i + 1), y_of(values[i + 1]), stroke=stroke, width=width_px)
+        svg.line(left + 20 + 190 * k, height - 56, left + 50 + 190 * k, height - 56, stroke=stroke, width=width_px)
         svg.text(left + 56 + 190 * k, height - 52, name, size=11)
     svg.lines(
         left,
