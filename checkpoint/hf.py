@@ -228,7 +228,10 @@ def import_safetensors(parts: list[nn.Module], path: str | Path) -> None:
     with safe_open(str(safetensors_path(path)), framework="pt") as f:
         for part in parts:
             for name, param in part.named_parameters():
-                full = f.get_tensor(hf_name(canonical_name(name))).to(device=param.device, dtype=param.dtype)
+                # A tied model's pipeline last stage holds a copy of the embedding as output.weight: it reads
+                # model.embed_tokens.weight (models/llama.py: ModelArgs.stored_name).
+                stored = part.args.stored_name(canonical_name(name))
+                full = f.get_tensor(hf_name(stored)).to(device=param.device, dtype=param.dtype)
                 if isinstance(param, DTensor):
                     piece = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
                     param.to_local().copy_(piece.to_local())
