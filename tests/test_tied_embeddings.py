@@ -193,6 +193,8 @@ SLOW_LAYOUTS = {
     "tp2": (2, TP2),
     "pp2xtp2": (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 1}),
     "pp4": (4, {"parallel.pp": 4, "parallel.dp_shard": 1}),  # pp > 2: the embedding group is a group of its own
+    # looped: stages 0, 2 on pp rank 0 and 1, 3 on pp rank 1 (the head's copy on the last stage, 3)
+    "interleaved1f1b": (2, {**PP2, "parallel.pp_schedule": "Interleaved1F1B", "parallel.pp_microbatches": 4}),
     "dualpipev-fsdp2": (4, {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.pp_schedule": "DualPipeV"}),
 }
 
