@@ -19,7 +19,7 @@ from mesh.tied_embeddings import embedding_group_ranks
 from models.llama import ModelArgs, Transformer
 from runtime.config import load_config
 from tests.reference import reference_losses
-from tests.training_runs import assert_same_curve
+from tests.training_runs import LOSS_RTOL, assert_same_curve
 
 TIED = {"model.tie_embeddings": True}
 # The one-process reference also saves at steps 3 and 6 (saving does not change the curve): one run serves the
@@ -193,6 +193,8 @@ SLOW_LAYOUTS = {
     "tp2": (2, TP2),
     "pp2xtp2": (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 1}),
     "pp4": (4, {"parallel.pp": 4, "parallel.dp_shard": 1}),  # pp > 2: the embedding group is a group of its own
+    # looped: stages 0, 2 on pp rank 0 and 1, 3 on pp rank 1 (the head's copy on the last stage, 3)
+    "interleaved1f1b": (2, {**PP2, "parallel.pp_schedule": "Interleaved1F1B", "parallel.pp_microbatches": 4}),
     "dualpipev-fsdp2": (4, {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.pp_schedule": "DualPipeV"}),
 }
 
@@ -227,9 +229,9 @@ def test_pipeline_fsdp_checkpoint_resumes_on_fsdp(tied_reference, tmp_path):
     assert_same_curve(resumed, tied_reference[3:])
 
 
-def test_a_tied_checkpoint_exports_as_a_tied_transformers_model(shared_runs, tmp_path):
+def test_a_tied_checkpoint_exports_as_a_tied_transformers_model(shared_runs, tied_reference, tmp_path):
     """The export writes the weight once with ``tie_word_embeddings: true``; transformers ties it on load and
-    gives generate.py's logits (the same fp32 ops: measured identical)."""
+    gives generate.py's logits (the same fp32 ops: measured identical); a pipeline imports it back."""
     import transformers
 
     from checkpoint.export import main as export
@@ -245,3 +247,17 @@ def test_a_tied_checkpoint_exports_as_a_tied_transformers_model(shared_runs, tmp
     with torch.no_grad():
         a, b = ours(tokens), theirs(tokens).logits
     assert (a - b).abs().max().item() <= 1e-4 * a.abs().max().item()
+    # Imported on pp2 (checkpoint.init_from), the last stage's copy reads model.embed_tokens.weight: the first
+    # step's loss is the exported model's loss on that batch.
+    from data.corpus import load_corpus
+
+    cfg = load_config(path=DEBUG_CONFIG, overrides=TIED)
+    t = cfg.training
+    corpus = load_corpus(cfg.data.source, cfg.data.max_bytes).long()
+    batch = torch.stack([corpus[j * t.seq_len :][: t.seq_len + 1] for j in range(t.global_batch)])  # step 1's
+    with torch.no_grad():
+        expected = F.cross_entropy(ours(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).item()
+    init = {"checkpoint.init_from": str(tmp_path / "hf" / "model.safetensors"), "training.steps": 1}
+    [record] = train_on(2, {**TIED, **PP2, **init}, tmp_path / "pp2")
+    assert abs(record["loss"] - expected) <= LOSS_RTOL * expected
+    assert expected < tied_reference[0]["loss"] - 1.0, "the trained weights, not the random init, were used"
