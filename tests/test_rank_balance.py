@@ -9,7 +9,7 @@ import torch
 
 from launch.local_runs import read_metrics, run_training
 from launch.spawn import run_on_ranks
-from training.rank_balance import SLOW_ENV, SPREAD_RULE, WARN_AFTER, RankBalance, fields
+from training.rank_balance import SLOW_ENV, SPREAD_RULE, WARN_AFTER, RankBalance, compute_clock, fields
 
 TINY = {"model.n_layers": 2, "training.seq_len": 64, "training.global_batch": 4, "training.steps": 4}
 
@@ -24,6 +24,29 @@ def test_fields_and_the_warning_after_three_logged_steps_in_a_row():
     seen = [balance.check(r) for r in (uneven, uneven, even, uneven, uneven, uneven)]
     assert [w is not None for w in seen] == [False, False, False, False, False, True] and WARN_AFTER == 3
     assert "slowest rank 1" in seen[-1] and "20%" in seen[-1]
+
+
+def wait_in_a_collective() -> dict:
+    """Rank body: rank 1 computes (spins) 0.5 s before an all-reduce; both read their clocks around it."""
+    import time
+
+    import torch.distributed as dist
+
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    wall, cpu = time.perf_counter(), compute_clock(torch.device("cpu"))
+    if dist.get_rank() == 1:
+        end = time.thread_time() + 0.5
+        while time.thread_time() < end:
+            pass
+    dist.all_reduce(t)
+    return {"wall": time.perf_counter() - wall, "compute": compute_clock(torch.device("cpu")) - cpu}
+
+
+def test_the_cpu_clock_counts_work_and_not_waiting_for_a_peer():
+    waiting, working = run_on_ranks(wait_in_a_collective, 2, timeout=60)
+    assert waiting["wall"] >= 0.45 and waiting["compute"] < 0.1  # rank 0 slept in gloo's all-reduce
+    assert working["compute"] >= 0.5
 
 
 def run_printing(overrides: dict, run_dir: str, slow: str) -> tuple[list[dict], str]:

@@ -29,6 +29,7 @@ from docs.figures.dcp import DCP_EXAMPLE, LOAD_MESH, SAVE_MESH, dcp_reads, dcp_s
 from docs.figures.expert_parallel import ep_example, ep_svg
 from docs.figures.mesh_grid import MESH_ORDER, layout_groups, mesh_svg
 from docs.figures.pipeline import PIPELINE_FIGURES, SCHEDULE_STAGES, pipeline_ideal, pipeline_svg, pipeline_table
+from docs.figures.pp_split import pp_split_svg
 from docs.figures.svg import CHAR_WIDTH, IMG, ROOT, Svg
 from docs.figures.tensor_parallel import sp_svg, sp_transitions, tp_split_svg
 from docs.figures.zero import zero_svg
@@ -74,6 +75,7 @@ def all_figures() -> dict[str, Callable[[], str]]:
         "ep_dispatch.svg": ep_svg,
         "dcp_reshard.svg": dcp_svg,
         "cp_causal_mask.svg": cp_mask_svg,
+        "pp_split_memory.svg": pp_split_svg,
     }
     for name, (sizes, ep) in MESH_FIGURES.items():
         figures[name] = lambda sizes=sizes, ep=ep: mesh_svg(sizes, ep)
