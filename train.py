@@ -317,7 +317,7 @@ def train(cfg: Config) -> list[dict]:
         for step in range(start_step + 1, t.steps + 1):
             profiler.begin_step(step)
             start = device_time(device)
-            balance.start()
+            balance.start(start)
             loss_sum = torch.zeros((), device=device)
             with named_range("data loading"):
                 batch = loader.next_batch()
@@ -362,8 +362,8 @@ def train(cfg: Config) -> list[dict]:
             # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
             with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)" + tp_label):
                 moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss, meshes.tp) if moe_layer_ids else {}
-            elapsed = device_time(device) - start
-            compute_s = balance.elapsed()
+            end = device_time(device)
+            elapsed, compute_s = end - start, balance.elapsed(end)
             record = {
                 "step": step,
                 "loss": loss,

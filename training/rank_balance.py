@@ -39,11 +39,11 @@ WARN_AFTER = 3  # logged steps in a row above the rule before the console warns
 SLOW_ENV = "MESHLOOM_SLOW_RANK"
 
 
-def compute_clock(device: torch.device) -> float:
-    """Step 1: seconds of this rank's own work (CPU time of the training thread), or device-synced wall time
-    on CUDA."""
+def compute_clock(device: torch.device, wall: float | None = None) -> float:
+    """Step 1: a reading in seconds of this rank's own work: the training thread's CPU time, or on CUDA the
+    device-synced wall time (``wall``, a ``device_time`` reading the step takes anyway, so no extra sync)."""
     if device.type == "cuda":
-        return device_time(device)
+        return device_time(device) if wall is None else wall
     return time.thread_time()
 
 
@@ -69,15 +69,17 @@ class RankBalance:
         slow_rank, _, seconds = os.environ.get(SLOW_ENV, "").partition(":")
         self.extra_s = float(seconds) if slow_rank and int(slow_rank) == rank else 0.0
 
-    def start(self) -> None:
-        self.started = compute_clock(self.device)
+    def start(self, wall: float) -> None:
+        """At the step's start; ``wall`` is the step's own ``device_time`` reading."""
+        self.started = compute_clock(self.device, wall)
         if self.extra_s:  # the test hook: busy work, as a slow device would do
             end = time.thread_time() + self.extra_s
             while time.thread_time() < end:
                 pass
 
-    def elapsed(self) -> float:
-        return compute_clock(self.device) - self.started
+    def elapsed(self, wall: float) -> float:
+        """The step's compute seconds on this rank; ``wall`` is the step's closing ``device_time`` reading."""
+        return compute_clock(self.device, wall) - self.started
 
     def check(self, record: dict) -> str | None:
         """After a logged step: the warning to print, once ``WARN_AFTER`` logged steps in a row exceeded the rule."""
