@@ -62,9 +62,11 @@ def test_memory_split_matches_a_hand_worked_example():
 
 @pytest.mark.parametrize("schedule", list(SCHEDULE_FAMILIES))
 @pytest.mark.parametrize("ac", ["none", "selective", "full"])
-def test_memory_split_is_the_best_cut_for_every_schedule(schedule, ac):
+@pytest.mark.parametrize("sharded", [False, True], ids=["fp32", "bf16-fsdp2-tp2"])
+def test_memory_split_is_the_best_cut_for_every_schedule(schedule, ac, sharded):
     """Against a brute force over every cut: no cut has a lower largest rank peak (looped and V schedules,
-    whose ranks hold two stages, go through the local search of step 3)."""
+    whose ranks hold two stages, go through the local search of step 3), with whole fp32 states, and with
+    bf16 compute, FSDP-sharded states, gathered weights and TP-split activations."""
     args = ModelArgs(dim=16, n_layers=10, n_heads=2, n_kv_heads=2, vocab_size=64, ffn_dim=32)
     v = SCHEDULE_FAMILIES[schedule].natural_stages_per_rank
     pp = 4 // v
@@ -76,8 +78,10 @@ def test_memory_split_is_the_best_cut_for_every_schedule(schedule, ac):
         pp_microbatches=8,
         stages_per_rank=v,
         activation_checkpoint=ac,
-        mixed_precision="fp32",
-        fsdp=False,
+        mixed_precision="bf16" if sharded else "fp32",
+        fsdp=sharded,
+        dp_shard=2 if sharded else 1,
+        tp=2 if sharded else 1,
     )
     cuts = [c for c in itertools.product(range(1, 8), repeat=4) if sum(c) == 10]
     best = min(max(rank_peaks(args, layout, list(c), schedule)) for c in cuts)
