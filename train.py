@@ -83,6 +83,8 @@ from training.loss import token_loss_sum
 from training.metrics import MetricsWriter, format_step, peak_memory_bytes
 from training.optimizer import Optimizers
 from training.profiling import named_range, step_profiler
+from training.rank_balance import RankBalance
+from training.rank_balance import fields as balance_fields
 from training.throughput import Throughput, peak_tflops
 
 
@@ -311,9 +313,11 @@ def train(cfg: Config) -> list[dict]:
             plan.model, t.seq_len, world_size, peak_tflops(t.peak_tflops, device, t.mixed_precision)
         )
         profiler = step_profiler(cfg, rank, device, first_step=start_step + 1)
+        balance = RankBalance(rank, device)
         for step in range(start_step + 1, t.steps + 1):
             profiler.begin_step(step)
             start = device_time(device)
+            balance.start(start)
             loss_sum = torch.zeros((), device=device)
             with named_range("data loading"):
                 batch = loader.next_batch()
@@ -358,7 +362,8 @@ def train(cfg: Config) -> list[dict]:
             # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
             with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)" + tp_label):
                 moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss, meshes.tp) if moe_layer_ids else {}
-            elapsed = device_time(device) - start
+            end = device_time(device)
+            elapsed, compute_s = end - start, balance.elapsed(end)
             record = {
                 "step": step,
                 "loss": loss,
@@ -376,14 +381,20 @@ def train(cfg: Config) -> list[dict]:
                         parts, schedule, val_loader, plan, meshes, steps=cfg.eval.steps, device=device
                     )
             records.append(record)
-            if step % cfg.run.log_every == 0 or step == t.steps or "val_loss" in record:
-                writer.log(record)
-                if is_logger:
-                    print(format_step(record), flush=True)
             with phase(f"saving step {step}", "checkpoint group, control plane"), named_range("checkpoint save"):
                 checkpoints.maybe_save(step, parts, optimizers, loader)
             with phase(f"step {step}: agreeing whether to stop", "control plane"):
-                signum = signals.agreed_stop(control) if step < t.steps else None
+                # every rank's compute time rides on the agreement (training/rank_balance.py, step 2)
+                signum, compute_times = signals.agreed_stop(control, compute_s)
+                signum = signum if step < t.steps else None
+            record.update(balance_fields(compute_times))
+            if step % cfg.run.log_every == 0 or step == t.steps or "val_loss" in record:
+                writer.log(record)
+                warning = balance.check(record)
+                if is_logger:
+                    print(format_step(record), flush=True)
+                    if warning:
+                        print(warning, flush=True)
             profiler.end_step(step)
             if signum is not None:
                 stop_after(cfg, step, signum, checkpoints, parts, optimizers, loader)

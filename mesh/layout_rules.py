@@ -238,14 +238,14 @@ def pipeline_errors(
             f"parallel.pp={pp} x {n_local} stages per rank = {n_stages} stages, more than model.n_layers={n_layers}; "
             "lower parallel.pp or parallel.pp_stages_per_rank, or add layers."
         )
-    if split not in ("params", "flops"):
+    if split not in ("params", "flops", "memory"):
         try:
             sizes = [int(x) for x in split.split(",")]
         except ValueError:
             sizes = []
         if len(sizes) != n_stages or sum(sizes) != n_layers or min(sizes, default=0) < 1:
             errors.append(
-                f"parallel.pp_split={split!r} must be 'params', 'flops' or {n_stages} positive layer counts "
+                f"parallel.pp_split={split!r} must be 'params', 'flops', 'memory' or {n_stages} positive layer counts "
                 f"summing to model.n_layers={n_layers}, e.g. "
                 f"{','.join([str(n_layers // n_stages)] * (n_stages - 1) + [str(n_layers - n_layers // n_stages * (n_stages - 1))])}."
             )

@@ -89,7 +89,7 @@ class ParallelConfig:
     pp_schedule: PipelineSchedule = opt("1F1B", "pipeline schedule")
     pp_microbatches: int = opt(0, "pipeline micro-batches per step; 0: one per pipeline stage", ge=0)
     pp_stages_per_rank: int = opt(0, "stages per pp rank; 0: from the schedule (2 for looped and V)", ge=0)
-    pp_split: str = opt("params", "layer split: params | flops | layers per stage, e.g. '3,5'")
+    pp_split: str = opt("params", "layer split: params | flops | memory | layers per stage, e.g. '3,5'")
     sequence_parallel: bool = opt(True, "with tp > 1, also shard norms and the residual stream by sequence")
     sp_regather: bool = opt(
         False, "SP: keep only the sequence shard of each gathered matmul input, all-gather it again in backward"

@@ -39,6 +39,7 @@ def control_plane_paths(run_dir: str) -> dict:
     from mesh.pipeline_timeline import PipelineTimeline
     from runtime.config import ConfigError
     from runtime.process import init_process_group
+    from runtime.signals import StopSignals
 
     control = init_process_group(torch.device("cpu"), 60)
     rank = dist.get_rank()
@@ -52,6 +53,10 @@ def control_plane_paths(run_dir: str) -> dict:
         control.raise_if_any_failed(ConfigError("bad value; fix it") if rank == 0 else None, "checking", ConfigError)
     except ConfigError as exc:
         out["failure"] = str(exc)
+    out["floats"] = control.gather_floats([float(rank), 0.5 * rank])
+    signals = StopSignals()
+    signals.received = 15 if rank == 1 else None  # rank 1 got SIGTERM: both stop; the compute times ride along
+    out["stop"] = signals.agreed_stop(control, 0.25 + rank)
     timeline = PipelineTimeline(pp_rank=rank, device=torch.device("cpu"))
     timeline.begin_step()
     timeline.end_step()
@@ -68,6 +73,8 @@ def test_control_plane_paths_work_on_an_accelerator_only_default_group(tmp_path)
         assert out["broadcast"] == "from 0"
         assert out["failure"].startswith("bad value; fix it"), f"rank {rank} must show rank 0's message"
         assert out["windows"] == 2
+        assert out["floats"] == [[0.0, 0.0], [1.0, 0.5]]
+        assert out["stop"] == (15, [0.25, 1.25])
 
 
 # Whole training runs on the stand-in: every collective meshloom issues outside the model (run.dir checks,
