@@ -71,6 +71,7 @@ def load_checkpoint(path: Path, step: int | None, tokenizer_override: str = ""):
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty replaced the Parameters: a tied head is the embedding's again
     model.reset_buffers("cpu")
     model.load_state_dict(state)  # the RoPE tables are not state: reset_buffers rebuilt them
     return model, tokenizer, step_dir

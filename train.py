@@ -53,6 +53,7 @@ from mesh.tensor_parallel import (
     reduce_partial_gradients,
     sum_token_split_gradients,
 )
+from mesh.tied_embeddings import TiedEmbeddings
 from models.llama import Transformer
 from runtime.config import Config, ConfigError, help_text, load_config
 from runtime.failures import (
@@ -266,8 +267,11 @@ def train(cfg: Config) -> list[dict]:
                 timeline = PipelineTimeline(plan.pp_rank, device)
                 for stage in stages:
                     timeline.instrument(stage)
+        # A tied embedding's two pipeline copies and their embedding group (every rank: it may create groups).
+        tied = TiedEmbeddings.build(parts, meshes, timeout_s)
         optimizers = Optimizers(parts, cfg)
         params = [p for part in parts for p in part.parameters()]
+        counted = tied.counted(params)  # the gradient norm counts a tied weight once
         moe_layer_ids = [i for i in range(plan.model.n_layers) if plan.model.is_moe_layer(i)]
         data = load_data(cfg)
         # cp ranks of one dp rank read the same windows; each keeps its chunks of every sequence
@@ -337,13 +341,16 @@ def train(cfg: Config) -> list[dict]:
                     reduce_partial_gradients(params)
                     if moe_layer_ids:  # each tp rank computed its MoE blocks' gradients from its own tokens
                         sum_token_split_gradients(parts, meshes.tp)
+                # Pipeline + tied embeddings: the first and last stage's copies get the sum of their gradients,
+                # after every micro-batch's backward and reduction, before the norm sees them.
+                tied.sum_gradients()
             with phase(f"step {step}: loss sum and gradient norm", "device plane: the loss mesh (pp x dp x cp), pp"):
                 # The step's global numbers, before anything changes: the loss is the global mean (sum the
                 # token-loss sums over the dp and cp ranks and the pp stages; only last-stage ranks hold a
                 # non-zero sum), the gradient norm the norm of the whole model's gradient.
                 sum_over(loss_sum, meshes.loss)
                 with named_range("gradient clipping"):
-                    grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp)
+                    grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp, counted)
                 loss, norm = (loss_sum / plan.global_tokens).item(), grad_norm.item()
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 # Every rank holds the same global numbers, so every rank stops here, together: the step is

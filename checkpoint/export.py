@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from checkpoint.folder import published
 from checkpoint.hf import export_safetensors, export_tokenizer
 from checkpoint.resume import META_FILE, inspect
-from checkpoint.state import MODEL, split
+from checkpoint.state import MODEL, split, with_tied_head
 from checkpoint.verify import METADATA, digest_problems
 from runtime.config import Config, ConfigError, model_args
 
@@ -85,11 +85,12 @@ def load_model_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], object]:
     args = model_args(saved_config(step_dir))
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in Transformer(args).state_dict().items()}
-    state = {MODEL + name: torch.empty(shape) for name, shape in shapes.items()}
+    # A tied head is saved as the embedding (checkpoint/state.py, step 3): read it once, name it twice.
+    state = {MODEL + name: torch.empty(shape) for name, shape in shapes.items() if args.stored_name(name) == name}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
-    return split(state, MODEL), args
+    return with_tied_head(args, split(state, MODEL)), args
 
 
 def checkpoint_tokenizer(step_dir: Path, override: str = ""):
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as exc:
         print(f"meshloom export: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    size = sum(t.numel() for t in state.values())
+    size = sum(t.numel() for name, t in state.items() if args.stored_name(name) == name)
     print(f"exported {step_dir} ({size:,} parameters) to {', '.join(str(w) for w in written)}")
     return 0
 

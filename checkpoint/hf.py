@@ -89,7 +89,7 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_embeddings,
         "torch_dtype": "float32",
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
@@ -149,7 +149,11 @@ def export_safetensors(
     """Write ``model_state`` (full tensors, meshloom names) as out_dir/model.safetensors + config.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {hf_name(name): t.detach().contiguous().cpu() for name, t in model_state.items()}
+    tensors = {  # a tied head is the embedding: written once, as model.embed_tokens.weight
+        hf_name(name): t.detach().contiguous().cpu()
+        for name, t in model_state.items()
+        if args.stored_name(name) == name
+    }
     expected = expected_hf_shapes(args)
     if set(tensors) != set(expected):
         raise ValueError(f"the state does not match the model: missing {sorted(set(expected) - set(tensors))[:5]}")
@@ -224,7 +228,10 @@ def import_safetensors(parts: list[nn.Module], path: str | Path) -> None:
     with safe_open(str(safetensors_path(path)), framework="pt") as f:
         for part in parts:
             for name, param in part.named_parameters():
-                full = f.get_tensor(hf_name(canonical_name(name))).to(device=param.device, dtype=param.dtype)
+                # A tied model's pipeline last stage holds a copy of the embedding as output.weight: it reads
+                # model.embed_tokens.weight (models/llama.py: ModelArgs.stored_name).
+                stored = part.args.stored_name(canonical_name(name))
+                full = f.get_tensor(hf_name(stored)).to(device=param.device, dtype=param.dtype)
                 if isinstance(param, DTensor):
                     piece = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
                     param.to_local().copy_(piece.to_local())

@@ -12,7 +12,13 @@ layout, so the state is gathered like this:
    part. "Flatten" keys the state by parameter name instead of by position in a param group
    (``state.layers.5.attention.wq.weight.exp_avg``, ``param_groups.<name>.lr``), so it does not depend on
    how the parameters were grouped or split into stages. Prefix ``optim.``.
-3. The parts hold disjoint parameters, so their dicts merge without collisions (checked).
+3. The parts hold disjoint parameters, so their dicts merge without collisions (checked). One exception:
+   with tied embeddings the weight is saved once, as ``tok_embeddings.weight`` (models/llama.py:
+   ``ModelArgs.stored_name``). A whole model's ``output.weight`` is that same Parameter and is left out; a
+   pipeline last stage's copy ``output.weight`` (and its Adam state) is offered under the embedding's name,
+   so the first and the last stage offer the same key with equal values (mesh/tied_embeddings.py keeps them
+   equal) and DCP writes one copy, as for any replicated tensor; a V-schedule rank holding both copies
+   offers it once. On load, every ``output.weight`` of a tied model reads ``tok_embeddings.weight``.
 4. The rest is small and identical on every rank: ``train.step``, ``train.tokens_consumed`` (the global
    data position), the LR schedule's position and torch's CPU RNG state, as int64/uint8 tensors. Every
    rank offers them under the same key; DCP writes one copy (deduplication) and every rank reads it back.
@@ -36,8 +42,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from models.llama import EMBEDDING, HEAD
+
 if TYPE_CHECKING:
     from data.loader import GlobalBatchLoader
+    from models.llama import ModelArgs
     from training.optimizer import Optimizers
 
 MODEL, OPTIM, TRAIN = "model.", "optim.", "train."
@@ -48,9 +57,13 @@ PART_OF_MODEL = StateDictOptions(strict=False)
 TRAIN_KEYS = ("step", "tokens_consumed", "lr_last_epoch", "lr_step_count", "rng_cpu")
 
 
-def _merge(target: dict, prefix: str, source: dict) -> None:
+def _merge(target: dict, prefix: str, source: dict, shared: frozenset = frozenset()) -> None:
+    """Add ``source`` under ``prefix``; a key already present is an error unless it is in ``shared`` (the
+    tied embedding's names, held by two parts of a V-schedule rank with equal values: kept once)."""
     for key, value in source.items():
         full = prefix + key
+        if full in target and key in shared:
+            continue
         if full in target:
             raise ValueError(f"{full} is held by two model parts on this rank; parts must own disjoint parameters")
         target[full] = value
@@ -64,8 +77,12 @@ def training_state(parts: list[nn.Module], optimizers: Optimizers, loader: Globa
     """
     state: dict = {}
     for part, optimizer in zip(parts, optimizers.optimizers, strict=True):
-        _merge(state, MODEL, get_model_state_dict(part))
-        _merge(state, OPTIM, get_optimizer_state_dict(part, optimizer, options=FLAT_OPTIM))
+        args = _args_of(part)
+        model_state = stored_names(args, get_model_state_dict(part))
+        optim_state = stored_names(args, get_optimizer_state_dict(part, optimizer, options=FLAT_OPTIM))
+        tied = args is not None and args.tie_embeddings
+        _merge(state, MODEL, model_state, frozenset({EMBEDDING} if tied else ()))
+        _merge(state, OPTIM, optim_state, frozenset(k for k in optim_state if tied and _param_of(k) == EMBEDDING))
     scheduler = optimizers.schedulers[0]  # all parts' schedules advance together
     values = {
         "step": step,
@@ -77,6 +94,56 @@ def training_state(parts: list[nn.Module], optimizers: Optimizers, loader: Globa
         state[TRAIN + key] = torch.tensor(value, dtype=torch.int64)
     state[TRAIN + "rng_cpu"] = torch.get_rng_state()
     return state
+
+
+_OPTIM_PREFIXES = ("state.", "param_groups.")
+
+
+def _param_of(key: str) -> str | None:
+    """The parameter name inside a flattened optimizer key, when it is the tied head or embedding."""
+    for prefix in _OPTIM_PREFIXES:
+        for name in (EMBEDDING, HEAD):
+            if key.startswith(prefix + name + "."):
+                return name
+    return None
+
+
+def _args_of(part: nn.Module) -> ModelArgs | None:
+    """A part's ModelArgs (None for a module that is not meshloom's Transformer, as some tests train)."""
+    return getattr(part, "args", None)
+
+
+def stored_names(args: ModelArgs | None, entries: dict) -> dict:
+    """``entries`` (a part's model or flattened optimizer state) keyed by stored names (step 3 above).
+
+    With tied embeddings a key of ``output.weight`` becomes one of ``tok_embeddings.weight``, unless the part
+    already has that key (a whole model, where the head *is* the embedding): then it is dropped.
+    """
+    if args is None or not args.tie_embeddings:
+        return entries
+    out: dict = {}
+    for key, value in entries.items():
+        if key == HEAD or _param_of(key) == HEAD:
+            key = EMBEDDING + key[len(HEAD) :] if key == HEAD else key.replace(HEAD, EMBEDDING, 1)
+        out.setdefault(key, value)
+    return out
+
+
+def with_tied_head(args: ModelArgs | None, entries: dict) -> dict:
+    """The inverse of ``stored_names`` for loading: every ``tok_embeddings.weight`` key also under
+    ``output.weight``, so a tied head or a last stage's copy reads the embedding's weight and Adam state.
+
+    The values are copies: a V-schedule rank loads the same entries into both of its parts, and an optimizer
+    may keep a loaded state tensor as it is; two AdamWs sharing one ``exp_avg`` would update it twice a step.
+    """
+    if args is None or not args.tie_embeddings:
+        return entries
+    out = dict(entries)
+    for key, value in entries.items():
+        if key == EMBEDDING or _param_of(key) == EMBEDDING:
+            copy = value.clone() if isinstance(value, torch.Tensor) else value
+            out.setdefault(HEAD if key == EMBEDDING else key.replace(EMBEDDING, HEAD, 1), copy)
+    return out
 
 
 def split(state: dict, prefix: str) -> dict:
@@ -97,8 +164,12 @@ def apply_training_state(state: dict, parts: list[nn.Module], optimizers: Optimi
     """
     model_state, optim_state = split(state, MODEL), split(state, OPTIM)
     for part, optimizer in zip(parts, optimizers.optimizers, strict=True):
-        set_model_state_dict(part, model_state, options=PART_OF_MODEL)
-        set_optimizer_state_dict(part, optimizer, optim_state, options=FLAT_OPTIM)
+        part_model, part_optim = model_state, optim_state
+        args = _args_of(part)
+        if getattr(part, "tok_embeddings", True) is None:  # a pipeline last stage's tied copy reads the embedding's
+            part_model, part_optim = with_tied_head(args, model_state), with_tied_head(args, optim_state)
+        set_model_state_dict(part, part_model, options=PART_OF_MODEL)
+        set_optimizer_state_dict(part, optimizer, part_optim, options=FLAT_OPTIM)
     for scheduler in optimizers.schedulers:
         restored = scheduler.state_dict()
         position = int(state[TRAIN + "lr_last_epoch"])
@@ -115,8 +186,9 @@ def apply_training_state(state: dict, parts: list[nn.Module], optimizers: Optimi
 
 def expected_entries(model: nn.Module) -> dict[str, torch.Size]:
     """Tensor keys and shapes a checkpoint of ``model`` (the whole single-device model, e.g. on meta) holds."""
-    shapes = {MODEL + name: value.shape for name, value in model.state_dict().items()}
-    for name, param in model.named_parameters():
+    args = model.args
+    shapes = {MODEL + name: value.shape for name, value in model.state_dict().items() if args.stored_name(name) == name}
+    for name, param in model.named_parameters():  # a tied head is the embedding: named once
         for key in ("exp_avg", "exp_avg_sq"):
             shapes[f"{OPTIM}state.{name}.{key}"] = param.shape
     return shapes

@@ -11,7 +11,8 @@ pipeline stages each hold only their own layers. The global norm is sqrt(sum ove
    (dp_shard, cp, tp) mesh that mesh/dims.build_mesh creates for it (``fsdp_with_tp``), instead of one
    all-reduce per dim.
 3. Add the groups' squared norms; with pipeline parallelism, all-reduce that sum over the pp dim, since
-   each stage only saw its own layers.
+   each stage only saw its own layers. (A tied embedding's second copy on the last stage is not counted:
+   ``counted``.)
 4. Scale every gradient by min(1, max_norm / norm), one group at a time (a fused foreach kernel cannot
    mix DTensors that live on different meshes, e.g. dense and expert weights).
 """
@@ -57,9 +58,18 @@ def global_grad_norm(params: list[nn.Parameter], pp_mesh: DeviceMesh | None = No
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
-    """Clip to ``max_norm`` (if > 0) by the global norm; returns the norm measured before clipping."""
-    norm = global_grad_norm(params, pp_mesh)
+def clip_grad_norm(
+    params: list[nn.Parameter],
+    max_norm: float,
+    pp_mesh: DeviceMesh | None = None,
+    counted: list[nn.Parameter] | None = None,
+) -> torch.Tensor:
+    """Clip to ``max_norm`` (if > 0) by the global norm; returns the norm measured before clipping.
+
+    ``counted``: the parameters the norm sums over, when not all of ``params`` (a pipeline's second copy of a
+    tied weight is left out: mesh/tied_embeddings.py, step 5); every one of ``params`` is clipped.
+    """
+    norm = global_grad_norm(params if counted is None else counted, pp_mesh)
     if max_norm > 0:
         for group in group_by_placement(params):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)

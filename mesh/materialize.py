@@ -9,6 +9,10 @@ order or shape in which shards are created differs between layouts. So instead, 
    rank computed the same full tensor.
 3. Copy that piece into the parameter's local storage.
 
+Before step 1, ``to_empty`` allocates the storage; it may replace a module's Parameter by a new object,
+which would untie a tied embedding and head (models/llama.py: ``tie_weights`` ties them again, the one place
+that does). A tied weight is then one parameter and is filled once.
+
 One parameter is materialised in full at a time, so peak extra memory is the largest single parameter.
 
 Then ``check_placement`` (train.py runs it once the model is built) looks at every parameter and buffer:
@@ -47,6 +51,7 @@ def materialize_weights(
     """
     param_device = param_device or device
     model.to_empty(device=param_device)
+    model.tie_weights()
     for name, param in model.named_parameters():
         full = model.initial_value(canonical_name(name), param.shape, seed).to(device=param_device, dtype=param.dtype)
         if isinstance(param, DTensor):

@@ -192,7 +192,10 @@ def stage_parameters(args: ModelArgs, layers, first: bool, last: bool) -> dict[s
     for i in layers:
         for key, n in block_parameters(args, i).items():
             total[key] += n
-    total["tp"] += args.vocab_size * args.dim * (int(first) + int(last))  # vocabulary-parallel under tp
+    # Vocabulary-parallel under tp. Tied embeddings: one weight where a stage holds both ends (no pipeline);
+    # the first and the last pipeline stage each hold a copy (mesh/tied_embeddings.py).
+    vocab_tables = 1 if args.tie_embeddings and first and last else int(first) + int(last)
+    total["tp"] += args.vocab_size * args.dim * vocab_tables
     total["whole"] += args.dim if last else 0  # the final norm
     return total
 

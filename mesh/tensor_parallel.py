@@ -323,6 +323,11 @@ def apply_tensor_parallel(
     """
     plan = {name: style for name, style in model_plan(sequence_parallel).items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, plan)
+    # Tied embeddings: each style above made its module's weight a new DTensor Parameter, so the head no longer
+    # shares the embedding's. Both are Shard(0) over tp (the embedding's vocab rows, the head's vocab output
+    # columns, i.e. the rows of its [vocab, dim] weight): the same piece of the same [vocab, dim] tensor on
+    # each tp rank, so one DTensor serves both; the head takes the embedding's again.
+    model.tie_weights()
     for block in model.layers.values():
         plan = block_plan(sequence_parallel, regather)
         if isinstance(block.feed_forward, MoE):

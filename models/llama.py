@@ -48,6 +48,7 @@ class ModelArgs:
     max_seq_len: int = 2048
     moe: MoEArgs | None = None  # None: a dense model
     moe_every: int = 1  # with moe: layers i where (i + 1) % moe_every == 0 are MoE, the others dense
+    tie_embeddings: bool = False  # one weight for the embedding and the output head (see ``stored_name``)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and (layer_id + 1) % self.moe_every == 0
@@ -76,10 +77,25 @@ class ModelArgs:
             mlp += dense_mlp if m.n_shared_experts else 0
         return attn + mlp + 2 * self.dim
 
+    def stored_name(self, name: str) -> str:
+        """The name under which parameter ``name`` is initialised, saved and imported.
+
+        With tied embeddings the output head *is* the embedding: one weight, ``tok_embeddings.weight``. A
+        pipeline's last stage, which lacks the embedding, holds a copy of it as ``output.weight``
+        (mesh/tied_embeddings.py); that copy starts from, is saved as and is loaded from
+        ``tok_embeddings.weight``. Every other name is its own.
+        """
+        return EMBEDDING if self.tie_embeddings and name == HEAD else name
+
     def num_params(self) -> int:
         """Parameter count, computed from the shapes (used for planning tables without building the model):
-        the embedding and the output head (vocab x dim each), the final norm, and every block."""
-        return 2 * self.vocab_size * self.dim + self.dim + sum(self.layer_params(i) for i in range(self.n_layers))
+        the embedding and the output head (vocab x dim each; one weight when tied), the final norm, and
+        every block."""
+        vocab = (1 if self.tie_embeddings else 2) * self.vocab_size * self.dim
+        return vocab + self.dim + sum(self.layer_params(i) for i in range(self.n_layers))
+
+
+EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 
 
 # Llama-3-shaped presets, for planning (memory tables, layouts). Values follow Meta's published configs.
@@ -330,6 +346,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
         # Rotary tables are derived state: not saved in checkpoints, rebuilt by reset_buffers().
         cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -351,6 +368,16 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
+    def tie_weights(self) -> None:
+        """With ``tie_embeddings``, make the head's weight the embedding's Parameter (one object, two modules).
+
+        The one place the tie is made: at construction, and again after anything that may have replaced a
+        module's Parameter by a new object (``to_empty``, tensor parallelism's ``distribute_module``).
+        A pipeline stage that holds only one of the two modules has nothing to tie here.
+        """
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
     # ---- initialisation -------------------------------------------------------------------------------
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
         """The full initial value of parameter ``name``: a function of (seed, name) alone.
@@ -358,13 +385,19 @@ class Transformer(nn.Module):
         Norm weights start at one; the embedding at N(0, 1); linear layers at N(0, 0.02), with the two
         projections that write into the residual stream (wo, w2) scaled by 1/sqrt(2 * n_layers) as in
         GPT-2, and the output head at N(0, dim^-0.5) so initial logits have unit scale.
+
+        Tied embeddings: the one weight takes the head's rule, N(0, dim^-0.5) (N(0, 1) would give initial
+        logits of scale sqrt(dim)), drawn from the generator of the name ``tok_embeddings.weight``; a
+        pipeline last stage's copy ``output.weight`` draws from that same name (``ModelArgs.stored_name``),
+        so both copies start equal on every layout.
         """
+        name = self.args.stored_name(name)
         if name.endswith("norm.weight"):
             return torch.ones(shape)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        if name == "tok_embeddings.weight":
-            std = 1.0
-        elif name == "output.weight":
+        if name == EMBEDDING:
+            std = self.args.dim**-0.5 if self.args.tie_embeddings else 1.0
+        elif name == HEAD:
             std = self.args.dim**-0.5
         elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             std = 0.02 / math.sqrt(2 * self.args.n_layers)
@@ -383,6 +416,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int, device: torch.device | str = "cpu") -> Transformer:
         """Materialise a meta-device model on ``device`` (single device) and set the initial values."""
         self.to_empty(device=device)
+        self.tie_weights()
         for name, param in self.named_parameters():
             param.copy_(self.initial_value(name, param.shape, seed))
         self.reset_buffers(device)

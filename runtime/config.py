@@ -62,6 +62,7 @@ class ModelConfig:
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
     rope_theta: float = opt(10000.0, "rotary embedding base", gt=0)
     max_seq_len: int = opt(2048, "longest sequence the rotary tables cover", ge=1)
+    tie_embeddings: bool = opt(False, "one weight for the embedding and the output head (see docs/checkpointing.md)")
     n_experts: int = opt(0, "routed experts per MoE layer; 0: a dense model (see models/moe.py)", ge=0)
     top_k: int = opt(2, "experts each token is routed to", ge=1)
     moe_every: int = opt(1, "layer i is MoE when (i + 1) % moe_every == 0", ge=1)
@@ -455,6 +456,7 @@ def model_args(cfg: Config):
         rope_theta=m.rope_theta,
         max_seq_len=m.max_seq_len,
         moe_every=m.moe_every,
+        tie_embeddings=m.tie_embeddings,
     )
     if m.n_experts:
         args.moe = MoEArgs(

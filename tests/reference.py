@@ -33,6 +33,7 @@ def reference_losses(cfg) -> list[dict]:
         rope_theta=m.rope_theta,
         max_seq_len=m.max_seq_len,
         moe_every=m.moe_every,
+        tie_embeddings=m.tie_embeddings,
     )
     if m.n_experts:
         args.moe = MoEArgs(

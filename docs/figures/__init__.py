@@ -33,6 +33,7 @@ from docs.figures.pipeline import PIPELINE_FIGURES, SCHEDULE_STAGES, pipeline_id
 from docs.figures.pp_split import pp_split_svg
 from docs.figures.svg import CHAR_WIDTH, IMG, ROOT, Svg
 from docs.figures.tensor_parallel import sp_svg, sp_transitions, tp_split_svg
+from docs.figures.tied_embeddings import tied_embeddings_svg
 from docs.figures.zero import zero_svg
 
 __all__ = [
@@ -73,6 +74,7 @@ def all_figures() -> dict[str, Callable[[], str]]:
         "zero_stages.svg": zero_svg,
         "tp_split.svg": tp_split_svg,
         "sp_transitions.svg": sp_svg,
+        "tied_embeddings_pp.svg": tied_embeddings_svg,
         "ep_dispatch.svg": ep_svg,
         "dcp_reshard.svg": dcp_svg,
         "cp_causal_mask.svg": cp_mask_svg,
