@@ -46,6 +46,7 @@ from mesh.pipeline import build_pipeline_schedule, build_stage_module, run_sched
 from mesh.pipeline_timeline import PipelineTimeline, write_pipeline_timeline
 from mesh.plan import LayoutPlan
 from mesh.private_api import flight_recorder_dump
+from mesh.replica_check import ReplicaMismatchError, check_replicas
 from mesh.tensor_parallel import (
     apply_tensor_parallel,
     loss_context,
@@ -266,6 +267,7 @@ def train(cfg: Config) -> list[dict]:
                     timeline.instrument(stage)
         optimizers = Optimizers(parts, cfg)
         params = [p for part in parts for p in part.parameters()]
+        named_params = [(name, p) for part in parts for name, p in part.named_parameters()]
         moe_layer_ids = [i for i in range(plan.model.n_layers) if plan.model.is_moe_layer(i)]
         data = load_data(cfg)
         # cp ranks of one dp rank read the same windows; each keeps its chunks of every sequence
@@ -359,6 +361,10 @@ def train(cfg: Config) -> list[dict]:
             with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)" + tp_label):
                 moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss, meshes.tp) if moe_layer_ids else {}
             elapsed = device_time(device) - start
+            # After the step is timed (a check step's throughput stays comparable), before anything is logged or saved.
+            if cfg.debug.check_replicas and step % cfg.debug.check_replicas == 0:
+                with phase(f"step {step}: replica check", "device plane: each replica group; control plane"):
+                    check_replicas(named_params, meshes.world, device, control, step, cfg.debug.check_replicas_action)
             record = {
                 "step": step,
                 "loss": loss,
@@ -469,8 +475,8 @@ def fail(message: str, code: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Exit status: 0 done; 2 bad input; 3 diverged; 4 a collective or a checkpoint save failed; 128+signal
-    after a SIGTERM/SIGINT stop."""
+    """Exit status: 0 done; 2 bad input; 3 diverged; 4 a collective or a checkpoint save failed, or replicas
+    disagree (debug.check_replicas); 128+signal after a SIGTERM/SIGINT stop."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
@@ -488,6 +494,8 @@ def main(argv: list[str]) -> int:
         return fail(f"training diverged: {exc}", 3)
     except CheckpointSaveError as exc:
         return fail(f"checkpoint save failed: {exc}", 4)
+    except ReplicaMismatchError as exc:
+        return fail(str(exc), 4)
     except StopRequested as exc:
         say_last(str(exc))
         return 128 + exc.signum

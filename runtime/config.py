@@ -173,6 +173,16 @@ class ProfileConfig:
 
 
 @dataclass
+class DebugConfig:
+    check_replicas: int = opt(
+        100, "every N steps compare checksums of replicated parameters across their replicas (0: never)", ge=0
+    )
+    check_replicas_action: Literal["stop", "warn"] = opt(
+        "stop", "on a replica mismatch: stop the run (exit 4) or print the warning line and go on"
+    )
+
+
+@dataclass
 class CheckpointConfig:
     folder: str = opt("", "checkpoint folder; '': <run.dir>/checkpoints (holds step-N/ folders)")
     interval: int = opt(0, "save every N steps and at the last step; 0: never save", ge=0)
@@ -192,6 +202,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

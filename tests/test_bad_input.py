@@ -98,6 +98,13 @@ CONFIG_ERRORS = [
     ("global_batch_0", 1, ["--training.global_batch", "0"], ["training.global_batch=0 must be >= 1"]),
     ("max_bytes_0", 1, ["--data.max_bytes", "0"], ["data.max_bytes=0 must be >= 1"]),
     ("log_every_0", 1, ["--run.log_every", "0"], ["run.log_every=0 must be >= 1"]),
+    ("check_replicas", 1, ["--debug.check_replicas", "-1"], ["debug.check_replicas=-1 must be >= 0", "default is 100"]),
+    (
+        "check_replicas_action",
+        1,
+        ["--debug.check_replicas_action", "abort"],
+        ["debug.check_replicas_action='abort' is not allowed", "stop, warn"],
+    ),
     ("timeout_0", 1, ["--parallel.collective_timeout_s", "0"], ["parallel.collective_timeout_s=0 must be >= 1"]),
     # several fields together, no layout involved (runtime/config.py: check_values)
     (

@@ -1,0 +1,114 @@
+"""The replica check (mesh/replica_check.py): a diverged replica is named and stops the run with exit 4.
+
+Clean runs are checked after every step in the multi-rank parity runs (tests/training_runs.py:
+``CHECK_REPLICAS``, used by the shared data-parallel and expert-parallel runs and by the TP, PP and CP
+parity tests): no layout there reports a false positive, or its parity test fails.
+"""
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+from launch.local_runs import DEBUG_CONFIG
+from launch.spawn import run_on_ranks
+from mesh.replica_check import checksum
+
+# ---- the checksum ------------------------------------------------------------------------------------------
+
+
+def test_the_checksum_is_exact_on_bits_and_sees_one_ulp_and_a_swap():
+    x = torch.randn(1000)
+    assert checksum(x) == checksum(x.clone())
+    assert checksum(x) == checksum(x.flip(0).flip(0).contiguous())
+    nudged = x.clone()
+    nudged[500] = torch.nextafter(nudged[500], torch.tensor(float("inf")))  # one unit in the last place
+    assert checksum(nudged) != checksum(x)
+    swapped = x.clone()
+    swapped[[3, 7]] = swapped[[7, 3]]
+    assert checksum(swapped) != checksum(x)
+    # the sum of the values in another order would differ in its last bits; the integer checksum cannot
+    assert checksum(x.view(10, 100).t().contiguous().t()) == checksum(x.view(10, 100))
+    assert checksum(torch.empty(0)) == 0
+    assert checksum(x.to(torch.bfloat16)) != checksum(nudged.to(torch.float64))
+
+
+# ---- an injected divergence --------------------------------------------------------------------------------
+
+NORM = "layers.0.attention_norm.weight"
+
+
+def run_with_a_perturbed_replica(argv: list[str], odd_rank: int) -> tuple[int, str, str]:
+    """Rank body: ``train.main(argv)`` with ``NORM`` on global rank ``odd_rank`` nudged right after the weights
+    are initialised (the article's LayerNorm initialised differently on one device); returns (exit code, stderr,
+    stdout)."""
+    import torch.distributed as dist
+
+    import train
+    from mesh.materialize import materialize_weights
+
+    def perturbed(model, *args, **kwargs):
+        out = materialize_weights(model, *args, **kwargs)
+        if dist.get_rank() == odd_rank:
+            for name, p in model.named_parameters():
+                if name == NORM:
+                    with torch.no_grad():
+                        local = p.to_local() if hasattr(p, "to_local") else p
+                        local[0] += 1e-3
+        return out
+
+    train.materialize_weights = perturbed
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = train.main(argv)
+    return code, err.getvalue(), out.getvalue()
+
+
+def run_perturbed(tmp_path, world: int, layout: list[str], odd_rank: int, action: str = "stop"):
+    argv = ["--config", DEBUG_CONFIG, "--run.dir", str(tmp_path / "run"), "--run.tensorboard", "false"]
+    argv += ["--training.steps", "2", "--debug.check_replicas", "1", "--debug.check_replicas_action", action]
+    return run_on_ranks(run_with_a_perturbed_replica, world, [*argv, *layout], odd_rank, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "world, layout, odd_rank, words",
+    [
+        # TP + SP: the norm weight is a DTensor replicated over tp; tp rank 1 holds the odd copy.
+        (
+            2,
+            ["--parallel.tp", "2", "--parallel.dp_shard", "1"],
+            1,
+            ["mesh dim tp", "global ranks 0,1", "tp coordinates 1 disagree with 0"],
+        ),
+        # HSDP 2x2: rank 2 is replica 1 of dp_shard coordinate 0; its shard differs from rank 0's. Ranks 1 and
+        # 3 (the other shard group) agree among themselves, yet they report the line and stop too.
+        (
+            4,
+            ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"],
+            2,
+            ["mesh dim dp_replicate", "global ranks 0,2", "dp_replicate coordinates 1 disagree with 0"],
+        ),
+    ],
+    ids=["tp2-sp", "hsdp2x2"],
+)
+def test_a_diverged_replica_is_named_on_every_rank_and_stops_the_run(tmp_path, world, layout, odd_rank, words):
+    results = run_perturbed(tmp_path, world, layout, odd_rank)
+    for rank, (code, err, _) in enumerate(results):
+        assert code == 4, (rank, err[-2000:])
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("meshloom: replica check at step 1: parameter " + NORM), (rank, last)
+        for word in words:
+            assert word in last, (rank, last)
+    # the run stopped at the check of step 1: step 1 was logged by rank 0 only if the check came after it
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""
+
+
+def test_warn_reports_the_same_line_and_trains_on(tmp_path):
+    results = run_perturbed(tmp_path, 2, ["--parallel.tp", "2", "--parallel.dp_shard", "1"], 1, action="warn")
+    assert [code for code, _, _ in results] == [0, 0]
+    for _, _, out in results:  # every rank warns at both checks
+        warnings = [line for line in out.splitlines() if line.startswith("meshloom: warning: replica check")]
+        assert len(warnings) == 2 and NORM in warnings[0] and "tp coordinates 1 disagree with 0" in warnings[0]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2  # both steps trained and logged
