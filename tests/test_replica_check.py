@@ -11,9 +11,10 @@ import io
 import pytest
 import torch
 
-from launch.local_runs import DEBUG_CONFIG
+from launch.local_runs import DEBUG_CONFIG, train_on
 from launch.spawn import run_on_ranks
 from mesh.replica_check import checksum
+from tests.training_runs import CHECK_REPLICAS
 
 # ---- the checksum ------------------------------------------------------------------------------------------
 
@@ -112,3 +113,12 @@ def test_warn_reports_the_same_line_and_trains_on(tmp_path):
         assert len(warnings) == 2 and NORM in warnings[0] and "tp coordinates 1 disagree with 0" in warnings[0]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2  # both steps trained and logged
+
+
+def test_the_plain_replicas_of_powersgds_ddp_model_are_checked_without_a_false_positive(tmp_path):
+    # PowerSGD's layout keeps plain (non-DTensor) parameters replicated with DDP: they are checked over every
+    # mesh dim but pp, here dp_replicate. Steps 3-4 are compressed (PowerSGD's first two are exact); the
+    # compressed gradient is still the same all-reduced value on both ranks, so the copies stay bitwise equal.
+    layout = {"parallel.grad_compression": "powersgd", "parallel.dp_replicate": 2, "parallel.dp_shard": 1}
+    records = train_on(2, {**layout, **CHECK_REPLICAS, "training.steps": 4}, tmp_path)
+    assert len(records) == 4

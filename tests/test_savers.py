@@ -21,7 +21,7 @@ from bench.grad_traffic import GradientTraffic
 from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, run_training, train_on
 from launch.spawn import run_on_ranks
 from runtime.config import ConfigError, help_text, load_config
-from tests.training_runs import assert_same_curve
+from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 from train import check_config
 
 UNITS = 5  # FSDP units of the debug model: 4 blocks + the root (embedding, final norm, head)
@@ -224,8 +224,9 @@ def test_cpu_offload_trains_at_parity(layout, one_process, tmp_path):
     world = layout.get("parallel.dp_replicate", 1) * layout.get("parallel.dp_shard", 1)
     offload = {**layout, "parallel.fsdp_cpu_offload": True}
     assert all(run_on_ranks(offload_applied, world, offload))
-    # The offloaded shards take the same arithmetic, on the host: fp32 parity (LOSS_RTOL).
-    assert_same_curve(train_on(world, offload, tmp_path), one_process)
+    # The offloaded shards take the same arithmetic, on the host: fp32 parity (LOSS_RTOL); the HSDP replicas of
+    # the host shards are compared after every step too.
+    assert_same_curve(train_on(world, {**offload, **CHECK_REPLICAS}, tmp_path), one_process)
 
 
 def offload_bench_on_cpu() -> dict:
