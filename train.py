@@ -265,7 +265,7 @@ def train(cfg: Config) -> list[dict]:
                 timeline = PipelineTimeline(plan.pp_rank, device)
                 for stage in stages:
                     timeline.instrument(stage)
-        optimizers = Optimizers(parts, cfg)
+        optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
         params = [p for part in parts for p in part.parameters()]
         named_params = [(name, p) for part in parts for name, p in part.named_parameters()]
         moe_layer_ids = [i for i in range(plan.model.n_layers) if plan.model.is_moe_layer(i)]
@@ -340,8 +340,9 @@ def train(cfg: Config) -> list[dict]:
                 # token-loss sums over the dp and cp ranks and the pp stages; only last-stage ranks hold a
                 # non-zero sum), the gradient norm the norm of the whole model's gradient.
                 sum_over(loss_sum, meshes.loss)
+                optimizers.prepare_gradients()  # 1-bit Adam: the replicas' exchange (mesh/onebit_adam.py)
                 with named_range("gradient clipping"):
-                    grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp)
+                    grad_norm = optimizers.agree_on_norm(clip_grad_norm(params, t.grad_clip, meshes.pp))
                 loss, norm = (loss_sum / plan.global_tokens).item(), grad_norm.item()
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 # Every rank holds the same global numbers, so every rank stops here, together: the step is

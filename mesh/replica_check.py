@@ -117,14 +117,24 @@ def _disagreeing(values: list[int]) -> tuple[list[int], list[int]]:
 
 
 def compare_replicas(
-    named_params: list[tuple[str, torch.Tensor]], world_mesh, device: torch.device, control, step: int
+    named_params: list[tuple[str, torch.Tensor]],
+    world_mesh,
+    device: torch.device,
+    control,
+    step: int,
+    extra: list[tuple[str, torch.Tensor, ReplicaGroup]] = (),
 ) -> list[str]:
-    """Steps 1-4: the mismatch lines of the whole world (the same list on every rank; empty when all agree)."""
+    """Steps 1-4: the mismatch lines of the whole world (the same list on every rank; empty when all agree).
+
+    ``extra``: copies that must be equal across ranks no mesh dim describes, each with its own group (the hook
+    for tied embeddings across pipeline stages, at the end of this file).
+    """
     # Step 1, grouped by replica group (the same parameters in the same order on every rank of a group: the
     # ranks of a replica group hold the same parts of the model).
     by_group: dict[tuple[int, ...], tuple[ReplicaGroup, list[str], list[torch.Tensor]]] = {}
-    for name, param in named_params:
-        groups = replica_groups(param, world_mesh)
+    entries = [(name, param, replica_groups(param, world_mesh)) for name, param in named_params]
+    entries += [(name, tensor, [group]) for name, tensor, group in extra if len(group.ranks) > 1]
+    for name, param, groups in entries:
         if not groups:
             continue
         value = checksum(_local(param)).to(device)
@@ -169,10 +179,11 @@ def check_replicas(
     control,
     step: int,
     action: str = "stop",
+    extra: list[tuple[str, torch.Tensor, ReplicaGroup]] = (),
 ) -> list[str]:
     """Compare the replicas (``compare_replicas``); on a mismatch print one line on every rank, then raise
     ``ReplicaMismatchError`` (``action="stop"``) or go on (``"warn"``). Returns the mismatch lines."""
-    lines = compare_replicas(named_params, world_mesh, device, control, step)
+    lines = compare_replicas(named_params, world_mesh, device, control, step, extra)
     if not lines:
         return lines
     more = f" ({len(lines) - 1} more mismatches)" if len(lines) > 1 else ""
@@ -187,7 +198,12 @@ def check_replicas(
     return lines
 
 
-# A hook for tied parameters outside one mesh dim (tied embeddings across pipeline stages, issue 19): they
-# would join as an extra ReplicaGroup over the pp ranks that hold the pair (first and last stage), with the
-# head's copy checksummed under the embedding's name. Until meshloom ties embeddings across stages there is
-# no such pair.
+# ---- the hook for tied embeddings across pipeline stages --------------------------------------------------
+# Tied embeddings under a pipeline (issue 19) keep two copies of one weight: the embedding on the first stage,
+# the head on the last, kept equal by summing their gradients over the *embedding group* (the first and the
+# last pp rank at one (dp, cp, tp) coordinate). They are replicas that no placement describes, and the check
+# takes them through ``extra``: on each rank of an embedding group, its copy (embedding or head) under one
+# common name, with ``ReplicaGroup(ranks of the group, "pp (tied embedding)", the group)``. Both copies have
+# the same placements, so the local pieces at one coordinate cover the same rows. A V-shaped schedule holds
+# both copies on one rank and needs no collective: compare ``checksum(a) == checksum(b)`` there. meshloom's
+# branch without tied embeddings passes nothing.

@@ -102,10 +102,14 @@ class ParallelConfig:
     grad_sync: Literal["microbatch", "step"] = opt(
         "microbatch", "reduce gradients after every micro-batch, or once per step (accumulate locally until the last)"
     )
-    grad_compression: Literal["none", "bf16", "powersgd"] = opt(
-        "none", "gradient reduction: exact fp32, in bf16 (half the bytes), or PowerSGD (pure data parallel only)"
+    grad_compression: Literal["none", "bf16", "powersgd", "onebit_adam"] = opt(
+        "none",
+        "gradient reduction: exact fp32, in bf16 (half the bytes), PowerSGD, or 1-bit Adam (pure data parallel only)",
     )
     powersgd_rank: int = opt(1, "PowerSGD's low-rank approximation rank (grad_compression=powersgd)", ge=1)
+    onebit_warmup_steps: int = opt(
+        10, "1-bit Adam: exact Adam steps before the variance freezes and the momentum is sent as signs", ge=1
+    )
     fsdp_cpu_offload: bool = opt(
         False, "keep sharded parameters, gradients and Adam state in host memory; the optimizer steps there"
     )

@@ -122,3 +122,36 @@ def test_the_plain_replicas_of_powersgds_ddp_model_are_checked_without_a_false_p
     layout = {"parallel.grad_compression": "powersgd", "parallel.dp_replicate": 2, "parallel.dp_shard": 1}
     records = train_on(2, {**layout, **CHECK_REPLICAS, "training.steps": 4}, tmp_path)
     assert len(records) == 4
+
+
+def compare_a_tied_pair(differ: bool) -> list[str]:
+    """Rank body (2 ranks, pp 2): the first and last stage's copies of a tied weight, compared through the
+    ``extra`` hook over the pp group (their embedding group when pp = 2)."""
+    import torch.distributed as dist
+
+    from mesh.dims import ParallelDims, build_mesh
+    from mesh.replica_check import ReplicaGroup, compare_replicas
+    from runtime.process import init_process_group
+
+    control = init_process_group(torch.device("cpu"), 60)
+    meshes = build_mesh(ParallelDims(pp=2, world_size=2), torch.device("cpu"), 60)
+    copy = torch.arange(12.0).view(3, 4)
+    if differ and dist.get_rank() == 1:
+        copy[2, 3] += 1e-6
+    pair = ReplicaGroup(tuple(dist.get_process_group_ranks(meshes.pp.get_group())), "pp", meshes.pp.get_group())
+    # the plain stage parameters of a pipeline have no replicas here: only the pair is compared
+    return compare_replicas(
+        [("layers.0.w", torch.ones(3))],
+        meshes.world,
+        torch.device("cpu"),
+        control,
+        7,
+        [("tok_embeddings.weight", copy, pair)],
+    )
+
+
+def test_the_tied_embedding_hook_compares_copies_no_mesh_dim_describes():
+    assert run_on_ranks(compare_a_tied_pair, 2, False) == [[], []]
+    for lines in run_on_ranks(compare_a_tied_pair, 2, True):
+        (line,) = lines
+        assert "parameter tok_embeddings.weight differs across mesh dim pp (global ranks 0,1)" in line, line
