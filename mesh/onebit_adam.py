@@ -36,6 +36,10 @@ Compression (every later step):
 7. AdamW's update with the frozen variance: ``p *= 1 - lr wd``, then
    ``p -= lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^W)) + eps)``, W the warm-up steps.
 
+Checkpoints hold ``m``, ``v`` and the step count (AdamW's state, the same on every replica), not the error
+buffers, which are each rank's own: a run resumed after the warm-up restarts error feedback at zero, like
+PowerSGD's compressor (docs/dp_savers.md, section 3).
+
 Every replica applies the same ``m`` and the same frozen ``v``: the replicas stay bitwise equal (the replica
 check, mesh/replica_check.py, holds under 1-bit Adam too). What cannot use it is refused before any process
 group exists (mesh/layout_rules.py: ``saver_errors``): sharded states (dp_shard > 1, FSDP), TP, PP and CP
@@ -64,6 +68,10 @@ class OneBitAdam(torch.optim.AdamW):
         self.replicas = dist.get_world_size(group)
         self.warmup_steps = warmup_steps
         self.payload_bytes = 0  # gradient or momentum bytes this rank handed to the exchange, all steps so far
+        # Step 5's error buffers, one per parameter. They differ from rank to rank, so they are kept out of the
+        # optimizer's state: DCP saves a plain tensor once, as if every rank held the same (and may take any
+        # rank's copy), and would hand one rank's error to all. A resume after the warm-up restarts them at zero.
+        self.errors: dict[torch.Tensor, torch.Tensor] = {}
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.grad is not None]
@@ -120,9 +128,9 @@ class OneBitAdam(torch.optim.AdamW):
                     continue
                 state = self.state[p]
                 state["step"] += 1
-                if "error" not in state:
-                    state["error"] = torch.zeros_like(p)
-                m, error = state["exp_avg"], state["error"]
+                if p not in self.errors:
+                    self.errors[p] = torch.zeros_like(p)
+                m, error = state["exp_avg"], self.errors[p]
                 m.mul_(beta1).add_(p.grad, alpha=1 - beta1)  # step 2
                 c = m + error  # step 3
                 scale = c.norm() / math.sqrt(c.numel())  # step 4

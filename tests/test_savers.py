@@ -327,3 +327,16 @@ def test_powersgd_resumes_from_a_checkpoint_and_its_checkpoint_resumes_elsewhere
         1, {"checkpoint.folder": str(ckpt), "checkpoint.resume": "auto", "training.steps": 7}, tmp_path / "after"
     )
     assert [r["step"] for r in more] == [7] and more[0]["tokens_consumed"] == 7 * 8 * 128
+
+
+def test_onebit_adam_resumed_inside_its_warm_up_continues_the_curve(tmp_path):
+    # Saved at step 2 of a 3-step warm-up, resumed: the compressed steps 4-6 start from the same m, v and step
+    # count (AdamW's state in the checkpoint) and from zero error buffers in both runs, so the curve continues
+    # at fp32 parity. (After the warm-up the per-rank error buffers are not saved: mesh/onebit_adam.py.)
+    onebit = {"parallel.grad_compression": "onebit_adam", **REPLICATE2, "parallel.onebit_warmup_steps": 3}
+    folder = {"checkpoint.folder": str(tmp_path / "ck")}
+    whole = train_on(2, {**onebit, **folder, "checkpoint.interval": 2, "checkpoint.keep_last": 0}, tmp_path / "a")
+    for later in ("step-4", "step-6"):
+        shutil.rmtree(tmp_path / "ck" / later)
+    resumed = train_on(2, {**onebit, **folder, "checkpoint.resume": "2"}, tmp_path / "b")
+    assert_same_curve(resumed, whole[2:])
