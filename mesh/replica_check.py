@@ -133,7 +133,7 @@ def compare_replicas(
     # ranks of a replica group hold the same parts of the model).
     by_group: dict[tuple[int, ...], tuple[ReplicaGroup, list[str], list[torch.Tensor]]] = {}
     entries = [(name, param, replica_groups(param, world_mesh)) for name, param in named_params]
-    entries += [(name, tensor, [group]) for name, tensor, group in extra if len(group.ranks) > 1]
+    entries += [(name, tensor, [group]) for name, tensor, group in extra if group.group is not None]
     for name, param, groups in entries:
         if not groups:
             continue
@@ -143,6 +143,17 @@ def compare_replicas(
             by_group[g.ranks][1].append(name)
             by_group[g.ranks][2].append(value)
     lines: list[str] = []
+    # Copies on this rank alone (a tied weight's two ends on one rank): compared here, no collective.
+    local: dict[str, list[tuple[str, int]]] = {}
+    for name, tensor, group in extra:
+        if group.group is None:
+            local.setdefault(name, []).append((group.dim_name, int(checksum(_local(tensor)))))
+    for name, copies in local.items():
+        if len({value for _, value in copies}) > 1:
+            lines.append(
+                f"replica check at step {step}: parameter {name} differs between its copies on rank "
+                f"{dist.get_rank() if dist.is_initialized() else 0} ({', '.join(f'{where}: {value:#x}' for where, value in copies)})"
+            )
     for ranks in sorted(by_group):  # step 2, in one global order
         g, names, values = by_group[ranks]
         sums = torch.stack(values)
@@ -198,12 +209,24 @@ def check_replicas(
     return lines
 
 
-# ---- the hook for tied embeddings across pipeline stages --------------------------------------------------
-# Tied embeddings under a pipeline (issue 19) keep two copies of one weight: the embedding on the first stage,
-# the head on the last, kept equal by summing their gradients over the *embedding group* (the first and the
-# last pp rank at one (dp, cp, tp) coordinate). They are replicas that no placement describes, and the check
-# takes them through ``extra``: on each rank of an embedding group, its copy (embedding or head) under one
-# common name, with ``ReplicaGroup(ranks of the group, "pp (tied embedding)", the group)``. Both copies have
-# the same placements, so the local pieces at one coordinate cover the same rows. A V-shaped schedule holds
-# both copies on one rank and needs no collective: compare ``checksum(a) == checksum(b)`` there. meshloom's
-# branch without tied embeddings passes nothing.
+# ---- tied embeddings across pipeline stages -----------------------------------------------------------------
+
+
+def tied_replicas(copies: list[tuple[str, torch.Tensor]], group) -> list[tuple[str, torch.Tensor, ReplicaGroup]]:
+    """``extra`` entries for a tied weight's pipeline copies (tied embeddings, mesh/tied_embeddings.py where
+    meshloom has them): ``copies`` are this rank's (kind, parameter) pairs, kind ``embedding`` or ``head``, and
+    ``group`` the embedding group that sums their gradients (None when both ends are on this rank).
+
+    The embedding on the first stage and the head on the last are two copies of one weight, kept equal by
+    summing their gradients over the embedding group (the first and the last pp rank at one (dp, cp, tp)
+    coordinate): replicas that no placement describes. Both copies are parallelized alike, so the local pieces
+    at one coordinate cover the same rows and compare as they are. Under a V-shaped schedule both ends live on
+    one rank and are compared there, without a collective.
+    """
+    name = "tok_embeddings.weight (tied: embedding and head copies)"
+    if not copies:
+        return []
+    if group is None:  # both ends on this rank
+        return [(name, param, ReplicaGroup((), kind, None)) for kind, param in copies]
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return [(name, param, ReplicaGroup(ranks, "pp (tied embedding group)", group)) for _, param in copies]

@@ -125,12 +125,12 @@ def test_the_plain_replicas_of_powersgds_ddp_model_are_checked_without_a_false_p
 
 
 def compare_a_tied_pair(differ: bool) -> list[str]:
-    """Rank body (2 ranks, pp 2): the first and last stage's copies of a tied weight, compared through the
-    ``extra`` hook over the pp group (their embedding group when pp = 2)."""
+    """Rank body (2 ranks, pp 2): the first stage's embedding and the last stage's head, two copies of one tied
+    weight, compared through ``tied_replicas`` over the pp group (their embedding group when pp = 2)."""
     import torch.distributed as dist
 
     from mesh.dims import ParallelDims, build_mesh
-    from mesh.replica_check import ReplicaGroup, compare_replicas
+    from mesh.replica_check import compare_replicas, tied_replicas
     from runtime.process import init_process_group
 
     control = init_process_group(torch.device("cpu"), 60)
@@ -138,20 +138,43 @@ def compare_a_tied_pair(differ: bool) -> list[str]:
     copy = torch.arange(12.0).view(3, 4)
     if differ and dist.get_rank() == 1:
         copy[2, 3] += 1e-6
-    pair = ReplicaGroup(tuple(dist.get_process_group_ranks(meshes.pp.get_group())), "pp", meshes.pp.get_group())
+    kind = "embedding" if dist.get_rank() == 0 else "head"
+    extra = tied_replicas([(kind, copy)], meshes.pp.get_group())
     # the plain stage parameters of a pipeline have no replicas here: only the pair is compared
-    return compare_replicas(
-        [("layers.0.w", torch.ones(3))],
-        meshes.world,
-        torch.device("cpu"),
-        control,
-        7,
-        [("tok_embeddings.weight", copy, pair)],
-    )
+    return compare_replicas([("layers.0.w", torch.ones(3))], meshes.world, torch.device("cpu"), control, 7, extra)
 
 
-def test_the_tied_embedding_hook_compares_copies_no_mesh_dim_describes():
+def test_tied_embedding_copies_on_two_stages_are_compared_over_their_group():
     assert run_on_ranks(compare_a_tied_pair, 2, False) == [[], []]
     for lines in run_on_ranks(compare_a_tied_pair, 2, True):
         (line,) = lines
-        assert "parameter tok_embeddings.weight differs across mesh dim pp (global ranks 0,1)" in line, line
+        assert "parameter tok_embeddings.weight (tied" in line, line
+        assert "differs across mesh dim pp (tied embedding group) (global ranks 0,1)" in line, line
+
+
+class OneRankControl:
+    def any_true(self, flag):
+        return flag
+
+    def all_gather_object(self, obj):
+        return [obj]
+
+
+def test_tied_embedding_copies_on_one_rank_are_compared_without_a_collective():
+    # A V-shaped schedule puts both ends on one rank: no group, a local comparison.
+    from mesh.replica_check import compare_replicas, tied_replicas
+
+    weight = torch.randn(8, 4)
+    same = tied_replicas([("embedding", weight), ("head", weight.clone())], None)
+    assert compare_replicas([], None, torch.device("cpu"), OneRankControl(), 3, same) == []
+    nudged = weight.clone()
+    nudged[0, 0] += 1e-6
+    (line,) = compare_replicas(
+        [],
+        None,
+        torch.device("cpu"),
+        OneRankControl(),
+        3,
+        tied_replicas([("embedding", weight), ("head", nudged)], None),
+    )
+    assert "differs between its copies on rank 0 (embedding: 0x" in line and "head: 0x" in line, line
