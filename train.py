@@ -46,6 +46,7 @@ from mesh.pipeline import build_pipeline_schedule, build_stage_module, run_sched
 from mesh.pipeline_timeline import PipelineTimeline, write_pipeline_timeline
 from mesh.plan import LayoutPlan
 from mesh.private_api import flight_recorder_dump
+from mesh.replica_check import ReplicaMismatchError, check_replicas, tied_replicas
 from mesh.tensor_parallel import (
     apply_tensor_parallel,
     loss_context,
@@ -269,8 +270,9 @@ def train(cfg: Config) -> list[dict]:
                     timeline.instrument(stage)
         # A tied embedding's two pipeline copies and their embedding group (every rank: it may create groups).
         tied = TiedEmbeddings.build(parts, meshes, timeout_s)
-        optimizers = Optimizers(parts, cfg)
+        optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
         params = [p for part in parts for p in part.parameters()]
+        named_params = [(name, p) for part in parts for name, p in part.named_parameters()]
         counted = tied.counted(params)  # the gradient norm counts a tied weight once
         moe_layer_ids = [i for i in range(plan.model.n_layers) if plan.model.is_moe_layer(i)]
         data = load_data(cfg)
@@ -349,8 +351,9 @@ def train(cfg: Config) -> list[dict]:
                 # token-loss sums over the dp and cp ranks and the pp stages; only last-stage ranks hold a
                 # non-zero sum), the gradient norm the norm of the whole model's gradient.
                 sum_over(loss_sum, meshes.loss)
+                optimizers.prepare_gradients()  # 1-bit Adam: the replicas' exchange (mesh/onebit_adam.py)
                 with named_range("gradient clipping"):
-                    grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp, counted)
+                    grad_norm = optimizers.agree_on_norm(clip_grad_norm(params, t.grad_clip, meshes.pp, counted))
                 loss, norm = (loss_sum / plan.global_tokens).item(), grad_norm.item()
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 # Every rank holds the same global numbers, so every rank stops here, together: the step is
@@ -371,6 +374,18 @@ def train(cfg: Config) -> list[dict]:
                 moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss, meshes.tp) if moe_layer_ids else {}
             end = device_time(device)
             elapsed, compute_s = end - start, balance.elapsed(end)
+            # After the step is timed (a check step's throughput stays comparable), before anything is logged or saved.
+            if cfg.debug.check_replicas and step % cfg.debug.check_replicas == 0:
+                with phase(f"step {step}: replica check", "device plane: each replica group; control plane"):
+                    check_replicas(
+                        named_params,
+                        meshes.world,
+                        device,
+                        control,
+                        step,
+                        cfg.debug.check_replicas_action,
+                        extra=tied_replicas(tied.copies, tied.group),
+                    )
             record = {
                 "step": step,
                 "loss": loss,
@@ -487,8 +502,8 @@ def fail(message: str, code: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Exit status: 0 done; 2 bad input; 3 diverged; 4 a collective or a checkpoint save failed; 128+signal
-    after a SIGTERM/SIGINT stop."""
+    """Exit status: 0 done; 2 bad input; 3 diverged; 4 a collective or a checkpoint save failed, or replicas
+    disagree (debug.check_replicas); 128+signal after a SIGTERM/SIGINT stop."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
@@ -506,6 +521,8 @@ def main(argv: list[str]) -> int:
         return fail(f"training diverged: {exc}", 3)
     except CheckpointSaveError as exc:
         return fail(f"checkpoint save failed: {exc}", 4)
+    except ReplicaMismatchError as exc:
+        return fail(str(exc), 4)
     except StopRequested as exc:
         say_last(str(exc))
         return 128 + exc.signum

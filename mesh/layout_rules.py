@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mesh.memory_estimate import MemoryLayout, RankMemory, even_stage_layers, rank_memory
+from mesh.onebit_adam import onebit_adam_errors
 from mesh.pipeline import SCHEDULE_FAMILIES, SCHEDULES, schedules_of, stage_ids_of_rank
 from runtime.config import ConfigError
 
@@ -388,6 +389,8 @@ def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> l
                 "parallel.fsdp_cpu_offload=true with parallel.grad_compression=powersgd: offloading is FSDP's, and "
                 "PowerSGD runs on a replicated (DDP) model without FSDP; turn one of them off."
             )
+    if p.grad_compression == "onebit_adam" and dims.dp > 1:
+        errors += onebit_adam_errors(dims, cfg)  # mesh/onebit_adam.py
     return errors
 
 

@@ -103,10 +103,14 @@ class ParallelConfig:
     grad_sync: Literal["microbatch", "step"] = opt(
         "microbatch", "reduce gradients after every micro-batch, or once per step (accumulate locally until the last)"
     )
-    grad_compression: Literal["none", "bf16", "powersgd"] = opt(
-        "none", "gradient reduction: exact fp32, in bf16 (half the bytes), or PowerSGD (pure data parallel only)"
+    grad_compression: Literal["none", "bf16", "powersgd", "onebit_adam"] = opt(
+        "none",
+        "gradient reduction: exact fp32, in bf16 (half the bytes), PowerSGD, or 1-bit Adam (pure data parallel only)",
     )
     powersgd_rank: int = opt(1, "PowerSGD's low-rank approximation rank (grad_compression=powersgd)", ge=1)
+    onebit_warmup_steps: int = opt(
+        10, "1-bit Adam: exact Adam steps before the variance freezes and the momentum is sent as signs", ge=1
+    )
     fsdp_cpu_offload: bool = opt(
         False, "keep sharded parameters, gradients and Adam state in host memory; the optimizer steps there"
     )
@@ -174,6 +178,16 @@ class ProfileConfig:
 
 
 @dataclass
+class DebugConfig:
+    check_replicas: int = opt(
+        100, "every N steps compare checksums of replicated parameters across their replicas (0: never)", ge=0
+    )
+    check_replicas_action: Literal["stop", "warn"] = opt(
+        "stop", "on a replica mismatch: stop the run (exit 4) or print the warning line and go on"
+    )
+
+
+@dataclass
 class CheckpointConfig:
     folder: str = opt("", "checkpoint folder; '': <run.dir>/checkpoints (holds step-N/ folders)")
     interval: int = opt(0, "save every N steps and at the last step; 0: never save", ge=0)
@@ -193,6 +207,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

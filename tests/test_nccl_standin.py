@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_training
 from launch.spawn import RankFailure, run_on_ranks
-from tests.training_runs import assert_same_curve
+from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 
 STANDIN = "cuda:gloo"
 
@@ -116,9 +116,10 @@ def test_control_plane_paths_work_on_an_accelerator_only_default_group(tmp_path)
     ids=["pp2-timeline", "moe-ep2", "cp2-ring-eval", "fsdp2-step-sync-bf16-reduce", "moe-tp2-profiled", "tp2-bf16"],
 )
 def test_training_runs_on_an_accelerator_only_default_group(overrides, config, shared_runs, tmp_path):
-    standin = run_on_ranks(run_training, 2, overrides, str(tmp_path / "standin"), config, backend=STANDIN, timeout=180)[
-        0
-    ]
+    # The replica check runs after every step here too: its comparisons go through the mesh's groups and its
+    # agreement through the control plane, never the accelerator-only default group.
+    checked = {**overrides, **CHECK_REPLICAS}
+    standin = run_on_ranks(run_training, 2, checked, str(tmp_path / "standin"), config, backend=STANDIN, timeout=180)[0]
     plain = shared_runs.records(overrides, config=config, world=2)
     assert_same_curve(standin, plain, rtol=0.0)  # the same groups do the same sums: bit for bit
     if overrides.get("run.pp_timeline"):
