@@ -47,6 +47,7 @@ from mesh.pipeline import build_pipeline_schedule, build_stage_module, run_sched
 from mesh.pipeline_timeline import PipelineTimeline, write_pipeline_timeline
 from mesh.plan import LayoutPlan
 from mesh.private_api import flight_recorder_dump
+from mesh.replica_check import ReplicaMismatchError, check_replicas, tied_replicas
 from mesh.tensor_parallel import (
     apply_tensor_parallel,
     loss_context,
@@ -85,6 +86,8 @@ from training.loss import token_loss_sum
 from training.metrics import MetricsWriter, format_step, peak_memory_bytes
 from training.optimizer import Optimizers
 from training.profiling import named_range, step_profiler
+from training.rank_balance import RankBalance
+from training.rank_balance import fields as balance_fields
 from training.throughput import Throughput, peak_tflops
 
 
@@ -269,8 +272,9 @@ def train(cfg: Config) -> list[dict]:
                     timeline.instrument(stage)
         # A tied embedding's two pipeline copies and their embedding group (every rank: it may create groups).
         tied = TiedEmbeddings.build(parts, meshes, timeout_s)
-        optimizers = Optimizers(parts, cfg)
+        optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
         params = [p for part in parts for p in part.parameters()]
+        named_params = [(name, p) for part in parts for name, p in part.named_parameters()]
         counted = tied.counted(params)  # the gradient norm counts a tied weight once
         moe_layer_ids = [i for i in range(plan.model.n_layers) if plan.model.is_moe_layer(i)]
         data = load_data(cfg)
@@ -317,9 +321,11 @@ def train(cfg: Config) -> list[dict]:
             plan.model, t.seq_len, world_size, peak_tflops(t.peak_tflops, device, t.mixed_precision)
         )
         profiler = step_profiler(cfg, rank, device, first_step=start_step + 1)
+        balance = RankBalance(rank, device)
         for step in range(start_step + 1, t.steps + 1):
             profiler.begin_step(step)
             start = device_time(device)
+            balance.start(start)
             loss_sum = torch.zeros((), device=device)
             with named_range("data loading"):
                 batch = loader.next_batch()
@@ -347,8 +353,9 @@ def train(cfg: Config) -> list[dict]:
                 # token-loss sums over the dp and cp ranks and the pp stages; only last-stage ranks hold a
                 # non-zero sum), the gradient norm the norm of the whole model's gradient.
                 sum_over(loss_sum, meshes.loss)
+                optimizers.prepare_gradients()  # 1-bit Adam: the replicas' exchange (mesh/onebit_adam.py)
                 with named_range("gradient clipping"):
-                    grad_norm = clip_grad_norm(params, t.grad_clip, meshes.pp, counted)
+                    grad_norm = optimizers.agree_on_norm(clip_grad_norm(params, t.grad_clip, meshes.pp, counted))
                 loss, norm = (loss_sum / plan.global_tokens).item(), grad_norm.item()
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 # Every rank holds the same global numbers, so every rank stops here, together: the step is
@@ -367,7 +374,20 @@ def train(cfg: Config) -> list[dict]:
             # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
             with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)" + tp_label):
                 moe_load = step_expert_load(parts, moe_layer_ids, meshes.loss, meshes.tp) if moe_layer_ids else {}
-            elapsed = device_time(device) - start
+            end = device_time(device)
+            elapsed, compute_s = end - start, balance.elapsed(end)
+            # After the step is timed (a check step's throughput stays comparable), before anything is logged or saved.
+            if cfg.debug.check_replicas and step % cfg.debug.check_replicas == 0:
+                with phase(f"step {step}: replica check", "device plane: each replica group; control plane"):
+                    check_replicas(
+                        named_params,
+                        meshes.world,
+                        device,
+                        control,
+                        step,
+                        cfg.debug.check_replicas_action,
+                        extra=tied_replicas(tied.copies, tied.group),
+                    )
             record = {
                 "step": step,
                 "loss": loss,
@@ -385,14 +405,20 @@ def train(cfg: Config) -> list[dict]:
                         parts, schedule, val_loader, plan, meshes, steps=cfg.eval.steps, device=device
                     )
             records.append(record)
-            if step % cfg.run.log_every == 0 or step == t.steps or "val_loss" in record:
-                writer.log(record)
-                if is_logger:
-                    print(format_step(record), flush=True)
             with phase(f"saving step {step}", "checkpoint group, control plane"), named_range("checkpoint save"):
                 checkpoints.maybe_save(step, parts, optimizers, loader)
             with phase(f"step {step}: agreeing whether to stop", "control plane"):
-                signum = signals.agreed_stop(control) if step < t.steps else None
+                # every rank's compute time rides on the agreement (training/rank_balance.py, step 2)
+                signum, compute_times = signals.agreed_stop(control, compute_s)
+                signum = signum if step < t.steps else None
+            record.update(balance_fields(compute_times))
+            if step % cfg.run.log_every == 0 or step == t.steps or "val_loss" in record:
+                writer.log(record)
+                warning = balance.check(record)
+                if is_logger:
+                    print(format_step(record), flush=True)
+                    if warning:
+                        print(warning, flush=True)
             profiler.end_step(step)
             if signum is not None:
                 stop_after(cfg, step, signum, checkpoints, parts, optimizers, loader)
@@ -478,8 +504,8 @@ def fail(message: str, code: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Exit status: 0 done; 2 bad input; 3 diverged; 4 a collective or a checkpoint save failed; 128+signal
-    after a SIGTERM/SIGINT stop."""
+    """Exit status: 0 done; 2 bad input; 3 diverged; 4 a collective or a checkpoint save failed, or replicas
+    disagree (debug.check_replicas); 128+signal after a SIGTERM/SIGINT stop."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
@@ -498,6 +524,8 @@ def main(argv: list[str]) -> int:
         return fail(f"training diverged: {exc}", 3)
     except CheckpointSaveError as exc:
         return fail(f"checkpoint save failed: {exc}", 4)
+    except ReplicaMismatchError as exc:
+        return fail(str(exc), 4)
     except StopRequested as exc:
         say_last(str(exc))
         return 128 + exc.signum

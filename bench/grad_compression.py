@@ -12,10 +12,13 @@ variant, from the same initial weights on the same data:
 - ``bf16``:         the same all-reduce in bf16 (``parallel.grad_compression bf16``);
 - ``powersgd r1``:  DDP + torch's PowerSGD hook, rank 1 (``parallel.grad_compression powersgd``);
 - ``powersgd r4``:  rank 4 (``parallel.powersgd_rank 4``).
+- ``1-bit adam``:   1-bit Adam (``parallel.grad_compression onebit_adam``, mesh/onebit_adam.py): exact Adam for
+                    the first ``ONEBIT_WARMUP`` steps, then the momentum sent as signs and one scale per tensor.
 
 Per variant it prints the bytes of gradient reduction per step and rank (``bench/grad_traffic.py``: the
 payload handed to the collectives, and what a ring sends for it), measured after PowerSGD's first two exact
-steps, and the loss gap to ``exact``: the largest per-step gap, and the gap of the mean loss over the last
+steps (1-bit Adam: after its warm-up, and counted as the compressed size a real implementation sends, the
+optimizer's own ``payload_bytes``: this reference all-reduces the decompressed values), and the loss gap to ``exact``: the largest per-step gap, and the gap of the mean loss over the last
 50 steps (one step's loss is noisy; the mean is what training converges to).
 """
 
@@ -27,11 +30,13 @@ import tempfile
 
 from bench.grad_traffic import GradientTraffic
 
+ONEBIT_WARMUP = 60  # 20% of the default 300 steps (the paper warms up for 15-25% of its runs)
 VARIANTS = {
     "exact": {},
     "bf16": {"parallel.grad_compression": "bf16"},
     "powersgd r1": {"parallel.grad_compression": "powersgd", "parallel.powersgd_rank": 1},
     "powersgd r4": {"parallel.grad_compression": "powersgd", "parallel.powersgd_rank": 4},
+    "1-bit adam": {"parallel.grad_compression": "onebit_adam", "parallel.onebit_warmup_steps": ONEBIT_WARMUP},
 }
 LAYOUT = {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}
 TAIL = 50  # steps averaged for the converged-loss comparison
@@ -43,7 +48,8 @@ def train_counted(overrides: dict, run_dir: str) -> dict:
     from runtime.config import load_config
     from train import train
 
-    base = {"run.dir": run_dir, "run.tensorboard": False, "run.log_every": 10**6}
+    # No replica check unless a variant asks (its all-reduce on the replicas' group would count as gradient bytes).
+    base = {"run.dir": run_dir, "run.tensorboard": False, "run.log_every": 10**6, "debug.check_replicas": 0}
     cfg = load_config(overrides={**base, **overrides})
     payload, wire = [], []
     original_step = optim.Optimizers.step
@@ -51,15 +57,21 @@ def train_counted(overrides: dict, run_dir: str) -> dict:
 
         def step_and_record(self) -> None:  # the bytes of each step, read at its optimizer step
             original_step(self)
-            payload.append(traffic.payload_bytes - sum(payload))
-            wire.append(traffic.wire_bytes - sum(wire))
+            onebit = getattr(self.optimizers[0], "payload_bytes", None)  # 1-bit Adam counts its compressed size
+            sent = traffic.payload_bytes if onebit is None else onebit
+            payload.append(sent - sum(payload))
+            n = cfg.parallel.dp_replicate
+            wire.append((traffic.wire_bytes if onebit is None else 2 * (n - 1) / n * onebit) - sum(wire))
 
         optim.Optimizers.step = step_and_record
         try:
             records = train(cfg)
         finally:
             optim.Optimizers.step = original_step
-    return {"loss": [r["loss"] for r in records], "payload": payload, "wire": wire, "calls": dict(traffic.calls)}
+    out = {"loss": [r["loss"] for r in records], "payload": payload, "wire": wire, "calls": dict(traffic.calls)}
+    if cfg.parallel.grad_compression == "onebit_adam":
+        out["exact_steps"] = cfg.parallel.onebit_warmup_steps
+    return out
 
 
 def run_variants(steps: int, variants: dict = VARIANTS, world: int = 2, timeout: float = 1800) -> dict[str, dict]:
@@ -81,8 +93,9 @@ def summarize(results: dict[str, dict], tail: int = TAIL) -> list[dict]:
     exact_tail = sum(exact[-tail:]) / tail
     rows = []
     for name, r in results.items():
-        steady = r["payload"][2:] or r["payload"]  # after PowerSGD's two exact steps
-        steady_wire = r["wire"][2:] or r["wire"]
+        exact_steps = r.get("exact_steps", 2)  # PowerSGD's two exact steps, or 1-bit Adam's warm-up
+        steady = r["payload"][exact_steps:] or r["payload"]
+        steady_wire = r["wire"][exact_steps:] or r["wire"]
         mean_tail = sum(r["loss"][-tail:]) / tail
         rows.append(
             {
@@ -99,7 +112,10 @@ def summarize(results: dict[str, dict], tail: int = TAIL) -> list[dict]:
 
 def print_table(rows: list[dict], steps: int) -> None:
     exact = rows[0]["payload"]
-    print(f"embedded default model, dp_replicate 2 (gloo), {steps} steps; bytes per step and rank, after step 2")
+    print(
+        f"embedded default model, dp_replicate 2 (gloo), {steps} steps; bytes per step and rank, after step 2 "
+        f"(1-bit adam: after its warm-up)"
+    )
     print(
         f"{'variant':<12} {'payload B':>11} {'ring wire B':>12} {'vs exact':>9} {'max step gap':>13} "
         f"{'loss, last ' + str(min(TAIL, steps)):>15} {'gap':>8}"
@@ -164,6 +180,7 @@ def link_table(n: int = 64) -> None:
         "bf16": 2 * psi,
         "PowerSGD r4": 4 * powersgd_elements(shapes, 4),
         "PowerSGD r1": 4 * powersgd_elements(shapes, 1),
+        "1-bit Adam": sum(math.ceil(math.prod(s) / 8) + 4 for s in shapes),  # signs + one fp32 scale a tensor
     }
     ring = 2 * (n - 1) / n
     print(f"llama3-8b, Ψ = {psi / 1e9:.2f}B: seconds per gradient all-reduce (ring over n = {n}: {ring:.2f} x payload)")
@@ -177,11 +194,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--links", action="store_true", help="print the bandwidth arithmetic only")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, among: " + ", ".join(VARIANTS))
     args = parser.parse_args()
     if args.links:
         link_table()
         return
-    print_table(summarize(run_variants(args.steps)), args.steps)
+    names = ["exact", *(n.strip() for n in args.variants.split(",") if n.strip() != "exact")]  # exact: the baseline
+    print_table(summarize(run_variants(args.steps, {n: VARIANTS[n] for n in names})), args.steps)
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ LAYOUTS = {
 # Every site that syncs today: (waits for the device on a GPU, why it is there).
 LOSS = "train.py:train _local_scalar_dense"
 OPTIMIZER = "training/optimizer.py:step _local_scalar_dense"
-STOP_AGREEMENT = "runtime/process.py:max_int _local_scalar_dense"
+STOP_AGREEMENT = "runtime/process.py:gather_floats tolist"
 EMBEDDING_MASK = "models/llama.py:forward boolean index"
 EP_SPLITS = "mesh/expert_parallel.py:_dispatch tolist"
 EXPERT_LOAD = "mesh/expert_parallel.py:step_expert_load tolist"
@@ -181,8 +181,9 @@ REASONS = {
     ),
     STOP_AGREEMENT: (
         False,
-        "every step but the last, the ranks agree whether a signal asked them to stop, over the CPU "
-        "control-plane group (runtime/signals.py): a host tensor",
+        "every step, the ranks agree whether a signal asked them to stop, and share their step compute times "
+        "(training/rank_balance.py), in one all-gather over the CPU control-plane group (runtime/signals.py): "
+        "a host tensor",
     ),
     EMBEDDING_MASK: (
         True,

@@ -25,7 +25,8 @@ Three config switches, each a trade (docs/dp_savers.md, sections 2-4 give the ar
    ``powerSGD_hook``: each gradient matrix M (n x m) is sent as two thin factors P (n x r) and Q (m x r),
    r = ``parallel.powersgd_rank``, with error feedback (what the approximation missed is added to the next
    step's gradient). It needs the whole gradient matrix on every rank, so only a pure data-parallel layout
-   (dp_replicate only) can use it.
+   (dp_replicate only) can use it. ``onebit_adam`` (1-bit Adam) compresses Adam's momentum rather than the
+   gradient, so its optimizer does the exchange itself: mesh/onebit_adam.py.
 
 3. ``parallel.fsdp_cpu_offload``: FSDP2's ``CPUOffloadPolicy``. Sharded parameters, their gradients and so
    the AdamW state live in host memory; a unit's shard is copied to the device for its all-gather and its

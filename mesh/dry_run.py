@@ -99,7 +99,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
     if d.pp > 1:
         lines.append(
             f"  pipeline      {plan.pp_schedule}, {plan.n_stages} stages ({plan.stages_per_rank} per rank), "
-            f"{plan.pp_microbatches} micro-batches per forward call"
+            f"{plan.pp_microbatches} micro-batches per forward call; {plan.split_line()} (pp_split {p.pp_split})"
         )
     if d.cp > 1:
         lines.append(f"  context       cp {d.cp}, {p.cp_attention} attention, {plan.seq_len // d.cp} tokens per rank")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mesh.memory_estimate import MemoryLayout, RankMemory, even_stage_layers, rank_memory
+from mesh.onebit_adam import onebit_adam_errors
 from mesh.pipeline import SCHEDULE_FAMILIES, SCHEDULES, schedules_of, stage_ids_of_rank
 from runtime.config import ConfigError
 
@@ -238,14 +239,14 @@ def pipeline_errors(
             f"parallel.pp={pp} x {n_local} stages per rank = {n_stages} stages, more than model.n_layers={n_layers}; "
             "lower parallel.pp or parallel.pp_stages_per_rank, or add layers."
         )
-    if split not in ("params", "flops"):
+    if split not in ("params", "flops", "memory"):
         try:
             sizes = [int(x) for x in split.split(",")]
         except ValueError:
             sizes = []
         if len(sizes) != n_stages or sum(sizes) != n_layers or min(sizes, default=0) < 1:
             errors.append(
-                f"parallel.pp_split={split!r} must be 'params', 'flops' or {n_stages} positive layer counts "
+                f"parallel.pp_split={split!r} must be 'params', 'flops', 'memory' or {n_stages} positive layer counts "
                 f"summing to model.n_layers={n_layers}, e.g. "
                 f"{','.join([str(n_layers // n_stages)] * (n_stages - 1) + [str(n_layers - n_layers // n_stages * (n_stages - 1))])}."
             )
@@ -388,6 +389,8 @@ def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> l
                 "parallel.fsdp_cpu_offload=true with parallel.grad_compression=powersgd: offloading is FSDP's, and "
                 "PowerSGD runs on a replicated (DDP) model without FSDP; turn one of them off."
             )
+    if p.grad_compression == "onebit_adam" and dims.dp > 1:
+        errors += onebit_adam_errors(dims, cfg)  # mesh/onebit_adam.py
     return errors
 
 

@@ -132,8 +132,18 @@ class MemoryLayout:
     @classmethod
     def of_plan(cls, plan, cfg: Config) -> MemoryLayout:
         """The layout a resolved ``LayoutPlan`` (mesh/plan.py) and its config describe."""
-        d, p, t = plan.dims, cfg.parallel, cfg.training
-        per_microbatch = plan.micro_batch // plan.pp_microbatches if d.pp > 1 else plan.micro_batch
+        return cls.of_config(
+            cfg, plan.dims, plan.micro_batch, plan.pp_microbatches, plan.stages_per_rank, fsdp=plan.fsdp
+        )
+
+    @classmethod
+    def of_config(
+        cls, cfg: Config, d, micro_batch: int, pp_microbatches: int, stages_per_rank: int, *, fsdp: bool
+    ) -> MemoryLayout:
+        """The same from the pieces ``LayoutPlan.resolve`` works out before the plan exists (``d``: the
+        ParallelDims), for ``pp_split = memory``."""
+        p, t = cfg.parallel, cfg.training
+        per_microbatch = micro_batch // pp_microbatches if d.pp > 1 else micro_batch
         return cls(
             tp=d.tp,
             pp=d.pp,
@@ -141,17 +151,17 @@ class MemoryLayout:
             dp_shard=d.dp_shard,
             cp=d.cp,
             ep=d.ep,
-            seq_len=plan.seq_len,
+            seq_len=t.seq_len,
             sequences_per_microbatch=per_microbatch,
-            pp_schedule=plan.pp_schedule or "1F1B",
-            pp_microbatches=plan.pp_microbatches,
-            stages_per_rank=plan.stages_per_rank,
+            pp_schedule=p.pp_schedule if d.pp > 1 else "1F1B",
+            pp_microbatches=pp_microbatches,
+            stages_per_rank=stages_per_rank,
             activation_checkpoint=t.activation_checkpoint,
             mixed_precision=t.mixed_precision,
             sequence_parallel=p.sequence_parallel,
             sp_regather=p.sp_regather,
             cp_attention=p.cp_attention,
-            fsdp=plan.fsdp,
+            fsdp=fsdp,
             cpu_offload=p.fsdp_cpu_offload,
         )
 
@@ -358,17 +368,20 @@ def rank_memory(
     held = chunks_in_flight(layout.pp_schedule, layout.pp, pp_rank, layout.pp_microbatches, len(stage_ids))
     per_chunk = sum(layer_activation_bytes(args, i, layout) for i in layers) / len(stage_ids)
     activations = held * per_chunk + rebuild_bytes(args, layers, layout)
-    # The last stage's chunks in flight: one for single-stage and looped schedules' last rank per round, all of
-    # them under GPipe and LoopedBFS (every forward first).
-    last_held = 1
-    if layout.pp > 1 and layout.pp_schedule in ("GPipe", "LoopedBFS"):
-        last_held = layout.pp_microbatches
     return RankMemory(
         states=states_bytes(args, layout, params),
         gathered=gathered_bytes(args, layout, layers, first, last),
         activations=activations,
-        logits=logits_bytes(args, layout, last_held) if last else 0.0,
+        logits=logits_bytes(args, layout, last_stage_held(layout)) if last else 0.0,
     )
+
+
+def last_stage_held(layout: MemoryLayout) -> int:
+    """The last stage's chunks in flight: one for single-stage and looped schedules' last rank per round, all of
+    them under GPipe and LoopedBFS (every forward first)."""
+    if layout.pp > 1 and layout.pp_schedule in ("GPipe", "LoopedBFS"):
+        return layout.pp_microbatches
+    return 1
 
 
 def even_stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:

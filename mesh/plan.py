@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from mesh.dims import ParallelDims
 from mesh.layout_rules import batch_split, layout_errors
+from mesh.memory_estimate import MemoryLayout
 from mesh.pipeline import default_microbatches, split_layers, stage_ids_of_rank, stages_per_rank
 from runtime.config import Config, ConfigError, check_values, model_args
 
@@ -75,7 +76,11 @@ class LayoutPlan:
         if errors:
             raise ConfigError(f"the parallel layout ({dims.describe()}) does not fit:\n  - " + "\n  - ".join(errors))
         n_stages = dims.pp * n_local
-        layers = split_layers(args, n_stages, p.pp_split, t.seq_len) if dims.pp > 1 else [list(range(args.n_layers))]
+        fsdp = uses_fsdp(dims, cfg)
+        memory = MemoryLayout.of_config(cfg, dims, batch.micro, microbatches, n_local, fsdp=fsdp)
+        layers = (
+            split_layers(args, n_stages, p.pp_split, t.seq_len, memory) if dims.pp > 1 else [list(range(args.n_layers))]
+        )
         stage_ids = stage_ids_of_rank(dims.pp_rank_of(rank), dims.pp, n_local, p.pp_schedule) if dims.pp > 1 else [0]
         return cls(
             dims=dims,
@@ -92,7 +97,7 @@ class LayoutPlan:
             pp_microbatches=microbatches,
             stage_layers=tuple(tuple(ls) for ls in layers),
             stage_ids=tuple(stage_ids),
-            fsdp=uses_fsdp(dims, cfg),
+            fsdp=fsdp,
         )
 
     def batch_line(self) -> str:
@@ -102,6 +107,10 @@ class LayoutPlan:
             f"{self.accumulation}; seq_len {self.seq_len}{cp}; {self.global_tokens:,} tokens/step"
         )
 
+    def split_line(self) -> str:
+        """The layer split, whatever ``parallel.pp_split`` chose it by: ``layers per stage 2,3,3``."""
+        return "layers per stage " + ",".join(str(len(layers)) for layers in self.stage_layers)
+
     def banner(self, mesh_lines: str, local_params: int, device, precision: str, data: str) -> str:
         """What rank 0 prints at start: the layout, each mesh dim with its coordinate, parameters, batch, data."""
         stages = f"; pipeline stages {list(self.stage_ids)} of {self.n_stages} on rank 0" if self.dims.pp > 1 else ""
@@ -109,7 +118,8 @@ class LayoutPlan:
             f"meshloom | world {self.dims.world_size} | {self.dims.describe()} | device {device} | {precision}\n"
             f"{mesh_lines}\n"
             f"  parameters    {self.model.num_params():,} total, {local_params:,} on rank 0{stages}\n"
-            f"  batch         {self.batch_line()}\n"
+            + (f"  pipeline      {self.pp_schedule}, {self.split_line()}\n" if self.dims.pp > 1 else "")
+            + f"  batch         {self.batch_line()}\n"
             f"  data          {data}"
         )
 
@@ -118,8 +128,9 @@ def uses_fsdp(dims: ParallelDims, cfg: Config) -> bool:
     """FSDP whenever there is data or context parallelism (both need their gradients summed), and also for bf16
     or CPU offload on one rank: its policies are where bf16 compute with fp32 master weights and fp32 gradient
     reduction, and offloading, live. Not with PowerSGD, whose layouts are replicated with DDP
-    (mesh/comm_memory_savers.py)."""
+    (mesh/comm_memory_savers.py), nor with 1-bit Adam, whose optimizer exchanges the replicas' momentum itself
+    (mesh/onebit_adam.py)."""
     p = cfg.parallel
-    if p.grad_compression == "powersgd":
+    if p.grad_compression in ("powersgd", "onebit_adam"):  # a replicated model: DDP's, or a plain one
         return False
     return dims.dp > 1 or dims.cp > 1 or cfg.training.mixed_precision == "bf16" or p.fsdp_cpu_offload

@@ -97,7 +97,7 @@ class ParallelConfig:
     pp_schedule: PipelineSchedule = opt("1F1B", "pipeline schedule")
     pp_microbatches: int = opt(0, "pipeline micro-batches per step; 0: one per pipeline stage", ge=0)
     pp_stages_per_rank: int = opt(0, "stages per pp rank; 0: from the schedule (2 for looped and V)", ge=0)
-    pp_split: str = opt("params", "layer split: params | flops | layers per stage, e.g. '3,5'")
+    pp_split: str = opt("params", "layer split: params | flops | memory | layers per stage, e.g. '3,5'")
     sequence_parallel: bool = opt(True, "with tp > 1, also shard norms and the residual stream by sequence")
     sp_regather: bool = opt(
         False, "SP: keep only the sequence shard of each gathered matmul input, all-gather it again in backward"
@@ -110,10 +110,14 @@ class ParallelConfig:
     grad_sync: Literal["microbatch", "step"] = opt(
         "microbatch", "reduce gradients after every micro-batch, or once per step (accumulate locally until the last)"
     )
-    grad_compression: Literal["none", "bf16", "powersgd"] = opt(
-        "none", "gradient reduction: exact fp32, in bf16 (half the bytes), or PowerSGD (pure data parallel only)"
+    grad_compression: Literal["none", "bf16", "powersgd", "onebit_adam"] = opt(
+        "none",
+        "gradient reduction: exact fp32, in bf16 (half the bytes), PowerSGD, or 1-bit Adam (pure data parallel only)",
     )
     powersgd_rank: int = opt(1, "PowerSGD's low-rank approximation rank (grad_compression=powersgd)", ge=1)
+    onebit_warmup_steps: int = opt(
+        10, "1-bit Adam: exact Adam steps before the variance freezes and the momentum is sent as signs", ge=1
+    )
     fsdp_cpu_offload: bool = opt(
         False, "keep sharded parameters, gradients and Adam state in host memory; the optimizer steps there"
     )
@@ -181,6 +185,16 @@ class ProfileConfig:
 
 
 @dataclass
+class DebugConfig:
+    check_replicas: int = opt(
+        100, "every N steps compare checksums of replicated parameters across their replicas (0: never)", ge=0
+    )
+    check_replicas_action: Literal["stop", "warn"] = opt(
+        "stop", "on a replica mismatch: stop the run (exit 4) or print the warning line and go on"
+    )
+
+
+@dataclass
 class CheckpointConfig:
     folder: str = opt("", "checkpoint folder; '': <run.dir>/checkpoints (holds step-N/ folders)")
     interval: int = opt(0, "save every N steps and at the last step; 0: never save", ge=0)
@@ -202,6 +216,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     # The keys the TOML file or the command line set (load_config), as opposed to defaults: a model folder's
     # config.json may fill in the others (checkpoint/hf_folder.py), but never overrule these silently.
     explicit_keys: typing.ClassVar[frozenset[str]] = frozenset()

@@ -15,7 +15,8 @@ collective into one of two planes:
    norm, the loss sum, the MoE expert load. Groups: the DeviceMesh's (NCCL on GPUs, gloo on CPU).
    ``sum_over`` checks the tensor's device against the mesh before it reduces.
 2. **Control plane** (CPU objects on one dedicated gloo group). Small messages that steer the run: did any
-   rank fail (``raise_if_any_failed``), stop on a signal (``any_true``), barriers around run.dir and the
+   rank fail (``raise_if_any_failed``), stop on a signal (``gather_floats``, which also carries each rank's
+   step compute time), barriers around run.dir and the
    checkpoint folder, the pipeline timeline gather, shared-filesystem markers, run ids. These must work on
    every backend, must never queue behind model traffic on a GPU stream, and some carry Python objects.
    ``ControlPlane`` owns the group; nothing else in meshloom calls a collective on the default group.
@@ -207,6 +208,15 @@ class ControlPlane:
         tensor = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return int(tensor.item())
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (as many on every rank), in rank order, on every rank: one all-gather of a
+        small CPU tensor and one read of it (the stop agreement and the ranks' step times share it)."""
+        mine = torch.tensor(values, dtype=torch.float64)
+        out = torch.empty(dist.get_world_size(self.group) * len(values), dtype=torch.float64)
+        dist.all_gather_into_tensor(out, mine, group=self.group)
+        flat = out.tolist()
+        return [flat[i : i + len(values)] for i in range(0, len(flat), len(values))]
 
     def any_true(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any rank."""

@@ -11,9 +11,10 @@ Ctrl-C arrives as SIGINT. torchrun forwards SIGTERM to its workers and kills the
    (the user insists). A repeat within that window is the same request delivered twice: SLURM's
    ``--signal`` reaches every process of a job step, and torchrun then forwards its own copy to the workers
    milliseconds later; that must not cancel the save.
-2. At the end of every step the ranks agree on the control plane (``agreed_stop``: one all-reduce of the
-   signal number, MAX), because the signal reaches ranks at slightly different moments and all of them
-   must stop after the *same* step. train.py then saves that step (when checkpointing is configured),
+2. At the end of every step the ranks agree on the control plane (``agreed_stop``: one all-gather of the
+   signal numbers, the highest wins), because the signal reaches ranks at slightly different moments and all
+   of them must stop after the *same* step. Each rank's step compute time rides along in the same message
+   (training/rank_balance.py), so the spread across ranks costs no collective of its own. train.py then saves that step (when checkpointing is configured),
    prints the step and the resume command (``resume_command``, step 4), and exits with 128 + signal.
 3. ``ParentWatch`` covers a launcher that died without forwarding anything (SIGKILL of torchrun, a lost
    SSH session): a daemon thread notices that this process was re-parented and sends itself SIGTERM, so
@@ -85,9 +86,11 @@ class StopSignals:
             flush=True,
         )
 
-    def agreed_stop(self, control) -> int | None:
-        """The signal every rank stops for (the highest any rank received), or None to go on."""
-        return control.max_int(self.received or 0) or None
+    def agreed_stop(self, control, rider: float = 0.0) -> tuple[int | None, list[float]]:
+        """The signal every rank stops for (the highest any rank received), or None to go on; and every rank's
+        ``rider``, in rank order (a number that travels with the agreement: the step's compute time)."""
+        rows = control.gather_floats([float(self.received or 0), rider])
+        return int(max(row[0] for row in rows)) or None, [row[1] for row in rows]
 
 
 class ParentWatch:

@@ -127,6 +127,13 @@ CONFIG_ERRORS = [
     ("global_batch_0", 1, ["--training.global_batch", "0"], ["training.global_batch=0 must be >= 1"]),
     ("max_bytes_0", 1, ["--data.max_bytes", "0"], ["data.max_bytes=0 must be >= 1"]),
     ("log_every_0", 1, ["--run.log_every", "0"], ["run.log_every=0 must be >= 1"]),
+    ("check_replicas", 1, ["--debug.check_replicas", "-1"], ["debug.check_replicas=-1 must be >= 0", "default is 100"]),
+    (
+        "check_replicas_action",
+        1,
+        ["--debug.check_replicas_action", "abort"],
+        ["debug.check_replicas_action='abort' is not allowed", "stop, warn"],
+    ),
     ("timeout_0", 1, ["--parallel.collective_timeout_s", "0"], ["parallel.collective_timeout_s=0 must be >= 1"]),
     # several fields together, no layout involved (runtime/config.py: check_values)
     (
@@ -208,6 +215,40 @@ CONFIG_ERRORS = [
     ),
     ("ep_without_experts", 2, ["--parallel.ep", "2", "--parallel.dp_shard", "2"], ["parallel.ep=2 needs an MoE model"]),
     ("sp_regather_without_tp", 1, ["--parallel.sp_regather", "true"], ["parallel.sp_regather=true re-gathers"]),
+    # 1-bit Adam where it cannot apply (mesh/onebit_adam.py: onebit_adam_errors); AdamW is meshloom's only
+    # optimizer, so "not an Adam" cannot arise
+    ("onebit_warmup_0", 1, ["--parallel.onebit_warmup_steps", "0"], ["parallel.onebit_warmup_steps=0 must be >= 1"]),
+    (
+        "onebit_one_rank",
+        1,
+        ["--parallel.grad_compression", "onebit_adam"],
+        ["parallel.grad_compression=onebit_adam compresses the data-parallel gradient reduction", "has none"],
+    ),
+    (
+        "onebit_sharded_states",
+        2,
+        ["--parallel.grad_compression", "onebit_adam", "--parallel.dp_shard", "2"],
+        ["parallel.dp_shard=2 shards the parameters and Adam states with FSDP", "parallel.dp_shard=1"],
+    ),
+    (
+        "onebit_tp",
+        4,
+        ["--parallel.grad_compression", "onebit_adam", "--parallel.dp_replicate", "2", "--parallel.tp", "2"],
+        ["onebit_adam", "parallel.tp=2 splits the model across ranks", "set parallel.tp=1"],
+    ),
+    (
+        "onebit_pp",
+        4,
+        ["--parallel.grad_compression", "onebit_adam", "--parallel.dp_replicate", "2", "--parallel.pp", "2"],
+        ["onebit_adam", "parallel.pp=2 splits the model across ranks", "set parallel.pp=1"],
+    ),
+    (
+        "onebit_bf16",
+        2,
+        ["--parallel.grad_compression", "onebit_adam", "--parallel.dp_replicate", "2"]
+        + ["--training.mixed_precision", "bf16"],
+        ["onebit_adam with training.mixed_precision=bf16", "set training.mixed_precision=fp32"],
+    ),
     # the layout against the machine's memory (mesh/layout_rules.py: check_memory; a 64 GiB machine, mocked)
     (
         "model_cannot_fit",

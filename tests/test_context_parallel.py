@@ -21,7 +21,7 @@ from launch.spawn import run_on_ranks
 from mesh.context_parallel import chunk_ids, load_balanced_positions, split_sequence
 from models.llama import ModelArgs
 from runtime.config import ConfigError, load_config
-from tests.training_runs import assert_same_curve
+from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 from train import check_config
 
 # ---- 1. the split ------------------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def test_context_parallel_matches_one_process(layout, evaluating_one_process, tm
     world = 1
     for key in ("parallel.cp", "parallel.tp", "parallel.pp", "parallel.dp_replicate", "parallel.dp_shard"):
         world *= layout.get(key, 1)
-    run = train_on(world, {**layout, **EVAL}, tmp_path, timeout=600)
+    run = train_on(world, {**layout, **EVAL, **CHECK_REPLICAS}, tmp_path, timeout=600)
     assert_same_curve(run, evaluating_one_process)
     if layout.get("run.pp_timeline"):  # the pipeline timeline still measures every rank's F/B on the last step
         bubble = json.loads((tmp_path / "pipeline_bubble.json").read_text())

@@ -10,7 +10,7 @@ from launch.local_runs import ROOT, train_on
 from launch.spawn import run_on_ranks
 from models.moe import MoEArgs
 from runtime.config import ConfigError, load_config
-from tests.training_runs import assert_same_curve
+from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 from train import check_config
 
 MOE_CONFIG = str(ROOT / "configs" / "debug_moe.toml")
@@ -153,7 +153,7 @@ def test_expert_parallel_training_matches_one_process(world, layout, moe_one_pro
 
 
 def test_4d_pipeline_fsdp_tp_ep_matches_one_process(moe_one_process, tmp_path):
-    layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 2}
+    layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 2, **CHECK_REPLICAS}
     run = moe_run(8, layout, tmp_path, timeout=400)
     assert_same_curve(run, moe_one_process)
     assert [r["expert_load"] for r in run] == [r["expert_load"] for r in moe_one_process]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_training
 from launch.spawn import RankFailure, run_on_ranks
-from tests.training_runs import assert_same_curve
+from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 
 STANDIN = "cuda:gloo"
 
@@ -39,6 +39,7 @@ def control_plane_paths(run_dir: str) -> dict:
     from mesh.pipeline_timeline import PipelineTimeline
     from runtime.config import ConfigError
     from runtime.process import init_process_group
+    from runtime.signals import StopSignals
 
     control = init_process_group(torch.device("cpu"), 60)
     rank = dist.get_rank()
@@ -52,6 +53,10 @@ def control_plane_paths(run_dir: str) -> dict:
         control.raise_if_any_failed(ConfigError("bad value; fix it") if rank == 0 else None, "checking", ConfigError)
     except ConfigError as exc:
         out["failure"] = str(exc)
+    out["floats"] = control.gather_floats([float(rank), 0.5 * rank])
+    signals = StopSignals()
+    signals.received = 15 if rank == 1 else None  # rank 1 got SIGTERM: both stop; the compute times ride along
+    out["stop"] = signals.agreed_stop(control, 0.25 + rank)
     timeline = PipelineTimeline(pp_rank=rank, device=torch.device("cpu"))
     timeline.begin_step()
     timeline.end_step()
@@ -68,6 +73,8 @@ def test_control_plane_paths_work_on_an_accelerator_only_default_group(tmp_path)
         assert out["broadcast"] == "from 0"
         assert out["failure"].startswith("bad value; fix it"), f"rank {rank} must show rank 0's message"
         assert out["windows"] == 2
+        assert out["floats"] == [[0.0, 0.0], [1.0, 0.5]]
+        assert out["stop"] == (15, [0.25, 1.25])
 
 
 # Whole training runs on the stand-in: every collective meshloom issues outside the model (run.dir checks,
@@ -109,9 +116,10 @@ def test_control_plane_paths_work_on_an_accelerator_only_default_group(tmp_path)
     ids=["pp2-timeline", "moe-ep2", "cp2-ring-eval", "fsdp2-step-sync-bf16-reduce", "moe-tp2-profiled", "tp2-bf16"],
 )
 def test_training_runs_on_an_accelerator_only_default_group(overrides, config, shared_runs, tmp_path):
-    standin = run_on_ranks(run_training, 2, overrides, str(tmp_path / "standin"), config, backend=STANDIN, timeout=180)[
-        0
-    ]
+    # The replica check runs after every step here too: its comparisons go through the mesh's groups and its
+    # agreement through the control plane, never the accelerator-only default group.
+    checked = {**overrides, **CHECK_REPLICAS}
+    standin = run_on_ranks(run_training, 2, checked, str(tmp_path / "standin"), config, backend=STANDIN, timeout=180)[0]
     plain = shared_runs.records(overrides, config=config, world=2)
     assert_same_curve(standin, plain, rtol=0.0)  # the same groups do the same sums: bit for bit
     if overrides.get("run.pp_timeline"):

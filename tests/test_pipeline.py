@@ -8,7 +8,7 @@ from launch.local_runs import DEBUG_CONFIG, train_on
 from mesh.pipeline import balanced_split, split_layers, stage_ids_of_rank
 from models.llama import ModelArgs
 from runtime.config import ConfigError, load_config
-from tests.training_runs import assert_same_curve
+from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 from train import check_config
 
 # ---- parity ----------------------------------------------------------------------------------------------
@@ -24,7 +24,7 @@ def test_every_schedule_matches_one_process(schedule, one_process, tmp_path):
 
 
 def test_pipeline_with_fsdp_matches_one_process(one_process, tmp_path):
-    layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.pp_schedule": "1F1B"}
+    layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.pp_schedule": "1F1B", **CHECK_REPLICAS}
     assert_same_curve(train_on(4, layout, tmp_path), one_process)
 
 
@@ -36,6 +36,7 @@ def test_pipeline_with_gradient_accumulation_matches_one_process(one_process, tm
 
 def test_3d_pipeline_fsdp_tensor_parallel_matches_one_process(one_process, tmp_path):
     layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.pp_schedule": "Interleaved1F1B"}
+    layout.update(CHECK_REPLICAS)
     assert_same_curve(train_on(8, layout, tmp_path, timeout=400), one_process)
 
 

@@ -131,6 +131,11 @@ def test_comm_share_table_and_json_are_consistent(layout, request, capsys):
     assert report["rule_of_thumb_exposed_share"] == 0.30
     ranks = report["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["device"] == "cpu" for r in ranks)
+    # one row per rank, then the compute spread across them (training/rank_balance.py's 15% rule)
+    assert [line.split()[0] for line in printed.splitlines()[2:4]] == ["0", "1"]
+    compute = [r["compute_ms"] for r in ranks]
+    assert report["compute_spread"] == pytest.approx(max(compute) / min(compute))
+    assert f"compute across ranks: max / min {report['compute_spread']:.2f}" in printed
     for r in ranks:
         assert r["steps"] == [3, 4]
         for s in [r, *r["per_step"]]:

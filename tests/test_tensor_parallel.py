@@ -13,7 +13,7 @@ from mesh.materialize import materialize_weights
 from mesh.tensor_parallel import apply_tensor_parallel
 from models.llama import ModelArgs, Transformer
 from runtime.config import ConfigError, load_config
-from tests.training_runs import assert_same_curve
+from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 from train import check_config
 
 # ---- parity ----------------------------------------------------------------------------------------------
@@ -32,7 +32,7 @@ from train import check_config
 )
 def test_tensor_parallel_matches_one_process(layout, one_process, tmp_path):
     world = layout["parallel.tp"] * layout["parallel.dp_shard"] * layout.get("parallel.dp_replicate", 1)
-    assert_same_curve(train_on(world, layout, tmp_path), one_process)
+    assert_same_curve(train_on(world, {**layout, **CHECK_REPLICAS}, tmp_path), one_process)
 
 
 # ---- collectives of one block --------------------------------------------------------------------------

@@ -19,9 +19,11 @@ from mesh.tied_embeddings import embedding_group_ranks
 from models.llama import ModelArgs, Transformer
 from runtime.config import load_config
 from tests.reference import reference_losses
-from tests.training_runs import LOSS_RTOL, assert_same_curve
+from tests.training_runs import CHECK_REPLICAS, LOSS_RTOL, assert_same_curve
 
 TIED = {"model.tie_embeddings": True}
+# Multi-rank runs also compare the two pipeline copies every step (mesh/replica_check.py: tied_replicas).
+TIED_CHECKED = {**TIED, **CHECK_REPLICAS}
 # The one-process reference also saves at steps 3 and 6 (saving does not change the curve): one run serves the
 # parity tests and the resume from a whole model's checkpoint.
 TIED_SAVING = {**TIED, "checkpoint.interval": 3}
@@ -177,7 +179,7 @@ ZBV = {**PP2, "parallel.pp_schedule": "ZBVZeroBubble", "parallel.pp_microbatches
 def test_pipeline_matches_one_process_and_its_checkpoint_resumes_on_tensor_parallel(tied_reference, tmp_path):
     """pp2 (1F1B): the copies' gradients summed over the embedding group; saved at step 3 (the last stage's head
     under tok_embeddings.weight), resumed on tp2, where the head *is* the embedding: the same curve."""
-    assert_same_curve(train_on(2, {**TIED, **PP2, "checkpoint.interval": 3}, tmp_path / "pp2"), tied_reference)
+    assert_same_curve(train_on(2, {**TIED_CHECKED, **PP2, "checkpoint.interval": 3}, tmp_path / "pp2"), tied_reference)
     saved = tmp_path / "pp2" / "checkpoints"
     resumed = train_on(2, {**TIED, **TP2, "checkpoint.folder": str(saved), "checkpoint.resume": "3"}, tmp_path / "tp2")
     assert_same_curve(resumed, tied_reference[3:])
@@ -185,7 +187,7 @@ def test_pipeline_matches_one_process_and_its_checkpoint_resumes_on_tensor_paral
 
 def test_v_schedule_matches_one_process(tied_reference, tmp_path):
     """ZBVZeroBubble: pp rank 0 holds the embedding (stage 0) and the head (stage 3); the sum is local."""
-    assert_same_curve(train_on(2, {**TIED, **ZBV}, tmp_path), tied_reference)
+    assert_same_curve(train_on(2, {**TIED_CHECKED, **ZBV}, tmp_path), tied_reference)
 
 
 SLOW_LAYOUTS = {
@@ -203,7 +205,7 @@ SLOW_LAYOUTS = {
 @pytest.mark.parametrize("layout", SLOW_LAYOUTS.values(), ids=SLOW_LAYOUTS.keys())
 def test_every_layout_matches_one_process(layout, tied_reference, tmp_path):
     world, overrides = layout
-    assert_same_curve(train_on(world, {**TIED, **overrides}, tmp_path), tied_reference)
+    assert_same_curve(train_on(world, {**TIED_CHECKED, **overrides}, tmp_path), tied_reference)
 
 
 @pytest.mark.slow

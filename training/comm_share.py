@@ -19,7 +19,9 @@ time, each the union of intervals (nested or overlapping events count once):
    bookkeeping, the data loader, or waiting for a peer with no collective in flight yet.
 
 So ``compute + exposed + other = step``, and ``exposed + overlapped = communication``. The rule of thumb
-printed next to each rank: exposed communication under 30% of the step. (On a 2-core CPU, gloo's threads
+printed next to each rank: exposed communication under 30% of the step. One row per rank; under the rows,
+the spread of compute across the ranks (max / min of their compute, the slowest rank named) against the
+15% rule that training/rank_balance.py applies to every step of a run. (On a 2-core CPU, gloo's threads
 compete with the training thread for the same cores, so "overlapped" time is not free there the way it is
 with NCCL's kernels beside a GPU's compute kernels.)
 """
@@ -174,7 +176,22 @@ def format_table(summaries: list[dict]) -> str:
             f"{s['rank']:>4} {s['step_ms']:9.1f} {cell('compute'):>16} {cell('communication'):>16} "
             f"{cell('exposed'):>16} {s['overlapped_ms']:10.1f} {cell('other'):>16}  {verdict}"
         )
+    lines.append(spread_line(summaries))
     return "\n".join(lines)
+
+
+def spread_line(summaries: list[dict]) -> str:
+    """The ranks' compute spread, max / min, against training/rank_balance.py's 15% rule."""
+    from training.rank_balance import SPREAD_RULE
+
+    slowest = max(summaries, key=lambda s: s["compute_ms"])
+    fastest = min(s["compute_ms"] for s in summaries)
+    spread = slowest["compute_ms"] / fastest if fastest > 0 else float("inf")
+    verdict = "within" if spread <= SPREAD_RULE else "ABOVE"
+    return (
+        f"compute across ranks: max / min {spread:.2f} (slowest rank {slowest['rank']}), {verdict} the "
+        f"{SPREAD_RULE - 1:.0%} rule"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -188,7 +205,10 @@ def main(argv: list[str]) -> int:
         print(f"comm_share: {exc}", file=sys.stderr)
         return 2
     out = Path(args.json) if args.json else Path(args.run_dir) / "profile" / "comm_share.json"
-    out.write_text(json.dumps({"rule_of_thumb_exposed_share": RULE_OF_THUMB, "ranks": summaries}, indent=1))
+    compute = [s["compute_ms"] for s in summaries]
+    spread = max(compute) / min(compute) if min(compute) > 0 else float("inf")
+    report = {"rule_of_thumb_exposed_share": RULE_OF_THUMB, "compute_spread": spread, "ranks": summaries}
+    out.write_text(json.dumps(report, indent=1))
     device = summaries[0]["device"]
     print(f"{args.run_dir}: mean over profiled steps {summaries[0]['steps']} ({device} trace), times in ms")
     print(format_table(summaries))

@@ -79,5 +79,6 @@ def format_step(record: dict) -> str:
         + (f"{record['tflops']:.3g} TFLOP/s | " if "tflops" in record else "")
         + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
         + f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB"
+        + (f" | compute max/min {record['compute_spread']:.2f}" if record.get("compute_spread", 1.0) != 1.0 else "")
         + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
     )

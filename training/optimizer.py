@@ -4,6 +4,10 @@ A rank may hold several model parts (two pipeline stages under a V schedule). Ea
 and LR schedule, so that its optimizer state can be saved and loaded under the part's own parameter names
 (checkpoint/), whatever the pipeline split. Within a part, parameters are grouped by (weight decay, mesh):
 fused foreach kernels cannot mix DTensors that live on different meshes (dense vs expert weights).
+
+With ``parallel.grad_compression onebit_adam`` the optimizer is 1-bit Adam (mesh/onebit_adam.py), which
+exchanges the data-parallel gradient (warm-up) or the compressed momentum (after it) itself:
+``prepare_gradients`` runs before clipping, ``agree_on_norm`` after it; both do nothing for plain AdamW.
 """
 
 from __future__ import annotations
@@ -39,19 +43,43 @@ def param_groups(part: nn.Module, weight_decay: float) -> list[dict]:
 class Optimizers:
     """One AdamW + LambdaLR per model part, stepped together."""
 
-    def __init__(self, parts: list[nn.Module], cfg: Config):
+    def __init__(self, parts: list[nn.Module], cfg: Config, replicate_group=None):
         t = cfg.training
         self.parts = parts
-        self.optimizers = [
-            torch.optim.AdamW(param_groups(part, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
-            for part in parts
-        ]
+        adamw = {"lr": t.lr, "betas": (t.beta1, t.beta2), "foreach": True}
+        if cfg.parallel.grad_compression == "onebit_adam":
+            from mesh.onebit_adam import OneBitAdam
+
+            self.optimizers = [
+                OneBitAdam(
+                    param_groups(part, t.weight_decay),
+                    group=replicate_group,
+                    warmup_steps=cfg.parallel.onebit_warmup_steps,
+                    **adamw,
+                )
+                for part in parts
+            ]
+        else:
+            self.optimizers = [torch.optim.AdamW(param_groups(part, t.weight_decay), **adamw) for part in parts]
         schedule = lambda step: lr_factor(step, t.warmup_steps, t.steps, t.min_lr_ratio)  # noqa: E731
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, schedule) for opt in self.optimizers]
 
     @property
     def lr(self) -> float:
         return self.schedulers[0].get_last_lr()[0]
+
+    def prepare_gradients(self) -> None:
+        """Before clipping: 1-bit Adam's data-parallel exchange of the gradients (mesh/onebit_adam.py, step 1)."""
+        for opt in self.optimizers:
+            if hasattr(opt, "prepare_gradients"):
+                opt.prepare_gradients()
+
+    def agree_on_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """After clipping: the gradient norm every replica logs and checks (1-bit Adam's compression phase)."""
+        for opt in self.optimizers:
+            if hasattr(opt, "agree_on_norm"):
+                norm = opt.agree_on_norm(norm)
+        return norm
 
     def step(self) -> None:
         """Apply the gradients, clear them, and advance the LR schedule."""

@@ -1,0 +1,111 @@
+"""``parallel.pp_split memory``: stage cuts that even out the pipeline ranks' peak memory (mesh/pipeline.py:
+memory_split), checked against a hand-worked example, a brute force over every cut, the banner, and parity."""
+
+import itertools
+
+import pytest
+
+from launch.local_runs import DEBUG_CONFIG, train_on
+from mesh.dry_run import dry_run
+from mesh.memory_estimate import MemoryLayout, layer_activation_bytes
+from mesh.pipeline import SCHEDULE_FAMILIES, memory_split, rank_peaks, split_layers
+from mesh.plan import LayoutPlan
+from models.llama import ModelArgs
+from runtime.config import load_config
+from tests.training_runs import assert_same_curve
+
+HAND = ModelArgs(dim=16, n_layers=8, n_heads=2, n_kv_heads=2, vocab_size=32, ffn_dim=32)
+
+
+def hand_layout(activation_checkpoint: str) -> MemoryLayout:
+    # pp 4, 1F1B, 4 micro-batches of 2 sequences x 32 tokens (n = 64 tokens), fp32, no FSDP, no TP.
+    return MemoryLayout(
+        pp=4,
+        seq_len=32,
+        sequences_per_microbatch=2,
+        pp_schedule="1F1B",
+        pp_microbatches=4,
+        activation_checkpoint=activation_checkpoint,
+        mixed_precision="fp32",
+        fsdp=False,
+    )
+
+
+def test_memory_split_matches_a_hand_worked_example():
+    """dim h = 16, 2 heads of 8 (kv width g = 16), FFN H = 32, vocabulary V = 32, 8 layers, w = 4 bytes (fp32).
+
+    Per block: parameters 2h^2 + 2hg + 3hH + 2h = 512 + 512 + 1,536 + 32 = 2,592, states 16 x 2,592 = 41,472 B.
+    Activations per micro-batch of n = 64 tokens (mesh/memory_estimate.py, item 3): norms 2(n h (4 + w) + 4n)
+    = 16,896; the two gathered inputs 2 n h w = 8,192; attention (2 n h w + 2 n g w + 4 n a) = 16,896; SwiGLU
+    4 n H w = 32,768; in all A = 74,752 B. The embedding 16 x 512 = 8,192 B on stage 0; head + norm
+    16 x 528 = 8,448 B and logits 12 x 64 x 32 = 24,576 B on stage 3 (33,024 B).
+    1F1B with 4 micro-batches: rank r holds 4 - r micro-batches, so a block costs S + (4 - r) A there:
+    340,480 | 265,728 | 190,976 | 116,224.
+      params (2,2,2,2): 689,152 | 531,456 | 381,952 | 265,472 (max/min 2.60).
+      memory: stage 3 with 4 blocks is 497,920; stage 0 or 1 with 2 blocks is at least 531,456, so they get
+      one each, stage 2 the remaining two: (1,1,2,4) -> 348,672 | 265,728 | 381,952 | 497,920 (max/min 1.87);
+      any other cut puts 2 blocks on stage 0 or 1, or 5 on stage 3 (614,144), or 3 on stage 2 (572,928).
+    With full checkpointing a block keeps only its input, n h w = 4,096 B per micro-batch, and each rank
+    rebuilds one block (74,752 - 4,096 = 70,656 B): S + (4 - r) 4,096 = 57,856 | 53,760 | 49,664 | 45,568,
+    and (2,2,2,2) gives 194,560 | 178,176 | 169,984 | 194,816, which no move of one layer improves (stage 2
+    with 3 blocks: 219,648; stage 1 with 3: 231,936): the split stays even.
+    """
+    none, full = hand_layout("none"), hand_layout("full")
+    assert HAND.layer_params(0) == 2_592 and layer_activation_bytes(HAND, 0, none) == 74_752
+    assert rank_peaks(HAND, none, [2, 2, 2, 2], "1F1B") == [689_152, 531_456, 381_952, 265_472]
+    assert memory_split(HAND, none, 4, "1F1B") == [1, 1, 2, 4]
+    assert rank_peaks(HAND, none, [1, 1, 2, 4], "1F1B") == [348_672, 265_728, 381_952, 497_920]
+    assert [len(s) for s in split_layers(HAND, 4, "params", 32)] == [2, 2, 2, 2]
+    assert memory_split(HAND, full, 4, "1F1B") == [2, 2, 2, 2]
+    assert rank_peaks(HAND, full, [2, 2, 2, 2], "1F1B") == [194_560, 178_176, 169_984, 194_816]
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULE_FAMILIES))
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["fp32", "bf16-fsdp2-tp2"])
+def test_memory_split_is_the_best_cut_for_every_schedule(schedule, ac, sharded):
+    """Against a brute force over every cut: no cut has a lower largest rank peak (looped and V schedules,
+    whose ranks hold two stages, go through the local search of step 3), with whole fp32 states, and with
+    bf16 compute, FSDP-sharded states, gathered weights and TP-split activations."""
+    args = ModelArgs(dim=16, n_layers=10, n_heads=2, n_kv_heads=2, vocab_size=64, ffn_dim=32)
+    v = SCHEDULE_FAMILIES[schedule].natural_stages_per_rank
+    pp = 4 // v
+    layout = MemoryLayout(
+        pp=pp,
+        seq_len=32,
+        sequences_per_microbatch=2,
+        pp_schedule=schedule,
+        pp_microbatches=8,
+        stages_per_rank=v,
+        activation_checkpoint=ac,
+        mixed_precision="bf16" if sharded else "fp32",
+        fsdp=sharded,
+        dp_shard=2 if sharded else 1,
+        tp=2 if sharded else 1,
+    )
+    cuts = [c for c in itertools.product(range(1, 8), repeat=4) if sum(c) == 10]
+    best = min(max(rank_peaks(args, layout, list(c), schedule)) for c in cuts)
+    assert max(rank_peaks(args, layout, memory_split(args, layout, 4, schedule), schedule)) == best
+
+
+def test_the_plan_and_the_dry_run_print_layers_per_stage():
+    overrides = {
+        "parallel.pp": 4,
+        "parallel.dp_shard": 1,
+        "parallel.pp_schedule": "1F1B",
+        "parallel.pp_microbatches": 4,
+        "model.n_layers": 8,
+    }
+    for split, expected in (("params", "2,2,2,2"), ("memory", "1,2,2,3"), ("3,2,2,1", "3,2,2,1")):
+        cfg = load_config(path=DEBUG_CONFIG, overrides={**overrides, "parallel.pp_split": split})
+        assert LayoutPlan.resolve(cfg, 4).split_line() == f"layers per stage {expected}"
+        assert f"layers per stage {expected} (pp_split {split})" in dry_run(cfg, 4)
+
+
+def test_memory_split_matches_one_process(one_process, tmp_path):
+    # 1F1B with 2 micro-batches of 4 sequences: rank 0 holds two in flight, rank 1 one plus the logits, so the
+    # memory split is (1,3) where params gives (2,2); the model and its curve must not change.
+    layout = {"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "parallel.pp_microbatches": 2}
+    cfg = load_config(path=DEBUG_CONFIG, overrides={**layout, "parallel.dp_shard": 1, "parallel.pp_split": "memory"})
+    assert LayoutPlan.resolve(cfg, 2).split_line() == "layers per stage 1,3"
+    assert_same_curve(train_on(2, {**layout, "parallel.pp_split": "memory"}, tmp_path), one_process)
