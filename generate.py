@@ -7,7 +7,9 @@
 1. **Load, on one process.** ``--checkpoint`` is a DCP checkpoint written by any layout (a step-N folder,
    or a checkpoint folder whose newest complete step is taken, or ``--step N`` of it): DCP stitches every
    full tensor from the shards without a process group (checkpoint/export.py). Or it is a folder written by
-   ``python -m checkpoint.export`` (model.safetensors + config.json, tokenizer files when there were some).
+   ``python -m checkpoint.export`` or by transformers' ``save_pretrained`` (config.json in either RoPE
+   dialect, one model.safetensors or shards with their index, tokenizer files when there are some;
+   checkpoint/hf_folder.py refuses what meshloom does not compute).
 2. **Tokenizer.** The one the run was trained with: bytes, or the tokenizer.json whose path and SHA-256 the
    checkpoint recorded (``--tokenizer`` when it has moved), or the one beside an exported model.
 3. **Prefill, then decode with a KV cache** (models/llama.KVCache): the prompt runs once, then each new
@@ -36,23 +38,26 @@ from runtime.config import ConfigError
 
 
 def is_export(path: Path) -> bool:
-    return (path / "model.safetensors").is_file() and (path / "config.json").is_file()
+    from checkpoint.hf_folder import is_model_folder
+
+    return is_model_folder(path)
 
 
 def load_export(path: Path, tokenizer_override: str = ""):
-    """Step 1-2 for an exported folder: (model, tokenizer)."""
-    from safetensors.torch import load_file
-
-    from checkpoint.hf import hf_name, model_args_from_hf_config
+    """Step 1-2 for an exported or transformers folder: (model, tokenizer)."""
+    from checkpoint.hf import import_safetensors, model_args_from_hf_config, safetensors_problems
     from data.tokenizers import load_tokenizer
 
     args = model_args_from_hf_config(json.loads((path / "config.json").read_text()))
+    problems = safetensors_problems(path, args)
+    if problems:
+        raise ConfigError(f"--checkpoint {path}: the weights do not fit its config.json: {'; '.join(problems)}.")
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty replaced the Parameters: a tied head is the embedding's again
     model.reset_buffers("cpu")
-    tensors = load_file(str(path / "model.safetensors"))
-    model.load_state_dict({name: tensors[hf_name(name)] for name in model.state_dict()})
+    import_safetensors([model], path)  # one file or shards; a tied head reads the embedding
     spec = tokenizer_override or (str(path) if (path / "tokenizer.json").is_file() else "bytes")
     return model, load_tokenizer(spec, field="--tokenizer")
 

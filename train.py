@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checkpoint.folder import check_writable, checkpoint_bytes, checkpoint_folder
+from checkpoint.hf_folder import adopt_folder_config
 from checkpoint.manager import CheckpointManager, CheckpointSaveError
 from checkpoint.resume import Resume, find_resume
 from data.dataset import check_data, load_data
@@ -112,6 +113,7 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
 
     Returns the layout plan and the resume decision (checkpoint/resume.py), each worked out once.
     """
+    adopt_folder_config(cfg)  # a transformers folder in checkpoint.init_from sets [model] (its config.json)
     plan = LayoutPlan.resolve(cfg, world_size, rank)  # the config's values, then the layout's rules
     if cfg.run.memory_check:  # the estimate per rank against the machine, before anything is allocated
         check_memory(plan, cfg, memory_per_rank(cfg.training.device))
@@ -511,7 +513,8 @@ def main(argv: list[str]) -> int:
     try:
         dry, world_size, argv = parse_dry_run(argv)
         cfg = load_config(argv)
-        if dry:  # the config and the layout for world_size ranks, then stop (mesh/dry_run.py)
+        if dry:
+            adopt_folder_config(cfg)  # the config and the layout for world_size ranks, then stop (mesh/dry_run.py)
             print(dry_run(cfg, world_size), flush=True)
             return 0
         train(cfg)

@@ -2,6 +2,7 @@
 
     python -m checkpoint.export --checkpoint runs/debug/checkpoints --out runs/debug/hf
     python -m checkpoint.export --checkpoint runs/debug/checkpoints/step-20 --out runs/debug/hf
+    python -m checkpoint.export --checkpoint runs/debug/checkpoints --out runs/debug/hf --max-shard-size 500MB
 
 1. Pick the checkpoint: ``--checkpoint`` is a step-N folder, or a checkpoint folder whose newest complete
    step-N is taken. Check that it is whole: every file against its checksum (checkpoint/resume.py: inspect,
@@ -10,7 +11,10 @@
 3. Allocate one full, plain tensor per parameter and let ``dcp.load(..., no_dist=True)`` fill them: DCP
    stitches each tensor from the shards every rank wrote, whatever the layout was. Only ``model.*`` entries
    are read; the optimizer state stays on disk.
-4. Write ``model.safetensors`` (HF names, checkpoint/hf.py) and a ``config.json`` for LlamaForCausalLM.
+4. Write the weights with HF names (checkpoint/hf.py): one ``model.safetensors``, or, above
+   ``--max-shard-size`` (default 5GB, as ``save_pretrained``), shards plus ``model.safetensors.index.json``;
+   a ``config.json`` for LlamaForCausalLM (RoPE scaling and tied embeddings included) and a
+   ``generation_config.json``.
 5. When the run used a tokenizer.json (meshloom.json records its path and SHA-256), copy it and write a
    tokenizer_config.json beside the weights, so that ``AutoModelForCausalLM.from_pretrained(out)`` and
    ``AutoTokenizer.from_pretrained(out)`` both work. ``--tokenizer`` points at the file when it has moved;
@@ -29,7 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpoint.folder import published
-from checkpoint.hf import export_safetensors, export_tokenizer
+from checkpoint.hf import export_safetensors, export_tokenizer, parse_size
 from checkpoint.resume import META_FILE, inspect
 from checkpoint.state import MODEL, split, with_tied_head
 from checkpoint.verify import METADATA, digest_problems
@@ -121,17 +125,22 @@ def checkpoint_tokenizer(step_dir: Path, override: str = ""):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m checkpoint.export", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a step-N folder, or a checkpoint folder (newest)")
-    parser.add_argument("--out", required=True, help="output folder for model.safetensors and config.json")
+    parser.add_argument(
+        "--out", required=True, help="output folder: safetensors, config.json, generation_config.json, tokenizer"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing export in --out")
     parser.add_argument("--tokenizer", default="", help="the run's tokenizer.json, if it moved since training")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors file (5GB, 500MB, 2GiB); above it: shards + index"
+    )
     opts = parser.parse_args(argv)
     try:
+        max_shard_bytes = parse_size(opts.max_shard_size)
         check_out(opts.out, opts.overwrite)
         step_dir = choose_checkpoint(opts.checkpoint)
         tokenizer = checkpoint_tokenizer(step_dir, opts.tokenizer)
         state, args = load_model_state(step_dir)
-        file = export_safetensors(state, args, opts.out, eos_token_id=tokenizer.eos_id)
-        written = [file, Path(opts.out) / "config.json"]
+        written = export_safetensors(state, args, opts.out, tokenizer.eos_id, max_shard_bytes)
         if tokenizer.file is not None:
             written += export_tokenizer(tokenizer, opts.out, args.max_seq_len)
     except (ConfigError, ValueError, OSError) as exc:

@@ -15,9 +15,12 @@ key/value head serves consecutive query heads in both. tests/test_checkpoint.py 
 | norm.weight                            | model.norm.weight                                 |
 | output.weight                          | lm_head.weight                                    |
 
-Import (``checkpoint.init_from``) follows mesh/materialize.py: for each parameter, read the full tensor
-from the file, keep this rank's piece with ``distribute_tensor(..., src_data_rank=None)`` (a local slice by
-the parameter's placements, no communication) and copy it in, one tensor at a time.
+Import (``checkpoint.init_from``, a file or a transformers folder, checkpoint/hf_folder.py) reads, for each
+parameter, only the block of the stored tensor that this rank holds (``safe_open(...).get_slice(name)``
+indexed by the piece's offset and shape, from the DTensor's placements), one tensor at a time, with no
+communication. A piece that is not one block (``_StridedShard``: FSDP over TP on the same dim) is cut from
+the full tensor with ``distribute_tensor(..., src_data_rank=None)``. Export writes shards plus an index above
+``--max-shard-size``, as ``save_pretrained`` does.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from checkpoint.hf_folder import is_model_folder, weight_files
 from mesh.materialize import canonical_name
+from mesh.private_api import contiguous_block
 from models.llama import ModelArgs, Transformer
 
 TOP_LEVEL = {
@@ -54,6 +59,27 @@ IN_LAYER = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+# The order of LlamaForCausalLM's state_dict (its modules' registration order), which save_pretrained fills
+# its files in: the embedding, then per layer attention, MLP and the two norms, then the final norm, the head.
+_HF_LAYER_ORDER = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+]
+
+
+def hf_order(name: str) -> tuple:
+    """Sort key of an HF tensor name in LlamaForCausalLM's state_dict order."""
+    match = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
+    if match:
+        return (1, int(match.group(1)), _HF_LAYER_ORDER.index(match.group(2)))
+    return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, 0)
 
 
 def hf_name(name: str) -> str:
@@ -69,9 +95,20 @@ def hf_name(name: str) -> str:
 def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
     """A config.json that ``LlamaForCausalLM.from_pretrained`` reads as this architecture.
 
-    ``bos_token_id`` is None (meshloom packs documents with an EOS after each and no BOS), and
-    ``eos_token_id`` is the tokenizer's (None for bytes), so ``generate`` stops where our generate.py does.
+    RoPE goes in the current dialect (``rope_parameters``, transformers >= 5). ``bos_token_id`` is None
+    (meshloom packs documents with an EOS after each and no BOS), and ``eos_token_id`` is the tokenizer's
+    (None for bytes), so ``generate`` stops where our generate.py does.
     """
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    s = args.rope_scaling
+    if s.kind in ("linear", "llama3"):
+        rope.update(rope_type=s.kind, factor=s.factor)
+    if s.kind == "llama3":
+        rope.update(
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_seq_len,
+        )
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -83,38 +120,35 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
+        "rope_parameters": rope,
         "max_position_embeddings": args.max_seq_len,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": args.tie_embeddings,
-        "torch_dtype": "float32",
+        "dtype": "float32",
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
     }
 
 
+def generation_config(eos_token_id: int | None) -> dict:
+    """generation_config.json: what ``model.generate`` starts from (no BOS, the tokenizer's EOS)."""
+    return {"bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id}
+
+
 def model_args_from_hf_config(config: dict) -> ModelArgs:
-    """The inverse of ``hf_config``: meshloom's ModelArgs for an exported (dense Llama) config.json."""
-    args = ModelArgs(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-        vocab_size=config["vocab_size"],
-        ffn_dim=config["intermediate_size"],
-        norm_eps=config.get("rms_norm_eps", 1e-5),
-        rope_theta=config.get("rope_theta", 10000.0),
-        max_seq_len=config.get("max_position_embeddings", 2048),
-    )
-    if config.get("head_dim", args.head_dim) != args.head_dim or config.get("tie_word_embeddings"):
-        raise ValueError(
-            "config.json has a head_dim other than hidden_size / num_attention_heads, or tied "
-            "embeddings; meshloom's Llama has neither"
-        )
-    return args
+    """meshloom's ModelArgs for a transformers config.json (checkpoint/hf_folder.py: refusals, both dialects)."""
+    from checkpoint.hf_folder import model_fields, unsupported
+    from runtime.config import Config, model_args
+
+    problems = unsupported(config)
+    if problems:
+        raise ValueError("config.json describes a model meshloom cannot run: " + "; ".join(problems))
+    cfg = Config()
+    for name, value in model_fields(config).items():
+        setattr(cfg.model, name, type(getattr(cfg.model, name))(value))
+    return model_args(cfg)
 
 
 def export_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> list[Path]:
@@ -137,16 +171,69 @@ def export_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> l
 
 
 def expected_hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:
-    """HF name -> shape of every tensor of a model with ``args`` (ValueError for MoE models)."""
+    """HF name -> shape of every tensor of a model with ``args`` (ValueError for MoE models). A tied model
+    has no lm_head.weight of its own: transformers leaves it out of the file and ties it on load."""
     with torch.device("meta"):
         model = Transformer(args)
-    return {hf_name(name): p.shape for name, p in model.named_parameters()}
+    shapes = {hf_name(name): p.shape for name, p in model.named_parameters()}
+    if args.tie_embeddings:
+        shapes.pop(TOP_LEVEL["output.weight"], None)
+    return shapes
+
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5 * 10^9 bytes (KB/MB/GB decimal, KiB/MiB/GiB binary, as transformers reads them)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"--max-shard-size {text!r} is not a size; write e.g. 5GB, 500MB or 2GiB.")
+    return int(float(match.group(1)) * UNITS[(match.group(2) or "").upper()])
+
+
+def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Files of at most ``max_bytes``, filled in order, as ``save_pretrained`` fills them: a tensor larger
+    than that gets a file of its own at once (the file being filled stays open for the next tensors);
+    any other tensor closes the file being filled when it would not fit, and opens the next."""
+    shards: list[dict[str, torch.Tensor]] = []
+    current: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if n > max_bytes:
+            shards.append({name: t})
+            continue
+        if size + n > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += n
+    return [*shards, current] if current else shards
+
+
+def _write(path: Path, text_or_tensors) -> None:
+    if isinstance(text_or_tensors, str):
+        path.write_text(text_or_tensors)
+    else:
+        # metadata format=pt: what transformers checks to accept a safetensors file as PyTorch weights.
+        save_file(text_or_tensors, str(path), metadata={"format": "pt"})
+        # safetensors creates the file with mode 0600; give it the mode the user's umask gives every other file.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(path, 0o666 & ~umask)
 
 
 def export_safetensors(
-    model_state: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path, eos_token_id: int | None = None
-) -> Path:
-    """Write ``model_state`` (full tensors, meshloom names) as out_dir/model.safetensors + config.json."""
+    model_state: dict[str, torch.Tensor],
+    args: ModelArgs,
+    out_dir: str | Path,
+    eos_token_id: int | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+) -> list[Path]:
+    """Write ``model_state`` (full tensors, meshloom names) as safetensors + config.json +
+    generation_config.json: one model.safetensors when it fits in ``max_shard_bytes``, else
+    model-0000k-of-0000n.safetensors shards and model.safetensors.index.json. Returns the files written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {  # a tied head is the embedding: written once, as model.embed_tokens.weight
@@ -157,54 +244,63 @@ def export_safetensors(
     expected = expected_hf_shapes(args)
     if set(tensors) != set(expected):
         raise ValueError(f"the state does not match the model: missing {sorted(set(expected) - set(tensors))[:5]}")
-    # metadata format=pt: what transformers checks to accept a safetensors file as PyTorch weights.
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    # safetensors creates the file with mode 0600; give it the mode the user's umask gives every other file.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(out / "model.safetensors", 0o666 & ~umask)
-    (out / "config.json").write_text(json.dumps(hf_config(args, eos_token_id), indent=2) + "\n")
-    return out / "model.safetensors"
+    shards = plan_shards(dict(sorted(tensors.items(), key=lambda item: hf_order(item[0]))), max_shard_bytes)
+    written = []
+    if len(shards) == 1:
+        written.append(out / "model.safetensors")
+        _write(written[-1], shards[0])
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards, start=1):
+            name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            _write(out / name, shard)
+            written.append(out / name)
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        written.append(out / "model.safetensors.index.json")
+        _write(written[-1], json.dumps(index, indent=2) + "\n")
+    for name, content in (
+        ("config.json", hf_config(args, eos_token_id)),
+        ("generation_config.json", generation_config(eos_token_id)),
+    ):
+        written.append(out / name)
+        _write(written[-1], json.dumps(content, indent=2) + "\n")
+    return written
 
 
-def safetensors_path(path: str | Path) -> Path:
-    """``path`` itself, or ``path/model.safetensors`` when it is a folder."""
-    p = Path(path)
-    return p / "model.safetensors" if p.is_dir() else p
-
-
-# Config keys that must agree with the model for the weights to mean the same thing (not just fit).
-_CONFIG_FIELDS = {
-    "hidden_size": "dim",
-    "intermediate_size": "hidden_dim",
-    "num_attention_heads": "n_heads",
-    "num_key_value_heads": "n_kv_heads",
-    "num_hidden_layers": "n_layers",
-    "vocab_size": "vocab_size",
-    "rms_norm_eps": "norm_eps",
-    "rope_theta": "rope_theta",
-}
+def tensor_files(path: str | Path) -> dict[str, Path]:
+    """HF name -> the file holding it: a folder (its index, or its model.safetensors), or one .safetensors file."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return weight_files(p)
+    with safe_open(str(p), framework="pt") as f:
+        return {name: p for name in f.keys()}
 
 
 def safetensors_problems(path: str | Path, args: ModelArgs) -> list[str]:
-    """Why ``path`` cannot initialise a model with ``args`` (empty: it can). Reads headers only.
-
-    Checks names and shapes against the model, and the config.json beside the file when there is one
-    (norm eps and RoPE theta do not change shapes but do change what the weights compute).
-    """
-    file = safetensors_path(path)
-    if not file.is_file():
-        return [f"{file} does not exist"]
+    """Why ``path`` (a folder, or one .safetensors file) cannot initialise a model with ``args`` (empty: it
+    can). Reads headers only: names and shapes against the model. What the weights compute (RoPE, norm eps,
+    ...) comes from the folder's config.json, which adopt_folder_config made the model's already."""
+    p = Path(path).expanduser()
+    if not (p.is_file() or is_model_folder(p) or (p / "model.safetensors").is_file()):
+        return [
+            f"{p} is neither a .safetensors file nor a folder with config.json and model.safetensors (or its index)"
+        ]
     try:
         expected = expected_hf_shapes(args)
     except ValueError as exc:
         return [str(exc)]
-    problems = []
+    problems, shapes = [], {}
     try:
-        with safe_open(str(file), framework="pt") as f:
-            shapes = {name: torch.Size(f.get_slice(name).get_shape()) for name in f.keys()}
-    except Exception as exc:  # noqa: BLE001 - any parse failure means a corrupt file
-        return [f"{file} is not a readable safetensors file ({exc})"]
+        files = tensor_files(p)
+        for file in sorted(set(files.values())):
+            with safe_open(str(file), framework="pt") as f:
+                shapes.update({name: torch.Size(f.get_slice(name).get_shape()) for name in f.keys()})
+    except Exception as exc:  # noqa: BLE001 - any parse failure means a corrupt file or index
+        return [f"{p} is not a readable safetensors model ({exc})"]
+    if args.tie_embeddings:  # a tied folder may still carry the head's copy: not read
+        shapes.pop(TOP_LEVEL["output.weight"], None)
     missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     if missing:
         problems.append(f"missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")
@@ -213,27 +309,50 @@ def safetensors_problems(path: str | Path, args: ModelArgs) -> list[str]:
     for name in sorted(set(expected) & set(shapes)):
         if shapes[name] != expected[name]:
             problems.append(f"{name}: file {tuple(shapes[name])}, model {tuple(expected[name])}")
-    config = file.parent / "config.json"
-    if config.is_file():
-        hf = json.loads(config.read_text())
-        for key, attr in _CONFIG_FIELDS.items():
-            if key in hf and hf[key] != getattr(args, attr):
-                problems.append(f"config.json {key}={hf[key]} but the model has {getattr(args, attr)}")
     return problems
 
 
+def _source_name(part: nn.Module, name: str, files: dict[str, Path]) -> str:
+    """The file's name for parameter ``name`` of ``part``. A tied head (or a last pipeline stage's copy of a
+    tied weight) reads the embedding (``ModelArgs.stored_name``); so does a head missing from the file."""
+    name = canonical_name(name)
+    args = getattr(part, "args", None)
+    key = hf_name(args.stored_name(name) if args is not None else name)
+    if key not in files and key == TOP_LEVEL["output.weight"]:
+        return TOP_LEVEL["tok_embeddings.weight"]
+    return key
+
+
+def read_piece(stored, param: torch.Tensor, sliced: bool = True) -> torch.Tensor:
+    """This rank's piece of ``param`` from ``stored`` (a safetensors slice handle): only the block this rank
+    holds when its piece is one block (``sliced``), else the full tensor, cut with ``distribute_tensor``
+    (a local slice by the placements, no communication)."""
+    if not isinstance(param, DTensor):
+        return stored[:]
+    block = contiguous_block(param) if sliced else None
+    if block is not None:
+        shape, offset = block
+        return stored[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    full = stored[:].to(param.dtype)
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
 @torch.no_grad()
-def import_safetensors(parts: list[nn.Module], path: str | Path) -> None:
-    """Overwrite every parameter of ``parts`` with the file's value; each rank keeps its own piece."""
-    with safe_open(str(safetensors_path(path)), framework="pt") as f:
-        for part in parts:
-            for name, param in part.named_parameters():
-                # A tied model's pipeline last stage holds a copy of the embedding as output.weight: it reads
-                # model.embed_tokens.weight (models/llama.py: ModelArgs.stored_name).
-                stored = part.args.stored_name(canonical_name(name))
-                full = f.get_tensor(hf_name(stored)).to(device=param.device, dtype=param.dtype)
-                if isinstance(param, DTensor):
-                    piece = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                    param.to_local().copy_(piece.to_local())
-                else:
-                    param.copy_(full)
+def import_safetensors(parts: list[nn.Module], path: str | Path, sliced: bool = True) -> None:
+    """Overwrite every parameter of ``parts`` with the stored value; each rank reads only its own piece.
+
+    Files are opened once each (a sharded folder: in index order); ``sliced=False`` reads each full tensor
+    (bench/hf_import_memory.py compares the two).
+    """
+    files = tensor_files(path)
+    by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
+    for part in parts:
+        for name, param in part.named_parameters():
+            key = _source_name(part, name, files)
+            by_file.setdefault(files[key], []).append((key, param))
+    for file, items in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for key, param in items:
+                piece = read_piece(f.get_slice(key), param, sliced)
+                local = param.to_local() if isinstance(param, DTensor) else param
+                local.copy_(piece.to(device=local.device, dtype=local.dtype))

@@ -77,7 +77,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from checkpoint.folder import check_shared, checkpoint_folder, move_aside, published, remove_stale
-from checkpoint.hf import import_safetensors, safetensors_path
+from checkpoint.hf import import_safetensors
 from checkpoint.resume import FORMAT, META_FILE, Resume, check_usable, inspect, warn
 from checkpoint.state import apply_training_state, training_state
 from checkpoint.verify import METADATA, digest_problems, file_digests
@@ -239,7 +239,7 @@ class CheckpointManager:
                 self._log(f"checkpoint: nothing to resume in {self.folder}; starting fresh")
             if self.cfg.checkpoint.init_from:
                 import_safetensors(parts, self.cfg.checkpoint.init_from)
-                self._log(f"checkpoint: initial weights from {safetensors_path(self.cfg.checkpoint.init_from)}")
+                self._log(f"checkpoint: initial weights from {self.cfg.checkpoint.init_from}")
             return 0
         state = training_state(parts, optimizers, loader, step=0)  # what to read, sharded for this layout
         dcp.load(state, checkpoint_id=str(self.resume_dir), process_group=self.group)

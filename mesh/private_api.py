@@ -34,6 +34,9 @@ identifiers, not Python APIs.)
 | ``aten._scaled_dot_product_efficient_attention`` (CUDA), and their   | log-sum-exp, and its backward given   |
 | ``_backward`` ops                                                    | a merged output and log-sum-exp: ring |
 |                                        | attention's blocks (mesh/context_parallel.py); SDPA returns neither   |
+| ``tensor._utils.compute_local_shape_and_global_offset`` | the block of the full tensor that this rank's   |
+|                                        | piece is (shape and offset), so an import reads only that block; DCP  |
+|                                        | uses it for the same purpose                                          |
 | ``DTensor._local_tensor``              | a DTensor's local shard without an autograd op, inside SP's re-gather |
 |                                        | pack hook (``dtensor_local_storage``)                                 |
 | ``torch._C._distributed_c10d._dump_fr_trace``, ``distributed_c10d._world.pg_names`` | the flight recorder's |
@@ -367,3 +370,18 @@ def flight_recorder_dump() -> dict:
     }
     dump["pg_config"] = {**{k: v for k, v in dump.get("pg_config", {}).items() if k in known}, **groups}
     return dump
+
+
+# ---- DTensor: which block of the full tensor this rank holds ----------------------------------------------
+def contiguous_block(param) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(local shape, offset into the full tensor) of this rank's piece of DTensor ``param``, or None when the
+    piece is not one block (a ``_StridedShard``, FSDP over TP on the same dim: rows r, r + n, ... of blocks).
+
+    Only plain ``Shard``/``Replicate`` placements give one block; for those torch's checkpoint helper answers.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(type(p) not in (Shard, Replicate) for p in param.placements):
+        return None
+    return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)

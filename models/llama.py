@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ from torch import nn
 
 from models.feed_forward import FeedForward
 from models.moe import MoE, MoEArgs
+from models.rope import RopeScaling, scaled_frequencies
 
 
 @dataclass
@@ -45,6 +46,7 @@ class ModelArgs:
     ffn_dim_multiplier: float = 1.0
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # models/rope.py: none, linear, llama3
     max_seq_len: int = 2048
     moe: MoEArgs | None = None  # None: a dense model
     moe_every: int = 1  # with moe: layers i where (i + 1) % moe_every == 0 are MoE, the others dense
@@ -177,9 +179,12 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, ...]:
-    """cos and sin tables of shape (max_seq_len, head_dim) for the half-rotation form of RoPE."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+def rotary_tables(
+    head_dim: int, max_seq_len: int, theta: float, device=None, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, ...]:
+    """cos and sin tables of shape (max_seq_len, head_dim) for the half-rotation form of RoPE; the
+    frequencies are rescaled once here (models/rope.py), so every user of the tables sees the same angles."""
+    inv_freq = scaled_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -348,7 +353,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         # Rotary tables are derived state: not saved in checkpoints, rebuilt by reset_buffers().
-        cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -406,7 +411,9 @@ class Transformer(nn.Module):
         return torch.randn(shape, generator=gen) * std
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
-        cos, sin = rotary_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device)
+        cos, sin = rotary_tables(
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device, self.args.rope_scaling
+        )
         self.rope_cos, self.rope_sin = cos, sin
         for module in self.modules():
             if isinstance(module, MoE):

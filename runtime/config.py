@@ -61,6 +61,13 @@ class ModelConfig:
     multiple_of: int = opt(64, "round the derived ffn_dim up to a multiple of this", ge=1)
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
     rope_theta: float = opt(10000.0, "rotary embedding base", gt=0)
+    rope_scaling: Literal["none", "linear", "llama3"] = opt(
+        "none", "RoPE frequency scaling for longer contexts (models/rope.py); transformers' rope_type"
+    )
+    rope_factor: float = opt(8.0, "rope_scaling linear/llama3: frequencies divided by this (context x factor)", gt=0)
+    rope_low_freq_factor: float = opt(1.0, "rope_scaling llama3: wavelengths > L0 / this are divided by factor", gt=0)
+    rope_high_freq_factor: float = opt(4.0, "rope_scaling llama3: wavelengths < L0 / this are kept", gt=0)
+    rope_original_max_seq_len: int = opt(8192, "rope_scaling llama3: L0, the pre-training context length", ge=1)
     max_seq_len: int = opt(2048, "longest sequence the rotary tables cover", ge=1)
     tie_embeddings: bool = opt(False, "one weight for the embedding and the output head (see docs/checkpointing.md)")
     n_experts: int = opt(0, "routed experts per MoE layer; 0: a dense model (see models/moe.py)", ge=0)
@@ -194,7 +201,9 @@ class CheckpointConfig:
     resume: str = opt("none", "auto (the newest complete checkpoint) | none | a step number", int_ok=True)
     async_: bool = opt(False, "save in a background thread while training goes on (key: checkpoint.async)")
     keep_last: int = opt(3, "published checkpoints to keep, newest first; 0: keep all", ge=0)
-    init_from: str = opt("", "a Hugging Face-named model.safetensors (or its folder): initial weights")
+    init_from: str = opt(
+        "", "initial weights: a transformers Llama folder (its config.json sets [model]) or a .safetensors file"
+    )
 
 
 @dataclass
@@ -208,6 +217,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    # The keys the TOML file or the command line set (load_config), as opposed to defaults: a model folder's
+    # config.json may fill in the others (checkpoint/hf_folder.py), but never overrule these silently.
+    explicit_keys: typing.ClassVar[frozenset[str]] = frozenset()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -360,8 +372,11 @@ def load_config(argv: list[str] | None = None, *, path: str | None = None, overr
                 )
             for name, value in entries.items():
                 _set(cfg, f"{section}.{name}", value, from_text=False)
+    explicit = {f"{section}.{name}" for section, entries in table.items() for name in entries} if path else set()
     for key, value in pairs:
         _set(cfg, key, value, from_text=not typed or isinstance(value, str))
+        explicit.add(KEY_ALIASES.get(key, key))
+    cfg.explicit_keys = frozenset(explicit)
     return cfg
 
 
@@ -406,6 +421,11 @@ def check_values(cfg: Config) -> None:
         broken.append(
             f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings rotate pairs); "
             "change model.dim or model.n_heads."
+        )
+    if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
+        broken.append(
+            f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be < model.rope_high_freq_factor="
+            f"{m.rope_high_freq_factor} (llama3 RoPE scaling blends between the two); e.g. 1 and 4."
         )
     d = cfg.data
     if d.val_source and d.val_fraction:
@@ -457,6 +477,7 @@ def model_args(cfg: Config):
     """The ``[model]`` section as ``models.llama.ModelArgs`` (with ``MoEArgs`` for an MoE model)."""
     from models.llama import ModelArgs
     from models.moe import MoEArgs
+    from models.rope import RopeScaling
 
     m = cfg.model
     args = ModelArgs(
@@ -469,6 +490,13 @@ def model_args(cfg: Config):
         multiple_of=m.multiple_of,
         norm_eps=m.norm_eps,
         rope_theta=m.rope_theta,
+        rope_scaling=RopeScaling(
+            m.rope_scaling,
+            m.rope_factor if m.rope_scaling != "none" else 1.0,
+            m.rope_low_freq_factor,
+            m.rope_high_freq_factor,
+            m.rope_original_max_seq_len,
+        ),
         max_seq_len=m.max_seq_len,
         moe_every=m.moe_every,
         tie_embeddings=m.tie_embeddings,

@@ -68,6 +68,35 @@ def toml(tmp_path, text: str) -> str:
     return str(path)
 
 
+class TransformersFolder:
+    """In CONFIG_ERRORS: a folder whose config.json transformers wrote for debug.toml's model shape, with
+    ``fields`` changed; made in the test's tmp_path (``resolve``). No weights: the refusal comes first."""
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+    def make(self, tmp_path: Path) -> str:
+        import json
+
+        import transformers
+
+        shape = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8)
+        config = transformers.LlamaConfig(**shape, num_key_value_heads=4, vocab_size=256, rms_norm_eps=1e-5)
+        folder = tmp_path / "hf"
+        config.save_pretrained(str(folder))
+        written = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**written, **self.fields}))
+        return str(folder)
+
+
+def resolve(args: list, tmp_path: Path) -> list[str]:
+    return [a.make(tmp_path) if isinstance(a, TransformersFolder) else a for a in args]
+
+
+def init_from(**fields) -> list:
+    return ["--checkpoint.init_from", TransformersFolder(**fields)]
+
+
 # The one table of configuration errors: every rule that a config or a layout can break, once each.
 # (case id, world size, command-line arguments, words the message must contain: the field, the value, the fix)
 CONFIG_ERRORS = [
@@ -114,6 +143,45 @@ CONFIG_ERRORS = [
         ["model.dim / model.n_heads = 15 must be even (rotary embeddings rotate pairs)"],
     ),
     ("eval_without_split", 1, ["--eval.interval", "5"], ["eval.interval=5 needs a validation split"]),
+    # RoPE scaling from scratch (runtime/config.py: _convert, check_values; models/rope.py)
+    (
+        "rope_yarn",
+        1,
+        ["--model.rope_scaling", "yarn"],
+        ["model.rope_scaling='yarn' is not allowed", "none, linear, llama3"],
+    ),
+    (
+        "rope_llama3_bands",
+        1,
+        ["--model.rope_scaling", "llama3", "--model.rope_low_freq_factor", "4"],
+        ["model.rope_low_freq_factor=4.0 must be < model.rope_high_freq_factor=4.0"],
+    ),
+    # a transformers folder as checkpoint.init_from (checkpoint/hf_folder.py: unsupported, adopt_folder_config)
+    ("hf_attention_bias", 1, init_from(attention_bias=True), ["attention_bias=True", "supports only False"]),
+    ("hf_mlp_bias", 1, init_from(mlp_bias=True), ["mlp_bias=True", "supports only False", "dense Llama"]),
+    ("hf_sliding_window", 1, init_from(sliding_window=4096), ["sliding_window=4096", "full attention"]),
+    ("hf_moe", 1, init_from(num_local_experts=8), ["num_local_experts=8 describes MoE layers", "dense Llama"]),
+    ("hf_qk_norm", 1, init_from(use_qk_norm=True), ["use_qk_norm=True", "supports only False"]),
+    ("hf_head_dim", 1, init_from(head_dim=32), ["head_dim=32 but hidden_size / num_attention_heads = 128/8"]),
+    ("hf_hidden_act", 1, init_from(hidden_act="gelu"), ["hidden_act='gelu'", "supports only 'silu'"]),
+    (
+        "hf_model_type",
+        1,
+        init_from(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+        ["model_type='qwen2'", "architectures=['Qwen2ForCausalLM']", "LlamaForCausalLM only"],
+    ),
+    (
+        "hf_rope_yarn",
+        1,
+        init_from(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+        ["RoPE type 'yarn' is not supported", "default (none), linear, llama3"],
+    ),
+    (
+        "hf_flag_disagrees",
+        1,
+        ["--model.rope_theta", "500000", *init_from()],
+        ["model.rope_theta=500000.0 was given, but", "config.json says 10000.0", "drop --model.rope_theta"],
+    ),
     # the layout against the world, the model and the batch (mesh/layout_rules.py: layout_errors)
     (
         "world_product",
@@ -206,7 +274,7 @@ def test_a_bad_setting_is_refused_naming_the_field_and_the_fix(world, args, word
     monkeypatch.setattr("train.memory_per_rank", lambda device: TEST_MACHINE)
     start = time.monotonic()
     config = [] if "--config" in args else ["--config", DEBUG_CONFIG]
-    code = main([*config, "--run.dir", str(tmp_path / "run"), *args])
+    code = main([*config, "--run.dir", str(tmp_path / "run"), *resolve(args, tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and time.monotonic() - start < 10
     (message,) = messages(err)
@@ -432,11 +500,15 @@ def test_a_checkpoint_folder_without_room_is_refused_before_training(tmp_path, m
     [
         (["--parallel.dp_shard", "3"], ["WORLD_SIZE=2", "make the product equal the number of processes"]),
         (["--training.beta2", "1.5"], ["training.beta2=1.5 must be >= 0 and < 1"]),
+        (
+            init_from(attention_bias=True, sliding_window=4096, num_local_experts=8),
+            ["attention_bias=True", "sliding_window=4096", "num_local_experts=8", "meshloom cannot run"],
+        ),
     ],
-    ids=["layout-misfit", "bad-value"],
+    ids=["layout-misfit", "bad-value", "transformers-folder"],
 )
 def test_under_torchrun_every_worker_exits_2_with_the_message(args, words, tmp_path):
-    message = refused(tmp_path, *args, nproc=2)
+    message = refused(tmp_path, *resolve(args, tmp_path), nproc=2)
     for word in words:
         assert word in message
 

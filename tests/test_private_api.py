@@ -35,7 +35,14 @@ def private_apis_on_two_ranks() -> dict:
 
     sharded = DTensor.from_local(torch.arange(2.0) + rank, mesh["a"], (Shard(0),))
     local = api.dtensor_local_storage(sharded)
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    uneven = distribute_tensor(torch.zeros(5, 3), mesh["a"], (Shard(0),))  # rows 0-2 and 3-4
+    columns = distribute_tensor(torch.zeros(4, 6), mesh["a"], (Shard(1),))
+    strided = distribute_tensor(torch.zeros(8, 2), mesh["a"], (_StridedShard(0, split_factor=2),))
     return {
+        "blocks": [api.contiguous_block(t) for t in (uneven, columns, strided)],
         "local_read": (
             type(local) is torch.Tensor,
             local.tolist(),
@@ -71,6 +78,10 @@ def test_mesh_and_functional_collective_apis():
     assert r0["joined"] == (("a1", "a2"), (1, 2), True) and r0["joined_group"] == [0, 1]
     # a DTensor's local shard, read without an autograd op: a plain tensor on the same storage
     assert r0["local_read"] == (True, [0.0, 1.0], True) and r1["local_read"] == (True, [1.0, 2.0], True)
+    # which block of the full tensor each rank holds (checkpoint/hf.py reads only that block); none for a
+    # strided shard, whose rows are not one block
+    assert r0["blocks"] == [((3, 3), (0, 0)), ((4, 3), (0, 0)), None]
+    assert r1["blocks"] == [((2, 3), (3, 0)), ((4, 3), (0, 3)), None]
 
 
 def test_pipeline_stage_shape_inference_hook_exists():

@@ -9,7 +9,7 @@ results from a symbolic model that tests/test_figures.py checks against real glo
 from bench/memory_table.py; the TP and SP layouts from mesh/tensor_parallel.py's plans; the rank grid from
 the same row-major rule as ``init_device_mesh`` (the test compares it with meshloom's real meshes); the EP
 example from examples/moe_from_scratch.py; the DCP chunks from the placements meshloom gives a weight (the
-test reads them off a real 2 x 2 run); the pipeline schedules from torch's own action lists
+test reads them off a real 2 x 2 run); the RoPE wavelengths from models/rope.py; the pipeline schedules from torch's own action lists
 (bench/schedule_ir.py); the memory per pipeline rank under three layer splits from mesh/memory_estimate.py and
 mesh/pipeline.py's splits. Plain SVG strings (docs/figures/svg.py), no dependencies; one module per picture family, named for its chapter.
 
@@ -31,6 +31,7 @@ from docs.figures.expert_parallel import ep_example, ep_svg
 from docs.figures.mesh_grid import MESH_ORDER, layout_groups, mesh_svg
 from docs.figures.pipeline import PIPELINE_FIGURES, SCHEDULE_STAGES, pipeline_ideal, pipeline_svg, pipeline_table
 from docs.figures.pp_split import pp_split_svg
+from docs.figures.rope import rope_svg
 from docs.figures.svg import CHAR_WIDTH, IMG, ROOT, Svg
 from docs.figures.tensor_parallel import sp_svg, sp_transitions, tp_split_svg
 from docs.figures.tied_embeddings import tied_embeddings_svg
@@ -78,6 +79,7 @@ def all_figures() -> dict[str, Callable[[], str]]:
         "ep_dispatch.svg": ep_svg,
         "dcp_reshard.svg": dcp_svg,
         "cp_causal_mask.svg": cp_mask_svg,
+        "rope_scaling.svg": rope_svg,
         "pp_split_memory.svg": pp_split_svg,
     }
     for name, (sizes, ep) in MESH_FIGURES.items():
