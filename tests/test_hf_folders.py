@@ -245,6 +245,27 @@ def test_every_layout_starts_from_transformers_loss_and_exports_back(folders, tm
             assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case, layout",
+    [
+        ("current_llama3_sharded_tied", {"parallel.dp_shard": 2}),  # fsdp2: the tied weight sharded once
+        ("current_linear_mha_tied", {"parallel.dp_shard": 1, "parallel.tp": 2}),  # tp2: one Shard(0) DTensor
+        ("current_plain_gqa", {"parallel.dp_shard": 1, "parallel.tp": 2}),  # tp2 splits the kv heads 2 -> 1 + 1
+    ],
+    ids=["fsdp2-llama3-tied", "tp2-linear-tied", "tp2-plain-gqa"],
+)
+def test_fsdp_and_tp_alone_start_from_transformers_loss(folders, tmp_path, case, layout):
+    """fsdp2 and tp2 each on their own (the default test runs them together as fsdp2 x tp2): the first step's
+    loss from each folder is transformers' (tolerance as in the test above)."""
+    config = tmp_path / "run.toml"
+    config.write_text(RUN_TOML)
+    init = {"checkpoint.init_from": str(folders[case]), "training.steps": 1, **layout}
+    [record] = train_on(2, init, tmp_path / "run", config=str(config))
+    expected = step_one_loss(folders[case])
+    assert abs(record["loss"] - expected) <= 1e-5 * expected, (record["loss"], expected)
+
+
 def test_export_shards_like_save_pretrained(folders, tmp_path):
     """The same tensors and max size give the files save_pretrained gives: same names, same tensors in each."""
     from checkpoint.hf import export_safetensors, parse_size
