@@ -66,12 +66,21 @@ DATA_SIZED = {
 HOST_COPIES = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy", torch.Tensor.cpu: "cpu"}
 
 
+def is_meshloom_file(path: Path) -> bool:
+    """A file of the repository's own code: under ROOT, and not in a virtual environment kept there (CI makes
+    ``.venv`` inside the clone, so torch's own frames sit under ROOT too)."""
+    if not path.is_relative_to(ROOT):
+        return False
+    parts = path.relative_to(ROOT).parts
+    return not parts[0].startswith(".") and "site-packages" not in parts
+
+
 def meshloom_site() -> str:
     """``path:function`` of the innermost frame of meshloom's own code (not this file, not tests)."""
     frame = inspect.currentframe()
     while frame is not None:
         path = Path(frame.f_code.co_filename)
-        if path.is_relative_to(ROOT) and path.name != "host_syncs.py" and "tests" not in path.parts:
+        if is_meshloom_file(path) and path.name != "host_syncs.py" and "tests" not in path.parts:
             return f"{path.relative_to(ROOT).as_posix()}:{frame.f_code.co_name}"
         frame = frame.f_back
     return "outside meshloom"
