@@ -83,7 +83,10 @@ def test_control_plane_paths_work_on_an_accelerator_only_default_group(tmp_path)
 @pytest.mark.parametrize(
     "overrides, config",
     [
-        ({"parallel.pp": 2, "parallel.dp_shard": 1, "run.pp_timeline": True}, DEBUG_CONFIG),
+        (  # tied embeddings: the two stages' copies summed on the device plane, the pair replica-checked
+            {"parallel.pp": 2, "parallel.dp_shard": 1, "run.pp_timeline": True, "model.tie_embeddings": True},
+            DEBUG_CONFIG,
+        ),
         ({"parallel.dp_shard": 2, "parallel.ep": 2}, str(ROOT / "configs" / "debug_moe.toml")),
         (
             {
@@ -113,7 +116,14 @@ def test_control_plane_paths_work_on_an_accelerator_only_default_group(tmp_path)
             DEBUG_CONFIG,
         ),
     ],
-    ids=["pp2-timeline", "moe-ep2", "cp2-ring-eval", "fsdp2-step-sync-bf16-reduce", "moe-tp2-profiled", "tp2-bf16"],
+    ids=[
+        "pp2-tied-timeline",
+        "moe-ep2",
+        "cp2-ring-eval",
+        "fsdp2-step-sync-bf16-reduce",
+        "moe-tp2-profiled",
+        "tp2-bf16",
+    ],
 )
 def test_training_runs_on_an_accelerator_only_default_group(overrides, config, shared_runs, tmp_path):
     # The replica check runs after every step here too: its comparisons go through the mesh's groups and its
