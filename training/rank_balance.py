@@ -17,7 +17,9 @@ same and hides it. What differs is the time each rank spends working rather than
    ``slowest_rank`` (1.0 on one process).
 4. **Warning** (``RankBalance.check``). The source articles' health rule: utilisation should differ by less
    than 15% across ranks. When the spread exceeds ``SPREAD_RULE`` (1.15) on ``WARN_AFTER`` (3) logged steps
-   in a row, rank 0 prints one warning naming the slowest rank, then counts again from zero.
+   in a row, rank 0 prints one warning naming the slowest rank; it stays quiet while that spell of imbalance
+   lasts (a long run on a busy host would otherwise repeat it every few steps: metrics.jsonl keeps every
+   step's spread) and counts again once a logged step is back within the rule.
 
 Test hook: ``MESHLOOM_SLOW_RANK="RANK:SECONDS"`` makes rank RANK compute (spin) SECONDS more in every step,
 a stand-in for a slow device (tests/test_rank_balance.py).
@@ -66,6 +68,7 @@ class RankBalance:
         self.device = device
         self.started = 0.0
         self.streak = 0
+        self.warned = False  # this spell of imbalance has had its warning
         slow_rank, _, seconds = os.environ.get(SLOW_ENV, "").partition(":")
         self.extra_s = float(seconds) if slow_rank and int(slow_rank) == rank else 0.0
 
@@ -84,16 +87,17 @@ class RankBalance:
     def check(self, record: dict) -> str | None:
         """After a logged step: the warning to print, once ``WARN_AFTER`` logged steps in a row exceeded the rule."""
         if record["compute_spread"] <= SPREAD_RULE:
-            self.streak = 0
+            self.streak, self.warned = 0, False
             return None
         self.streak += 1
-        if self.streak < WARN_AFTER:
+        if self.streak < WARN_AFTER or self.warned:
             return None
-        self.streak = 0
+        self.warned = True
         return (
             f"meshloom: warning: step compute time differs across ranks by {record['compute_spread'] - 1:.0%} "
             f"(max / min {record['compute_spread']:.2f}: slowest rank {record['slowest_rank']} "
             f"{record['compute_s_max']:.3f} s, fastest {record['compute_s_min']:.3f} s) for {WARN_AFTER} logged "
             f"steps in a row, above the {SPREAD_RULE - 1:.0%} rule; every other rank waits for the slowest in "
-            "each collective (an uneven pipeline split, a throttled device, a busy host: docs/profiling.md)"
+            "each collective (an uneven pipeline split, a throttled device, a busy host: docs/profiling.md); "
+            "said once until a logged step is back within the rule"
         )
