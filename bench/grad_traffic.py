@@ -7,7 +7,7 @@
 Every gradient reduction in meshloom is one of two kinds, and nothing else in meshloom uses these calls on
 these groups:
 
-- ``shard``: a reduce-scatter (``dist.reduce_scatter_single``, FSDP2 in torch 2.13), inside the group FSDP
+- ``shard``: a reduce-scatter (FSDP2's ``dist.reduce_scatter_single``, ``reduce_scatter_tensor`` before 2.13), inside the group FSDP
   shards over. meshloom reduce-scatters nothing but gradients.
 - ``replicate``: an all-reduce (``dist.all_reduce``) on the ``dp_replicate`` mesh dim's group (DeviceMesh
   describes it ``mesh_dp_replicate``): HSDP's all-reduce across replicas, DDP's PowerSGD hook.
@@ -15,7 +15,7 @@ these groups:
 All-reduces on other groups (the loss sum on the flattened loss mesh, the control plane) are not gradient
 traffic and are left out; the gradient norm uses functional collectives, which these wrappers do not see.
 
-- ``calls``: (function, kind) -> number of calls;
+- ``calls``: (``all_reduce`` or ``reduce_scatter``, kind) -> number of calls;
 - ``payload_bytes``: the size of the tensors handed to the collectives (a reduce-scatter's full input);
 - ``wire_bytes``: what a ring algorithm sends per rank for them: 2(n-1)/n x payload for an all-reduce,
   (n-1)/n x payload for a reduce-scatter (docs/00_foundations.md, section 2).
@@ -27,9 +27,13 @@ from collections import Counter
 
 import torch.distributed as dist
 
+from mesh.private_api import REDUCE_SCATTER
+
 REPLICATE_GROUP = "mesh_dp_replicate"
-# function -> (keyword, position) of the tensor whose size counts
-WRAPPED = {"all_reduce": ("tensor", 0), "reduce_scatter_single": ("input", 1), "reduce_scatter_tensor": ("input", 1)}
+# label -> (function, keyword and position of the tensor whose size counts). The reduce-scatter is wrapped
+# under the one name the installed torch has (mesh/private_api.py: REDUCE_SCATTER), so that an old name that
+# forwards to the new one is not counted twice.
+WRAPPED = {"all_reduce": ("all_reduce", "tensor", 0), "reduce_scatter": (REDUCE_SCATTER, "input", 1)}
 
 
 def gradient_kind(name: str, group) -> str | None:
@@ -48,8 +52,8 @@ class GradientTraffic:
         self.wire_bytes = 0.0
         self._originals: dict = {}
 
-    def _wrap(self, name: str, keyword: str, position: int):
-        original = self._originals[name]
+    def _wrap(self, name: str, function: str, keyword: str, position: int):
+        original = self._originals[function]
 
         def counted(*args, **kwargs):
             group = kwargs.get("group")
@@ -66,9 +70,9 @@ class GradientTraffic:
         return counted
 
     def __enter__(self) -> GradientTraffic:
-        for name, (keyword, position) in WRAPPED.items():
-            self._originals[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, keyword, position))
+        for name, (function, keyword, position) in WRAPPED.items():
+            self._originals[function] = getattr(dist, function)
+            setattr(dist, function, self._wrap(name, function, keyword, position))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -76,5 +80,5 @@ class GradientTraffic:
             setattr(dist, name, original)
 
     def count(self, name: str, kind: str) -> int:
-        """Calls of ``dist.<name>`` of ``kind`` (``shard`` or ``replicate``)."""
+        """Calls of ``name`` (``all_reduce`` or ``reduce_scatter``) of ``kind`` (``shard`` or ``replicate``)."""
         return self.calls[(name, kind)]

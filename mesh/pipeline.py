@@ -47,7 +47,7 @@ from mesh.memory_estimate import (
     stage_parameters,
     states_bytes,
 )
-from mesh.private_api import after_shape_inference
+from mesh.private_api import after_shape_inference, no_warm_up_messages_to_self
 from models.flops import head_flops_per_token, layer_flops_per_token
 from models.llama import ModelArgs, Transformer
 from runtime.config import PipelineSchedule
@@ -292,6 +292,7 @@ def build_pipeline_schedule(
     ]
     for stage in stages:
         forget_metadata_inference_statistics(stage)
+        no_warm_up_messages_to_self(stage)
     schedule_class = get_schedule_class(schedule)
     # scale_grads=False: loss_fn already divides by the global token count (see the module docstring).
     if SCHEDULE_FAMILIES[schedule].placement == "single":
@@ -312,5 +313,8 @@ def run_schedule(
     losses: list[torch.Tensor] = []
     is_first, is_last = 0 in stage_ids, n_stages - 1 in stage_ids
     run = schedule.eval if forward_only else schedule.step
+    # The loader's inputs and targets are slices of one (b, s + 1) window: torch 2.11 checks each micro-batch's
+    # strides against those it inferred and refuses a slice, so the stages get dense tensors.
+    inputs, targets = inputs.contiguous(), targets.contiguous()
     run(*((inputs,) if is_first else ()), **({"target": targets, "losses": losses} if is_last else {}))
     return losses

@@ -1,4 +1,23 @@
-"""The one place meshloom touches private torch APIs (torch 2.13), each wrapped with the reason it is needed.
+"""The one place meshloom touches private torch APIs, and the one place where torch releases differ.
+
+meshloom supports torch 2.11 to 2.15 (pyproject.toml). Where two releases spell something differently, the
+wrapper here asks the installed torch whether it *has* the newer name (``hasattr``/``getattr``) and falls back
+to the older one, with a comment naming the releases; no code reads a version string. The differences:
+
+| what                                   | releases                                                              |
+|----------------------------------------|-----------------------------------------------------------------------|
+| c10d ``all_gather_single`` /           | 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor``   |
+| ``reduce_scatter_single``              | and warns on the old names; 2.11 has only the old ones               |
+| functional ``all_gather_single`` /     | the same rename in ``_functional_collectives`` (``all_gather_tensor``  |
+| ``reduce_scatter_single``              | / ``reduce_scatter_tensor`` in 2.11)                                  |
+| ``DeviceMesh._unflatten(dim)``         | 2.11 refuses a dim given by its name (an inverted check): by index    |
+| an FSDP unit's parameter groups        | ``_fsdp_param_groups`` (a list) in 2.13, ``_fsdp_param_group`` in 2.11 |
+| the end of a pipeline stage's shape    | 2.13: ``_post_metadata_inference_cleanup`` after a real forward and   |
+| inference                              | backward; 2.11: ``_shape_inference``, one no-grad forward on zeros    |
+| a pipeline's first-step warm-up        | 2.11 sends to a neighbour stage on the same rank (V schedules), which |
+|                                        | gloo cannot: those messages are left out (2.13 warms up another way)  |
+| ``DefaultStager`` reuse                | 2.11 closes the stager's copier after each stage: one stager per save |
+|                                        | (checkpoint/manager.py builds a fresh one each time, on every release)|
 
 Prefer public APIs everywhere else. When torch renames or removes one of these, ``tests/test_private_api.py``
 fails here, loudly, instead of a training run failing somewhere deep inside a collective. (The docs tooling
@@ -18,6 +37,7 @@ identifiers, not Python APIs.)
 |                                        | all-gather and reduce-scatter that selective activation checkpointing |
 |                                        | can cache (c10d's in-place ops cannot be)                             |
 | ``PipelineStage._post_metadata_inference_cleanup`` | the only hook at the end of the stage's shape inference   |
+| (2.13+), ``PipelineStage._shape_inference`` (2.11) |                                                           |
 | ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` | activation checkpointing that keeps the module  |
 |                                        | tree (FSDP units and state-dict names see through it)                 |
 | ``torch.distributed._composable.replicate`` | DDP's reducer and communication hooks (PowerSGD) on the model    |
@@ -68,7 +88,10 @@ def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str, options) ->
 
 def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...], options) -> DeviceMesh:
     """``mesh`` with dim ``dim`` split into ``names`` of ``sizes`` (row-major, so rank order is kept)."""
-    return mesh._unflatten(dim, sizes, names, backend_override=dict.fromkeys(names, options))
+    # The dim goes by its index: torch 2.11's _unflatten refuses every dim *name* that the mesh has (its check
+    # is inverted); an index works in every release.
+    index = mesh.mesh_dim_names.index(dim)
+    return mesh._unflatten(index, sizes, names, backend_override=dict.fromkeys(names, options))
 
 
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
@@ -96,6 +119,32 @@ def backend_options(backend: str, timeout_s: float):
     return backend, torch._C._distributed_c10d.Backend.Options(backend, timeout)
 
 
+# ---- c10d collectives renamed in torch 2.13 ----------------------------------------------------------------
+# torch 2.13 renamed ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` to ``all_gather_single`` and
+# ``reduce_scatter_single`` and prints a FutureWarning on the old names; 2.11 has only the old names.
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """Every rank's ``input`` concatenated along dim 0 into ``output`` (c10d, in place)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """The sum of every rank's ``input``; rank r keeps chunk r of dim 0 in ``output`` (c10d, in place)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, input, group=group)
+
+
+# The name FSDP2 and these wrappers call (benches that count gradient reductions wrap it).
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def _functional(new: str, old: str):
+    """The functional collective ``new`` (torch 2.13+), or ``old``, its name in 2.11 (2.13 warns on ``old``)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return getattr(funcol, new, None) or getattr(funcol, old)
+
+
 # ---- functional collectives ----------------------------------------------------------------------------
 def all_to_all_autograd(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     """Differentiable uneven all-to-all: its backward is the reverse all-to-all of the gradients.
@@ -117,16 +166,16 @@ def all_to_all_functional(x: torch.Tensor, group) -> torch.Tensor:
 
 def all_gather_functional(x: torch.Tensor, group) -> torch.Tensor:
     """All-gather along dim 0 into a new tensor (rank order); selective checkpointing can cache its result."""
-    from torch.distributed._functional_collectives import all_gather_single, wait_tensor
+    from torch.distributed._functional_collectives import wait_tensor
 
-    return wait_tensor(all_gather_single(x, 0, group))
+    return wait_tensor(_functional("all_gather_single", "all_gather_tensor")(x, 0, group))
 
 
 def reduce_scatter_functional(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over the ranks, then rank r keeps chunk r of dim 0: the reverse of ``all_gather_functional``."""
-    from torch.distributed._functional_collectives import reduce_scatter_single, wait_tensor
+    from torch.distributed._functional_collectives import wait_tensor
 
-    return wait_tensor(reduce_scatter_single(x, "sum", 0, group))
+    return wait_tensor(_functional("reduce_scatter_single", "reduce_scatter_tensor")(x, "sum", 0, group))
 
 
 def all_reduce_functional(x: torch.Tensor, group) -> torch.Tensor:
@@ -144,18 +193,40 @@ def all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
 
 # ---- pipelining ----------------------------------------------------------------------------------------
 def after_shape_inference(stage, callback) -> None:
-    """Call ``callback()`` right after ``stage`` finished torch's shape inference (its first real step).
+    """Call ``callback()`` right after ``stage`` finished torch's shape inference (before its first real step).
 
-    In torch 2.13 a stage built without example inputs infers shapes by running one real forward and
-    backward; ``_post_metadata_inference_cleanup`` is the only point that marks its end.
+    A stage built without example inputs infers its shapes by running its module once, on the first step:
+    - torch 2.13+: one real forward and backward on the first micro-batch ("metadata inference"), ended by
+      ``_post_metadata_inference_cleanup``;
+    - torch 2.11: one no-grad forward on zeros of the input's shape, in ``_shape_inference``.
+    Either run routes tokens through the model (an MoE router counts them), so the callback forgets it.
     """
-    cleanup = stage._post_metadata_inference_cleanup
+    name = "_post_metadata_inference_cleanup"
+    if not hasattr(stage, name):  # torch 2.11
+        name = "_shape_inference"
+    inference = getattr(stage, name)
 
-    def cleanup_then_callback() -> None:
-        cleanup()
+    def inference_then_callback(*args, **kwargs):
+        result = inference(*args, **kwargs)
         callback()
+        return result
 
-    stage._post_metadata_inference_cleanup = cleanup_then_callback
+    setattr(stage, name, inference_then_callback)
+
+
+def no_warm_up_messages_to_self(stage) -> None:
+    """Leave a stage's links to a neighbour stage *on the same rank* out of torch's first-step warm-up.
+
+    torch 2.11 opens every stage's links with a dummy send and receive to both neighbour stages, also when the
+    neighbour sits on the same rank (V-shaped schedules put stages p-1 and p on one rank), and gloo cannot send
+    to itself ("Pair is not connected"). Both ends of such a link are on this rank, so dropping them keeps the
+    other messages paired. torch 2.13+ warms PipelineStages up another way and never calls this method.
+    """
+    warm_up = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if warm_up is None:
+        return
+    me = dist.get_rank()
+    stage._get_init_p2p_neighbors_ops = lambda: [op for op in warm_up() if op.peer != me]
 
 
 # ---- activation checkpointing ----------------------------------------------------------------------------
@@ -182,7 +253,11 @@ def replicate_with_ddp(model, group, device: torch.device, **ddp_kwargs):
 
 def offloads_to_host(module) -> bool:
     """True when every parameter of FSDP unit ``module`` is managed with FSDP2's CPU offload."""
-    params = [p for group in module._get_fsdp_state()._fsdp_param_groups for p in group.fsdp_params]
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13+: a list of groups per unit
+    if groups is None:  # torch 2.11: one group (or None) per unit
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    params = [p for group in groups for p in group.fsdp_params]
     return bool(params) and all(p.offload_to_cpu for p in params)
 
 

@@ -55,6 +55,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from mesh.private_api import all_gather_into
+
 # Position weights repeat with this period (a prime, so that a period rarely lines up with a tensor's rows).
 _WEIGHT_PERIOD = 8191
 # Keep checksums in 62 bits: their negation for the MIN-by-MAX trick of step 2 cannot overflow.
@@ -165,7 +167,7 @@ def compare_replicas(
             continue
         # Step 3 (failure path only): every coordinate's checksums, to name the ones that disagree.
         gathered = torch.empty(len(ranks) * len(names), dtype=torch.int64, device=sums.device)
-        dist.all_gather_into_tensor(gathered, sums, group=g.group)
+        all_gather_into(gathered, sums, group=g.group)
         table = gathered.view(len(ranks), len(names)).tolist()
         for i, name in enumerate(names):
             if differs[i]:

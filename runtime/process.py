@@ -213,10 +213,11 @@ class ControlPlane:
         """Every rank's ``values`` (as many on every rank), in rank order, on every rank: one all-gather of a
         small CPU tensor and one read of it (the stop agreement and the ranks' step times share it)."""
         mine = torch.tensor(values, dtype=torch.float64)
-        out = torch.empty(dist.get_world_size(self.group) * len(values), dtype=torch.float64)
-        dist.all_gather_into_tensor(out, mine, group=self.group)
-        flat = out.tolist()
-        return [flat[i : i + len(values)] for i in range(0, len(flat), len(values))]
+        # dist.all_gather (a list of outputs) has one name in every supported torch; the single-tensor form
+        # was renamed in 2.13 (mesh/private_api.py), and runtime/ sits below mesh/.
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(rows, mine, group=self.group)
+        return torch.stack(rows).tolist()
 
     def any_true(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any rank."""

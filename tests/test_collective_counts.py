@@ -149,13 +149,13 @@ def one_process_gradients(world: int) -> dict:
 @pytest.mark.parametrize(
     "dp_replicate, dp_shard, per_step",
     [
-        (1, 2, {"microbatch": {"reduce_scatter_single@shard": 3 * K}, "step": {"reduce_scatter_single@shard": 3}}),
+        (1, 2, {"microbatch": {"reduce_scatter@shard": 3 * K}, "step": {"reduce_scatter@shard": 3}}),
         (
             2,
             2,
             {
-                "microbatch": {"reduce_scatter_single@shard": 3 * K, "all_reduce@replicate": 3 * K},
-                "step": {"reduce_scatter_single@shard": 3 * K, "all_reduce@replicate": 3},
+                "microbatch": {"reduce_scatter@shard": 3 * K, "all_reduce@replicate": 3 * K},
+                "step": {"reduce_scatter@shard": 3 * K, "all_reduce@replicate": 3},
             },
         ),
     ],

@@ -128,8 +128,8 @@ def test_step_sync_on_fsdp_reduce_scatters_once_per_step_at_parity(one_process, 
     k, steps = 2, PARITY_STEPS
     every = counted_run(2, {**layout, "parallel.grad_sync": "microbatch"}, tmp_path / "microbatch")
     once = counted_run(2, {**layout, "parallel.grad_sync": "step"}, tmp_path / "step")
-    assert every["calls"] == {"reduce_scatter_single@shard": UNITS * k * steps}
-    assert once["calls"] == {"reduce_scatter_single@shard": UNITS * steps}  # k-1 fewer per unit and step
+    assert every["calls"] == {"reduce_scatter@shard": UNITS * k * steps}
+    assert once["calls"] == {"reduce_scatter@shard": UNITS * steps}  # k-1 fewer per unit and step
     assert_same_curve(once["records"], one_process)
 
 
@@ -145,7 +145,7 @@ def test_step_sync_on_hsdp_all_reduces_across_replicas_once_per_step_at_parity(o
     }
     once = counted_run(4, overrides, tmp_path)
     assert once["calls"] == {
-        "reduce_scatter_single@shard": UNITS * k * steps,
+        "reduce_scatter@shard": UNITS * k * steps,
         "all_reduce@replicate": UNITS * steps,  # microbatch: UNITS * k * steps (the collective-count test)
     }
     assert_same_curve(once["records"], one_process)
