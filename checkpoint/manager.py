@@ -44,8 +44,9 @@ from a background thread while the training thread uses the control plane.
 
 Asynchronous saves (``checkpoint.async``): the training thread waits only for the copy it must.
 
-1. ``save`` hands the state to ``dcp.async_save`` with a stager of its own (``DefaultStager``, kept for the
-   whole run so its host buffers are reused from one save to the next): on a GPU the copies go to pinned
+1. ``save`` hands the state to ``dcp.async_save`` with a stager of its own (``DefaultStager``), a fresh one per
+   save: torch 2.11's stager closes its copier after each copy and cannot stage twice, and a stager closed
+   once the previous save was written holds no host buffers between saves. On a GPU the copies go to pinned
    host memory with non-blocking copies on a side stream, and everywhere the copying runs in a staging thread.
    On a GPU, ``save`` first waits for the work already queued on the device (the optimizer step that made the
    state): the side stream does not wait for the compute stream by itself. Then it returns: the next step's
@@ -172,7 +173,8 @@ class CheckpointManager:
             self.group = new_cpu_group(control.timeout_s, "meshloom_checkpoint")
         self.pending = None  # the async save in flight: a future of its publishing
         self.staging = None  # ... and the future of its copy off the live tensors, until wait_staged
-        self.stager: DefaultStager | None = None
+        self.stager: DefaultStager | None = None  # the last async save's; a new one per save (docstring)
+        self.new_stager = lambda: DefaultStager(staging_options(self.device))
         self.executor = None
 
     # ---- start -----------------------------------------------------------------------------------------
@@ -288,7 +290,8 @@ class CheckpointManager:
             )
             return
         # Steps 1-3 of "Asynchronous saves": the copy runs in the stager's thread; wait_staged waits for it.
-        self.stager = self.stager or DefaultStager(staging_options(self.device))
+        self._close_stager()  # the previous save is written (self.wait() above): its copy is no longer needed
+        self.stager = self.new_stager()
         synchronize(self.device)  # the state the side stream copies is the one the queued optimizer step wrote
         response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager)
         self.staging = response.staging_completion
@@ -360,7 +363,11 @@ class CheckpointManager:
         if self.executor is not None:
             self.executor.shutdown(wait=True)
             self.executor = None
-        if self.stager is not None:  # its staging thread and its host buffers (torch leaves them to the owner)
+        self._close_stager()
+
+    def _close_stager(self) -> None:
+        """Stop the last save's staging thread and drop its buffers (torch leaves them to the stager's owner)."""
+        if self.stager is not None:
             self.stager.close()
             self.stager = None
 

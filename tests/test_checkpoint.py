@@ -418,7 +418,7 @@ def async_save_then_change_the_weights(folder: str, wait: bool) -> bool:
     control = init_process_group(torch.device("cpu"), 60)
     manager = CheckpointManager(cfg, LayoutPlan.resolve(cfg, 1), Resume("none"), control, torch.device("cpu"))
     manager.restore([part], optimizers, loader)
-    manager.stager = LateStager(staging_options(torch.device("cpu")))
+    manager.new_stager = lambda: LateStager(staging_options(torch.device("cpu")))
     saved = part.weight.detach().clone()
     manager.maybe_save(1, [part], optimizers, loader)
     if wait:
@@ -438,6 +438,49 @@ def test_an_async_save_holds_its_step_when_the_optimizer_waits_for_the_copy(tmp_
     assert run_on_ranks(async_save_then_change_the_weights, 1, str(tmp_path / "wait"), True, timeout=120) == [True]
     # ... and the wait is what makes it hold: without it the step's change reaches the checkpoint
     assert run_on_ranks(async_save_then_change_the_weights, 1, str(tmp_path / "no"), False, timeout=120) == [False]
+
+
+def three_async_saves_in_a_row(folder: str) -> list[bool]:
+    """Rank body: async saves after steps 1, 2 and 3, the weights changed after each copy; returns, per step,
+    whether its checkpoint holds that step's weights. (torch 2.11's stager cannot stage twice: the second
+    save failed with ``KeyError: <class 'type'>`` while one stager served the whole run.)"""
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint.manager import CheckpointManager
+    from data.loader import GlobalBatchLoader
+    from mesh.plan import LayoutPlan
+    from runtime.process import init_process_group
+    from training.optimizer import Optimizers
+
+    overrides = {"checkpoint.folder": folder, "checkpoint.interval": 1, "checkpoint.async": True}
+    cfg = load_config(path=DEBUG_CONFIG, overrides=overrides)
+    part = torch.nn.Linear(16, 16)
+    optimizers = Optimizers([part], cfg)
+    loader = GlobalBatchLoader(torch.arange(2000) % 256, seq_len=8, global_batch=2, micro_batch=2, dp_rank=0, dp_size=1)
+    control = init_process_group(torch.device("cpu"), 60)
+    manager = CheckpointManager(cfg, LayoutPlan.resolve(cfg, 1), Resume("none"), control, torch.device("cpu"))
+    manager.restore([part], optimizers, loader)
+    expected = {}
+    for step in (1, 2, 3):
+        expected[step] = part.weight.detach().clone()
+        manager.maybe_save(step, [part], optimizers, loader)
+        manager.wait_staged()
+        with torch.no_grad():
+            part.weight.add_(1.0)  # the next step's update, after the copy
+    manager.finish()
+    manager.close()
+    held = []
+    for step, weight in expected.items():
+        on_disk = {"model.weight": torch.empty_like(weight)}
+        dcp.load(on_disk, checkpoint_id=str(Path(folder) / f"step-{step}"), process_group=manager.group)
+        held.append(torch.equal(on_disk["model.weight"], weight))
+    return held
+
+
+def test_three_async_saves_in_a_row_each_hold_their_step(tmp_path):
+    from launch.spawn import run_on_ranks
+
+    assert run_on_ranks(three_async_saves_in_a_row, 1, str(tmp_path / "ckpt"), timeout=120) == [[True, True, True]]
 
 
 def test_async_saves_stage_in_a_thread_and_through_pinned_memory_on_a_gpu():
