@@ -33,11 +33,11 @@ def run() -> dict:
     out["all_reduce"] = x.tolist()
 
     chunk = torch.empty(2)
-    dist.reduce_scatter_single(chunk, start(rank, n))  # rank r gets chunk r of the sum
+    dist.reduce_scatter_tensor(chunk, start(rank, n))  # rank r gets chunk r of the sum
     out["reduce_scatter"] = chunk.tolist()
 
     gathered = torch.empty(2 * n)
-    dist.all_gather_single(gathered, start(rank, n)[2 * rank : 2 * rank + 2])  # everyone gets every chunk
+    dist.all_gather_into_tensor(gathered, start(rank, n)[2 * rank : 2 * rank + 2])  # everyone gets every chunk
     out["all_gather"] = gathered.tolist()
 
     exchanged = torch.empty(2 * n)

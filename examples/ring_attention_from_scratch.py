@@ -45,7 +45,7 @@ class AllGatherKV(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # (b, h, n, d) -> (b, h, cp·n, d), rank order
         cp = dist.get_world_size()
         out = torch.empty((cp * x.shape[0], *x.shape[1:]), dtype=x.dtype)  # ranks' tensors one after another
-        dist.all_gather_single(out, x.contiguous())
+        dist.all_gather_into_tensor(out, x.contiguous())
         return out.unflatten(0, (cp, -1)).movedim(0, 2).flatten(2, 3)
 
     @staticmethod
@@ -53,7 +53,7 @@ class AllGatherKV(torch.autograd.Function):
         cp = dist.get_world_size()
         pieces = grad.unflatten(2, (cp, -1)).movedim(2, 0).flatten(0, 1).contiguous()  # rank j's keys at j
         mine = torch.empty((pieces.shape[0] // cp, *pieces.shape[1:]), dtype=grad.dtype)
-        dist.reduce_scatter_single(mine, pieces)
+        dist.reduce_scatter_tensor(mine, pieces)
         return mine
 
 

@@ -41,11 +41,11 @@ class ZeRO1AdamW:
     @torch.no_grad()
     def step(self) -> None:
         grad = torch.empty(self.size)
-        dist.reduce_scatter_single(grad, self._flat([p.grad for p in self.params]), group=self.group)
+        dist.reduce_scatter_tensor(grad, self._flat([p.grad for p in self.params]), group=self.group)
         self.slice.grad = grad
         self.optimizer.step()
         full = torch.empty(self.size * self.world)
-        dist.all_gather_single(full, self.slice.detach(), group=self.group)
+        dist.all_gather_into_tensor(full, self.slice.detach(), group=self.group)
         for p, new in zip(self.params, full[: self.total].split([p.numel() for p in self.params]), strict=True):
             p.copy_(new.view_as(p))
 

@@ -42,7 +42,7 @@ class ShardedUnit(nn.Module):
 
     def gather(self) -> torch.Tensor:
         full = torch.empty(self.shard.numel() * dist.get_world_size(self.group))
-        dist.all_gather_single(full, self.shard.detach(), group=self.group)
+        dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group)
         return full
 
     def call(self, full: torch.Tensor, *inputs):
@@ -72,7 +72,7 @@ class _GatherRunFree(torch.autograd.Function):
         with torch.enable_grad():
             torch.autograd.backward(unit.call(full, *inputs), grad_out)  # recompute, then backpropagate
         grad_shard = torch.empty_like(unit.shard)
-        dist.reduce_scatter_single(grad_shard, full.grad, group=unit.group)  # keep the sum of my slice
+        dist.reduce_scatter_tensor(grad_shard, full.grad, group=unit.group)  # keep the sum of my slice
         return (None, grad_shard, *(x.grad if x.requires_grad else None for x in inputs))
 
 
@@ -92,7 +92,7 @@ def run() -> dict:
     errors = []
     for unit, ref in zip(sharded, reference, strict=True):  # gather my gradient slices to compare
         full = torch.empty(unit.shard.numel() * world)
-        dist.all_gather_single(full, unit.shard.grad)
+        dist.all_gather_into_tensor(full, unit.shard.grad)
         errors.append((full[: unit.numel] - torch.cat([p.grad.flatten() for p in ref.parameters()])).abs().max())
     return {
         "output error": (out - reference(x)[mine]).abs().max().item(),

@@ -136,9 +136,9 @@ def zero3_vs_fsdp() -> dict:
         parent, _, attr = name.rpartition(".")
         setattr(sketch.get_submodule(parent) if parent else sketch, attr, ShardedUnit(module))
     # The sketch recomputes each unit inside backward, which CommDebugMode's module tracker cannot follow.
-    with count_calls("all_gather_single", "reduce_scatter_single") as forward:
+    with count_calls("all_gather_into_tensor", "reduce_scatter_tensor") as forward:
         out_sketch = sketch(my_slice(inputs))
-    with count_calls("all_gather_single", "reduce_scatter_single") as backward:
+    with count_calls("all_gather_into_tensor", "reduce_scatter_tensor") as backward:
         loss_share(out_sketch, my_slice(targets), tokens).backward()
     sketch_counts = (forward, backward)
 
@@ -152,7 +152,7 @@ def zero3_vs_fsdp() -> dict:
     for name in units:
         wrapper = sketch.get_submodule(name)
         gathered = torch.empty(wrapper.shard.numel() * dist.get_world_size())
-        dist.all_gather_single(gathered, wrapper.shard.grad)
+        dist.all_gather_into_tensor(gathered, wrapper.shard.grad)
         expected = torch.cat([full(api_grads[f"{name}.{n}"].grad).flatten() for n in wrapper.names])
         errors.append(rel_error(gathered[: wrapper.numel], expected))
     return {
@@ -171,8 +171,8 @@ def test_zero3_sketch_equals_fsdp_resharding_after_forward():
         # (embedding, 2 blocks, norm, head), meshloom 3 (2 blocks + a root unit holding embedding, norm, head).
         n = r["units"]
         assert r["sketch"] == (
-            {"all_gather_single": n, "reduce_scatter_single": 0},
-            {"all_gather_single": n, "reduce_scatter_single": n},
+            {"all_gather_into_tensor": n, "reduce_scatter_tensor": 0},
+            {"all_gather_into_tensor": n, "reduce_scatter_tensor": n},
         )
         assert r["api"] == ({"_allgather_base_": 3}, {"_allgather_base_": 3, "_reduce_scatter_base_": 3})
 

@@ -211,7 +211,7 @@ class ShardedState:
 
     def gather_parameters(self) -> None:
         full = torch.empty(self.size * self.dp)
-        dist.all_gather_single(full, self.shard, group=self.group)
+        dist.all_gather_into_tensor(full, self.shard, group=self.group)
         offset = 0
         for p, shape in zip(self.params, self.shapes, strict=True):
             p.data = full[offset : offset + shape.numel()].view(shape)  # views of the one gathered buffer
@@ -221,7 +221,7 @@ class ShardedState:
         flat = torch.zeros(self.size * self.dp)
         flat[: self.numel] = torch.cat([p.grad.flatten() for p in self.params])
         grad_shard = torch.empty(self.size)
-        dist.reduce_scatter_single(grad_shard, flat, group=self.group)  # the sum of my slice only
+        dist.reduce_scatter_tensor(grad_shard, flat, group=self.group)  # the sum of my slice only
         return grad_shard
 
     def free_parameters(self) -> None:
