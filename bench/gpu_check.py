@@ -108,7 +108,9 @@ def gpu_tests() -> dict:
         output = proc.stdout + proc.stderr
         print(output, flush=True)
     lines = output.strip().splitlines()
-    summary = next((line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)), "")
+    summary = next(
+        (line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|failed|error|skipped)", line)), ""
+    )
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
     if proc.returncode != 0:
         raise CheckFailed(f"pytest -m gpu exited {proc.returncode}: {summary}\n" + "\n".join(lines[-60:]))
