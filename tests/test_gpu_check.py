@@ -61,6 +61,14 @@ def test_a_lent_machine_runs_it_from_the_root_with_nothing_installed_and_a_clean
     assert (out / "report.md").exists()
 
 
+def test_at_module_level_it_imports_only_the_standard_library():
+    # torch and pytest come inside the functions: the lent machine's versions (torch 2.11), nothing installed
+    code = "import sys, bench.gpu_check; print(sorted({'torch', 'pytest'} & set(sys.modules)))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
 def test_out_is_required_unless_the_environment_names_it(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("OUT", raising=False)
     with pytest.raises(SystemExit) as exit_:
