@@ -257,7 +257,7 @@ def run_check(check: Check, limit_s: float, out: Path, run: int = 1) -> dict:
         finally:
             try:  # the check, or what it left running (ranks holding the GPU), or both
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):  # none left
                 pass
             proc.wait()
     entry = entry_of(check, "", run, seconds=round(time.monotonic() - start, 1), log_file=log_path.name)
