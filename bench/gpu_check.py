@@ -1,22 +1,39 @@
 """One command for a GPU machine: every GPU check meshloom has, within 8 minutes on one GPU, with a report.
 
-    python -m bench.gpu_check                       # writes gpu_check/report.json and gpu_check/report.md
-    python -m bench.gpu_check --out DIR --only gpu-tests,async-save
+    python3 -m bench.gpu_check --out "$OUT/gpu_check" --budget 480                     # from the repository root
+    python3 -m bench.gpu_check --out "$OUT/gpu_check" --only NAME1,NAME2 --budget 240  # rerun some, time left
 
-Without a visible GPU it says so, writes a report whose every check is "not run", and exits 0.
+``--out DIR`` is required: the folder for the report and the logs, which on a lent GPU machine must lie under
+the folder the machine sends back (``$OUT``). Left out, it is ``$OUT/gpu_check`` when the environment variable
+``OUT`` is set, and an error otherwise. Without a visible GPU it says so, writes a report whose every check is
+"not run", and exits 0. Only the standard library is imported at module level (torch and pytest inside
+functions): it runs as it is where nothing can be installed (the lent machine: Python 3.12, torch 2.11).
 
 How it runs:
 
 1. ``CHECKS`` lists the checks, each a ``Check(name, run, budget_s, what)``: ``run`` is a module-level
    function that returns a dict of measured figures (its ``summary`` entry is the report's one-line
    summary) or raises. The budgets add up to at most ``TOTAL_S`` (8 minutes).
-2. Each check runs in a process of its own (``python -m bench.gpu_check --child module:function``): a fresh
-   CUDA context, and a hard limit. A check still running at its budget (or when the 8 minutes are spent)
-   is killed with its whole process group (the ranks it spawned too) and reported "timed out"; the next
-   check starts. So one hung check cannot eat the others' time.
-3. The report lists every check with its status (passed, failed, timed out, not run), its seconds and its
-   figures: ``report.json`` for machines, ``report.md`` for people. Every figure in it was measured in this
-   invocation; nothing is filled in. The exit status is 1 if any check failed or timed out, else 0.
+2. The report starts from ``DIR/report.json`` when one is there (an earlier invocation into the same DIR):
+   its entries for the checks this invocation does not run are kept as they are, and those it runs are
+   replaced. Each entry names the invocation that measured it (``run``), and ``runs`` lists the invocations.
+   So a second call with ``--only`` reruns what failed or timed out, in the time left (``--budget``), and the
+   report holds both calls' figures. This invocation's checks start "pending" ("not run" without a GPU), and
+   the report is written at once.
+3. Each check runs in a process of its own (``python -m bench.gpu_check --child module:function``): a fresh
+   CUDA context, and a hard limit. Its stdout and stderr go straight to ``DIR/<name>.log``, unbuffered
+   (``gpu-tests`` lets pytest write there too), so what a check printed survives whatever comes after. A
+   check still running at its budget, or when the invocation's ``--budget`` seconds (default ``TOTAL_S``)
+   are spent, is killed with its whole process group (the ranks it spawned too) and reported "timed out";
+   the next check starts. So one hung check cannot eat the others' time.
+4. The report (``report.json`` for machines, ``report.md`` for people, each replaced whole) is rewritten
+   before each check, which it shows "running", and after it, with its status (passed, failed, timed out),
+   seconds and figures. A kill at any moment loses nothing already measured: the report has every finished
+   check, "running" for the one cut short and "pending" for the rest. SIGTERM or Ctrl-C kills the running
+   check, reports it "timed out" and stops. Every figure was measured by the invocation its entry names;
+   nothing is filled in.
+5. The exit status is 1 if a check of this invocation failed or timed out, else 0. The last line printed
+   gives the ``--only`` command that reruns every check of the report that did not pass.
 
 The checks:
 
@@ -41,10 +58,10 @@ import argparse
 import importlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -72,17 +89,28 @@ class CheckFailed(AssertionError):
 
 # ---- the checks (each runs in a process of its own, on the GPU) ---------------------------------------------
 def gpu_tests() -> dict:
-    """``pytest -m gpu`` from the repository root; fails unless every selected test passed or skipped."""
+    """``pytest -m gpu`` from the repository root; fails unless every selected test passed or skipped.
+
+    Under ``run_check`` pytest writes straight into the check's log (``GPU_CHECK_LOG``, this process's own
+    stdout) as it runs, and the summary is read back from there."""
     import re
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+    log = os.environ.get("GPU_CHECK_LOG")
+    if log:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        start = os.path.getsize(log)
+        proc = subprocess.run(command, cwd=ROOT)  # inherits stdout and stderr: the log file
+        output = Path(log).read_bytes()[start:].decode(errors="replace")
+    else:
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        output = proc.stdout + proc.stderr
+        print(output, flush=True)
+    lines = output.strip().splitlines()
+    summary = next(
+        (line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|failed|error|skipped)", line)), ""
     )
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
-    summary = next((line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)), "")
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
     if proc.returncode != 0:
         raise CheckFailed(f"pytest -m gpu exited {proc.returncode}: {summary}\n" + "\n".join(lines[-60:]))
@@ -182,7 +210,7 @@ def reference(fn: Callable) -> str:
 
 
 def run_child(ref: str, result_path: str) -> int:
-    """Step 2, in the child: run the check ``module:function``; write its figures or its error as JSON."""
+    """Step 3, in the child: run the check ``module:function``; write its figures or its error as JSON."""
     module, _, name = ref.partition(":")
     try:
         outcome = {"ok": True, "result": getattr(importlib.import_module(module), name)()}
@@ -192,56 +220,62 @@ def run_child(ref: str, result_path: str) -> int:
     return 0 if outcome["ok"] else 1
 
 
-def run_check(check: Check, limit_s: float) -> dict:
-    """Step 2, in the parent: the check in its own process group, killed at ``limit_s``."""
-    with tempfile.TemporaryDirectory(prefix="meshloom-gpu-check-") as tmp:
-        result_path = Path(tmp) / "result.json"
-        log_path = Path(tmp) / "output.log"
-        start = time.monotonic()
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.gpu_check",
-                    "--child",
-                    reference(check.run),
-                    "--result",
-                    str(result_path),
-                ],
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: a timeout kills the ranks it spawned too
-            )
-            try:
-                proc.wait(timeout=limit_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
+def entry_of(check: Check, status: str, run: int, **more) -> dict:
+    return {"name": check.name, "what": check.what, "budget_s": check.budget_s, "status": status, "run": run, **more}
+
+
+def log_tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_bytes()[-4 * chars :].decode(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def run_check(check: Check, limit_s: float, out: Path, run: int = 1) -> dict:
+    """Step 3, in the parent: the check in its own process group, its stdout and stderr straight into
+    ``out/<name>.log``, killed at ``limit_s`` (or when this process is stopped: the stop then goes on up)."""
+    log_path = out / f"{check.name}.log"
+    result_path = out / f"{check.name}.result.json"
+    result_path.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPU_CHECK_LOG": str(log_path)}
+    command = [sys.executable, "-m", "bench.gpu_check", "--child", reference(check.run), "--result", str(result_path)]
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: a timeout kills the ranks it spawned too
+        )
+        timed_out = False
+        try:
+            proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            try:  # the check, or what it left running (ranks holding the GPU), or both
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                timed_out = True
-        seconds = time.monotonic() - start
-        output = log_path.read_text(errors="replace")
-        entry = {"name": check.name, "what": check.what, "budget_s": check.budget_s, "seconds": round(seconds, 1)}
-        if timed_out:
-            return {
-                **entry,
-                "status": "timed out",
-                "error": f"still running after {limit_s:.0f} s",
-                "log": output[-4000:],
-            }
-        if not result_path.exists():
-            return {
-                **entry,
-                "status": "failed",
-                "error": f"exited {proc.returncode} with no result",
-                "log": output[-4000:],
-            }
-        outcome = json.loads(result_path.read_text())
-        if outcome["ok"]:
-            return {**entry, "status": "passed", "result": outcome["result"]}
-        return {**entry, "status": "failed", "error": outcome["error"], "log": outcome["traceback"][-4000:]}
+            except (ProcessLookupError, PermissionError):  # none left
+                pass
+            proc.wait()
+    entry = entry_of(check, "", run, seconds=round(time.monotonic() - start, 1), log_file=log_path.name)
+    if timed_out:
+        return {
+            **entry,
+            "status": "timed out",
+            "error": f"still running after {limit_s:.0f} s",
+            "log": log_tail(log_path),
+        }
+    if not result_path.exists():
+        error = f"exited {proc.returncode} with no result"
+        return {**entry, "status": "failed", "error": error, "log": log_tail(log_path)}
+    outcome = json.loads(result_path.read_text())
+    result_path.unlink()
+    if outcome["ok"]:
+        return {**entry, "status": "passed", "result": outcome["result"]}
+    return {**entry, "status": "failed", "error": outcome["error"], "log": outcome["traceback"][-4000:]}
 
 
 def gpu_description() -> str | None:
@@ -253,98 +287,188 @@ def gpu_description() -> str | None:
     return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
 
 
+def earlier_report(out: Path) -> dict:
+    """Step 2: the report already in ``out`` (an earlier invocation's), or an empty one. A check it still shows
+    "running" was cut short when that invocation was killed: it is reported "timed out"."""
+    path = out / "report.json"
+    if not path.exists():
+        return {"runs": [], "checks": []}
+    try:
+        report = json.loads(path.read_text())
+        report.setdefault("runs", [])
+        assert isinstance(report["checks"], list)
+    except (ValueError, KeyError, TypeError, AssertionError) as exc:
+        print(f"gpu_check: {path} cannot be read ({exc!r}): a new report replaces it", flush=True)
+        return {"runs": [], "checks": []}
+    for e in report["checks"]:
+        if e["status"] == "running":
+            e["status"] = "timed out"
+            e["error"] = f"run {e.get('run')} was killed while this check ran; {e['name']}.log has what it printed"
+    return report
+
+
+def write_report(report: dict, out: Path) -> None:
+    """Step 4: ``report.json`` and ``report.md``, each replaced whole (a kill never leaves half a file)."""
+    report["ok"] = all(e["status"] in ("passed", "not run") for e in report["checks"])
+    for name, text in (("report.json", json.dumps(report, indent=1, default=str)), ("report.md", markdown(report))):
+        part = out / f".{name}.part"
+        part.write_text(text)
+        os.replace(part, out / name)
+
+
 def run_checks(checks: list[Check], out: Path, total_s: float = TOTAL_S, gpu: str | None = None) -> dict:
-    """Steps 2-3: run ``checks`` one after the other (or mark them "not run" without a ``gpu``); write the
-    report into ``out``; return it."""
+    """Steps 2-4: run ``checks`` one after the other within ``total_s`` seconds (or mark them "not run" without
+    a ``gpu``), merging them into the report in ``out``, which is rewritten before and after each; return it."""
     import torch
 
+    out.mkdir(parents=True, exist_ok=True)
+    report = earlier_report(out)
+    run = max([r["run"] for r in report["runs"]], default=0) + 1
+    date = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    names = [c.name for c in checks]
+    report.update(gpu=gpu, ran=gpu is not None, torch=torch.__version__, date=date, total_budget_s=total_s)
+    report["runs"].append(
+        {"run": run, "date": date, "gpu": gpu, "torch": torch.__version__, "total_budget_s": total_s, "checks": names}
+    )
+    entries = report["checks"]
+
+    def put(entry: dict) -> None:
+        """This invocation's entry for a check replaces the earlier one in place, or comes last."""
+        at = [e["name"] for e in entries]
+        if entry["name"] in at:
+            entries[at.index(entry["name"])] = entry
+        else:
+            entries.append(entry)
+
+    for check in checks:
+        put(entry_of(check, "pending" if gpu is not None else "not run", run))
+    write_report(report, out)
+    if gpu is None:
+        return report
     deadline = time.monotonic() + total_s
-    entries = []
     for check in checks:
         left = deadline - time.monotonic()
-        if gpu is None:
-            entries.append({"name": check.name, "what": check.what, "budget_s": check.budget_s, "status": "not run"})
-            continue
         if left <= 1:
-            spent = f"the {total_s:.0f} s of the whole check were spent before it started"
-            entries.append(
-                {
-                    "name": check.name,
-                    "what": check.what,
-                    "budget_s": check.budget_s,
-                    "status": "timed out",
-                    "error": spent,
-                }
+            put(
+                entry_of(check, "timed out", run, error=f"the {total_s:.0f} s of this run were spent before it started")
             )
+            write_report(report, out)
             continue
-        print(f"gpu_check: {check.name} ({check.what}; at most {min(check.budget_s, left):.0f} s) ...", flush=True)
-        entry = run_check(check, min(check.budget_s, left))
+        limit = min(check.budget_s, left)
+        print(f"gpu_check: {check.name} ({check.what}; at most {limit:.0f} s) ...", flush=True)
+        started = time.monotonic()
+        note = f"started {time.strftime('%H:%M:%S')}; still running when this report was last written"
+        put(entry_of(check, "running", run, log_file=f"{check.name}.log", error=note))
+        write_report(report, out)
+        try:
+            entry = run_check(check, limit, out, run)
+        except KeyboardInterrupt:  # SIGTERM (see main) or Ctrl-C: run_check has killed the check
+            seconds = round(time.monotonic() - started, 1)
+            error = f"stopped (SIGTERM or Ctrl-C) after {seconds} s"
+            log = log_tail(out / f"{check.name}.log")
+            put(entry_of(check, "timed out", run, seconds=seconds, log_file=f"{check.name}.log", error=error, log=log))
+            write_report(report, out)
+            raise
         print(f"gpu_check: {check.name}: {entry['status']} in {entry['seconds']} s", flush=True)
-        entries.append(entry)
-    report = {
-        "gpu": gpu,
-        "ran": gpu is not None,
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "total_budget_s": total_s,
-        "checks": entries,
-        "ok": all(e["status"] in ("passed", "not run") for e in entries),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "report.md").write_text(markdown(report))
+        put(entry)
+        write_report(report, out)
     return report
 
 
 def markdown(report: dict) -> str:
-    """The report for people: one row per check, then each failure's error and the end of its output."""
-    if report["ran"]:
-        head = f"GPU: {report['gpu']}; torch {report['torch']}; {report['date']}. Every figure below was measured now."
-    else:
-        head = f"No GPU visible (torch.cuda.is_available() is False): nothing was run or measured. torch {report['torch']}."
-    lines = [
-        "# meshloom GPU check",
+    """The report for people: the runs, one row per check, then each failure's error and the end of its
+    output (the whole output is in the check's log, beside the report)."""
+    lines = ["# meshloom GPU check", ""]
+    for r in report.get("runs", []):
+        head = f"- run {r['run']}, {r['date']}, torch {r['torch']}: "
+        if r["gpu"] is None:
+            head += "no GPU visible (torch.cuda.is_available() is False): nothing was run or measured."
+        else:
+            head += f"GPU {r['gpu']}, a budget of {r['total_budget_s']:.0f} s for {', '.join(r['checks'])}."
+        lines.append(head)
+    lines += [
         "",
-        head,
+        "Every figure below was measured by the run its row names, in this invocation or an earlier one into the",
+        'same folder. "running" or "pending": that run was killed before the check finished or started.',
         "",
-        "| check | status | seconds (budget) | result |",
-        "|---|---|---|---|",
+        "| check | status | seconds (budget) | result | run |",
+        "|---|---|---|---|---|",
     ]
     for e in report["checks"]:
         seconds = f"{e['seconds']} ({e['budget_s']})" if "seconds" in e else f"- ({e['budget_s']})"
         result = e.get("result", {}).get("summary", "") if e["status"] == "passed" else e.get("error", "")
-        lines.append(
-            f"| {e['name']}: {e['what']} | {e['status']} | {seconds} | {result.splitlines()[0] if result else ''} |"
-        )
+        first = result.splitlines()[0] if result else ""
+        lines.append(f"| {e['name']}: {e['what']} | {e['status']} | {seconds} | {first} | {e.get('run', '')} |")
     for e in report["checks"]:
-        if e["status"] in ("failed", "timed out"):
-            lines += ["", f"## {e['name']}: {e['status']}", "", "```", e.get("error", ""), e.get("log", ""), "```"]
+        if e["status"] in ("failed", "timed out", "running"):
+            lines += ["", f"## {e['name']}: {e['status']}", ""]
+            if e.get("log_file"):
+                lines += [f"Its whole output: `{e['log_file']}`.", ""]
+            lines += ["```", e.get("error", ""), e.get("log", ""), "```"]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="gpu_check", help="folder for report.json and report.md")
+def main(argv: list[str] | None = None, checks: list[Check] | None = None, find_gpu: Callable | None = None) -> int:
+    """The command line (``checks`` and ``find_gpu`` stand in for ``CHECKS`` and the GPU in the tests)."""
+    checks = CHECKS if checks is None else checks
+    parser = argparse.ArgumentParser(prog="python3 -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out",
+        help="folder for report.json, report.md and each check's <name>.log; on a lent GPU machine one under the "
+        'folder it sends back, e.g. "$OUT/gpu_check" (the default when the environment variable OUT is set)',
+    )
     parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=TOTAL_S,
+        help=f"seconds for this whole invocation (default {TOTAL_S}); each check also has its own budget",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # module:function, run in this process
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return run_child(args.child, args.result)
+    if args.out is None:
+        if not os.environ.get("OUT"):
+            parser.error(
+                "pass --out DIR, the folder for the report and the logs: on a lent GPU machine one under the "
+                'folder the machine sends back, e.g. --out "$OUT/gpu_check"'
+            )
+        args.out = str(Path(os.environ["OUT"]) / "gpu_check")
+    if args.budget <= 0:
+        parser.error(f"--budget must be positive, not {args.budget}")
     names = [n for n in args.only.split(",") if n]
-    unknown = sorted(set(names) - {c.name for c in CHECKS})
+    unknown = sorted(set(names) - {c.name for c in checks})
     if unknown:
-        parser.error(f"unknown checks {unknown}; choose from {', '.join(c.name for c in CHECKS)}")
-    checks = [c for c in CHECKS if not names or c.name in names]
-    gpu = gpu_description()
+        parser.error(f"unknown checks {unknown}; choose from {', '.join(c.name for c in checks)}")
+    selected = [c for c in checks if not names or c.name in names]
+    gpu = (find_gpu or gpu_description)()
     if gpu is None:
         print("gpu_check: no GPU visible (torch.cuda.is_available() is False): nothing run", flush=True)
-    report = run_checks(checks, Path(args.out), gpu=gpu)
+    out = Path(args.out)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop kills the check, then reports
+    try:
+        report = run_checks(selected, out, total_s=args.budget, gpu=gpu)
+    except KeyboardInterrupt:
+        print(f"gpu_check: stopped; {out / 'report.md'} has every check finished before", flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    run = report["runs"][-1]["run"]
     for e in report["checks"]:
         summary = e.get("result", {}).get("summary") or e.get("error", "")
-        print(f"  {e['name']:<20} {e['status']:<10} {summary.splitlines()[0] if summary else ''}")
-    print(f"gpu_check: report in {Path(args.out) / 'report.md'} and report.json", flush=True)
-    return 0 if report["ok"] else 1
+        first = summary.splitlines()[0] if summary else ""
+        print(f"  {e['name']:<20} {e['status']:<10} run {e.get('run', '?')}: {first}")
+    print(f"gpu_check: report in {out / 'report.md'} and report.json, each check's output in <name>.log", flush=True)
+    redo = [e["name"] for e in report["checks"] if e["status"] not in ("passed", "not run")]
+    if redo:
+        print(
+            "gpu_check: to rerun what did not pass, in the time left: python3 -m bench.gpu_check "
+            f"--out {shlex.quote(args.out)} --only {','.join(redo)} --budget SECONDS",
+            flush=True,
+        )
+    return 0 if all(e["status"] in ("passed", "not run") for e in report["checks"] if e.get("run") == run) else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """``python -m bench.gpu_check``, the one command for a GPU machine, checked on a machine without one: it says
-so and exits 0 with every check "not run"; and its machinery (a process per check, a hard limit per check that
-kills the check's whole process group, a report of every outcome) works, run here on stand-in checks."""
+so and exits 0 with every check "not run", run as a lent machine runs it (nothing installed, a clean
+environment); and its machinery (a process per check, a hard limit per check that kills the check's whole
+process group, each check's log and the report in the output folder as soon as they exist, a second call that
+reruns some checks into the same report) works, run here on stand-in checks."""
 
 import json
 import os
@@ -9,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpu_check import CHECKS, TOTAL_S, Check, run_checks
+import pytest
+
+from bench.gpu_check import CHECKS, TOTAL_S, Check, main, run_checks
 from launch.local_runs import ROOT
 
 
@@ -27,6 +31,52 @@ def test_without_a_gpu_it_says_so_and_exits_0_with_nothing_run(tmp_path):
     assert report["ran"] is False and report["gpu"] is None
     assert [(c["name"], c["status"]) for c in report["checks"]] == [(c.name, "not run") for c in CHECKS]
     assert "nothing was run or measured" in (tmp_path / "report.md").read_text()
+
+
+def test_a_lent_machine_runs_it_from_the_root_with_nothing_installed_and_a_clean_environment(tmp_path):
+    # a lent machine: python3 from the repository root, meshloom not installed, no PYTHONPATH, no GPU here
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    outside = subprocess.run(
+        [sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('bench'))"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert outside.stdout.strip() == "None", "meshloom is installed: this test would not show it runs without"
+    out = tmp_path / "out" / "gpu_check"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "no GPU visible" in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert [c["status"] for c in report["checks"]] == ["not run"] * len(CHECKS)
+    assert (out / "report.md").exists()
+
+
+def test_at_module_level_it_imports_only_the_standard_library():
+    # torch and pytest come inside the functions: the lent machine's versions (torch 2.11), nothing installed
+    code = "import sys, bench.gpu_check; print(sorted({'torch', 'pytest'} & set(sys.modules)))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_out_is_required_unless_the_environment_names_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("OUT", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main([], find_gpu=lambda: None)
+    assert exit_.value.code == 2 and "pass --out DIR" in capsys.readouterr().err
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert main([], find_gpu=lambda: None) == 0
+    assert json.loads((tmp_path / "gpu_check" / "report.json").read_text())["ran"] is False
 
 
 def test_the_checks_fit_in_8_minutes():
@@ -51,6 +101,26 @@ def hangs() -> dict:
     Path(os.environ["GPU_CHECK_TEST_PIDS"]).write_text(str(sleeper.pid))
     time.sleep(600)
     return {}
+
+
+def prints_then_hangs() -> dict:
+    """Prints, copies the report as it stands while it runs (beside its log), then hangs."""
+    print("printed before the hang")
+    log = Path(os.environ["GPU_CHECK_LOG"])
+    (log.parent / "report-seen-by-the-hung-check.json").write_text((log.parent / "report.json").read_text())
+    time.sleep(600)
+    return {}
+
+
+def prints_then_fails() -> dict:
+    print("printed before the failure")
+    raise AssertionError("the figure is wrong")
+
+
+def fixed_on_the_rerun() -> dict:
+    print(f"fixed: {os.environ.get('GPU_CHECK_TEST_FIXED', 'no')}")
+    assert os.environ.get("GPU_CHECK_TEST_FIXED") == "1", "not yet fixed"
+    return {"summary": "fixed", "value": 7}
 
 
 def alive(pid: int) -> bool:
@@ -84,6 +154,59 @@ def test_each_check_runs_apart_with_a_hard_limit_and_every_outcome_is_reported(t
     text = (tmp_path / "out" / "report.md").read_text()
     assert "| passes: returns a figure | passed |" in text and "measured 42" in text
     assert "## hangs: timed out" in text and "## fails: failed" in text
+
+
+def test_each_check_logs_into_out_as_it_runs_and_the_report_is_there_before_the_end(tmp_path):
+    out = tmp_path / "out"
+    checks = [
+        Check("passes", passes, 60, "returns a figure"),
+        Check("hangs", prints_then_hangs, 8, "never returns"),
+        Check("fails", prints_then_fails, 60, "raises"),
+    ]
+    report = run_checks(checks, out, gpu="stand-in")
+    assert [c["status"] for c in report["checks"]] == ["passed", "timed out", "failed"]
+    # while the second check hung, the report already held the first one's figures
+    seen = json.loads((out / "report-seen-by-the-hung-check.json").read_text())
+    assert [(c["name"], c["status"]) for c in seen["checks"]] == [
+        ("passes", "passed"),
+        ("hangs", "running"),
+        ("fails", "pending"),
+    ]
+    assert seen["checks"][0]["result"]["value"] == 42
+    # each check's output is in its own log, the killed one's included
+    assert (out / "hangs.log").read_text().startswith("printed before the hang")
+    assert "printed before the failure" in (out / "fails.log").read_text()
+    assert (out / "passes.log").exists()
+    assert {c["name"]: c["log_file"] for c in report["checks"]} == {n: f"{n}.log" for n in ("passes", "hangs", "fails")}
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report, default=str))
+    assert "Its whole output: `hangs.log`" in (out / "report.md").read_text()
+
+
+def test_a_second_call_with_only_reruns_those_checks_into_the_same_report(tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "out")
+    checks = [Check("passes", passes, 60, "returns a figure"), Check("flaky", fixed_on_the_rerun, 60, "fixed later")]
+    monkeypatch.delenv("GPU_CHECK_TEST_FIXED", raising=False)
+    assert main(["--out", out], checks=checks, find_gpu=lambda: "stand-in") == 1
+    first = json.loads(Path(out, "report.json").read_text())
+    assert [(c["name"], c["status"], c["run"]) for c in first["checks"]] == [
+        ("passes", "passed", 1),
+        ("flaky", "failed", 1),
+    ]
+    assert f"--out {out} --only flaky --budget SECONDS" in capsys.readouterr().out
+
+    monkeypatch.setenv("GPU_CHECK_TEST_FIXED", "1")
+    assert main(["--out", out, "--only", "flaky", "--budget", "60"], checks=checks, find_gpu=lambda: "stand-in") == 0
+    second = json.loads(Path(out, "report.json").read_text())
+    assert second["checks"][0] == first["checks"][0]  # kept as the first call measured it
+    assert second["checks"][1]["status"] == "passed" and second["checks"][1]["run"] == 2
+    assert second["checks"][1]["result"]["value"] == 7 and second["ok"] is True
+    assert [(r["run"], r["checks"], r["total_budget_s"]) for r in second["runs"]] == [
+        (1, ["passes", "flaky"], TOTAL_S),
+        (2, ["flaky"], 60),
+    ]
+    assert Path(out, "flaky.log").read_text().startswith("fixed: 1")
+    text = Path(out, "report.md").read_text()
+    assert "- run 1," in text and "- run 2," in text and "| flaky: fixed later | passed |" in text
 
 
 def test_the_whole_run_stops_at_its_total_budget(tmp_path):
