@@ -88,6 +88,7 @@ def world(layout: dict) -> int:
     ],
     ids=["fsdp4-async-to-fsdp2xtp2", "fsdp2xtp2-to-pp2xfsdp2", "pp2xtp2-to-1", "1-to-hsdp2x2", "cp2-to-tp2", "5d-to-1"],
 )
+@pytest.mark.compat
 def test_resume_on_another_layout_continues_the_same_run(before, after, saving, reference, tmp_path):
     ref, _ = reference
     folder = tmp_path / "ckpt"
@@ -432,6 +433,7 @@ def async_save_then_change_the_weights(folder: str, wait: bool) -> bool:
     return torch.equal(on_disk["model.weight"], saved)
 
 
+@pytest.mark.compat
 def test_an_async_save_holds_its_step_when_the_optimizer_waits_for_the_copy(tmp_path):
     from launch.spawn import run_on_ranks
 
@@ -477,6 +479,7 @@ def three_async_saves_in_a_row(folder: str) -> list[bool]:
     return held
 
 
+@pytest.mark.compat
 def test_three_async_saves_in_a_row_each_hold_their_step(tmp_path):
     from launch.spawn import run_on_ranks
 

@@ -36,6 +36,9 @@ from tests.api_path import (
     rel_error,
 )
 
+# Run on the oldest and the newest supported torch too (.ci/compat).
+pytestmark = pytest.mark.compat
+
 
 def fsdp_step_collectives(dp_replicate: int, dp_shard: int, policy: str) -> dict:
     model = materialize(api_fsdp(meta_model(), api_meshes(dp_replicate, dp_shard), policy))

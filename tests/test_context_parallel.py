@@ -153,6 +153,7 @@ def parity(request):
     return request.param, run_on_ranks(attention_parity, request.param, request.param)
 
 
+@pytest.mark.compat
 def test_both_algorithms_match_single_device_attention(parity):
     _, ranks = parity
     for rank, result in enumerate(ranks):
@@ -161,6 +162,7 @@ def test_both_algorithms_match_single_device_attention(parity):
             assert max(errors) < 1e-12, (rank, name, errors)
 
 
+@pytest.mark.compat
 def test_the_whole_model_has_one_devices_gradients(parity):
     _, ranks = parity
     for result in ranks:
@@ -295,6 +297,7 @@ def evaluating_one_process(shared_runs):
         "cp2-ring-compiled",
     ],
 )
+@pytest.mark.compat
 def test_context_parallel_matches_one_process(layout, evaluating_one_process, tmp_path):
     world = 1
     for key in ("parallel.cp", "parallel.tp", "parallel.pp", "parallel.dp_replicate", "parallel.dp_shard"):

@@ -30,6 +30,9 @@ from examples import (
 from launch.local_runs import ROOT
 from launch.spawn import run_on_ranks
 
+# Run on the oldest and the newest supported torch too (.ci/compat).
+pytestmark = pytest.mark.compat
+
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py") if not p.stem.startswith("_"))
 
 

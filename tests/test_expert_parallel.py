@@ -19,6 +19,7 @@ MOE_CONFIG = str(ROOT / "configs" / "debug_moe.toml")
 
 @pytest.mark.parametrize("ep", [2, 4])
 @pytest.mark.parametrize("starve", [False, True], ids=["spread", "one-rank-gets-all"])
+@pytest.mark.compat
 def test_ep_block_equals_single_device_block(ep, starve):
     for rank, r in enumerate(run_on_ranks(ep_layer_vs_single_device, ep, ep, starve)):
         # Same fp32 arithmetic on the same rows; only summation order differs (scatter-add, all-reduce).
@@ -82,6 +83,7 @@ def moe_tp_layer_vs_single_device(sequence_parallel: bool) -> dict:
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+@pytest.mark.compat
 def test_moe_under_tp_computes_each_token_expert_pair_once(sequence_parallel):
     results = run_on_ranks(moe_tp_layer_vs_single_device, 2, sequence_parallel)
     for rank, r in enumerate(results):
@@ -145,6 +147,7 @@ def moe_run(world, layout, tmp_path, **kw):
     ],
     ids=["ep2", "efsdp2xep2", "ep2-in-dp2xtp2", "tp2"],
 )
+@pytest.mark.compat
 def test_expert_parallel_training_matches_one_process(world, layout, moe_one_process, shared_runs):
     run = shared_runs.records(layout, config=MOE_CONFIG, world=world)  # shared: test_nccl_standin.py's ep2 too
     assert_same_curve(run, moe_one_process)

@@ -50,6 +50,9 @@ from tests.api_path import (
     rel_error,
 )
 
+# Run on the oldest and the newest supported torch too (.ci/compat).
+pytestmark = pytest.mark.compat
+
 # ---- DDP: buckets of all-reduces vs FSDP2 on the replicate dim ------------------------------------------------
 
 

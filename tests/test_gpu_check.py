@@ -17,6 +17,7 @@ from bench.gpu_check import CHECKS, TOTAL_S, Check, main, run_checks
 from launch.local_runs import ROOT
 
 
+@pytest.mark.compat
 def test_without_a_gpu_it_says_so_and_exits_0_with_nothing_run(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench.gpu_check", "--out", str(tmp_path)],
@@ -33,6 +34,7 @@ def test_without_a_gpu_it_says_so_and_exits_0_with_nothing_run(tmp_path):
     assert "nothing was run or measured" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.compat
 def test_a_lent_machine_runs_it_from_the_root_with_nothing_installed_and_a_clean_environment(tmp_path):
     # a lent machine: python3 from the repository root, meshloom not installed, no PYTHONPATH, no GPU here
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
@@ -215,6 +217,7 @@ def test_the_whole_run_stops_at_its_total_budget(tmp_path):
     assert [c["status"] for c in report["checks"]] == ["timed out", "timed out"]
 
 
+@pytest.mark.compat
 def test_the_kernel_checks_run_at_a_small_size_on_the_cpu():
     # the code path of two GPU checks, at a size and on a device where they run here (no figure is kept)
     from bench.gpu_check import moe_experts, ring_attention_16k

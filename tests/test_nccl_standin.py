@@ -16,6 +16,9 @@ from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, ROOT, run_training
 from launch.spawn import RankFailure, run_on_ranks
 from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 
+# Run on the oldest and the newest supported torch too (.ci/compat).
+pytestmark = pytest.mark.compat
+
 STANDIN = "cuda:gloo"
 
 

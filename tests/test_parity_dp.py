@@ -26,6 +26,7 @@ def test_moe_one_process_matches_a_plain_training_loop(shared_runs):
     assert [r["expert_load"] for r in run] == [r["expert_load"] for r in plain]
 
 
+@pytest.mark.compat
 def test_one_process_matches_a_plain_training_loop(one_process):
     cfg = load_config(path=DEBUG_CONFIG, overrides={"training.steps": PARITY_STEPS})
     plain = reference_losses(cfg)
@@ -45,6 +46,7 @@ def test_one_process_matches_a_plain_training_loop(one_process):
     ],
     ids=["fsdp2", "fsdp4", "hsdp2x2", "replicate2"],
 )
+@pytest.mark.compat
 def test_data_parallel_matches_one_process(layout, one_process, shared_runs):
     world = layout.get("parallel.dp_replicate", 1) * layout["parallel.dp_shard"]
     # shared: test_nccl_standin.py compares its fsdp2 run with the same gloo run
@@ -57,6 +59,7 @@ def test_reshard_after_forward_policies_do_not_change_training(policy, one_proce
     assert_same_curve(run, one_process)
 
 
+@pytest.mark.compat
 def test_gradient_accumulation_matches_one_process(one_process, tmp_path):
     # 8 sequences = micro 2 x dp 2 x accumulation 2: the sum of four micro-batch gradients, scaled once.
     assert_same_curve(train_on(2, {"parallel.dp_shard": 2, "training.micro_batch": 2}, tmp_path), one_process)
@@ -73,12 +76,14 @@ def test_clipping_uses_the_global_norm(shared_runs, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.compat
 def test_activation_checkpointing_does_not_change_training(mode, one_process, tmp_path):
     # Recomputation repeats the same ops on the same inputs: the curve matches to float round-off.
     run = train_on(2, {"parallel.dp_shard": 2, "training.activation_checkpoint": mode}, tmp_path)
     assert_same_curve(run, one_process)
 
 
+@pytest.mark.compat
 def test_bf16_stays_close_to_fp32(one_process, tmp_path):
     run = train_on(2, {"parallel.dp_shard": 2, "training.mixed_precision": "bf16"}, tmp_path)
     # bf16 stores 7 mantissa bits (8 significant: ~4e-3 relative per rounding); with fp32 master weights and fp32

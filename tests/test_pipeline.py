@@ -17,12 +17,14 @@ SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.compat
 def test_every_schedule_matches_one_process(schedule, one_process, tmp_path):
     # pp=2 with 4 micro-batches; looped and V-shaped schedules run 2 stages per rank (4 stages, 1 layer each).
     layout = {"parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.pp_microbatches": 4}
     assert_same_curve(train_on(2, layout, tmp_path), one_process)
 
 
+@pytest.mark.compat
 def test_pipeline_with_fsdp_matches_one_process(one_process, tmp_path):
     layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.pp_schedule": "1F1B", **CHECK_REPLICAS}
     assert_same_curve(train_on(4, layout, tmp_path), one_process)
@@ -34,6 +36,7 @@ def test_pipeline_with_gradient_accumulation_matches_one_process(one_process, tm
     assert_same_curve(train_on(2, layout, tmp_path), one_process)
 
 
+@pytest.mark.compat
 def test_3d_pipeline_fsdp_tensor_parallel_matches_one_process(one_process, tmp_path):
     layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.pp_schedule": "Interleaved1F1B"}
     layout.update(CHECK_REPLICAS)

@@ -13,6 +13,9 @@ from torch.distributed.pipelining import PipelineStage
 
 from launch.spawn import run_on_ranks
 
+# Run on the oldest and the newest supported torch too (.ci/compat).
+pytestmark = pytest.mark.compat
+
 
 def private_apis_on_two_ranks() -> dict:
     from torch.distributed.device_mesh import init_device_mesh

@@ -122,6 +122,7 @@ def counted_run(world: int, overrides: dict, run_dir) -> dict:
     return run_on_ranks(train_counting_reductions, world, overrides, str(run_dir), timeout=180)[0]
 
 
+@pytest.mark.compat
 def test_step_sync_on_fsdp_reduce_scatters_once_per_step_at_parity(one_process, tmp_path):
     # dp_shard 2, micro-batch 2: the local batch of 4 is k = 2 micro-batches per step.
     layout = {"parallel.dp_shard": 2, "training.micro_batch": 2}
@@ -133,6 +134,7 @@ def test_step_sync_on_fsdp_reduce_scatters_once_per_step_at_parity(one_process, 
     assert_same_curve(once["records"], one_process)
 
 
+@pytest.mark.compat
 def test_step_sync_on_hsdp_all_reduces_across_replicas_once_per_step_at_parity(one_process, tmp_path):
     # HSDP 2 x 2, micro-batch 1: k = 2. The reduce-scatter inside the shard group still runs per micro-batch
     # (the gradient stays sharded); the all-reduce across the replicas runs once per step.
@@ -185,6 +187,7 @@ GAP_BOUNDS = {"bf16": 1e-3, "powersgd r1": 0.15, "powersgd r4": 0.08, "1-bit ada
 ONEBIT_WARMUP = 4  # 1-bit Adam here: 4 exact steps, then 8 compressed
 
 
+@pytest.mark.compat
 def test_compressed_reduction_sends_fewer_bytes_and_stays_close_to_exact():
     # 1-bit Adam warms up for ONEBIT_WARMUP steps here, and its replicas are compared after every step.
     onebit = {**VARIANTS["1-bit adam"], "parallel.onebit_warmup_steps": ONEBIT_WARMUP, **CHECK_REPLICAS}
@@ -242,6 +245,7 @@ def offload_applied(overrides: dict) -> bool:
     [{}, {"parallel.dp_shard": 2}, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}],
     ids=["one-process", "fsdp2", "hsdp2x2"],
 )
+@pytest.mark.compat
 def test_cpu_offload_trains_at_parity(layout, one_process, tmp_path):
     world = layout.get("parallel.dp_replicate", 1) * layout.get("parallel.dp_shard", 1)
     offload = {**layout, "parallel.fsdp_cpu_offload": True}

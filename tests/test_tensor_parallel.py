@@ -30,6 +30,7 @@ from train import check_config
     ],
     ids=["tp2", "fsdp2xtp2-sp", "fsdp2xtp2-nosp", "hsdp-replicate2xtp2", "tp2-sp-regather"],
 )
+@pytest.mark.compat
 def test_tensor_parallel_matches_one_process(layout, one_process, tmp_path):
     world = layout["parallel.tp"] * layout["parallel.dp_shard"] * layout.get("parallel.dp_replicate", 1)
     assert_same_curve(train_on(world, {**layout, **CHECK_REPLICAS}, tmp_path), one_process)
@@ -78,6 +79,7 @@ def test_megatron_tp_block_all_reduces_once_per_sublayer_each_way():
     assert counts["norm_grad_placements"] == (Replicate(),)  # replicated norm, replicated gradient
 
 
+@pytest.mark.compat
 def test_sequence_parallel_block_replaces_all_reduce_with_reduce_scatter_and_all_gather():
     counts = run_on_ranks(block_collectives, 2, True)[0]
     assert counts["forward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}

@@ -33,6 +33,9 @@ from examples.trainer import (
 from launch.local_runs import ROOT
 from launch.spawn import run_on_ranks
 
+# Run on the oldest and the newest supported torch too (.ci/compat).
+pytestmark = pytest.mark.compat
+
 STEPS = sorted((ROOT / "examples" / "trainer").glob("step*.py"))
 RTOL = 1e-5
 
