@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None, checks: list[Check] | None = None, find_
     for e in report["checks"]:
         summary = e.get("result", {}).get("summary") or e.get("error", "")
         first = summary.splitlines()[0] if summary else ""
-        print(f"  {e['name']:<20} {e['status']:<10} run {e.get('run', '?')}: {first}")
+        print(f"  {e['name']:<20} {e['status']:<10} (run {e.get('run', '?')}) {first}".rstrip())
     print(f"gpu_check: report in {out / 'report.md'} and report.json, each check's output in <name>.log", flush=True)
     redo = [e["name"] for e in report["checks"] if e["status"] not in ("passed", "not run")]
     if redo:
