@@ -14,8 +14,8 @@
    step.
 4. The newest good step must be of this model: every ``[model]`` field is compared (a ConfigError names each
    difference), then every tensor key and shape the model and AdamW need; the data stream (source,
-   seq_len, the tokenizer by path *and* by the SHA-256 of its content) must be the same, and steps must
-   be left to train.
+   seq_len, the tokenizer by path *and* by the SHA-256 of its content, a prepared folder's tokens by the
+   SHA-256 its header records) must be the same, and steps must be left to train.
 5. When this run will save, the folder must not hold good checkpoints beyond its starting step: they belong
    to another history, and saving would mix the two or collide with them.
 
@@ -40,6 +40,7 @@ from checkpoint.folder import STEP_DIR, checkpoint_folder, published
 from checkpoint.hf import safetensors_problems
 from checkpoint.state import TRAIN, TRAIN_KEYS, expected_entries
 from checkpoint.verify import manifest_problems
+from data.dataset import stream_digest
 from data.tokenizers import load_tokenizer
 from models.llama import ModelArgs, Transformer
 from runtime.config import Config, ConfigError, ModelConfig
@@ -181,6 +182,42 @@ def changed_tokenizer(stream: dict, spec: str, eos_token: str, field: str) -> st
     return None
 
 
+def check_stream_content(path: Path, stream: dict, cfg: Config, tokens_consumed) -> None:
+    """The token streams must be the ones the checkpoint read, by content: a prepared folder's header carries
+    the SHA-256 of its tokens (data/token_file.py), and a dataset prepared again into the same folder has the
+    same path but another digest. Refused unless data.allow_stream_change says to reinterpret the position;
+    a checkpoint or a token file without a digest (written before it existed) is compared by path only."""
+    d = cfg.data
+    for key, name, source in (
+        ("tokens_sha256", "data.source", d.source),
+        ("val_tokens_sha256", "data.val_source", d.val_source),
+    ):
+        saved, now = stream.get(key), stream_digest(source)
+        if saved is None:
+            if now is not None and key == "tokens_sha256":
+                warn(
+                    f"checkpoint {path} recorded no content digest of its token stream (saved by an older meshloom): "
+                    f"{name}={source!r} is taken to be the same stream by its path alone."
+                )
+            continue
+        if saved == now:
+            continue
+        what = f"tokens_sha256 {now}" if now else "no tokens_sha256 (a header written without one)"
+        change = (
+            f"checkpoint {path} was trained on {name}={source!r} with tokens_sha256 {saved}, but that folder now "
+            f"holds another token stream ({what}): its data position (tokens_consumed={tokens_consumed:,}) would "
+            "point at other tokens."
+        )
+        if d.allow_stream_change:
+            warn(f"{change} data.allow_stream_change=true: the position is reinterpreted in the new stream.")
+            continue
+        raise ConfigError(
+            f"{change} Put back the dataset the run was trained on, start a new --run.dir (or "
+            "--checkpoint.folder), or pass --data.allow_stream_change true to continue from that position in the "
+            "new stream."
+        )
+
+
 def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, args: ModelArgs) -> None:
     """Step 4 for one checkpoint; raises a ConfigError naming the difference and the fix."""
     problems = compatibility_problems(meta, dcp_meta, cfg, args)
@@ -210,6 +247,7 @@ def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, args: ModelArgs)
             f"checkpoint {path} {tokenizer_problem} Put back the tokenizer the run was trained with, or start a "
             "new --checkpoint.folder."
         )
+    check_stream_content(path, stream, cfg, meta.get("tokens_consumed"))
     if cfg.training.steps <= meta["step"]:
         raise ConfigError(
             f"training.steps={cfg.training.steps} but checkpoint {path} is already at step {meta['step']}: nothing "

@@ -160,6 +160,14 @@ def check_data(cfg: Config) -> None:
     load_data(cfg)
 
 
+def stream_digest(source: str) -> str | None:
+    """The content digest of a prepared folder's tokens (its header's ``tokens_sha256``); None for raw text
+    and for token files written before the digest existed (those are identified by path only)."""
+    if not source or source == "default" or not is_token_folder(source):
+        return None
+    return read_header(source).get("tokens_sha256")
+
+
 def stream_identity(cfg: Config) -> dict:
     """What a checkpoint records about its token stream (checkpoint.manager); resuming compares it."""
     d = cfg.data
@@ -172,4 +180,6 @@ def stream_identity(cfg: Config) -> dict:
         "eos_token": tokenizer.eos_token,
         "val_source": d.val_source,
         "val_fraction": d.val_fraction,
+        "tokens_sha256": stream_digest(d.source),
+        "val_tokens_sha256": stream_digest(d.val_source),
     }

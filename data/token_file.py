@@ -3,12 +3,17 @@
     DIR/tokens.bin    every token id of every document, in order, each document followed by the EOS id;
                       little-endian uint16 when the vocabulary fits in 65,536 ids, else uint32; no framing
     DIR/header.json   {"format": "meshloom-tokens", "version": 1, "dtype": "uint16", "num_tokens": N,
-                       "max_id": M, "num_documents": D, "tokenizer": {"name", "sha256", "vocab_size", "eos_id", ...},
+                       "max_id": M, "tokens_sha256": "...", "num_documents": D, "tokenizer": {"name", "sha256", "vocab_size", "eos_id", ...},
                        "source": "...", "text_field": "text", "created_at": "..."}
 
 ``max_id`` (the largest id written) is computed while writing; a header without it (written before it
 existed) still loads, and its ids are then only checked window by window as a run reads them
 (data/loader.py).
+
+``tokens_sha256`` is the SHA-256 of ``tokens.bin``'s bytes, updated with each chunk as it is written (no
+second pass over the file). It identifies the stream by content: a checkpoint records it, and a resume into
+another stream under the same path is refused (checkpoint/resume.py), because ``tokens_consumed`` would
+then point at other tokens. A header without it (written before it existed) is identified by path only.
 
 ``tokens.bin`` is written first (as ``tokens.bin.tmp``, renamed when complete), ``header.json`` last, so
 a folder with a header is a complete dataset and a killed ``data.prepare`` leaves no header. Reading
@@ -20,6 +25,7 @@ has read (bench/loader_memory.py measures it).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -64,11 +70,14 @@ class TokenFileWriter:
         self.file = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish() / abort()
         self.num_tokens = 0
         self.max_id = -1  # the largest id written (-1: none yet)
+        self.digest = hashlib.sha256()  # of the bytes written, chunk by chunk: the header's tokens_sha256
 
     def append(self, ids: np.ndarray) -> None:
         if len(ids):
             self.max_id = max(self.max_id, int(ids.max()))
-        self.file.write(np.ascontiguousarray(ids, dtype=DTYPES[self.dtype]).tobytes())
+        raw = np.ascontiguousarray(ids, dtype=DTYPES[self.dtype]).tobytes()
+        self.file.write(raw)
+        self.digest.update(raw)
         self.num_tokens += len(ids)
 
     def finish(self, header: dict) -> Path:
@@ -82,6 +91,7 @@ class TokenFileWriter:
             "dtype": self.dtype,
             "num_tokens": self.num_tokens,
             "max_id": self.max_id,
+            "tokens_sha256": self.digest.hexdigest(),
             **header,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
