@@ -5,7 +5,8 @@
 1. ``none`` starts fresh; ``auto`` considers every published step-N, newest first; an explicit step only
    step-N.
 2. Each is inspected (``inspect``) in an order that never unpickles an unverified byte: meshloom.json (plain
-   JSON) must parse and list the checksums of every file (checkpoint/verify.py); every listed file must
+   JSON) must parse, match its own checksum (a changed field is damage, not a contradicting config) and
+   list the checksums of every file (checkpoint/verify.py); every listed file must
    exist with its size and DCP's pickled ``.metadata`` must match its checksum; only then is ``.metadata``
    read, and every data file it points to must be long enough.
 3. A step that fails, or cannot be read at all (a folder or file without read permission, an I/O error:
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from checkpoint.folder import STEP_DIR, checkpoint_folder, published
 from checkpoint.hf import safetensors_problems
 from checkpoint.state import TRAIN, TRAIN_KEYS, expected_entries
-from checkpoint.verify import manifest_problems
+from checkpoint.verify import manifest_changed, manifest_problems
 from data.dataset import stream_digest
 from data.tokenizers import load_tokenizer
 from models.llama import ModelArgs, Transformer
@@ -92,6 +93,11 @@ def _inspect(path: Path):
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else None
         return None, None, [f"{META_FILE} is format {found}, not meshloom checkpoint format {FORMAT} (with checksums)"]
+    changed = manifest_changed(meta)
+    if changed:
+        return None, None, [f"{META_FILE} does not match its checksum (damaged: its fields changed after the save)"]
+    if changed is None:
+        warn(f"{path / META_FILE} carries no checksum of its own (saved by an older meshloom); its fields are trusted")
     problems = manifest_problems(path, meta.get("files"))
     if problems:
         return meta, None, problems

@@ -211,6 +211,22 @@ def flip_bits(path: Path, offset: int = 4096, count: int = 4096) -> None:
     path.write_bytes(bytes(data))
 
 
+def flip_n_layers(step_dir: Path) -> None:
+    """One digit of the manifest's [model] section changed (n_layers 4 -> 5): still valid JSON, and it would
+    read as a checkpoint of another model, contradicting the config, if the manifest had no checksum."""
+    text = (step_dir / "meshloom.json").read_text()
+    assert text.count('"n_layers": 4,') == 1
+    (step_dir / "meshloom.json").write_text(text.replace('"n_layers": 4,', '"n_layers": 5,'))
+
+
+def relabel(step_dir: Path, step: int) -> None:
+    """A copied step folder renamed as ``step``: its manifest says so, with a matching checksum."""
+    from checkpoint.verify import seal
+
+    meta = json.loads((step_dir / "meshloom.json").read_text())
+    (step_dir / "meshloom.json").write_text(json.dumps(seal({**meta, "step": step})))
+
+
 @pytest.mark.parametrize(
     "damage, words",
     [
@@ -221,6 +237,7 @@ def flip_bits(path: Path, offset: int = 4096, count: int = 4096) -> None:
         (lambda d: flip_bits(d / ".metadata", 64, 16), [".metadata does not match its checksum"]),
         (lambda d: (d / "__0_0.distcp").unlink(), ["__0_0.distcp is missing"]),
         (lambda d: os.truncate(d / "__0_0.distcp", 1000), ["__0_0.distcp has 1000 bytes, the manifest says"]),
+        (flip_n_layers, ["meshloom.json does not match its checksum (damaged: its fields changed after the save)"]),
     ],
     ids=[
         "no-meta",
@@ -230,6 +247,7 @@ def flip_bits(path: Path, offset: int = 4096, count: int = 4096) -> None:
         "flipped-dcp-metadata",
         "no-data",
         "truncated-data",
+        "flipped-manifest-field",
     ],
 )
 def test_a_partial_or_corrupt_checkpoint_fails_clearly(damage, words, reference, tmp_path):
@@ -259,9 +277,8 @@ def test_a_crafted_metadata_pickle_is_never_unpickled(reference, tmp_path):
     shutil.copytree(reference[1], folder)
     crafted = folder / f"step-{3 * N}"
     shutil.copytree(folder / f"step-{2 * N}", crafted)
+    relabel(crafted, 3 * N)
     meta = json.loads((crafted / "meshloom.json").read_text())
-    meta["step"] = 3 * N
-    (crafted / "meshloom.json").write_text(json.dumps(meta))
     marker = tmp_path / "code-ran"
 
     class Payload:
@@ -697,8 +714,7 @@ def unreadable_checkpoints(source: Path, folder: Path) -> None:
     shutil.copytree(source, folder)
     newest = folder / f"step-{3 * N}"
     shutil.copytree(folder / f"step-{2 * N}", newest)
-    meta = json.loads((newest / "meshloom.json").read_text())
-    (newest / "meshloom.json").write_text(json.dumps({**meta, "step": 3 * N}))
+    relabel(newest, 3 * N)
     (folder / f"step-{2 * N}" / "__0_0.distcp").chmod(0)
     newest.chmod(0)
 
