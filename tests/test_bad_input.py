@@ -419,6 +419,23 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(tmp_path):
     assert "--checkpoint.interval 0" in message
 
 
+def test_a_symlink_loop_as_a_folder_is_refused_naming_the_loop(tmp_path, capsys):
+    """A link that points at itself (or two that point at each other): mkdir says "File exists", which names
+    no cause; the refusal says "symlink loop"."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop.name)
+    message = refused(tmp_path, "--checkpoint.interval", "2", "--checkpoint.folder", str(loop))
+    assert f"checkpoint.folder={str(loop)!r} is a symlink loop" in message and "File exists" not in message
+    assert "point --checkpoint.folder at a real folder" in message
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    from train import main
+
+    assert main(["--config", DEBUG_CONFIG, "--run.dir", str(tmp_path / "a" / "run")]) == 2
+    (message,) = messages(capsys.readouterr().err)
+    assert f"run.dir={str(tmp_path / 'a' / 'run')!r} is a symlink loop" in message and "File exists" not in message
+
+
 def test_a_read_only_checkpoint_folder_is_refused_naming_the_permission(tmp_path):
     from launch.local_runs import unprivileged
 
