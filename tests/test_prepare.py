@@ -182,8 +182,24 @@ def test_prepare_command_prints_progress_and_a_summary(tmp_path, bpe):
             lambda p: write_parquet(p / "d.parquet", DOCS, field="body"),
             ["d.parquet has no 'text' column", "'body'", "--text-field"],
         ),
+        (
+            lambda p: (p / "d.txt").write_bytes(b"caf\xe9 latin-1\n" + b"x" * 100) and p / "d.txt",
+            ["d.txt: invalid UTF-8 at byte 3 (invalid continuation byte)", "--errors replace", "iconv"],
+        ),
+        (
+            lambda p: (p / "d.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n') and p / "d.jsonl",
+            ["d.jsonl:2: invalid UTF-8 at byte 28 (invalid continuation byte)", "--errors replace"],
+        ),
     ],
-    ids=["jsonl-without-field", "jsonl-not-a-string", "jsonl-not-json", "unreadable-parquet", "parquet-without-column"],
+    ids=[
+        "jsonl-without-field",
+        "jsonl-not-a-string",
+        "jsonl-not-json",
+        "unreadable-parquet",
+        "parquet-without-column",
+        "invalid-utf8-text",
+        "invalid-utf8-jsonl",
+    ],
 )
 def test_bad_source_data_is_refused_naming_the_place_and_the_fix(make, words, tmp_path, bpe):
     source = make(tmp_path)
@@ -193,6 +209,71 @@ def test_bad_source_data_is_refused_naming_the_place_and_the_fix(make, words, tm
         assert word in proc.stderr, proc.stderr
     assert proc.seconds < 30
     assert not (tmp_path / "out" / HEADER).exists() and not list((tmp_path / "out").glob("tokens*"))
+
+
+def test_invalid_utf8_is_replaced_only_when_asked_and_counted(tmp_path):
+    source = tmp_path / "d.txt"
+    source.write_bytes(b"caf\xe9 au lait \xff\xfe ok " + "\ufffd".encode() + b" end")  # one real U+FFFD
+    proc = prepare_cli(
+        "--source", str(source), "--tokenizer", "bytes", "--out", str(tmp_path / "out"), "--errors", "replace"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "replaced 3 bytes of invalid UTF-8 with U+FFFD (--errors replace)" in proc.stdout
+    assert read_header(tmp_path / "out")["utf8_replaced_bytes"] == 3
+    text = np.fromfile(tmp_path / "out" / TOKENS, dtype="<u2").astype(np.uint8).tobytes().decode()
+    assert text == "caf\ufffd au lait \ufffd\ufffd ok \ufffd end"
+
+
+def test_a_long_document_is_tokenized_in_pieces_that_give_the_whole_document_ids(tmp_path, bpe, monkeypatch):
+    """Pieces of 64 characters, cut with the tokenizer's offsets (data/pieces.py), give exactly the ids of the
+    whole document: across words, runs of spaces and newlines, multi-byte characters, and a long run without
+    any space (the fallback cut) for the byte tokenizer, which has no context."""
+    import data.pieces
+    import data.prepare
+
+    monkeypatch.setattr(data.prepare, "LONG_CHARS", 100)
+    monkeypatch.setattr(data.prepare, "PIECE_CHARS", 64)
+    cuts = []
+    real_head = data.pieces.encode_head
+    monkeypatch.setattr(data.pieces, "encode_head", lambda tok, text: cuts.append(1) or real_head(tok, text))
+    text = "".join(DOCS) * 40 + "   spaces  \n\n\tand\ttabs  " * 20 + " ∑ héllo wörld" * 30
+    (tmp_path / "long.txt").write_text(text)
+    jsonl = write_jsonl(tmp_path / "long.jsonl", [text, "short", text])
+    for spec, source in ((str(bpe), tmp_path / "long.txt"), (str(bpe), jsonl), ("bytes", tmp_path / "long.txt")):
+        tok = load_tokenizer(spec)
+        eos = [] if tok.eos_id is None else [tok.eos_id]
+        docs = [text] if source.suffix == ".txt" else [text, "short", text]
+        expected = [i for doc in docs for i in (*tok.encode(doc), *eos)]
+        out = tmp_path / f"out-{len(cuts)}"
+        cuts.clear()
+        prepare(str(source), spec, str(out), workers=1, quiet=True)
+        assert np.fromfile(out / TOKENS, dtype="<u2").tolist() == expected, (spec, source.name)
+        assert len(cuts) > 10, "the document went through pieces"
+    no_spaces = "x" * 5000
+    tok = load_tokenizer("bytes")
+    assert np.concatenate(
+        list(data.pieces.encode_long(tok, [no_spaces[:3000], no_spaces[3000:]]))
+    ).tolist() == tok.encode(no_spaces)
+
+
+def test_preparing_one_long_line_holds_a_piece_not_the_document(tmp_path):
+    """Python's allocations (tracemalloc; numpy's arrays included) while preparing an 8 MB single-line file with
+    the byte tokenizer in this process: before pieces, the whole text, its Python int list and its array
+    (tens of bytes per byte); now about one piece (64 Ki characters) and its arrays, whatever the length
+    (0.8 MiB measured)."""
+    import tracemalloc
+
+    source = tmp_path / "line.txt"
+    with open(source, "w") as f:
+        for _ in range(8):
+            f.write(("word " * 200_000 + "∑")[: 1 << 20])
+    tracemalloc.start()
+    prepare(str(source), "bytes", str(tmp_path / "out"), workers=1, quiet=True)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    size = source.stat().st_size
+    assert read_header(tmp_path / "out")["num_tokens"] == size
+    assert peak < 2 * 2**20 < size / 3, f"peak {peak / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB line"
 
 
 # ---- the training stream ---------------------------------------------------------------------------------------
