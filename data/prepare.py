@@ -25,10 +25,12 @@
 
 **Memory is bounded by the chunks and pieces in flight, not by the largest document:** about
 ``2 x workers`` chunks of ``CHUNK_BYTES`` of text in the workers, plus one piece of a long document and its
-encoding here, each costing some tens of bytes per byte of text while it is tokenized. A text file is
+encoding here (a piece's encoding costs a few hundred bytes per token while it lives). A text file is
 streamed; a single JSONL or Parquet record is held whole while it is tokenized in pieces (its parser needs
 all of it), so a record of N bytes adds a few times N. ``python -m bench.prepare_memory`` measures the peak
-for one 200 MB line against 200 MB of ordinary lines.
+for one long line against ordinary lines (default 200 MB each): with the 4,096-token BPE, one process
+(``workers=1``) added 26 MiB to its imports for a 10 MB and for a 50 MB single-line file alike, and 82 MiB
+for JSONL documents (docs/data.md, section 3).
 
 A progress line on stderr shows the files done, documents, tokens and tokens/s; the last line on stdout
 is the summary. Exit status 0, or 2 with one message naming what to fix.
@@ -209,11 +211,25 @@ def slices(text: str) -> Iterator[str]:
         yield text[start : start + PIECE_CHARS]
 
 
+def unreadable_file(path: Path, exc: OSError) -> ConfigError:
+    return ConfigError(f"{path} cannot be read ({exc}); fix its permissions or remove it from --source.")
+
+
 def text_blocks(path: Path, progress: Progress, utf8: Utf8) -> Iterator[str]:
     """A text file's text, decoded block by block (never the whole file in memory)."""
     decoder, offset = utf8.decoder(), 0
-    with open(path, "rb") as f:
-        while block := f.read(PIECE_CHARS):
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; an open or read error becomes a ConfigError
+    except OSError as exc:
+        raise unreadable_file(path, exc) from exc
+    with f:
+        while True:
+            try:
+                block = f.read(PIECE_CHARS)
+            except OSError as exc:
+                raise unreadable_file(path, exc) from exc
+            if not block:
+                break
             progress.bytes_done += len(block)
             text = utf8.decode(block, str(path), offset, decoder, final=False)
             offset += len(block)
@@ -234,7 +250,7 @@ def text_documents(path: Path, progress: Progress, utf8: Utf8, long_pieces: bool
             return
         raw = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"{path} cannot be read ({exc}); fix its permissions or remove it from --source.") from exc
+        raise unreadable_file(path, exc) from exc
     progress.bytes_done += len(raw)
     yield utf8.decode(raw, str(path))
 
