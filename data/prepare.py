@@ -29,7 +29,7 @@ encoding here (a piece's encoding costs a few hundred bytes per token while it l
 streamed; a single JSONL or Parquet record is held whole while it is tokenized in pieces (its parser needs
 all of it), so a record of N bytes adds a few times N. ``python -m bench.prepare_memory`` measures the peak
 for one long line against ordinary lines (default 200 MB each): with the 4,096-token BPE, one process
-(``workers=1``) added 26 MiB to its imports for a 10 MB and for a 50 MB single-line file alike, and 82 MiB
+(``workers=1``) added 26-27 MiB to its imports for a 10, 50 or 200 MB single-line file alike, and 82 MiB
 for JSONL documents (docs/data.md, section 3).
 
 A progress line on stderr shows the files done, documents, tokens and tokens/s; the last line on stdout
