@@ -288,6 +288,7 @@ def train(cfg: Config) -> list[dict]:
             dp_rank=meshes.dp.get_local_rank(),
             dp_size=dims.dp,
             positions=positions,
+            vocab_size=plan.model.vocab_size,  # every step's ids checked on the host (data/loader.py)
         )
         val_loader = (
             None
@@ -300,6 +301,7 @@ def train(cfg: Config) -> list[dict]:
                 dp_rank=meshes.dp.get_local_rank(),
                 dp_size=dims.dp,
                 positions=positions,
+                vocab_size=plan.model.vocab_size,
             )
         )
         # Weights, optimizer, LR schedule, data position and RNG from the checkpoint (or init_from weights).

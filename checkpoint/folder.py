@@ -30,6 +30,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from runtime.config import Config, ConfigError
+from runtime.run_dir import refuse_symlink_loop
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STALE = ("step-*.tmp", "step-*.deleting")
@@ -58,6 +59,7 @@ def _gib(n: int) -> str:
 
 def check_writable(folder: Path, need_bytes: int) -> None:
     """Step 1 (raises ConfigError naming the folder and the fix)."""
+    refuse_symlink_loop(folder, "checkpoint.folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".probe-{socket.gethostname()}-{os.getpid()}"

@@ -81,7 +81,7 @@ from checkpoint.folder import check_shared, checkpoint_folder, move_aside, publi
 from checkpoint.hf import import_safetensors
 from checkpoint.resume import FORMAT, META_FILE, Resume, check_usable, inspect, warn
 from checkpoint.state import apply_training_state, training_state
-from checkpoint.verify import METADATA, digest_problems, file_digests
+from checkpoint.verify import METADATA, digest_problems, file_digests, seal
 from data.dataset import stream_identity
 from runtime.config import Config, ConfigError
 from runtime.process import ControlPlane, all_gather_objects, new_cpu_group, synchronize
@@ -409,7 +409,7 @@ class CheckpointManager:
         """Step 4 on rank 0: the manifest with every file's checksum, the atomic rename, then keep-last-K."""
         part = tmp / (META_FILE + ".part")
         with open(part, "w") as f:
-            json.dump(meta, f, indent=1)
+            json.dump(seal(meta), f, indent=1)  # its own checksum too (checkpoint/verify.py, step 3)
             f.flush()
             os.fsync(f.fileno())
         os.replace(part, tmp / META_FILE)

@@ -5,7 +5,8 @@
 1. ``none`` starts fresh; ``auto`` considers every published step-N, newest first; an explicit step only
    step-N.
 2. Each is inspected (``inspect``) in an order that never unpickles an unverified byte: meshloom.json (plain
-   JSON) must parse and list the checksums of every file (checkpoint/verify.py); every listed file must
+   JSON) must parse, match its own checksum (a changed field is damage, not a contradicting config) and
+   list the checksums of every file (checkpoint/verify.py); every listed file must
    exist with its size and DCP's pickled ``.metadata`` must match its checksum; only then is ``.metadata``
    read, and every data file it points to must be long enough.
 3. A step that fails, or cannot be read at all (a folder or file without read permission, an I/O error:
@@ -14,8 +15,8 @@
    step.
 4. The newest good step must be of this model: every ``[model]`` field is compared (a ConfigError names each
    difference), then every tensor key and shape the model and AdamW need; the data stream (source,
-   seq_len, the tokenizer by path *and* by the SHA-256 of its content) must be the same, and steps must
-   be left to train.
+   seq_len, the tokenizer by path *and* by the SHA-256 of its content, a prepared folder's tokens by the
+   SHA-256 its header records) must be the same, and steps must be left to train.
 5. When this run will save, the folder must not hold good checkpoints beyond its starting step: they belong
    to another history, and saving would mix the two or collide with them.
 
@@ -39,7 +40,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from checkpoint.folder import STEP_DIR, checkpoint_folder, published
 from checkpoint.hf import safetensors_problems
 from checkpoint.state import TRAIN, TRAIN_KEYS, expected_entries
-from checkpoint.verify import manifest_problems
+from checkpoint.verify import manifest_changed, manifest_problems
+from data.dataset import stream_digest
 from data.tokenizers import load_tokenizer
 from models.llama import ModelArgs, Transformer
 from runtime.config import Config, ConfigError, ModelConfig
@@ -91,6 +93,11 @@ def _inspect(path: Path):
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else None
         return None, None, [f"{META_FILE} is format {found}, not meshloom checkpoint format {FORMAT} (with checksums)"]
+    changed = manifest_changed(meta)
+    if changed:
+        return None, None, [f"{META_FILE} does not match its checksum (damaged: its fields changed after the save)"]
+    if changed is None:
+        warn(f"{path / META_FILE} carries no checksum of its own (saved by an older meshloom); its fields are trusted")
     problems = manifest_problems(path, meta.get("files"))
     if problems:
         return meta, None, problems
@@ -181,6 +188,42 @@ def changed_tokenizer(stream: dict, spec: str, eos_token: str, field: str) -> st
     return None
 
 
+def check_stream_content(path: Path, stream: dict, cfg: Config, tokens_consumed) -> None:
+    """The token streams must be the ones the checkpoint read, by content: a prepared folder's header carries
+    the SHA-256 of its tokens (data/token_file.py), and a dataset prepared again into the same folder has the
+    same path but another digest. Refused unless data.allow_stream_change says to reinterpret the position;
+    a checkpoint or a token file without a digest (written before it existed) is compared by path only."""
+    d = cfg.data
+    for key, name, source in (
+        ("tokens_sha256", "data.source", d.source),
+        ("val_tokens_sha256", "data.val_source", d.val_source),
+    ):
+        saved, now = stream.get(key), stream_digest(source)
+        if saved is None:
+            if now is not None and key == "tokens_sha256":
+                warn(
+                    f"checkpoint {path} recorded no content digest of its token stream (saved by an older meshloom): "
+                    f"{name}={source!r} is taken to be the same stream by its path alone."
+                )
+            continue
+        if saved == now:
+            continue
+        what = f"tokens_sha256 {now}" if now else "no tokens_sha256 (a header written without one)"
+        change = (
+            f"checkpoint {path} was trained on {name}={source!r} with tokens_sha256 {saved}, but that folder now "
+            f"holds another token stream ({what}): its data position (tokens_consumed={tokens_consumed:,}) would "
+            "point at other tokens."
+        )
+        if d.allow_stream_change:
+            warn(f"{change} data.allow_stream_change=true: the position is reinterpreted in the new stream.")
+            continue
+        raise ConfigError(
+            f"{change} Put back the dataset the run was trained on, start a new --run.dir (or "
+            "--checkpoint.folder), or pass --data.allow_stream_change true to continue from that position in the "
+            "new stream."
+        )
+
+
 def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, args: ModelArgs) -> None:
     """Step 4 for one checkpoint; raises a ConfigError naming the difference and the fix."""
     problems = compatibility_problems(meta, dcp_meta, cfg, args)
@@ -210,6 +253,7 @@ def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, args: ModelArgs)
             f"checkpoint {path} {tokenizer_problem} Put back the tokenizer the run was trained with, or start a "
             "new --checkpoint.folder."
         )
+    check_stream_content(path, stream, cfg, meta.get("tokens_consumed"))
     if cfg.training.steps <= meta["step"]:
         raise ConfigError(
             f"training.steps={cfg.training.steps} but checkpoint {path} is already at step {meta['step']}: nothing "

@@ -9,7 +9,12 @@ crafted, run code when unpickled. So:
    rename that makes the step visible.
 2. Before a step is used, ``manifest_problems`` checks that every listed file exists with its size and that
    ``.metadata``'s digest matches (cheap: it is small), *before* ``.metadata`` is unpickled.
-3. ``digest_problems`` hashes the shards themselves. For a resume the ranks split the files between them
+3. The manifest is checksummed too: ``seal`` adds ``manifest_sha256``, the SHA-256 of the rest of the
+   manifest written canonically (sorted keys, no spaces), and ``manifest_changed`` recomputes it after the
+   JSON parsed. A manifest that still parses but whose fields were changed (a flipped digit in
+   ``n_layers``) is damaged like a shard, not read as a model that contradicts the config. A manifest
+   without the field (an older meshloom) is accepted, with a warning.
+4. ``digest_problems`` hashes the shards themselves. For a resume the ranks split the files between them
    and agree on the result (checkpoint/manager.py), so no rank reads more than its share.
 
 What this protects against is damage (a bad disk, a truncated copy, a half-synced folder), not an attacker
@@ -20,10 +25,12 @@ you control (docs/troubleshooting.md, "What is safe to load").
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 CHUNK = 1 << 20
 METADATA = ".metadata"
+MANIFEST_DIGEST = "manifest_sha256"
 
 
 def sha256_of(path: Path) -> str:
@@ -44,6 +51,22 @@ def file_digests(folder: Path, prefix: str = "") -> dict[str, dict]:
     }
 
 
+def _canonical_digest(meta: dict) -> str:
+    rest = {key: value for key, value in meta.items() if key != MANIFEST_DIGEST}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal(meta: dict) -> dict:
+    """Step 3: the manifest with its own checksum (``manifest_sha256``) added."""
+    return {**meta, MANIFEST_DIGEST: _canonical_digest(meta)}
+
+
+def manifest_changed(meta: dict) -> bool | None:
+    """Step 3: True when the manifest's fields no longer match its checksum; None when it has none."""
+    recorded = meta.get(MANIFEST_DIGEST)
+    return None if recorded is None else recorded != _canonical_digest(meta)
+
+
 def manifest_problems(folder: Path, files: dict) -> list[str]:
     """Step 2: every listed file present with its size, and ``.metadata``'s digest right."""
     if not isinstance(files, dict) or METADATA not in files:
@@ -61,7 +84,7 @@ def manifest_problems(folder: Path, files: dict) -> list[str]:
 
 
 def digest_problems(folder: Path, files: dict, names: list[str]) -> list[str]:
-    """Step 3: the files ``names`` (of the manifest ``files``) hashed and compared. A file that cannot be
+    """Step 4: the files ``names`` (of the manifest ``files``) hashed and compared. A file that cannot be
     read (no permission, an I/O error) is a problem too, named with its reason, never an exception: under
     resume every rank hashes its own share, and one rank's unreadable shard must reach the others as a
     verdict they agree on, not as one rank dying alone."""

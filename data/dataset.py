@@ -14,8 +14,8 @@ on or off never changes the training data).
 
 ``check_data`` runs on every rank in train.check_config. Every problem is a ConfigError naming the field,
 the value and the fix, raised identically on every rank before the first collective: a missing or foreign
-tokenizer, a header that does not match it, a vocabulary larger than ``model.vocab_size``, a training
-stream smaller than one global batch, and an empty validation split.
+tokenizer, a header that does not match it, a vocabulary or a recorded largest id (``max_id``) beyond
+``model.vocab_size``, a training stream smaller than one global batch, and an empty validation split.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.token_file import TOKENS, check_header_tokenizer, is_token_folder, open_tokens, read_header
+from data.token_file import (
+    TOKENS,
+    check_header_ids,
+    check_header_tokenizer,
+    is_token_folder,
+    open_tokens,
+    read_header,
+)
 from data.tokenizers import ByteTokenizer, check_vocab, load_tokenizer
 from runtime.config import Config, ConfigError
 
@@ -65,8 +72,9 @@ def _raw_tokens(source: str, tokenizer, max_bytes: int, field: str):
     return encode_chunk([t for t in texts if t], tokenizer)
 
 
-def open_stream(source: str, tokenizer, max_bytes: int, field: str):
-    """(tokens, description) of one source (a prepared folder, or raw text)."""
+def open_stream(source: str, tokenizer, max_bytes: int, field: str, vocab_size: int | None = None):
+    """(tokens, description) of one source (a prepared folder, or raw text); a prepared folder's header is
+    checked against the tokenizer and, given ``vocab_size``, its ids against the model's vocabulary."""
     path = Path(source).expanduser()
     if source != "default" and path.is_dir() and (path / (TOKENS + ".tmp")).exists() and not is_token_folder(path):
         raise ConfigError(
@@ -76,6 +84,8 @@ def open_stream(source: str, tokenizer, max_bytes: int, field: str):
     if source != "default" and is_token_folder(path):
         header = read_header(path, field)
         check_header_tokenizer(header, tokenizer, field, source)
+        if vocab_size is not None:
+            check_header_ids(header, vocab_size, field, source)
         tokens = open_tokens(path, header)
         return (
             tokens,
@@ -88,10 +98,10 @@ def open_stream(source: str, tokenizer, max_bytes: int, field: str):
 _raw_cache: dict = {}
 
 
-def _cached_stream(source: str, tokenizer, max_bytes: int, field: str):
+def _cached_stream(source: str, tokenizer, max_bytes: int, field: str, vocab_size: int | None = None):
     """open_stream, tokenizing a raw source once per process (check_data and the loader both ask for it)."""
     if source != "default" and is_token_folder(source):
-        return open_stream(source, tokenizer, max_bytes, field)  # a memory map: nothing worth caching
+        return open_stream(source, tokenizer, max_bytes, field, vocab_size)  # a memory map: nothing worth caching
     from data.corpus import corpus_files
 
     stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in corpus_files(source, field))
@@ -107,10 +117,10 @@ def load_data(cfg: Config) -> Splits:
     d, t = cfg.data, cfg.training
     tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
     check_vocab(tokenizer, cfg.model.vocab_size)
-    train, about = _cached_stream(d.source, tokenizer, d.max_bytes, "data.source")
+    train, about = _cached_stream(d.source, tokenizer, d.max_bytes, "data.source", cfg.model.vocab_size)
     val, val_about = None, ""
     if d.val_source:
-        val, val_about = _cached_stream(d.val_source, tokenizer, d.max_bytes, "data.val_source")
+        val, val_about = _cached_stream(d.val_source, tokenizer, d.max_bytes, "data.val_source", cfg.model.vocab_size)
         val_about = f"data.val_source: {val_about}"
     elif d.val_fraction:
         n = _length(train)
@@ -150,6 +160,14 @@ def check_data(cfg: Config) -> None:
     load_data(cfg)
 
 
+def stream_digest(source: str) -> str | None:
+    """The content digest of a prepared folder's tokens (its header's ``tokens_sha256``); None for raw text
+    and for token files written before the digest existed (those are identified by path only)."""
+    if not source or source == "default" or not is_token_folder(source):
+        return None
+    return read_header(source).get("tokens_sha256")
+
+
 def stream_identity(cfg: Config) -> dict:
     """What a checkpoint records about its token stream (checkpoint.manager); resuming compares it."""
     d = cfg.data
@@ -162,4 +180,6 @@ def stream_identity(cfg: Config) -> dict:
         "eos_token": tokenizer.eos_token,
         "val_source": d.val_source,
         "val_fraction": d.val_fraction,
+        "tokens_sha256": stream_digest(d.source),
+        "val_tokens_sha256": stream_digest(d.val_source),
     }

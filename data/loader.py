@@ -15,9 +15,19 @@ only its ``positions`` of every window (inputs and targets alike; mesh/context_p
 The tokens are a torch tensor (a raw corpus tokenized in memory) or a numpy array, usually the read-only
 memory map of a prepared token file (data/token_file.py): a step then reads just its windows' pages from
 disk, so memory does not grow with the dataset.
+
+Given ``vocab_size``, the ids of every step are checked on the host before the batch exists (so on a GPU
+before anything reaches the embedding, where an id out of range is a device-side assert that poisons the
+process). The check covers the *global* batch, not only this rank's windows, so that every rank reaches the
+same verdict from the same bytes, with no collective: a damaged id stops every rank with the same
+ConfigError (exit 2) naming the file and the token offset, instead of one rank dying in the embedding while
+the others wait in a collective. Its cost is one max over the step's ``global_batch x seq_len + 1`` ids,
+read as a view of the memory map (no copy) or of the in-memory tensor; there is no device involved.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import torch
@@ -36,6 +46,7 @@ class GlobalBatchLoader:
         dp_rank: int,
         dp_size: int,
         positions: torch.Tensor | None = None,
+        vocab_size: int | None = None,
     ):
         self.num_tokens = int(tokens.shape[0])
         if self.num_tokens < global_batch * seq_len + 1:
@@ -55,6 +66,7 @@ class GlobalBatchLoader:
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.positions = positions  # the positions of each window this rank trains on; None: all of them
+        self.vocab_size = vocab_size  # every id read must be below it (None: not checked)
         self.tokens_consumed = 0  # position in the global stream, identical on every rank
 
     def window_starts(self, position: int) -> torch.Tensor:
@@ -64,8 +76,27 @@ class GlobalBatchLoader:
         # Wrap around at the end of the corpus so that every window has seq_len + 1 tokens.
         return offsets % (self.num_tokens - self.seq_len)
 
+    def global_spans(self, position: int) -> list[tuple[int, int]]:
+        """The global batch at ``position`` as contiguous [first, stop) token ranges: consecutive windows
+        overlap by one token, so there is one range, or two or more where the stream wraps."""
+        offsets = (position + torch.arange(self.global_batch, dtype=torch.int64) * self.seq_len) % (
+            self.num_tokens - self.seq_len
+        )
+        breaks = [0, *(torch.nonzero(offsets.diff() != self.seq_len).flatten() + 1).tolist(), len(offsets)]
+        return [(int(offsets[a]), int(offsets[b - 1]) + self.seq_len + 1) for a, b in itertools.pairwise(breaks)]
+
+    def check_ids(self, position: int) -> None:
+        """Every id of the global batch at ``position`` below ``vocab_size`` (module docstring), or a ConfigError
+        naming the file, the token offset, the id and the fix; the same on every rank."""
+        for first, stop in self.global_spans(position):
+            bad = first_at_least(self.tokens, self.vocab_size, first, stop)
+            if bad is not None:
+                raise ConfigError(out_of_range(self.tokens, bad, self.vocab_size))
+
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's (inputs, targets) micro-batches for one optimizer step; advances the position."""
+        if self.vocab_size is not None:
+            self.check_ids(self.tokens_consumed)
         starts = self.window_starts(self.tokens_consumed)
         index = starts[:, None] + torch.arange(self.seq_len + 1)
         if isinstance(self.tokens, torch.Tensor):
@@ -83,3 +114,32 @@ class GlobalBatchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.tokens_consumed = int(state["tokens_consumed"])
+
+
+def first_at_least(tokens, limit: int, first: int, stop: int) -> int | None:
+    """The offset of the first id >= ``limit`` in ``tokens[first:stop]``, or None (one max; argmax only when
+    something is out of range)."""
+    if hasattr(tokens, "first_at_least"):  # a TokenMap: a view of the map, its pages given back after
+        return tokens.first_at_least(limit, first, stop)
+    span = tokens[first:stop]
+    if len(span) == 0 or int(span.max()) < limit:
+        return None
+    at_least = (span >= limit).to(torch.uint8) if isinstance(span, torch.Tensor) else span >= limit
+    return first + int(at_least.argmax())
+
+
+def out_of_range(tokens, offset: int, vocab_size: int) -> str:
+    """The message for an id >= vocab_size at ``offset`` of the stream: the file and the offset in it."""
+    value = int(tokens[np.array([offset])][0]) if not isinstance(tokens, torch.Tensor) else int(tokens[offset])
+    file = getattr(tokens, "file", None)
+    if file is None:
+        where = f"the in-memory token stream holds id {value:,} at token {offset:,}"
+    else:
+        at = getattr(tokens, "start", 0) + offset  # a TokenMap may be a slice of its file (the validation split)
+        where = f"{file} holds id {value:,} at token offset {at:,} (byte {at * tokens.dtype.itemsize:,})"
+    return (
+        f"{where}, but model.vocab_size={vocab_size:,} only has ids 0..{vocab_size - 1:,}: the token file is damaged "
+        "(a flipped bit, a bad disk or copy) or was not written for this model. Prepare the dataset again "
+        "(python -m data.prepare) or restore tokens.bin from a good copy; --checkpoint.resume auto would read the "
+        "same window again."
+    )

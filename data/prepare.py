@@ -8,14 +8,29 @@
    files skipped) or ``default`` (the Python standard library's sources, data/corpus.py). Each file is read
    by its extension: ``.jsonl`` / ``.ndjson``: one JSON object per line, the text in ``--text-field``
    (default ``text``); ``.parquet``: the ``--text-field`` column (needs ``pyarrow``, the ``data`` extra);
-   anything else: a UTF-8 text file that is one document. Empty documents are skipped. A line without the
-   field, a value that is not a string, or a file that is not readable stops the run with the file, the
-   line or row, and the fix.
-2. **Tokenize in parallel.** Documents go to ``--workers`` processes in chunks; the results come back
-   in submission order (at most two chunks per worker in flight, so memory stays bounded), so the token
-   file does not depend on the number of workers.
-3. **Pack.** Each document's ids are followed by the tokenizer's EOS id (none for ``bytes``) and
-   appended to ``tokens.bin``; ``header.json`` is written last (data/token_file.py).
+   anything else: a UTF-8 text file that is one document, read in blocks. Empty documents are skipped. A
+   line without the field, a value that is not a string, or a file that is not readable stops the run with
+   the file, the line or row, and the fix. Invalid UTF-8 stops it too, naming the file and the byte
+   (``--errors strict``, the default: training on mis-decoded text runs without complaint); with
+   ``--errors replace`` each invalid sequence becomes U+FFFD and the number of bytes replaced is printed
+   and recorded in the header (``utf8_replaced_bytes``).
+2. **Tokenize in parallel.** Documents go to ``--workers`` processes in chunks of about ``CHUNK_BYTES``;
+   the results come back in submission order (at most two chunks per worker in flight), so the token file
+   does not depend on the number of workers. A document longer than ``LONG_CHARS`` is not sent whole: it
+   is tokenized in this process in pieces of ``PIECE_CHARS``, cut with the tokenizer's own offsets
+   (data/pieces.py), after the chunks before it.
+3. **Pack.** Each document's ids (numpy arrays, never a Python list of a document) are followed by the
+   tokenizer's EOS id (none for ``bytes``) and appended to ``tokens.bin``; ``header.json`` is written last
+   (data/token_file.py).
+
+**Memory is bounded by the chunks and pieces in flight, not by the largest document:** about
+``2 x workers`` chunks of ``CHUNK_BYTES`` of text in the workers, plus one piece of a long document and its
+encoding here (a piece's encoding costs a few hundred bytes per token while it lives). A text file is
+streamed; a single JSONL or Parquet record is held whole while it is tokenized in pieces (its parser needs
+all of it), so a record of N bytes adds a few times N. ``python -m bench.prepare_memory`` measures the peak
+for one long line against ordinary lines (default 200 MB each): with the 4,096-token BPE, one process
+(``workers=1``) added 26-27 MiB to its imports for a 10, 50 or 200 MB single-line file alike, and 82 MiB
+for JSONL documents (docs/data.md, section 3).
 
 A progress line on stderr shows the files done, documents, tokens and tokens/s; the last line on stdout
 is the summary. Exit status 0, or 2 with one message naming what to fix.
@@ -24,6 +39,8 @@ is the summary. Exit status 0, or 2 with one message naming what to fix.
 from __future__ import annotations
 
 import argparse
+import codecs
+import contextlib
 import json
 import os
 import sys
@@ -31,10 +48,12 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from data.pieces import LONG_CHARS, PIECE_CHARS, encode_long
 from data.token_file import TokenFileWriter, dtype_for
 from data.tokenizers import load_tokenizer
 from runtime.config import ConfigError
@@ -43,6 +62,45 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 CHUNK_BYTES = 1 << 20  # text per task sent to a worker
 CHUNK_DOCS = 1024
+ERRORS = ("strict", "replace")  # --errors: what invalid UTF-8 does
+
+
+@dataclass
+class LongDocument:
+    """A document longer than LONG_CHARS, as its text in order, piece by piece (step 2)."""
+
+    pieces: Iterator[str]
+
+
+class Utf8:
+    """Decodes the source's bytes (step 1): ``strict`` refuses invalid UTF-8 naming the file and the byte,
+    ``replace`` puts U+FFFD for each invalid sequence and counts the bytes replaced."""
+
+    def __init__(self, errors: str = "strict"):
+        if errors not in ERRORS:
+            raise ConfigError(f"--errors {errors!r} must be one of {', '.join(ERRORS)}.")
+        self.errors, self.replaced = errors, 0
+        codecs.register_error(f"meshloom-{id(self)}", self._replace)
+
+    def _replace(self, exc: UnicodeDecodeError):
+        self.replaced += exc.end - exc.start
+        return "\ufffd", exc.end
+
+    def decoder(self):
+        return codecs.getincrementaldecoder("utf-8")("strict" if self.errors == "strict" else f"meshloom-{id(self)}")
+
+    def decode(self, raw: bytes, where: str, offset: int = 0, decoder=None, final: bool = True) -> str:
+        """``raw`` as text; ``offset``: where ``raw`` starts in its file (for the message)."""
+        decoder = decoder or self.decoder()
+        buffered = len(decoder.getstate()[0])  # bytes of a character cut by the previous block
+        try:
+            return decoder.decode(raw, final)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{where}: invalid UTF-8 at byte {offset - buffered + exc.start:,} ({exc.reason}); data.prepare "
+                "reads UTF-8 text: convert the file (e.g. iconv -f latin1 -t utf-8), move it out of --source, or "
+                "pass --errors replace to replace each invalid sequence with U+FFFD (the count is reported)."
+            ) from None
 
 
 def source_files(source: str) -> list[Path]:
@@ -73,11 +131,13 @@ def file_kind(path: Path) -> str:
     return "text"
 
 
-def jsonl_documents(path: Path, field: str, progress: Progress) -> Iterator[str]:
+def jsonl_documents(path: Path, field: str, progress: Progress, utf8: Utf8) -> Iterator[str]:
+    offset = 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             progress.bytes_done += len(raw)
-            line = raw.decode("utf-8", errors="replace")
+            line = utf8.decode(raw, f"{path}:{lineno}", offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -145,34 +205,90 @@ def parquet_documents(path: Path, field: str, progress: Progress) -> Iterator[st
         raise ConfigError(unreadable.format(f"row {row + 1}: {type(exc).__name__}: {exc}")) from exc
 
 
-def documents(files: list[Path], field: str, progress: Progress) -> Iterator[str]:
-    """Every non-empty document of ``files`` in order (step 1 of the module docstring)."""
+def slices(text: str) -> Iterator[str]:
+    """A long JSONL or Parquet value in pieces of PIECE_CHARS (the value itself is already in memory)."""
+    for start in range(0, len(text), PIECE_CHARS):
+        yield text[start : start + PIECE_CHARS]
+
+
+def unreadable_file(path: Path, exc: OSError) -> ConfigError:
+    return ConfigError(f"{path} cannot be read ({exc}); fix its permissions or remove it from --source.")
+
+
+def text_blocks(path: Path, progress: Progress, utf8: Utf8) -> Iterator[str]:
+    """A text file's text, decoded block by block (never the whole file in memory)."""
+    decoder, offset = utf8.decoder(), 0
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; an open or read error becomes a ConfigError
+    except OSError as exc:
+        raise unreadable_file(path, exc) from exc
+    with f:
+        while True:
+            try:
+                block = f.read(PIECE_CHARS)
+            except OSError as exc:
+                raise unreadable_file(path, exc) from exc
+            if not block:
+                break
+            progress.bytes_done += len(block)
+            text = utf8.decode(block, str(path), offset, decoder, final=False)
+            offset += len(block)
+            if text:
+                yield text
+    tail = utf8.decode(b"", str(path), offset, decoder, final=True)
+    if tail:
+        yield tail
+
+
+def text_documents(path: Path, progress: Progress, utf8: Utf8, long_pieces: bool) -> Iterator[str | LongDocument]:
+    """A text file as one document: a string, or, when it is longer than LONG_CHARS, a LongDocument of its
+    blocks."""
+    try:
+        size = path.stat().st_size
+        if long_pieces and size > LONG_CHARS:
+            yield LongDocument(text_blocks(path, progress, utf8))
+            return
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise unreadable_file(path, exc) from exc
+    progress.bytes_done += len(raw)
+    yield utf8.decode(raw, str(path))
+
+
+def documents(
+    files: list[Path], field: str, progress: Progress, utf8: Utf8 | None = None, long_pieces: bool = False
+) -> Iterator[str | LongDocument]:
+    """Every non-empty document of ``files`` in order (step 1 of the module docstring). With ``long_pieces``
+    a document longer than LONG_CHARS comes as a LongDocument, to be consumed before the next is asked for."""
+    utf8 = utf8 or Utf8("strict")
     for path in files:
         start = progress.bytes_done
         kind = file_kind(path)
         if kind == "jsonl":
-            texts = jsonl_documents(path, field, progress)
+            texts = jsonl_documents(path, field, progress, utf8)
         elif kind == "parquet":
             texts = parquet_documents(path, field, progress)
         else:
-            try:
-                raw = path.read_bytes()
-            except OSError as exc:
-                raise ConfigError(
-                    f"{path} cannot be read ({exc}); fix its permissions or remove it from --source."
-                ) from exc
-            progress.bytes_done += len(raw)
-            texts = iter([raw.decode("utf-8", errors="replace")])
+            texts = text_documents(path, progress, utf8, long_pieces)
         for text in texts:
+            if isinstance(text, str) and long_pieces and len(text) > LONG_CHARS:
+                text = LongDocument(slices(text))
             if text:
                 yield text
         progress.files_done += 1
         progress.bytes_done = start + path.stat().st_size
 
 
-def chunks(texts: Iterator[str]) -> Iterator[list[str]]:
+def chunks(texts: Iterator[str | LongDocument]) -> Iterator[list[str] | LongDocument]:
+    """Documents grouped for the workers; a LongDocument passes through alone, after the chunk before it."""
     chunk, size = [], 0
     for text in texts:
+        if isinstance(text, LongDocument):
+            if chunk:
+                yield chunk
+                chunk, size = [], 0
+            yield text
+            continue
         chunk.append(text)
         size += len(text)
         if size >= CHUNK_BYTES or len(chunk) >= CHUNK_DOCS:
@@ -193,35 +309,54 @@ def _init_worker(spec: str, eos_token: str) -> None:
     _worker_tokenizer = load_tokenizer(spec, eos_token)
 
 
+def eos_ids(tokenizer) -> np.ndarray:
+    return np.zeros(0, dtype=np.uint32) if tokenizer.eos_id is None else np.array([tokenizer.eos_id], dtype=np.uint32)
+
+
 def encode_chunk(texts: list[str], tokenizer=None) -> np.ndarray:
-    """The packed ids of ``texts``: each document's ids, then the EOS id (step 3)."""
+    """The packed ids of ``texts``: each document's ids, then the EOS id (step 3), as one numpy array."""
     tokenizer = tokenizer or _worker_tokenizer
-    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    ids = [i for doc in tokenizer.encode_batch(texts) for i in (*doc, *eos)]
-    return np.asarray(ids, dtype=np.uint32)
+    eos = eos_ids(tokenizer)
+    parts = [part for ids in tokenizer.encode_arrays(texts) for part in (ids, eos)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
 
 def tokenized(
-    texts: Iterator[str], spec: str, eos_token: str, workers: int, tokenizer
+    texts: Iterator[str | LongDocument], spec: str, eos_token: str, workers: int, tokenizer
 ) -> Iterator[tuple[int, np.ndarray]]:
-    """(documents, packed ids) per chunk, in document order, from ``workers`` processes (step 2)."""
-    if workers <= 1:
-        for chunk in chunks(texts):
-            yield len(chunk), encode_chunk(chunk, tokenizer)
-        return
+    """(documents completed, packed ids) in document order, from ``workers`` processes (step 2); a long
+    document is tokenized here, in pieces, once the chunks before it are written."""
     import multiprocessing
 
-    # spawn: the workers import only this module and the tokenizer (not torch), whatever the parent holds.
-    with ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(spec, eos_token)
-    ) as pool:
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if workers > 1:
+            # spawn: the workers import only this module and the tokenizer (not torch), whatever the parent holds.
+            pool = stack.enter_context(
+                ProcessPoolExecutor(
+                    workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_init_worker,
+                    initargs=(spec, eos_token),
+                )
+            )
         pending: deque = deque()
         try:
-            for chunk in chunks(texts):
-                pending.append((len(chunk), pool.submit(encode_chunk, chunk)))
-                if len(pending) >= 2 * workers:
-                    n, future = pending.popleft()
-                    yield n, future.result()
+            for item in chunks(texts):
+                if isinstance(item, LongDocument):
+                    while pending:  # the documents before it come first
+                        n, future = pending.popleft()
+                        yield n, future.result()
+                    for ids in encode_long(tokenizer, item.pieces):
+                        yield 0, ids
+                    yield 1, eos_ids(tokenizer)
+                elif pool is None:
+                    yield len(item), encode_chunk(item, tokenizer)
+                else:
+                    pending.append((len(item), pool.submit(encode_chunk, item)))
+                    if len(pending) >= 2 * workers:
+                        n, future = pending.popleft()
+                        yield n, future.result()
             while pending:
                 n, future = pending.popleft()
                 yield n, future.result()
@@ -265,8 +400,10 @@ def prepare(
     workers: int = 0,
     eos_token: str = "",
     quiet: bool = False,
+    errors: str = "strict",
 ) -> dict:
     """Tokenize ``source`` into ``out`` (see the module docstring); returns the header written."""
+    utf8 = Utf8(errors)
     tokenizer = load_tokenizer(tokenizer_spec, eos_token, field="--tokenizer")
     files = source_files(source)
     workers = workers or min(8, os.cpu_count() or 1)
@@ -274,7 +411,7 @@ def prepare(
     writer = TokenFileWriter(out, dtype_for(tokenizer.vocab_size))
     n_docs = 0
     try:
-        texts = documents(files, text_field, progress)
+        texts = documents(files, text_field, progress, utf8, long_pieces=True)
         for count, ids in tokenized(texts, tokenizer_spec, eos_token, workers, tokenizer):
             writer.append(ids)
             n_docs += count
@@ -292,6 +429,7 @@ def prepare(
         "source": source if source == "default" else str(Path(source).expanduser().resolve()),
         "files": len(files),
         "text_field": text_field,
+        "utf8_replaced_bytes": utf8.replaced,
     }
     writer.finish(header)
     seconds = time.perf_counter() - progress.start
@@ -311,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", type=int, default=0, help="tokenizing processes (default: the CPU count, at most 8)"
     )
     parser.add_argument("--eos-token", default="", help="end-of-document token (default: found in the tokenizer)")
+    parser.add_argument(
+        "--errors",
+        choices=ERRORS,
+        default="strict",
+        help="invalid UTF-8: strict refuses it naming the file and byte (default); replace puts U+FFFD and counts",
+    )
     opts = parser.parse_args(argv)
     try:
         h = prepare(
@@ -320,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             text_field=opts.text_field,
             workers=opts.workers,
             eos_token=opts.eos_token,
+            errors=opts.errors,
         )
     except ConfigError as exc:
         print(f"meshloom prepare: error: {exc}", file=sys.stderr, flush=True)
@@ -330,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{rate:,.0f} tokens/s -> {Path(opts.out) / 'tokens.bin'}",
         flush=True,
     )
+    if h["utf8_replaced_bytes"]:
+        print(
+            f"replaced {h['utf8_replaced_bytes']:,} bytes of invalid UTF-8 with U+FFFD (--errors replace)", flush=True
+        )
     return 0
 
 

@@ -3,8 +3,17 @@
     DIR/tokens.bin    every token id of every document, in order, each document followed by the EOS id;
                       little-endian uint16 when the vocabulary fits in 65,536 ids, else uint32; no framing
     DIR/header.json   {"format": "meshloom-tokens", "version": 1, "dtype": "uint16", "num_tokens": N,
-                       "num_documents": D, "tokenizer": {"name", "sha256", "vocab_size", "eos_id", ...},
+                       "max_id": M, "tokens_sha256": "...", "num_documents": D, "tokenizer": {"name", "sha256", "vocab_size", "eos_id", ...},
                        "source": "...", "text_field": "text", "created_at": "..."}
+
+``max_id`` (the largest id written) is computed while writing; a header without it (written before it
+existed) still loads, and its ids are then only checked window by window as a run reads them
+(data/loader.py).
+
+``tokens_sha256`` is the SHA-256 of ``tokens.bin``'s bytes, updated with each chunk as it is written (no
+second pass over the file). It identifies the stream by content: a checkpoint records it, and a resume into
+another stream under the same path is refused (checkpoint/resume.py), because ``tokens_consumed`` would
+then point at other tokens. A header without it (written before it existed) is identified by path only.
 
 ``tokens.bin`` is written first (as ``tokens.bin.tmp``, renamed when complete), ``header.json`` last, so
 a folder with a header is a complete dataset and a killed ``data.prepare`` leaves no header. Reading
@@ -16,6 +25,7 @@ has read (bench/loader_memory.py measures it).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -59,9 +69,15 @@ class TokenFileWriter:
         self.tmp = self.dir / (TOKENS + ".tmp")
         self.file = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish() / abort()
         self.num_tokens = 0
+        self.max_id = -1  # the largest id written (-1: none yet)
+        self.digest = hashlib.sha256()  # of the bytes written, chunk by chunk: the header's tokens_sha256
 
     def append(self, ids: np.ndarray) -> None:
-        self.file.write(np.ascontiguousarray(ids, dtype=DTYPES[self.dtype]).tobytes())
+        if len(ids):
+            self.max_id = max(self.max_id, int(ids.max()))
+        raw = np.ascontiguousarray(ids, dtype=DTYPES[self.dtype]).tobytes()
+        self.file.write(raw)
+        self.digest.update(raw)
         self.num_tokens += len(ids)
 
     def finish(self, header: dict) -> Path:
@@ -74,6 +90,8 @@ class TokenFileWriter:
             "version": VERSION,
             "dtype": self.dtype,
             "num_tokens": self.num_tokens,
+            "max_id": self.max_id,
+            "tokens_sha256": self.digest.hexdigest(),
             **header,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
@@ -163,6 +181,17 @@ class TokenMap:
             self._give_back(self.start + int(index.min()), self.start + int(index.max()) + 1)
         return values
 
+    def first_at_least(self, limit: int, first: int, stop: int) -> int | None:
+        """The offset (in this map) of the first id >= ``limit`` in ``[first, stop)``, or None: one max over a
+        view of the map (no copy), whose pages are then given back like a batch's."""
+        view = self._array[self.start + first : self.start + stop]
+        found = None
+        if len(view) and int(view.max()) >= limit:
+            found = first + int(np.argmax(view >= limit))
+        if stop > first:
+            self._give_back(self.start + first, self.start + stop)
+        return found
+
     def _give_back(self, first: int, stop: int) -> None:
         if not hasattr(mmap, "MADV_DONTNEED"):  # not every platform has it; the map still works
             return
@@ -175,6 +204,25 @@ def open_tokens(path: str | Path, header: dict):
     if header["num_tokens"] == 0:
         return np.zeros(0, dtype=DTYPES[header["dtype"]])
     return TokenMap(Path(path).expanduser() / TOKENS, DTYPES[header["dtype"]])
+
+
+def check_header_ids(header: dict, vocab_size: int, field: str = "data.source", path: str = "") -> None:
+    """Every id of the dataset must be below ``model.vocab_size``: the header's tokenizer vocabulary and its
+    recorded largest id (``max_id``; absent in headers written before it existed: the loader checks the
+    windows then)."""
+    vocab, max_id = header.get("tokenizer", {}).get("vocab_size"), header.get("max_id")
+    if isinstance(vocab, int) and vocab > vocab_size:
+        raise ConfigError(
+            f"{field}={path!r} was prepared with a vocabulary of {vocab:,} ids (header.json tokenizer.vocab_size), "
+            f"more than model.vocab_size={vocab_size:,}: its ids would index past the embedding; set "
+            f"--model.vocab_size {vocab} or more, or prepare the data with a tokenizer of at most {vocab_size:,} ids."
+        )
+    if isinstance(max_id, int) and max_id >= vocab_size:
+        raise ConfigError(
+            f"{field}={path!r} holds token ids up to {max_id:,} (header.json max_id), but model.vocab_size="
+            f"{vocab_size:,} only has ids 0..{vocab_size - 1:,}; set --model.vocab_size {max_id + 1} or more, or "
+            "prepare the dataset again with the tokenizer of this model (python -m data.prepare)."
+        )
 
 
 def check_header_tokenizer(header: dict, tokenizer, field: str = "data.source", path: str = "") -> None:

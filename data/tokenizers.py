@@ -22,6 +22,8 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
+
 from runtime.config import ConfigError
 
 # Special tokens that end a text in common tokenizers (GPT-2 / Llama 3 base / Llama 2, Mistral / Gemma).
@@ -56,6 +58,13 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
+    def encode_array(self, text: str) -> np.ndarray:
+        """The ids of ``text`` as a numpy array, without a Python int per byte."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
+
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode_array(t) for t in texts]
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
@@ -80,6 +89,7 @@ class HFTokenizer:
                 "tokenizer.json (or use 'bytes')."
             ) from exc
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self._untrimmed = None  # built when a long document is first cut (encode_with_offsets)
         self.eos_token = eos_token or self._find_eos()
         if not self.eos_token:
             raise ConfigError(
@@ -113,6 +123,21 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_with_offsets(self, text: str):
+        """The ``tokenizers`` Encoding of ``text`` with offsets as the pre-tokenizer cut them: a copy of the
+        tokenizer without its post-processor, which may trim spaces off the offsets (GPT-2's ``ByteLevel``
+        with ``trim_offsets``) but, without special tokens, never changes the ids. data/pieces.py cuts there."""
+        if self._untrimmed is None:
+            self._untrimmed = import_tokenizers().Tokenizer.from_str(self.tok.to_str())
+            self._untrimmed.post_processor = None
+        return self._untrimmed.encode(text, add_special_tokens=False)
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)

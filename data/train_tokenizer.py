@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from data.prepare import Progress, documents, source_files
+from data.prepare import Progress, Utf8, documents, source_files
 from data.tokenizers import import_tokenizers
 from runtime.config import ConfigError
 
@@ -41,7 +41,8 @@ def train_bpe(source: str, vocab_size: int, out_dir: str | Path, text_field: str
         show_progress=False,
     )
     files = source_files(source)[: max_files or None]
-    tokenizer.train_from_iterator(documents(files, text_field, Progress(files, stream=None)), trainer)
+    texts = documents(files, text_field, Progress(files, stream=None), Utf8("replace"))  # as it always read them
+    tokenizer.train_from_iterator(texts, trainer)
     out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out))
     return out

@@ -156,6 +156,11 @@ class DataConfig:
     eos_token: str = opt("", "end-of-document token; '': the tokenizer's own")
     val_source: str = opt("", "held-out data (same kinds as source); '': none, or the last val_fraction of source")
     val_fraction: float = opt(0.0, "with no val_source: hold out this last fraction of the source's tokens", ge=0, lt=1)
+    allow_stream_change: bool = opt(
+        False,
+        "resume into a prepared stream whose content digest differs from the checkpoint's: its tokens_consumed "
+        "is then reinterpreted as a position in the new stream",
+    )
 
 
 @dataclass

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -36,9 +37,30 @@ from runtime.config import ConfigError
 LOCK_FILE = ".meshloom.lock"
 
 
+def symlink_loop(path: str | Path) -> bool:
+    """Whether ``path`` (or a folder above it) is a symbolic link that leads back to itself. Such a path
+    exists as a name but never as a folder: ``mkdir`` fails with "File exists" and ``is_dir`` says False,
+    neither of which names the cause."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
+def refuse_symlink_loop(path: str | Path, field: str) -> None:
+    if symlink_loop(path):
+        raise ConfigError(
+            f"{field}={str(path)!r} is a symlink loop (a symbolic link that leads, directly or through others, back "
+            f"to itself, so it names no folder); point --{field} at a real folder, or fix the link "
+            "(`ls -l` shows where each link points)."
+        )
+
+
 def check_run_dir(run_dir: str, overwrite: bool, resuming: bool = False) -> None:
     """Refuse to append a new run to an old run's metrics (checked on every rank before any collective)."""
     path = Path(run_dir)
+    refuse_symlink_loop(path, "run.dir")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run.dir={run_dir!r} is a file, not a folder; choose another --run.dir.")
     metrics = path / "metrics.jsonl"

@@ -89,8 +89,37 @@ class TransformersFolder:
         return str(folder)
 
 
+class SymlinkLoop:
+    """In CONFIG_ERRORS: a symbolic link that points at itself, made in the test's tmp_path."""
+
+    def make(self, tmp_path: Path) -> str:
+        loop = tmp_path / "loop"
+        loop.symlink_to(loop.name)
+        return str(loop)
+
+
+class TokenFolder:
+    """In CONFIG_ERRORS: a folder prepared with the byte tokenizer whose header's fields are then changed
+    (``max_id`` beyond debug.toml's vocabulary of 256, as a damaged or foreign header would say)."""
+
+    def __init__(self, **header):
+        self.header = header
+
+    def make(self, tmp_path: Path) -> str:
+        import json
+
+        from data.prepare import prepare
+
+        (tmp_path / "text.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+        folder = tmp_path / "tokens"
+        prepare(str(tmp_path / "text.txt"), "bytes", str(folder), workers=1, quiet=True)
+        header = json.loads((folder / "header.json").read_text())
+        (folder / "header.json").write_text(json.dumps({**header, **self.header}))
+        return str(folder)
+
+
 def resolve(args: list, tmp_path: Path) -> list[str]:
-    return [a.make(tmp_path) if isinstance(a, TransformersFolder) else a for a in args]
+    return [a.make(tmp_path) if hasattr(a, "make") else a for a in args]
 
 
 def init_from(**fields) -> list:
@@ -135,6 +164,20 @@ CONFIG_ERRORS = [
         ["debug.check_replicas_action='abort' is not allowed", "stop, warn"],
     ),
     ("timeout_0", 1, ["--parallel.collective_timeout_s", "0"], ["parallel.collective_timeout_s=0 must be >= 1"]),
+    # folders and files the config names (runtime/run_dir.py: refuse_symlink_loop; data/token_file.py:
+    # check_header_ids); damaged token files, checkpoints and manifests live in test_prepare.py and test_checkpoint.py
+    (
+        "checkpoint_folder_symlink_loop",
+        1,
+        ["--checkpoint.interval", "2", "--checkpoint.folder", SymlinkLoop()],
+        ["is a symlink loop", "point --checkpoint.folder at a real folder"],
+    ),
+    (
+        "token_ids_beyond_vocab",
+        1,
+        ["--data.source", TokenFolder(max_id=300)],
+        ["holds token ids up to 300 (header.json max_id), but model.vocab_size=256", "--model.vocab_size 301"],
+    ),
     # several fields together, no layout involved (runtime/config.py: check_values)
     (
         "rotary_pairs",
@@ -417,6 +460,23 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(tmp_path):
     message = refused(tmp_path, "--checkpoint.interval", "2", "--checkpoint.folder", str(blocker / "ckpt"))
     assert f"checkpoint.folder={str(blocker / 'ckpt')!r} cannot be written" in message
     assert "--checkpoint.interval 0" in message
+
+
+def test_a_symlink_loop_as_a_folder_is_refused_naming_the_loop(tmp_path, capsys):
+    """A link that points at itself (or two that point at each other): mkdir says "File exists", which names
+    no cause; the refusal says "symlink loop"."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop.name)
+    message = refused(tmp_path, "--checkpoint.interval", "2", "--checkpoint.folder", str(loop))
+    assert f"checkpoint.folder={str(loop)!r} is a symlink loop" in message and "File exists" not in message
+    assert "point --checkpoint.folder at a real folder" in message
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    from train import main
+
+    assert main(["--config", DEBUG_CONFIG, "--run.dir", str(tmp_path / "a" / "run")]) == 2
+    (message,) = messages(capsys.readouterr().err)
+    assert f"run.dir={str(tmp_path / 'a' / 'run')!r} is a symlink loop" in message and "File exists" not in message
 
 
 def test_a_read_only_checkpoint_folder_is_refused_naming_the_permission(tmp_path):

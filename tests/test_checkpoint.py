@@ -212,6 +212,22 @@ def flip_bits(path: Path, offset: int = 4096, count: int = 4096) -> None:
     path.write_bytes(bytes(data))
 
 
+def flip_n_layers(step_dir: Path) -> None:
+    """One digit of the manifest's [model] section changed (n_layers 4 -> 5): still valid JSON, and it would
+    read as a checkpoint of another model, contradicting the config, if the manifest had no checksum."""
+    text = (step_dir / "meshloom.json").read_text()
+    assert text.count('"n_layers": 4,') == 1
+    (step_dir / "meshloom.json").write_text(text.replace('"n_layers": 4,', '"n_layers": 5,'))
+
+
+def relabel(step_dir: Path, step: int) -> None:
+    """A copied step folder renamed as ``step``: its manifest says so, with a matching checksum."""
+    from checkpoint.verify import seal
+
+    meta = json.loads((step_dir / "meshloom.json").read_text())
+    (step_dir / "meshloom.json").write_text(json.dumps(seal({**meta, "step": step})))
+
+
 @pytest.mark.parametrize(
     "damage, words",
     [
@@ -222,6 +238,7 @@ def flip_bits(path: Path, offset: int = 4096, count: int = 4096) -> None:
         (lambda d: flip_bits(d / ".metadata", 64, 16), [".metadata does not match its checksum"]),
         (lambda d: (d / "__0_0.distcp").unlink(), ["__0_0.distcp is missing"]),
         (lambda d: os.truncate(d / "__0_0.distcp", 1000), ["__0_0.distcp has 1000 bytes, the manifest says"]),
+        (flip_n_layers, ["meshloom.json does not match its checksum (damaged: its fields changed after the save)"]),
     ],
     ids=[
         "no-meta",
@@ -231,6 +248,7 @@ def flip_bits(path: Path, offset: int = 4096, count: int = 4096) -> None:
         "flipped-dcp-metadata",
         "no-data",
         "truncated-data",
+        "flipped-manifest-field",
     ],
 )
 def test_a_partial_or_corrupt_checkpoint_fails_clearly(damage, words, reference, tmp_path):
@@ -260,9 +278,8 @@ def test_a_crafted_metadata_pickle_is_never_unpickled(reference, tmp_path):
     shutil.copytree(reference[1], folder)
     crafted = folder / f"step-{3 * N}"
     shutil.copytree(folder / f"step-{2 * N}", crafted)
+    relabel(crafted, 3 * N)
     meta = json.loads((crafted / "meshloom.json").read_text())
-    meta["step"] = 3 * N
-    (crafted / "meshloom.json").write_text(json.dumps(meta))
     marker = tmp_path / "code-ran"
 
     class Payload:
@@ -686,6 +703,54 @@ def test_a_tokenizer_changed_under_the_same_path_is_refused_by_resume_and_genera
     assert before.sha256[:12] in err_text and after.sha256[:12] in err_text and "Traceback" not in err_text
 
 
+# ---- the token stream, by content ---------------------------------------------------------------------------
+
+
+def test_a_dataset_prepared_again_under_the_same_path_is_refused_naming_both_digests(tmp_path, capsys):
+    """Another text prepared into the same folder: the path, the tokenizer and the size may all fit, the
+    tokens do not. The header's tokens_sha256 (written while preparing) is recorded by the checkpoint and
+    compared on resume; data.allow_stream_change true resumes anyway, saying the position is reinterpreted."""
+    from checkpoint.resume import check_stream_content
+    from data.prepare import prepare
+    from data.token_file import HEADER, read_header
+
+    data = tmp_path / "data"
+    prepare(str(ROOT / "train.py"), "bytes", str(data), workers=1, quiet=True)
+    first = read_header(data)["tokens_sha256"]
+    folder = tmp_path / "ckpt"
+    train_on(
+        1,
+        {"data.source": str(data), **overrides(folder, checkpoint__interval=2), "training.steps": 2},
+        tmp_path / "run",
+    )
+    saved = json.loads((folder / "step-2" / "meshloom.json").read_text())["data"]
+    assert saved["tokens_sha256"] == first and saved["val_tokens_sha256"] is None
+    shutil.rmtree(data)
+    prepare(str(ROOT / "generate.py"), "bytes", str(data), workers=1, quiet=True)
+    second = read_header(data)["tokens_sha256"]
+    assert second != first
+    again = dict(checkpoint__resume="auto", training__steps=4, data__source=str(data))
+    with pytest.raises(ConfigError) as err:
+        check(tmp_path, folder, **again)
+    message = str(err.value)
+    assert f"data.source={str(data)!r} with tokens_sha256 {first}" in message and f"tokens_sha256 {second}" in message
+    assert "tokens_consumed=2,048" in message and "new --run.dir" in message
+    assert "--data.allow_stream_change true" in message
+    capsys.readouterr()
+    check(tmp_path, folder, data__allow_stream_change=True, **again)
+    assert "the position is reinterpreted in the new stream" in capsys.readouterr().err
+    # A header without a digest (an older data.prepare) is another stream too; a checkpoint without one (an
+    # older meshloom) is compared by path only, with a warning.
+    header = json.loads((data / HEADER).read_text())
+    (data / HEADER).write_text(json.dumps({k: v for k, v in header.items() if k != "tokens_sha256"}))
+    with pytest.raises(ConfigError, match="no tokens_sha256"):
+        check(tmp_path, folder, **again)
+    (data / HEADER).write_text(json.dumps(header))
+    cfg = load_config(path=DEBUG_CONFIG, overrides={"data.source": str(data), "run.dir": str(tmp_path / "run")})
+    check_stream_content(folder / "step-2", {}, cfg, 2048)
+    assert "recorded no content digest of its token stream" in capsys.readouterr().err
+
+
 # ---- unreadable checkpoints (run as a user without root's override of file permissions) ---------------------
 
 
@@ -695,8 +760,7 @@ def unreadable_checkpoints(source: Path, folder: Path) -> None:
     shutil.copytree(source, folder)
     newest = folder / f"step-{3 * N}"
     shutil.copytree(folder / f"step-{2 * N}", newest)
-    meta = json.loads((newest / "meshloom.json").read_text())
-    (newest / "meshloom.json").write_text(json.dumps({**meta, "step": 3 * N}))
+    relabel(newest, 3 * N)
     (folder / f"step-{2 * N}" / "__0_0.distcp").chmod(0)
     newest.chmod(0)
 

@@ -8,6 +8,7 @@ prepare-time ones through `python -m data.prepare`. `tokenizers` and `pyarrow` c
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -181,8 +182,24 @@ def test_prepare_command_prints_progress_and_a_summary(tmp_path, bpe):
             lambda p: write_parquet(p / "d.parquet", DOCS, field="body"),
             ["d.parquet has no 'text' column", "'body'", "--text-field"],
         ),
+        (
+            lambda p: (p / "d.txt").write_bytes(b"caf\xe9 latin-1\n" + b"x" * 100) and p / "d.txt",
+            ["d.txt: invalid UTF-8 at byte 3 (invalid continuation byte)", "--errors replace", "iconv"],
+        ),
+        (
+            lambda p: (p / "d.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n') and p / "d.jsonl",
+            ["d.jsonl:2: invalid UTF-8 at byte 28 (invalid continuation byte)", "--errors replace"],
+        ),
     ],
-    ids=["jsonl-without-field", "jsonl-not-a-string", "jsonl-not-json", "unreadable-parquet", "parquet-without-column"],
+    ids=[
+        "jsonl-without-field",
+        "jsonl-not-a-string",
+        "jsonl-not-json",
+        "unreadable-parquet",
+        "parquet-without-column",
+        "invalid-utf8-text",
+        "invalid-utf8-jsonl",
+    ],
 )
 def test_bad_source_data_is_refused_naming_the_place_and_the_fix(make, words, tmp_path, bpe):
     source = make(tmp_path)
@@ -192,6 +209,71 @@ def test_bad_source_data_is_refused_naming_the_place_and_the_fix(make, words, tm
         assert word in proc.stderr, proc.stderr
     assert proc.seconds < 30
     assert not (tmp_path / "out" / HEADER).exists() and not list((tmp_path / "out").glob("tokens*"))
+
+
+def test_invalid_utf8_is_replaced_only_when_asked_and_counted(tmp_path):
+    source = tmp_path / "d.txt"
+    source.write_bytes(b"caf\xe9 au lait \xff\xfe ok " + "\ufffd".encode() + b" end")  # one real U+FFFD
+    proc = prepare_cli(
+        "--source", str(source), "--tokenizer", "bytes", "--out", str(tmp_path / "out"), "--errors", "replace"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "replaced 3 bytes of invalid UTF-8 with U+FFFD (--errors replace)" in proc.stdout
+    assert read_header(tmp_path / "out")["utf8_replaced_bytes"] == 3
+    text = np.fromfile(tmp_path / "out" / TOKENS, dtype="<u2").astype(np.uint8).tobytes().decode()
+    assert text == "caf\ufffd au lait \ufffd\ufffd ok \ufffd end"
+
+
+def test_a_long_document_is_tokenized_in_pieces_that_give_the_whole_document_ids(tmp_path, bpe, monkeypatch):
+    """Pieces of 64 characters, cut with the tokenizer's offsets (data/pieces.py), give exactly the ids of the
+    whole document: across words, runs of spaces and newlines, multi-byte characters, and a long run without
+    any space (the fallback cut) for the byte tokenizer, which has no context."""
+    import data.pieces
+    import data.prepare
+
+    monkeypatch.setattr(data.prepare, "LONG_CHARS", 100)
+    monkeypatch.setattr(data.prepare, "PIECE_CHARS", 64)
+    cuts = []
+    real_head = data.pieces.encode_head
+    monkeypatch.setattr(data.pieces, "encode_head", lambda tok, text: cuts.append(1) or real_head(tok, text))
+    text = "".join(DOCS) * 40 + "   spaces  \n\n\tand\ttabs  " * 20 + " ∑ héllo wörld" * 30
+    (tmp_path / "long.txt").write_text(text)
+    jsonl = write_jsonl(tmp_path / "long.jsonl", [text, "short", text])
+    for spec, source in ((str(bpe), tmp_path / "long.txt"), (str(bpe), jsonl), ("bytes", tmp_path / "long.txt")):
+        tok = load_tokenizer(spec)
+        eos = [] if tok.eos_id is None else [tok.eos_id]
+        docs = [text] if source.suffix == ".txt" else [text, "short", text]
+        expected = [i for doc in docs for i in (*tok.encode(doc), *eos)]
+        out = tmp_path / f"out-{len(cuts)}"
+        cuts.clear()
+        prepare(str(source), spec, str(out), workers=1, quiet=True)
+        assert np.fromfile(out / TOKENS, dtype="<u2").tolist() == expected, (spec, source.name)
+        assert len(cuts) > 10, "the document went through pieces"
+    no_spaces = "x" * 5000
+    tok = load_tokenizer("bytes")
+    assert np.concatenate(
+        list(data.pieces.encode_long(tok, [no_spaces[:3000], no_spaces[3000:]]))
+    ).tolist() == tok.encode(no_spaces)
+
+
+def test_preparing_one_long_line_holds_a_piece_not_the_document(tmp_path):
+    """Python's allocations (tracemalloc; numpy's arrays included) while preparing an 8 MB single-line file with
+    the byte tokenizer in this process: before pieces, the whole text, its Python int list and its array
+    (tens of bytes per byte); now about one piece (64 Ki characters) and its arrays, whatever the length
+    (0.8 MiB measured)."""
+    import tracemalloc
+
+    source = tmp_path / "line.txt"
+    with open(source, "w") as f:
+        for _ in range(8):
+            f.write(("word " * 200_000 + "∑")[: 1 << 20])
+    tracemalloc.start()
+    prepare(str(source), "bytes", str(tmp_path / "out"), workers=1, quiet=True)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    size = source.stat().st_size
+    assert read_header(tmp_path / "out")["num_tokens"] == size
+    assert peak < 2 * 2**20 < size / 3, f"peak {peak / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB line"
 
 
 # ---- the training stream ---------------------------------------------------------------------------------------
@@ -382,3 +464,92 @@ def test_train_tokenizer_command_writes_a_loadable_bpe(tmp_path):
     assert tok.eos_id == 0 and tok.vocab_size <= 300 and tok.decode(tok.encode(DOCS[1])) == DOCS[1]
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "never overwrites" in again.stderr
+
+
+# ---- token ids against the model's vocabulary ------------------------------------------------------------------
+
+
+def test_prepare_records_the_largest_id_and_a_header_beyond_the_vocabulary_is_refused(small_dataset, bpe, tmp_path):
+    header = read_header(small_dataset)
+    assert header["max_id"] == int(np.fromfile(small_dataset / TOKENS, dtype="<u2").max()) < 512
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / TOKENS).write_bytes((small_dataset / TOKENS).read_bytes())
+    (edited / HEADER).write_text(json.dumps({**header, "max_id": 600}))
+    common = dict(data__tokenizer=str(bpe), data__source=str(edited), training__seq_len=16)
+    with pytest.raises(ConfigError) as err:
+        load_data(config(tmp_path, model__vocab_size=512, **common))
+    assert "holds token ids up to 600 (header.json max_id), but model.vocab_size=512" in str(err.value)
+    assert "set --model.vocab_size 601 or more" in str(err.value)
+    # A header written before max_id existed still loads (its ids are checked window by window).
+    old = {k: v for k, v in header.items() if k != "max_id"}
+    (edited / HEADER).write_text(json.dumps(old))
+    assert len(load_data(config(tmp_path, model__vocab_size=512, **common)).train) == header["num_tokens"]
+
+
+@pytest.mark.parametrize("kind", ["memory-map", "tensor"])
+def test_an_id_out_of_range_stops_every_data_parallel_rank_with_the_offset(kind, tmp_path):
+    """The id sits in rank 1's window of the second global batch: both ranks stop there, with the same message,
+    before any batch is made (data/loader.py: the check covers the global batch)."""
+    tokens = (np.arange(5_000) % 251).astype("<u2")
+    tokens[16 * 8 + 5 * 16 + 3] = 300  # step 2 starts at 128; rank 1 (of 2) reads windows 4..7 of it
+    tokens.tofile(tmp_path / "tokens.bin")
+    stream = (
+        TokenMap(tmp_path / "tokens.bin", np.dtype("<u2"))
+        if kind == "memory-map"
+        else torch.from_numpy(tokens.astype(np.int64))
+    )
+    messages = []
+    for rank in range(2):
+        loader = GlobalBatchLoader(
+            stream, seq_len=16, global_batch=8, micro_batch=4, dp_rank=rank, dp_size=2, vocab_size=256
+        )
+        loader.next_batch()  # step 1 is clean
+        with pytest.raises(ConfigError) as err:
+            loader.next_batch()
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    where = (
+        f"{tmp_path / 'tokens.bin'} holds id 300 at token offset 211 (byte 422)"
+        if kind == "memory-map"
+        else "id 300 at token 211"
+    )
+    assert where in messages[0] and "model.vocab_size=256 only has ids 0..255" in messages[0]
+    assert "Prepare the dataset again" in messages[0]
+    # the global batch as ranges: one, or two where the stream wraps
+    loader = GlobalBatchLoader(stream, seq_len=16, global_batch=8, micro_batch=4, dp_rank=0, dp_size=2)
+    assert loader.global_spans(0) == [(0, 129)] and loader.global_spans(5_000 - 16 - 64) == [(4920, 4985), (0, 65)]
+
+
+@pytest.fixture(scope="module")
+def byte_dataset(tmp_path_factory):
+    """A prepared folder of bytes (uint16 ids below 256) with more than one global batch of debug.toml."""
+    root = tmp_path_factory.mktemp("bytes")
+    prepare(str(write_jsonl(root / "d.jsonl", DOCS * 100)), "bytes", str(root / "prepared"), workers=1, quiet=True)
+    return root / "prepared"
+
+
+def test_a_flipped_byte_in_the_token_file_stops_every_rank_with_the_file_and_offset(byte_dataset, tmp_path):
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / HEADER).write_text((byte_dataset / HEADER).read_text())
+    raw = bytearray((byte_dataset / TOKENS).read_bytes())
+    raw[2 * 700 + 1] ^= 0x01  # the high byte of token 700: an id of 256 or more, in rank 1's windows of step 1
+    (damaged / TOKENS).write_bytes(bytes(raw))
+    start = time.monotonic()
+    proc = run_train_cli(
+        2, "--config", DEBUG_CONFIG, "--run.dir", str(tmp_path / "run"), "--data.source", str(damaged), timeout=120
+    )
+    seconds = time.monotonic() - start
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+    assert proc.returncode != 0 and codes and set(codes) == {"2"}, proc.stderr[-3000:]
+    reports = [line for line in proc.stderr.splitlines() if line.startswith("meshloom: configuration error")]
+    assert len(reports) == 2 and len(set(reports)) == 1, proc.stderr[-3000:]
+    assert f"{damaged / TOKENS} holds id {raw[1400] + 256:,} at token offset 700 (byte 1,400)" in reports[0]
+    assert "IndexError" not in proc.stderr and "Traceback" not in proc.stderr.split("meshloom: configuration")[0]
+    assert (
+        not (tmp_path / "run" / "metrics.jsonl").exists()
+        or "loss" not in (tmp_path / "run" / "metrics.jsonl").read_text()
+    )
+    assert seconds < 60, seconds
+    print(f"torchrun, 2 ranks, damaged token file: every rank exited 2 in {seconds:.1f} s")
