@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from checkpoint.folder import check_writable, checkpoint_bytes, checkpoint_folder
 from checkpoint.hf_folder import adopt_folder_config
@@ -33,30 +32,26 @@ from checkpoint.manager import CheckpointManager, CheckpointSaveError
 from checkpoint.resume import Resume, find_resume
 from data.dataset import check_data, load_data
 from data.loader import GlobalBatchLoader
-from mesh.activation_checkpoint import apply_activation_checkpointing
-from mesh.comm_memory_savers import apply_powersgd, offload_policy, reduce_dtype, reduction_window
-from mesh.context_parallel import apply_context_parallel, load_balanced_positions
-from mesh.data_parallel import apply_fsdp
-from mesh.dims import Meshes, build_mesh, mesh_banner
+from mesh.comm_memory_savers import reduction_window
+from mesh.context_parallel import load_balanced_positions
+from mesh.dims import build_mesh, mesh_banner
 from mesh.dry_run import dry_run, parse_dry_run
-from mesh.expert_parallel import apply_expert_parallel, load_metrics, step_expert_load
+from mesh.expert_parallel import load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
 from mesh.layout_rules import check_memory
-from mesh.materialize import check_placement, materialize_weights
-from mesh.pipeline import build_pipeline_schedule, build_stage_module, run_schedule
+from mesh.pipeline import build_pipeline_schedule, run_schedule
 from mesh.pipeline_timeline import PipelineTimeline, write_pipeline_timeline
 from mesh.plan import LayoutPlan
 from mesh.private_api import flight_recorder_dump
 from mesh.replica_check import ReplicaMismatchError, check_replicas, tied_replicas
 from mesh.tensor_parallel import (
-    apply_tensor_parallel,
     loss_context,
     loss_value,
     reduce_partial_gradients,
     sum_token_split_gradients,
 )
 from mesh.tied_embeddings import TiedEmbeddings
-from models.llama import Transformer
+from planning.options import model_parts
 from runtime.config import Config, ConfigError, help_text, load_config
 from runtime.failures import (
     disable_flight_recorder,
@@ -128,63 +123,6 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
     return plan, resume
 
 
-def parallelize(model: nn.Module, cfg: Config, plan: LayoutPlan, meshes: Meshes, device: torch.device) -> nn.Module:
-    """The fixed order: TP -> EP -> activation checkpointing -> compile -> FSDP -> layout-independent weights
-    -> CP (which swaps each attention's kernel and cuts the rotary tables to this rank's positions); then every
-    parameter and buffer is checked to be on ``device`` (or in host memory, for offloaded parameters)."""
-    dims = plan.dims
-    if dims.tp > 1:
-        apply_tensor_parallel(
-            model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel, regather=cfg.parallel.sp_regather
-        )
-    if dims.ep > 1:
-        apply_expert_parallel(model, meshes.ep)
-    apply_activation_checkpointing(model, cfg.training.activation_checkpoint, compiled=cfg.training.compile)
-    if cfg.training.compile:
-        for block in model.layers.values():
-            block.compile()
-    p = cfg.parallel
-    if (
-        p.grad_compression == "powersgd"
-    ):  # a pure data-parallel layout, replicated with DDP (mesh/comm_memory_savers.py)
-        materialize_weights(model, device, cfg.training.seed)
-        check_placement(model, device)
-        return apply_powersgd(model, meshes.world["dp_replicate"], p.powersgd_rank, device)
-    if plan.fsdp:  # data or context parallelism, bf16, or CPU offload (mesh/plan.py: uses_fsdp)
-        apply_fsdp(
-            model,
-            meshes,
-            mixed_precision=cfg.training.mixed_precision,
-            reshard_after_forward=p.fsdp_reshard_after_forward,
-            pipelined=dims.pp > 1,
-            reduce_dtype=reduce_dtype(p.grad_compression),
-            offload=offload_policy(p.fsdp_cpu_offload, device),
-        )
-    # Under CPU offload FSDP wants its sharded parameters created in host memory.
-    materialize_weights(model, device, cfg.training.seed, torch.device("cpu") if p.fsdp_cpu_offload else None)
-    if dims.cp > 1:
-        apply_context_parallel(model, meshes.cp, p.cp_attention, plan.seq_len)
-    check_placement(model, device, host_params=p.fsdp_cpu_offload)  # every tensor where the layout says
-    return model
-
-
-def build_model(cfg: Config, plan: LayoutPlan, meshes: Meshes, device: torch.device) -> Transformer:
-    """The whole model, parallelized (no pipeline)."""
-    with torch.device("meta"):
-        model = Transformer(plan.model)
-    return parallelize(model, cfg, plan, meshes, device)
-
-
-def build_model_parts(cfg: Config, plan: LayoutPlan, meshes: Meshes, device: torch.device) -> list[nn.Module]:
-    """This rank's model parts: the whole model, or its pipeline stages (``plan.stage_ids``)."""
-    if plan.dims.pp == 1:
-        return [build_model(cfg, plan, meshes, device)]
-    stages = [
-        build_stage_module(plan.model, plan.stage_layers[s], s == 0, s == plan.n_stages - 1) for s in plan.stage_ids
-    ]
-    return [parallelize(stage, cfg, plan, meshes, device) for stage in stages]
-
-
 def forward_backward(parts, schedule, plan: LayoutPlan, inputs, targets, tp_enabled: bool) -> torch.Tensor:
     """One micro-batch's forward and backward; returns this rank's token-loss sum (0 off the last stage).
 
@@ -253,7 +191,7 @@ def train(cfg: Config) -> list[dict]:
             checkpoints.start()
 
         with phase("building and parallelizing the model", "device plane"):
-            parts = build_model_parts(cfg, plan, meshes, device)
+            parts = model_parts(cfg, plan, meshes, device)  # mesh/parallelize.py, in its order
         schedule, timeline = None, None
         if dims.pp > 1:
             schedule, stages = build_pipeline_schedule(

@@ -42,7 +42,7 @@ def measure(config: str = CONFIG) -> dict[str, int]:
     from mesh.dims import build_mesh
     from mesh.plan import LayoutPlan
     from runtime.config import load_config
-    from train import build_model
+    from planning.options import model_parts
     from training.optimizer import Optimizers
 
     world = dist.get_world_size()
@@ -50,7 +50,7 @@ def measure(config: str = CONFIG) -> dict[str, int]:
     plan = LayoutPlan.resolve(cfg, world, dist.get_rank())
     dims, args = plan.dims, plan.model
     meshes = build_mesh(dims, torch.device("cpu"), timeout_s=60)
-    model = build_model(cfg, plan, meshes, torch.device("cpu"))
+    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
     optimizers = Optimizers([model], cfg)
     optimizer = optimizers.optimizers[0]
 

@@ -55,13 +55,13 @@ def held_after_backward(overrides: dict, reduce: bool) -> dict:
     from mesh.dims import build_mesh
     from mesh.plan import LayoutPlan
     from runtime.config import load_config
-    from train import build_model
+    from planning.options import model_parts
     from training.loss import token_loss_sum
 
     cfg = load_config(path="configs/debug.toml", overrides=overrides)
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
     meshes = build_mesh(plan.dims, torch.device("cpu"), timeout_s=120)
-    model = build_model(cfg, plan, meshes, torch.device("cpu"))
+    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
     tokens = torch.randint(0, plan.model.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
     before = live_tensor_bytes()
     with reduction_window([model], reduce=reduce, hsdp=plan.dims.dp_replicate > 1):

@@ -52,7 +52,7 @@ class LayoutPlan:
     pp_microbatches: int  # micro-batches the schedule splits each local batch into (1 without pipelining)
     stage_layers: tuple[tuple[int, ...], ...]  # layer ids of every stage
     stage_ids: tuple[int, ...]  # the stages this rank runs
-    fsdp: bool  # whether FSDP2 wraps the model (train.parallelize)
+    fsdp: bool  # whether FSDP2 wraps the model (mesh/parallelize.py)
 
     @property
     def global_tokens(self) -> int:

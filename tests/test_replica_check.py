@@ -46,6 +46,7 @@ def run_with_a_perturbed_replica(argv: list[str], odd_rank: int) -> tuple[int, s
     stdout)."""
     import torch.distributed as dist
 
+    import mesh.parallelize
     import train
     from mesh.materialize import materialize_weights
 
@@ -59,7 +60,7 @@ def run_with_a_perturbed_replica(argv: list[str], odd_rank: int) -> tuple[int, s
                         local[0] += 1e-3
         return out
 
-    train.materialize_weights = perturbed
+    mesh.parallelize.materialize_weights = perturbed
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         code = train.main(argv)

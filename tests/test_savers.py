@@ -227,12 +227,12 @@ def offload_applied(overrides: dict) -> bool:
     from mesh.dims import build_mesh
     from mesh.plan import LayoutPlan
     from mesh.private_api import offloads_to_host
-    from train import build_model
+    from planning.options import model_parts
 
     cfg = load_config(path=DEBUG_CONFIG, overrides=overrides)
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
     meshes = build_mesh(plan.dims, torch.device("cpu"), timeout_s=60)
-    model = build_model(cfg, plan, meshes, torch.device("cpu"))
+    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     return len(units) == UNITS and all(offloads_to_host(u) for u in units)
 
