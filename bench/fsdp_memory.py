@@ -40,9 +40,9 @@ def local_bytes(t: torch.Tensor) -> int:
 def measure(config: str = CONFIG) -> dict[str, int]:
     """Rank body: build the FSDP2 model over dp_shard = world, take one AdamW step, count local bytes."""
     from mesh.dims import build_mesh
-    from mesh.plan import LayoutPlan
-    from runtime.config import load_config
     from planning.options import model_parts
+    from planning.plan import LayoutPlan
+    from runtime.config import load_config
     from training.optimizer import Optimizers
 
     world = dist.get_world_size()

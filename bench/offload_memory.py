@@ -73,9 +73,9 @@ def measure(offload: bool, steps: int, seq_len: int, batch: int, device: torch.d
     On a CPU ``device`` (the smoke test) there is no device memory to read: ``resident``/``peak`` are 0.
     """
     from mesh.dims import build_mesh
-    from mesh.plan import LayoutPlan
-    from runtime.config import load_config
     from planning.options import model_parts
+    from planning.plan import LayoutPlan
+    from runtime.config import load_config
     from training.loss import token_loss_sum
     from training.optimizer import Optimizers
 

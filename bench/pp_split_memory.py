@@ -16,7 +16,7 @@ Each rank:
    above step 1's count;
 3. reports the count plus that peak: the rank's peak tensor bytes in a step.
 
-Printed per split: the layers per stage, each rank's measured peak next to mesh/memory_estimate.py's estimate,
+Printed per split: the layers per stage, each rank's measured peak next to planning/memory_estimate.py's estimate,
 and the ratio max / min over the ranks, from one run. Not counted: the allocator's caches, Python objects,
 torch's own buffers outside tensors (the process RSS includes the torch import, about 200 MiB per rank).
 """
@@ -48,11 +48,11 @@ def step_peak(split: str) -> dict:
     from torch.utils._pytree import tree_leaves
 
     from mesh.dims import build_mesh
-    from mesh.memory_estimate import MemoryLayout, rank_memory
     from mesh.pipeline import build_pipeline_schedule, run_schedule
-    from mesh.plan import LayoutPlan
-    from runtime.config import load_config
+    from planning.memory_estimate import MemoryLayout, rank_memory
     from planning.options import model_parts
+    from planning.plan import LayoutPlan
+    from runtime.config import load_config
     from training.loss import token_loss_sum
     from training.optimizer import Optimizers
 

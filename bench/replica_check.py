@@ -1,4 +1,4 @@
-"""The replica check's cost (mesh/replica_check.py) against the training step, from one run.
+"""The replica check's cost (extras/replica_check.py) against the training step, from one run.
 
     .venv/bin/python -m bench.replica_check               # 4 gloo ranks, dp_replicate 2 x tp 2, 12 steps
     .venv/bin/python -m bench.replica_check --steps 20 --dim 256 --layers 8
@@ -24,8 +24,8 @@ WARMUP = 2
 def timed_run(overrides: dict, run_dir: str) -> dict:
     """Rank body: train with the check timed; this rank's check times, step times, and checked parameters."""
     import train
+    from extras.replica_check import replica_groups
     from launch.local_runs import DEBUG_CONFIG
-    from mesh.replica_check import replica_groups
     from runtime.config import load_config
     from runtime.process import device_time
 

@@ -378,7 +378,7 @@ def print_table(results: dict, runs: list, shape: dict, args) -> None:
 
 # ---- one GPU, a 1B model ---------------------------------------------------------------------------------------
 def gpu_1b(args) -> dict:
-    """Llama-3.2-1B's shape (models/llama.PRESETS["llama3-1b"]) in bf16 on one GPU: meshloom vs the plain loop.
+    """Llama-3.2-1B's shape (planning/presets.py: PRESETS["llama3-1b"]) in bf16 on one GPU: meshloom vs the plain loop.
 
     Not run here (no GPU on the machine this was written on); ``--smoke`` runs the same path with one layer
     and short sequences on whatever device there is, so the script itself is checked. Returns each run's
@@ -386,7 +386,7 @@ def gpu_1b(args) -> dict:
     """
     import torch
 
-    from models.llama import PRESETS
+    from planning.presets import PRESETS
 
     p = PRESETS["llama3-1b"]
     seq = 2048

@@ -14,7 +14,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
-from mesh.comm_memory_savers import apply_powersgd, offload_policy, reduce_dtype
+from extras.comm_memory_savers import apply_powersgd, offload_policy, reduce_dtype
 from mesh.parallelize import ParallelOptions, build_model_parts
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from mesh.dims import Meshes
-    from mesh.plan import LayoutPlan
+    from planning.plan import LayoutPlan
     from runtime.config import Config
 
 

@@ -11,11 +11,11 @@ from launch.local_runs import DEBUG_CONFIG
 from launch.spawn import run_on_ranks
 from mesh.dims import build_mesh
 from mesh.grad_clip import global_grad_norm
-from mesh.plan import LayoutPlan
 from mesh.tensor_parallel import loss_context
+from planning.options import model_parts
+from planning.plan import LayoutPlan
 from runtime.config import load_config, model_args
 from tests.api_path import comm_counts
-from planning.options import model_parts
 
 
 def batch() -> torch.Tensor:

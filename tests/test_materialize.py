@@ -15,7 +15,7 @@ from bench.schedule_ir import fake_world
 from launch.local_runs import DEBUG_CONFIG, ROOT
 from mesh.dims import build_mesh
 from mesh.materialize import check_placement, misplaced_tensors
-from mesh.plan import LayoutPlan
+from planning.plan import LayoutPlan
 from runtime.config import load_config
 
 MOE_CONFIG = str(ROOT / "configs" / "debug_moe.toml")

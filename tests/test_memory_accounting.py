@@ -26,9 +26,9 @@ def bf16_state_dtypes() -> dict:
     import torch.nn.functional as F
 
     from mesh.dims import build_mesh
-    from mesh.plan import LayoutPlan
-    from runtime.config import load_config
     from planning.options import model_parts
+    from planning.plan import LayoutPlan
+    from runtime.config import load_config
     from training.optimizer import Optimizers
 
     world = dist.get_world_size()

@@ -1,15 +1,15 @@
 """How long one training step takes on a cluster, and what it spends the time on: a model you can read.
 
-Arithmetic only; bench/plan_layout.py searches layouts with it, and bench/published_runs.py checks it against
+Arithmetic only; planning/plan_layout.py searches layouts with it, and planning/published_runs.py checks it against
 published runs. Per step, for the slowest pipeline rank (with no pipeline, any rank), in seconds:
 
 1. **Matmuls**: the model FLOPs of every block on the rank (models/flops.py: attention included, an MoE layer's
    active experts only) for its share of the tokens (tp splits the work of a token, cp the tokens of a
    sequence), forward and backward, plus a second forward of the blocks under full activation checkpointing,
    and the output head on the last stage. They run at ``matmul_efficiency(gpu)`` x the GPU's dense peak:
-   one figure per GPU, the GPU's largest measured matmul throughput (MAMF, training/throughput.py: GPUS) times
+   one figure per GPU, the GPU's largest measured matmul throughput (MAMF, planning/gpus.py: GPUS) times
    ``MAMF_SHARE``, the share of it a real training step's matmuls reached on the one published run where
-   matmuls are nearly everything (bench/published_runs.py: derive_mamf_share).
+   matmuls are nearly everything (planning/published_runs.py: derive_mamf_share).
 2. **Memory-bound kernels**: norms, rotary, activations, residual adds, softmax and dropout where the scores
    are materialised, the loss: bytes each moves, counted kernel by kernel for the code that ran
    (``Workload.elementwise_bytes``), at the GPU's memory bandwidth. Backward moves twice a forward's bytes;
@@ -47,17 +47,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from mesh.memory_estimate import MemoryLayout, block_parameters, even_stage_layers
 from mesh.pipeline import stage_ids_of_rank
 from models.flops import head_flops_per_token, layer_flops_per_token
-from training.throughput import GPU, GPUS, PLANNER_GPUS
+from planning.gpus import GPU, GPUS, PLANNER_GPUS
+from planning.memory_estimate import MemoryLayout, block_parameters, even_stage_layers
 
 if TYPE_CHECKING:
     from models.llama import ModelArgs
 
 GPUS_PER_NODE = 8
 # The share of a GPU's maximum achievable matmul throughput that a training step's matmuls reached, derived once
-# from Megatron-LM's 1T-parameter run by bench/published_runs.py: derive_mamf_share (tests/test_plan_layout.py
+# from Megatron-LM's 1T-parameter run by planning/published_runs.py: derive_mamf_share (tests/test_plan_layout.py
 # checks that this is what the derivation gives).
 MAMF_SHARE = 0.7930
 # AdamW reads the fp32 weight, gradient, m and v and writes weight, m and v (28 bytes); clipping by the global
@@ -132,7 +132,7 @@ class Layout:
 
 class Workload(Protocol):
     """A model at a sequence length, as the time model sees it: FLOPs, parameters and bytes moved per token of
-    one rank's share. ``LlamaWorkload`` is meshloom's own model; bench/published_runs.py: MegatronGPT is the
+    one rank's share. ``LlamaWorkload`` is meshloom's own model; planning/published_runs.py: MegatronGPT is the
     GPT Megatron-LM trained in 2021."""
 
     n_layers: int
@@ -391,7 +391,7 @@ def dp_seconds(layout: Layout, stack: Stack, gpu: GPU, params: dict[str, float],
 
 
 def memory_layout(layout: Layout, seq_len: int, microbatches: int, mixed_precision: str = "bf16") -> MemoryLayout:
-    """The mesh/memory_estimate.py view of a ``Layout`` trained by meshloom."""
+    """The planning/memory_estimate.py view of a ``Layout`` trained by meshloom."""
     return MemoryLayout(
         tp=layout.tp,
         pp=layout.pp,
