@@ -118,7 +118,7 @@ def parse_layout(text: str, args: ModelArgs, seq_len: int) -> Layout:
         tp=ints.get("tp", 1),
         cp=ints.get("cp", 1),
         pp=ints.get("pp", 1),
-        dp=ints.get("dp", 1),
+        dp_shard=ints.get("dp", 1),
         ep=ints.get("ep", 1),
         dp_replicate=ints.get("dp_replicate", 1),
         schedule=schedule if ints.get("pp", 1) > 1 else "1F1B",
@@ -157,7 +157,7 @@ def flops_split(args: ModelArgs, n_stages: int, seq_len: int) -> tuple[tuple[int
 def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, tokens: float) -> dict:
     """Memory and time of one layout, as the ``--json`` object (see the module docstring)."""
     gpu = planner_gpu(gpu_name)
-    replicas = layout.dp * layout.dp_replicate
+    replicas = layout.dp_shard * layout.dp_replicate
     m = int(tokens // seq_len) // (replicas * layout.sequences_per_microbatch)
     batch = m * replicas * layout.sequences_per_microbatch
     workload = LlamaWorkload(args, seq_len)
@@ -168,7 +168,9 @@ def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, token
     out = {
         "gpu": gpu_name,
         "gpus": layout.gpus,
-        **{k: getattr(layout, k) for k in ("tp", "cp", "pp", "dp", "ep", "dp_replicate")},
+        **{k: getattr(layout, k) for k in ("tp", "cp", "pp")},
+        "dp": layout.dp_shard,  # the command's name for dp_shard
+        **{k: getattr(layout, k) for k in ("ep", "dp_replicate")},
         "schedule": layout.schedule if layout.pp > 1 else None,
         "stages_per_rank": layout.stages_per_rank,
         "stage_layers": [len(s) for s in stages] if layout.pp > 1 else None,
@@ -241,7 +243,7 @@ def candidates(args: ModelArgs, gpus: int, seq_len: int, batch: int):
                             continue
                         if schedule == "Interleaved1F1B" and m % max(1, m // pp):
                             continue
-                        base = Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, schedule=schedule, stages_per_rank=v)
+                        base = Layout(tp=tp, cp=cp, pp=pp, dp_shard=dp, ep=ep, schedule=schedule, stages_per_rank=v)
                         base = with_split(args, base, seq_len)
                         for ac in AC_MODES:
                             yield Layout(**{**vars(base), "ac": ac})

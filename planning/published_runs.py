@@ -177,7 +177,7 @@ class MegatronRun:
         return Layout(
             tp=self.tp,
             pp=self.pp,
-            dp=self.gpus // (self.tp * self.pp),
+            dp_shard=self.gpus // (self.tp * self.pp),
             schedule="Interleaved1F1B" if v > 1 else "1F1B",
             stages_per_rank=v,
             sequences_per_microbatch=self.micro_batch,
@@ -226,7 +226,7 @@ def validation_rows() -> list[dict]:
     for run in MEGATRON_TABLE_1:
         predicted, parts = predicted_tflops(run)
         step = parts["step"]
-        m = run.batch // (run.layout.dp * run.micro_batch)
+        m = run.batch // (run.layout.dp_shard * run.micro_batch)
         rows.append(
             {
                 "run": run,
@@ -288,7 +288,7 @@ def torchtitan_rows() -> list[dict]:
     """Each torchtitan row: published and predicted tokens/s per GPU, and the error."""
     rows = []
     for run in TORCHTITAN_RUNS:
-        layout = Layout(dp=run.gpus, sequences_per_microbatch=run.local_batch, ac="selective")
+        layout = Layout(dp_shard=run.gpus, sequences_per_microbatch=run.local_batch, ac="selective")
         t = step_time(LlamaWorkload(PRESETS["llama3-8b"], 8192), layout, MESHLOOM, TORCHTITAN_H100, run.gpus * 2)
         predicted = run.local_batch * 8192 / t.step
         rows.append({"run": run, "predicted": predicted, "error": predicted / run.published_tokens_per_s - 1})
