@@ -14,8 +14,8 @@ in the order is written beside it:
 4. **compile** each block, after AC: the compiled region then contains the checkpointed block.
 5. **Data parallelism** last among the wrappers: FSDP2 (mesh/data_parallel.py) makes its units of the blocks as
    they now are, and shards TP's DTensors further over the data-parallel dims (2-D). An extra may supply a
-   replicated model in FSDP's place (``options.replicate``: PowerSGD's DDP, extras/comm_memory_savers.py), and a
-   layout with neither keeps plain tensors (``options.fsdp`` false: one process, or 1-bit Adam's replicas).
+   replicated model in FSDP's place (``options.dp.replicate``: PowerSGD's DDP, extras/comm_memory_savers.py), and a
+   layout with neither keeps plain tensors (``options.dp.fsdp`` false: one process, or 1-bit Adam's replicas).
 6. **Weights** (mesh/materialize.py): storage is allocated only now, under the final sharding, and filled with
    the layout-independent initial weights (a function of seed and name), so every layout starts alike. Under
    CPU offload FSDP wants its sharded parameters created in host memory.
@@ -52,21 +52,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ParallelOptions:
-    """What ``parallelize`` needs to know besides the meshes, one field per decision."""
+class TensorParallelOptions:
+    sequence_parallel: bool = True  # also shard norms and the residual stream by sequence
+    regather: bool = False  # gather the sequence again before each block's matmuls (parallel.sp_regather)
 
-    seed: int  # the initial weights are a function of (seed, parameter name)
-    seq_len: int  # CP cuts the rotary tables to this rank's positions of a sequence this long
-    sequence_parallel: bool = True  # TP: also shard norms and the residual stream by sequence
-    sp_regather: bool = False  # TP: gather the sequence again before each block's matmuls
-    activation_checkpoint: str = "none"  # none | full | selective
-    compile: bool = False  # torch.compile each block
-    fsdp: bool = False  # FSDP2 wraps the model (planning: uses_fsdp)
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    fsdp: bool = False  # FSDP2 wraps the model (planning/plan.py: uses_fsdp)
     mixed_precision: str = "fp32"  # fp32 | bf16 (FSDP's policy: bf16 compute, fp32 master weights)
     reshard_after_forward: str = "default"  # default | always | never
-    reduce_dtype: torch.dtype = torch.float32  # the dtype FSDP reduces gradients in
+    reduce_dtype: torch.dtype = torch.float32  # the dtype FSDP reduces gradients in (bf16: an extra's choice)
     offload: OffloadPolicy | None = None  # FSDP2's CPU offload policy, or None
-    cp_attention: str = "allgather"  # allgather | ring
     replicate: Callable[[nn.Module], nn.Module] | None = None  # an extra's replicated model in FSDP's place
 
     @property
@@ -75,37 +72,55 @@ class ParallelOptions:
         return isinstance(self.offload, CPUOffloadPolicy)
 
 
+@dataclass(frozen=True)
+class ContextParallelOptions:
+    attention: str = "allgather"  # allgather | ring
+    seq_len: int = 0  # the rotary tables are cut to this rank's positions of a sequence this long
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """What ``parallelize`` needs to know besides the meshes: one typed group of options per parallelism (TP, AC
+    and compile, data parallelism, CP), built from the TOML config in one place (planning/options.py)."""
+
+    seed: int  # the initial weights are a function of (seed, parameter name)
+    tp: TensorParallelOptions = TensorParallelOptions()
+    activation_checkpoint: str = "none"  # none | full | selective
+    compile: bool = False  # torch.compile each block
+    dp: DataParallelOptions = DataParallelOptions()
+    cp: ContextParallelOptions = ContextParallelOptions()
+
+
 def parallelize(model: nn.Module, meshes: Meshes, options: ParallelOptions, device: torch.device) -> nn.Module:
     """Steps 1-8 of the module docstring, on a model (or pipeline stage) built on the meta device."""
+    tp, dp, cp = options.tp, options.dp, options.cp
     if meshes.tp.size() > 1:  # 1. TP
-        apply_tensor_parallel(
-            model, meshes.tp, sequence_parallel=options.sequence_parallel, regather=options.sp_regather
-        )
+        apply_tensor_parallel(model, meshes.tp, sequence_parallel=tp.sequence_parallel, regather=tp.regather)
     if meshes.ep is not None:  # 2. EP (a mesh only for an MoE model with ep > 1)
         apply_expert_parallel(model, meshes.ep)
     apply_activation_checkpointing(model, options.activation_checkpoint, compiled=options.compile)  # 3. AC
     if options.compile:  # 4. compile
         for block in model.layers.values():
             block.compile()
-    if options.replicate is not None:  # 5. an extra's replicated model (pure data parallelism): weights first
+    if dp.replicate is not None:  # 5. an extra's replicated model (pure data parallelism): weights first
         materialize_weights(model, device, options.seed)
         check_placement(model, device)
-        return options.replicate(model)
-    if options.fsdp:  # 5. FSDP2 / HSDP
+        return dp.replicate(model)
+    if dp.fsdp:  # 5. FSDP2 / HSDP
         apply_fsdp(
             model,
             meshes,
-            mixed_precision=options.mixed_precision,
-            reshard_after_forward=options.reshard_after_forward,
+            mixed_precision=dp.mixed_precision,
+            reshard_after_forward=dp.reshard_after_forward,
             pipelined=meshes.pp.size() > 1,
-            reduce_dtype=options.reduce_dtype,
-            offload=options.offload,
+            reduce_dtype=dp.reduce_dtype,
+            offload=dp.offload,
         )
-    host = torch.device("cpu") if options.host_params else None
+    host = torch.device("cpu") if dp.host_params else None
     materialize_weights(model, device, options.seed, host)  # 6. weights
     if meshes.cp.size() > 1:  # 7. CP
-        apply_context_parallel(model, meshes.cp, options.cp_attention, options.seq_len)
-    check_placement(model, device, host_params=options.host_params)  # 8. every tensor where the layout says
+        apply_context_parallel(model, meshes.cp, cp.attention, cp.seq_len)
+    check_placement(model, device, host_params=dp.host_params)  # 8. every tensor where the layout says
     return model
 
 

@@ -3,9 +3,9 @@
 mesh/ never reads ``runtime.config``: each parallelism takes the few typed values it needs. This module reads
 the config (and the layout plan worked out from it) once and builds those values:
 
-- ``parallel_options``: mesh/parallelize.py's ``ParallelOptions`` (TP, EP, AC, compile, FSDP, CP), including
-  what a gradient-compression extra changes there (bf16 reduction, PowerSGD's replicated model in FSDP's place)
-  and FSDP's CPU offload policy;
+- ``parallel_options``: mesh/parallelize.py's ``ParallelOptions``, one typed group per parallelism (TP, AC and
+  compile, data parallelism, CP), including what a gradient-compression extra changes there (bf16 reduction,
+  PowerSGD's replicated model in FSDP's place) and FSDP's CPU offload policy;
 - ``model_parts``: this rank's parallelized model parts for a config, the way train.py builds them.
 """
 
@@ -15,7 +15,13 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from extras.comm_memory_savers import apply_powersgd, offload_policy, reduce_dtype
-from mesh.parallelize import ParallelOptions, build_model_parts
+from mesh.parallelize import (
+    ContextParallelOptions,
+    DataParallelOptions,
+    ParallelOptions,
+    TensorParallelOptions,
+    build_model_parts,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -36,18 +42,18 @@ def parallel_options(cfg: Config, plan: LayoutPlan, meshes: Meshes, device: torc
         )
     return ParallelOptions(
         seed=t.seed,
-        seq_len=plan.seq_len,
-        sequence_parallel=p.sequence_parallel,
-        sp_regather=p.sp_regather,
+        tp=TensorParallelOptions(sequence_parallel=p.sequence_parallel, regather=p.sp_regather),
         activation_checkpoint=t.activation_checkpoint,
         compile=t.compile,
-        fsdp=plan.fsdp,
-        mixed_precision=t.mixed_precision,
-        reshard_after_forward=p.fsdp_reshard_after_forward,
-        reduce_dtype=reduce_dtype(p.grad_compression),
-        offload=offload_policy(p.fsdp_cpu_offload, device),
-        cp_attention=p.cp_attention,
-        replicate=replicate,
+        dp=DataParallelOptions(
+            fsdp=plan.fsdp,
+            mixed_precision=t.mixed_precision,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            reduce_dtype=reduce_dtype(p.grad_compression),  # bf16 gradient compression
+            offload=offload_policy(p.fsdp_cpu_offload, device),  # CPU offload
+            replicate=replicate,  # PowerSGD
+        ),
+        cp=ContextParallelOptions(attention=p.cp_attention, seq_len=plan.seq_len),
     )
 
 
