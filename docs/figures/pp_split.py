@@ -1,6 +1,6 @@
 """docs/pipeline_parallel.md section 2: peak memory per pipeline rank under three layer splits.
 
-The bytes are planning/memory_estimate.py's (``rank_memory``) and the splits mesh/pipeline.py's: equal layer
+The bytes are planning/memory_estimate.py's (``rank_memory``) and the splits planning/pipeline_split.py's: equal layer
 counts, ``pp_split params`` and ``pp_split memory``, for a Llama-3-8B-shaped model on pp 4 under 1F1B.
 """
 
