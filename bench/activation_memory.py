@@ -16,7 +16,7 @@ Layouts: one process, tp=2 without SP, tp=2 and tp=4 with SP, each also with ``p
 it (meta ``Transformer`` -> ``apply_tensor_parallel`` -> ``materialize_weights``); its input is this rank's
 (b, s/tp, h) sequence shard with SP and the full (b, s, h) without.
 
-The formula (``formula_bytes``, computed by mesh/memory_estimate.py) lists what models/llama.py's block saves,
+The formula (``formula_bytes``, computed by planning/memory_estimate.py) lists what models/llama.py's block saves,
 in elements, for batch b, sequence s, model dim h, SwiGLU hidden size H and a query heads, on the SDPA path that CPU takes for fp32 causal
 attention (``_scaled_dot_product_flash_attention_for_cpu``, which keeps a logsumexp, not the s x s scores):
 
@@ -140,10 +140,10 @@ def formula_bytes(
     dtype_bytes: int = 4,
     regather: bool = False,
 ) -> float:
-    """The formula of the module docstring, in bytes: mesh/memory_estimate.py's count for one block without
+    """The formula of the module docstring, in bytes: planning/memory_estimate.py's count for one block without
     activation checkpointing (the library the layout planner and the memory checks use). ``regather``
     (``parallel.sp_regather``, with SP): the gathered inputs are saved as their sequence shards."""
-    from mesh.memory_estimate import MemoryLayout, layer_activation_bytes
+    from planning.memory_estimate import MemoryLayout, layer_activation_bytes
 
     layout = MemoryLayout(
         tp=tp,

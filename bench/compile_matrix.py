@@ -5,7 +5,7 @@
 
 For every layout: train ``configs/debug.toml`` (or ``debug_moe.toml``) for 3 steps eagerly and with
 ``training.compile=true`` on gloo ranks, and print the largest relative difference of the two loss curves, or
-the error. A layout meshloom refuses (``mesh/layout_rules.py: compile_errors``) prints the refusal; on a tree without
+the error. A layout meshloom refuses (``planning/layout_rules.py: compile_errors``) prints the refusal; on a tree without
 those checks (b4fdc54) the same command shows the error torch raised instead.
 """
 

@@ -40,9 +40,9 @@ def local_bytes(t: torch.Tensor) -> int:
 def measure(config: str = CONFIG) -> dict[str, int]:
     """Rank body: build the FSDP2 model over dp_shard = world, take one AdamW step, count local bytes."""
     from mesh.dims import build_mesh
-    from mesh.plan import LayoutPlan
+    from planning.options import model_parts
+    from planning.plan import LayoutPlan
     from runtime.config import load_config
-    from train import build_model
     from training.optimizer import Optimizers
 
     world = dist.get_world_size()
@@ -50,7 +50,7 @@ def measure(config: str = CONFIG) -> dict[str, int]:
     plan = LayoutPlan.resolve(cfg, world, dist.get_rank())
     dims, args = plan.dims, plan.model
     meshes = build_mesh(dims, torch.device("cpu"), timeout_s=60)
-    model = build_model(cfg, plan, meshes, torch.device("cpu"))
+    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
     optimizers = Optimizers([model], cfg)
     optimizer = optimizers.optimizers[0]
 

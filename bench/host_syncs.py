@@ -17,7 +17,7 @@ until the queue has drained; the GPU then idles while the host catches up. docs/
 
    It is a ``TorchDispatchMode`` (every aten op, autograd's backward included) with a ``TorchFunctionMode``
    beside it (``.tolist()`` and ``.numpy()`` read a CPU tensor's memory without any aten op). Each sync is
-   recorded with the innermost frame of meshloom's own code on the stack (``train.py:train``,
+   recorded with the innermost frame of meshloom's own code on the stack (``training/step.py:global_loss_and_norm``,
    ``mesh/expert_parallel.py:_dispatch``); a sync inside torch is charged to the meshloom line that called it.
    On a CPU every tensor is a host tensor, so the counter counts an op even where, on a GPU, its tensor lives
    on the host and costs no device sync (torch's AdamW keeps its step counter on the host): ``REASONS`` says
@@ -170,7 +170,7 @@ LAYOUTS = {
 
 
 # Every site that syncs today: (waits for the device on a GPU, why it is there).
-LOSS = "train.py:train _local_scalar_dense"
+LOSS = "training/step.py:global_loss_and_norm _local_scalar_dense"
 OPTIMIZER = "training/optimizer.py:step _local_scalar_dense"
 STOP_AGREEMENT = "runtime/process.py:gather_floats tolist"
 EMBEDDING_MASK = "models/llama.py:forward boolean index"
@@ -191,7 +191,7 @@ REASONS = {
     STOP_AGREEMENT: (
         False,
         "every step, the ranks agree whether a signal asked them to stop, and share their step compute times "
-        "(training/rank_balance.py), in one all-gather over the CPU control-plane group (runtime/signals.py): "
+        "(extras/rank_balance.py), in one all-gather over the CPU control-plane group (runtime/signals.py): "
         "a host tensor",
     ),
     EMBEDDING_MASK: (

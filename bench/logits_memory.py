@@ -2,7 +2,7 @@
 
     python -m bench.logits_memory        # docs/combining.md, section 6: the planner's 12 bytes per logit
 
-mesh/memory_estimate.py charges the last pipeline stage 12·s·V/tp bytes for the logits. This measures what the
+planning/memory_estimate.py charges the last pipeline stage 12·s·V/tp bytes for the logits. This measures what the
 head and ``training/loss.py: token_loss_sum`` (``.float()`` then cross-entropy with a sum) keep alive: a dispatch mode
 records the storage of every op output as it is created, and after every op sums the bytes of those still
 alive. The peak in forward and the peak in backward, divided by the number of logits b·s·V, are the bytes

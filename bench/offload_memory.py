@@ -5,7 +5,7 @@
 
 NOT RUN in this repository's CI or on the machine the docs were written on (no GPU there): on a CPU-only
 machine the script prints the formula and says so. On GPUs, for each setting it builds a Llama-style model
-exactly as train.py does (``train.build_model``: FSDP over all ranks, fp32), takes ``--steps`` AdamW steps on
+exactly as train.py does (``planning/options.py: model_parts``: FSDP over all ranks, fp32), takes ``--steps`` AdamW steps on
 random tokens and reports, on the largest rank:
 
 - ``resident``: ``torch.cuda.memory_allocated`` after a step (what stays on the device between steps);
@@ -73,9 +73,9 @@ def measure(offload: bool, steps: int, seq_len: int, batch: int, device: torch.d
     On a CPU ``device`` (the smoke test) there is no device memory to read: ``resident``/``peak`` are 0.
     """
     from mesh.dims import build_mesh
-    from mesh.plan import LayoutPlan
+    from planning.options import model_parts
+    from planning.plan import LayoutPlan
     from runtime.config import load_config
-    from train import build_model
     from training.loss import token_loss_sum
     from training.optimizer import Optimizers
 
@@ -95,7 +95,7 @@ def measure(offload: bool, steps: int, seq_len: int, batch: int, device: torch.d
         torch.cuda.reset_peak_memory_stats(device)
     before = allocated(device)
     meshes = build_mesh(plan.dims, device, timeout_s=600, host_tensors=offload)
-    net = build_model(cfg, plan, meshes, device)
+    net = model_parts(cfg, plan, meshes, device)[0]
     optimizers = Optimizers([net], cfg)
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):

@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from mesh.pipeline import build_stage_module, layer_costs, split_layers
-from models.llama import PRESETS, ModelArgs
+from mesh.pipeline import build_stage_module
+from models.llama import ModelArgs
+from planning.pipeline_split import layer_costs, split_layers
+from planning.presets import PRESETS
 
 DEBUG = ModelArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64)  # configs/debug.toml
 BENCH = ModelArgs(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64)  # pipeline_bubble.py
@@ -49,16 +51,17 @@ def split_table() -> list[str]:
 def scale_grads_run(scale_grads: bool, run_dir: str) -> list[dict]:
     """Rank body: 3 steps of the debug model on pp 2 (ZBVZeroBubble, m 4), optionally with scale_grads=True."""
     import train
+    import training.step
     from runtime.config import load_config
 
-    build = train.build_pipeline_schedule
+    build = training.step.build_pipeline_schedule
 
     def build_then_rescale(*args, **kwargs):
         schedule, stages = build(*args, **kwargs)
         schedule.scale_grads = scale_grads  # torch's default is True: divide every gradient by m after the step
         return schedule, stages
 
-    train.build_pipeline_schedule = build_then_rescale
+    training.step.build_pipeline_schedule = build_then_rescale
     overrides = {
         "parallel.pp": 2,
         "parallel.dp_shard": 1,

@@ -3,7 +3,7 @@
     python -m bench.pp_split_memory        # from the repository root, about a minute on 2 cores
 
 The debug model with 8 layers (fp32, no FSDP: pp 4 is the whole world), 1F1B with 4 micro-batches of 2
-sequences, built and stepped on 4 gloo ranks as train.py does (``build_model_parts``,
+sequences, built and stepped on 4 gloo ranks as train.py does (``model_parts``,
 ``build_pipeline_schedule``, ``Optimizers``). Under 1F1B rank r holds up to 4 - r micro-batches of
 activations, so with equal layers the first rank holds the most; the memory split gives it fewer layers.
 Each rank:
@@ -16,7 +16,7 @@ Each rank:
    above step 1's count;
 3. reports the count plus that peak: the rank's peak tensor bytes in a step.
 
-Printed per split: the layers per stage, each rank's measured peak next to mesh/memory_estimate.py's estimate,
+Printed per split: the layers per stage, each rank's measured peak next to planning/memory_estimate.py's estimate,
 and the ratio max / min over the ranks, from one run. Not counted: the allocator's caches, Python objects,
 torch's own buffers outside tensors (the process RSS includes the torch import, about 200 MiB per rank).
 """
@@ -48,11 +48,11 @@ def step_peak(split: str) -> dict:
     from torch.utils._pytree import tree_leaves
 
     from mesh.dims import build_mesh
-    from mesh.memory_estimate import MemoryLayout, rank_memory
     from mesh.pipeline import build_pipeline_schedule, run_schedule
-    from mesh.plan import LayoutPlan
+    from planning.memory_estimate import MemoryLayout, rank_memory
+    from planning.options import model_parts
+    from planning.plan import LayoutPlan
     from runtime.config import load_config
-    from train import build_model_parts
     from training.loss import token_loss_sum
     from training.optimizer import Optimizers
 
@@ -79,7 +79,7 @@ def step_peak(split: str) -> dict:
     rank, device = dist.get_rank(), torch.device("cpu")
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), rank)
     meshes = build_mesh(plan.dims, device, timeout_s=120)
-    parts = build_model_parts(cfg, plan, meshes, device)
+    parts = model_parts(cfg, plan, meshes, device)
     schedule, _ = build_pipeline_schedule(
         parts,
         list(plan.stage_ids),

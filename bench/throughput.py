@@ -167,12 +167,13 @@ def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = Fa
     metrics.jsonl. ``paired``: after each meshloom step, one step of a PlainLoop in the same process (its time
     is taken out of meshloom's), so the two alternate step by step under the same conditions."""
     import train
+    import training.step
     from runtime.config import load_config
 
     calls: list[tuple[float, float]] = []  # (wall, cpu) at each device_time call: a step's start, then its end
     plain_spans: list[tuple[float, float]] = []  # (wall, cpu) a plain step took, inside meshloom's step k
     plain = PlainLoop(config, overrides, run_dir + "-plain") if paired else None
-    timed = train.device_time
+    timed = training.step.device_time
 
     def recording(device):
         now = timed(device)
@@ -183,12 +184,12 @@ def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = Fa
             plain_spans.append((time.perf_counter() - wall, time.process_time() - cpu))
         return now  # meshloom's own window ends before the plain step
 
-    train.device_time = recording  # train.py reads it at each step's start and end
+    training.step.device_time = recording  # train_step reads it at each step's start and end
     try:
         records = train.train(load_config(path=config, overrides={**overrides, "run.dir": run_dir}))
     finally:
-        train.device_time = timed
-    assert len(calls) == 2 * len(records), "train.py no longer calls device_time exactly twice a step"
+        training.step.device_time = timed
+    assert len(calls) == 2 * len(records), "train_step no longer calls device_time exactly twice a step"
     starts = calls[::2]
     inserted = plain_spans or [(0.0, 0.0)] * len(records)
     result = {
@@ -378,7 +379,7 @@ def print_table(results: dict, runs: list, shape: dict, args) -> None:
 
 # ---- one GPU, a 1B model ---------------------------------------------------------------------------------------
 def gpu_1b(args) -> dict:
-    """Llama-3.2-1B's shape (models/llama.PRESETS["llama3-1b"]) in bf16 on one GPU: meshloom vs the plain loop.
+    """Llama-3.2-1B's shape (planning/presets.py: PRESETS["llama3-1b"]) in bf16 on one GPU: meshloom vs the plain loop.
 
     Not run here (no GPU on the machine this was written on); ``--smoke`` runs the same path with one layer
     and short sequences on whatever device there is, so the script itself is checked. Returns each run's
@@ -386,7 +387,7 @@ def gpu_1b(args) -> dict:
     """
     import torch
 
-    from models.llama import PRESETS
+    from planning.presets import PRESETS
 
     p = PRESETS["llama3-1b"]
     seq = 2048

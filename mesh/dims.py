@@ -2,7 +2,7 @@
 
 1. ``ParallelDims.resolve`` turns the config's degrees into numbers (dp_shard = -1 takes the rest of the
    world). The rules a layout must satisfy against the world, the model and the batch live in
-   mesh/layout_rules.py.
+   planning/layout_rules.py.
 2. ``build_mesh`` creates one DeviceMesh with named dims ``(pp, dp_replicate, dp_shard, cp, tp)``. Size-1
    dims are kept so that every rank has the same five coordinates. Every other mesh is a view of that one
    root, so no communicator is created twice:
@@ -19,7 +19,7 @@
                layer, so mesh/expert_parallel.step_expert_load sums the load over tp as well).
    - ``ep``, ``expert_fsdp``: with expert parallelism, dp_shard is *unflattened* into (efsdp, ep) within the
                same root: ep ranks are consecutive dp_shard ranks, and expert weights are FSDP-sharded over
-               (dp_replicate, efsdp). (Not with cp > 1: mesh/plan.py refuses ep with cp.)
+               (dp_replicate, efsdp). (Not with cp > 1: planning/plan.py refuses ep with cp.)
 
    cp sits between dp_shard and tp: tp innermost keeps a tp group on consecutive ranks (inside a node),
    and cp next to it keeps the K/V exchange, which runs in every attention layer, as close as tp allows.
@@ -41,8 +41,6 @@ from runtime.process import device_backend
 if TYPE_CHECKING:
     import torch
 
-    from runtime.config import Config
-
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -59,16 +57,14 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def resolve(cls, cfg: Config, world_size: int) -> ParallelDims:
-        """Degrees from ``cfg.parallel`` (ranges checked in runtime/config.py); dp_shard = -1 becomes
+    def resolve(
+        cls, world_size: int, *, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, ep: int
+    ) -> ParallelDims:
+        """The degrees as configured (``parallel.*``, each in its range already); dp_shard = -1 becomes
         world / (dp_replicate * cp * tp * pp)."""
-        p = cfg.parallel
-        dp_shard = p.dp_shard
-        if dp_shard == -1:  # whether it divides evenly is a layout rule (mesh/layout_rules.py: world_errors)
-            dp_shard = max(1, world_size // (p.dp_replicate * p.cp * p.tp * p.pp))
-        return cls(
-            pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=p.ep, world_size=world_size
-        )
+        if dp_shard == -1:  # whether it divides evenly is a layout rule (planning/layout_rules.py: world_errors)
+            dp_shard = max(1, world_size // (dp_replicate * cp * tp * pp))
+        return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, world_size=world_size)
 
     @property
     def dp(self) -> int:

@@ -20,7 +20,7 @@ The embedding is row-parallel over the vocabulary, and the output head column-pa
 stay sharded on the vocab dim and ``loss_parallel`` computes the cross-entropy from the shards, so the full
 (batch, seq, vocab) logits never exist on one rank.
 
-Apply order (see train.parallelize): TP -> EP -> activation checkpointing -> compile -> FSDP on the data-parallel
+Apply order (mesh/parallelize.py): TP -> EP -> activation checkpointing -> compile -> FSDP on the data-parallel
 dims of the same world mesh (2-D layouts dp_shard x tp and dp_replicate x tp).
 """
 

@@ -3,7 +3,7 @@
 "Model" FLOPs are the ones the model needs, whatever the implementation does on top: activation
 checkpointing's recomputation, tensor-parallel ranks repeating the same small ops, or padding do not count
 (counting them gives the hardware FLOP utilization, HFU). training/throughput.py turns them into TFLOP/s
-and MFU; mesh/pipeline.py balances pipeline stages by them. The count, per token of a training step:
+and MFU; planning/pipeline_split.py balances pipeline stages by them. The count, per token of a training step:
 
 1. **Matmul weights.** Every weight matrix a token passes through costs 2 FLOPs per element in forward
    (a multiply and an add) and 4 in backward (the gradient of the input and of the weight): 6 x those
@@ -58,38 +58,6 @@ def matmul_params_per_token(args: ModelArgs) -> int:
     return args.dim * args.vocab_size + sum(layer_matmul_params(args, i) for i in range(args.n_layers))
 
 
-def attention_flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """Score and value matmuls of every block, forward and backward, per token."""
-    return args.n_layers * layer_attention_flops_per_token(args, seq_len)
-
-
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Model FLOPs of one training token (forward + backward)."""
     return head_flops_per_token(args) + sum(layer_flops_per_token(args, i, seq_len) for i in range(args.n_layers))
-
-
-def gpt_layer_flops_per_token(dim: int, seq_len: int) -> int:
-    """Model FLOPs of one training token in one block of a GPT of width ``dim`` (Megatron-LM's: multi-head
-    attention, a 4·dim GeLU MLP): 6 x its 12·dim² matmul weights (QKV 3, output 1, MLP 8), and the attention
-    scores and weighted sum over all ``seq_len`` positions, 12·dim·seq_len (the convention of step 2 above)."""
-    return 72 * dim**2 + 12 * dim * seq_len
-
-
-def gpt_head_flops_per_token(dim: int, vocab_size: int) -> int:
-    """Model FLOPs of one training token in a GPT's output head (tied to the embedding or not, a matmul)."""
-    return 6 * dim * vocab_size
-
-
-def megatron_flops_per_step(batch: int, seq_len: int, n_layers: int, dim: int, vocab_size: int) -> float:
-    """FLOPs of one training step of a GPT as Narayanan et al. (2021, "Efficient Large-Scale Language Model
-    Training on GPU Clusters Using Megatron-LM", section 5.1) count them for the TFLOP/s of their Table 1:
-
-        96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))
-
-    B sequences of s tokens, l layers of width h, vocabulary V. Per token and layer: 24h² matmul FLOPs in
-    forward (the 12h² weights of attention and a 4h MLP, 2 FLOPs each) and 4·s·h for the full s x s attention,
-    run four times (forward, the recomputed forward of full activation checkpointing, and a backward worth
-    two forwards); plus 6·h·V for the output head (not recomputed). It counts the recomputation, so it is
-    what the GPUs executed (hardware FLOPs), not the model FLOPs of ``flops_per_token`` (three passes).
-    """
-    return 96 * batch * seq_len * n_layers * dim**2 * (1 + seq_len / (6 * dim) + vocab_size / (16 * n_layers * dim))

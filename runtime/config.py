@@ -106,7 +106,7 @@ class ParallelConfig:
         "default", "free gathered FSDP weights after forward (default: all but the last block)"
     )
     collective_timeout_s: int = opt(300, "seconds a collective may wait for a peer before the job fails", ge=1)
-    # Communication and memory savers (mesh/comm_memory_savers.py; docs/dp_savers.md, sections 2-4).
+    # Communication and memory savers (extras/comm_memory_savers.py; docs/dp_savers.md, sections 2-4).
     grad_sync: Literal["microbatch", "step"] = opt(
         "microbatch", "reduce gradients after every micro-batch, or once per step (accumulate locally until the last)"
     )
@@ -241,12 +241,6 @@ def _sections(cfg: Config) -> dict[str, object]:
 
 def _fields(section) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(section)}
-
-
-def _type_name(typ) -> str:
-    if typing.get_origin(typ) is Literal:
-        return "one of " + ", ".join(map(str, typing.get_args(typ)))
-    return typ.__name__
 
 
 def _convert(key: str, raw: object, typ, from_text: bool, int_ok: bool = False) -> object:

@@ -40,6 +40,7 @@ import contextlib
 import json
 import os
 import pickle
+import sys
 import time
 from pathlib import Path
 
@@ -70,10 +71,6 @@ def phase(what: str, groups: str):
     set_phase(what, groups)
     yield  # on an exception the phase stays set: ``explain`` reports where it happened
     _PHASE.update(before)
-
-
-def current_phase() -> dict:
-    return dict(_PHASE)
 
 
 def is_communication_failure(exc: BaseException) -> bool:
@@ -196,3 +193,32 @@ def report_to_launcher(message: str) -> None:
         entry = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
         with open(path, "w") as f:
             json.dump({"message": entry}, f)
+
+
+def say_last(message: str) -> None:
+    """``message`` on stderr in one write, newline included: torchrun merges every rank's stderr into one stream,
+    and ``print`` writes the text and its newline separately, so two ranks' lines could interleave mid-line."""
+    sys.stderr.write(f"meshloom: {message}\n")
+    sys.stderr.flush()
+
+
+def fail(message: str, code: int) -> int:
+    """``message`` last on the console and in torchrun's error file; returns the exit status ``code``."""
+    # Printed by every rank: whichever rank's output the user reads ends with the fix.
+    say_last(message)
+    report_to_launcher(message)
+    return code
+
+
+def explain_failure(exc: BaseException, timeout_s: float, run_dir: str, dump) -> str:
+    """The one-line report of a timed-out or broken collective (``explain``), after this rank's flight recorder
+    is written to run_dir (gloo: nothing else writes it; "Which collective" above). ``dump`` returns torch's
+    flight recorder buffer (mesh/private_api.py: ``flight_recorder_dump``)."""
+    last, dumped = None, None
+    try:
+        buffer = dump()
+        last = last_collective(buffer)
+        dumped = write_flight_recorder(buffer, run_dir, dist.get_rank() if dist.is_initialized() else 0)
+    except Exception as error:  # noqa: BLE001 - the report must come out even if the recorder cannot
+        print(f"meshloom: could not write the flight recorder: {error}", file=sys.stderr, flush=True)
+    return explain(exc, timeout_s, last, dumped)

@@ -64,7 +64,7 @@ def select_device(requested: str = "auto") -> torch.device:
 
 def memory_per_rank(requested: str = "auto") -> tuple[int, str] | None:
     """The bytes one rank may use, and whose they are, for the memory check before allocation
-    (mesh/layout_rules.py: check_memory): the total memory of this rank's GPU, or on CPU the host's available
+    (planning/layout_rules.py: check_memory): the total memory of this rank's GPU, or on CPU the host's available
     memory (/proc/meminfo's MemAvailable, read once) shared by the ranks on this host. None where the machine
     does not say."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
@@ -153,13 +153,6 @@ def init_process_group(device: torch.device, timeout_s: float) -> ControlPlane:
         dist.init_process_group(device_backend(device), timeout=timeout, **kwargs)
     if _CONTROL is None:
         _CONTROL = ControlPlane(timeout_s)
-    return _CONTROL
-
-
-def control_plane() -> ControlPlane:
-    """The control plane created by ``init_process_group``."""
-    if _CONTROL is None:
-        raise RuntimeError("meshloom's control plane does not exist yet: call runtime.process.init_process_group first")
     return _CONTROL
 
 

@@ -225,7 +225,7 @@ CONFIG_ERRORS = [
         ["--model.rope_theta", "500000", *init_from()],
         ["model.rope_theta=500000.0 was given, but", "config.json says 10000.0", "drop --model.rope_theta"],
     ),
-    # the layout against the world, the model and the batch (mesh/layout_rules.py: layout_errors)
+    # the layout against the world, the model and the batch (planning/layout_rules.py: layout_errors)
     (
         "world_product",
         4,
@@ -258,7 +258,7 @@ CONFIG_ERRORS = [
     ),
     ("ep_without_experts", 2, ["--parallel.ep", "2", "--parallel.dp_shard", "2"], ["parallel.ep=2 needs an MoE model"]),
     ("sp_regather_without_tp", 1, ["--parallel.sp_regather", "true"], ["parallel.sp_regather=true re-gathers"]),
-    # 1-bit Adam where it cannot apply (mesh/onebit_adam.py: onebit_adam_errors); AdamW is meshloom's only
+    # 1-bit Adam where it cannot apply (extras/onebit_adam.py: onebit_adam_errors); AdamW is meshloom's only
     # optimizer, so "not an Adam" cannot arise
     ("onebit_warmup_0", 1, ["--parallel.onebit_warmup_steps", "0"], ["parallel.onebit_warmup_steps=0 must be >= 1"]),
     (
@@ -292,7 +292,7 @@ CONFIG_ERRORS = [
         + ["--training.mixed_precision", "bf16"],
         ["onebit_adam with training.mixed_precision=bf16", "set training.mixed_precision=fp32"],
     ),
-    # the layout against the machine's memory (mesh/layout_rules.py: check_memory; a 64 GiB machine, mocked)
+    # the layout against the machine's memory (planning/layout_rules.py: check_memory; a 64 GiB machine, mocked)
     (
         "model_cannot_fit",
         2,
@@ -328,12 +328,12 @@ def test_a_bad_setting_is_refused_naming_the_field_and_the_fix(world, args, word
 
 
 def test_the_memory_check_refuses_only_a_clear_excess_and_its_suggestions_fit(tmp_path, monkeypatch):
-    """mesh/layout_rules.py: check_memory against a mocked machine. The margin: an estimate up to 1.5x what a
+    """planning/layout_rules.py: check_memory against a mocked machine. The margin: an estimate up to 1.5x what a
     rank may use is let through, more is refused. What the refusal proposes fits by the same estimate (the
     model sizes are checked here; a larger FSDP degree also needs a larger global batch). run.memory_check
     false lets anything through."""
-    from mesh.layout_rules import MEMORY_MARGIN, peak_rank_memory
-    from mesh.memory_estimate import MemoryLayout
+    from planning.layout_rules import MEMORY_MARGIN, peak_rank_memory
+    from planning.memory_estimate import MemoryLayout
     from runtime.config import ConfigError, load_config
     from train import check_config
 

@@ -355,7 +355,7 @@ def save_the_same_step_twice(folder: str) -> list[str]:
 
     from checkpoint.manager import CheckpointManager
     from data.loader import GlobalBatchLoader
-    from mesh.plan import LayoutPlan
+    from planning.plan import LayoutPlan
     from runtime.process import init_process_group
     from training.optimizer import Optimizers
 
@@ -408,7 +408,7 @@ def async_save_then_change_the_weights(folder: str, wait: bool) -> bool:
 
     from checkpoint.manager import CheckpointManager, staging_options
     from data.loader import GlobalBatchLoader
-    from mesh.plan import LayoutPlan
+    from planning.plan import LayoutPlan
     from runtime.process import init_process_group
     from training.optimizer import Optimizers
 
@@ -467,7 +467,7 @@ def three_async_saves_in_a_row(folder: str) -> list[bool]:
 
     from checkpoint.manager import CheckpointManager
     from data.loader import GlobalBatchLoader
-    from mesh.plan import LayoutPlan
+    from planning.plan import LayoutPlan
     from runtime.process import init_process_group
     from training.optimizer import Optimizers
 

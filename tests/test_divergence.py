@@ -1,6 +1,6 @@
 """A step whose loss or gradient norm is not finite never reaches the weights, the expert bias or a checkpoint.
 
-The check sits between backward and the optimizer step (train.py): the loss is summed over the world and the
+The check sits between backward and the optimizer step (training/step.py): the loss is summed over the world and the
 gradient norm measured first, both identical on every rank, so every rank stops at the same step with exit
 code 3, and the newest checkpoint is the last finite step's.
 """
@@ -58,7 +58,7 @@ def diverge_counting_optimizer_steps(run_dir: str) -> tuple[int, int]:
     """Rank body: the diverging run, counting the optimizer steps actually taken; (steps taken, diverged)."""
     import training.optimizer as optim
     from launch.local_runs import run_training
-    from train import DivergenceError
+    from training.step import DivergenceError
 
     taken, plain = [], optim.Optimizers.step
 

@@ -131,7 +131,7 @@ def recorded_order(microbatches: int) -> dict:
     """Run every schedule for two steps on this rank (pp = world) and record the second step's F/B/I/W order."""
     import torch.nn.functional as F
 
-    from mesh.pipeline_timeline import PipelineTimeline
+    from extras.pipeline_timeline import PipelineTimeline
     from models.llama import ModelArgs
 
     args = ModelArgs(dim=16, n_layers=4, n_heads=2, n_kv_heads=1, vocab_size=256, multiple_of=16)

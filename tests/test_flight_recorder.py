@@ -27,9 +27,10 @@ def train_with_a_mismatched_collective(run_dir: str) -> dict:
     import torch.distributed as dist
 
     import train
+    import training.step
 
     calls = {"n": 0}
-    sum_over = train.sum_over
+    sum_over = training.step.sum_over
 
     def mismatched_sum_over(tensor, mesh):
         calls["n"] += 1
@@ -39,7 +40,7 @@ def train_with_a_mismatched_collective(run_dir: str) -> dict:
             return tensor
         return sum_over(tensor, mesh)
 
-    train.sum_over = mismatched_sum_over
+    training.step.sum_over = mismatched_sum_over
     argv = ["--config", DEBUG_CONFIG, "--parallel.dp_shard", "2", "--training.steps", "3", "--run.dir", run_dir]
     argv += ["--parallel.collective_timeout_s", str(TIMEOUT_S), "--run.tensorboard", "false"]
     printed = io.StringIO()

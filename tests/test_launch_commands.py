@@ -1,6 +1,6 @@
 """Every launch command the README and launch/ give is checked by the dry run at the world size it names.
 
-``python train.py --dry-run --world-size N ARGS`` (mesh/dry_run.py) resolves the config and the layout for N
+``python train.py --dry-run --world-size N ARGS`` (planning/dry_run.py) resolves the config and the layout for N
 ranks without a process group or any file access. Each ``torchrun ... train.py ARGS`` (and ``python
 train.py ARGS``) command in README.md's shell blocks and in launch/'s shell scripts is read with a shell's
 quoting rules, its world size taken from torchrun's ``--nnodes`` x ``--nproc-per-node`` (SLURM's variables
@@ -148,7 +148,7 @@ def test_the_dry_run_touches_no_file_and_says_what_it_did_not_check(monkeypatch,
         "  cp            size   1",
         "  tp            size   2",
         "  parameters    853,120 total",
-        # each pp rank's stages, then what one of its ranks holds (mesh/memory_estimate.py: rank_parameters)
+        # each pp rank's stages, then what one of its ranks holds (planning/memory_estimate.py: rank_parameters)
         "  pp rank 0     stages [0] (layers [0, 1]): 426,496 parameters, 106,752 on each of its ranks",
         "  pp rank 1     stages [1] (layers [2, 3]): 426,624 parameters, 106,816 on each of its ranks",
         "  batch         global 8 = micro 4 x dp 2 x accumulation 1",

@@ -2,7 +2,7 @@
 device, or in host memory for parameters under FSDP's CPU offload (mesh/materialize.py: check_placement).
 
 On a CPU machine the host *is* the compute device, so a tensor left in host memory cannot be told apart.
-Here the meta device stands in for the GPU: every layout is built by train.py's own ``build_model_parts``
+Here the meta device stands in for the GPU: every layout is built by train.py's own ``model_parts`` (planning/options.py)
 with ``device = meta``, on a one-process fake group of the layout's world size (bench/schedule_ir.py:
 ``fake_world``; building communicates nothing), and anything that lands on the CPU instead is named.
 """
@@ -15,7 +15,7 @@ from bench.schedule_ir import fake_world
 from launch.local_runs import DEBUG_CONFIG, ROOT
 from mesh.dims import build_mesh
 from mesh.materialize import check_placement, misplaced_tensors
-from mesh.plan import LayoutPlan
+from planning.plan import LayoutPlan
 from runtime.config import load_config
 
 MOE_CONFIG = str(ROOT / "configs" / "debug_moe.toml")
@@ -68,7 +68,7 @@ LAYOUTS = {
 
 def build_on_stand_in(world: int, rank: int, config: str, overrides: dict) -> tuple[list[nn.Module], bool]:
     """train.py's model parts for ``rank`` of the layout, materialised on the stand-in device."""
-    from train import build_model_parts
+    from planning.options import model_parts
 
     cfg = load_config(path=config, overrides=overrides)
     plan = LayoutPlan.resolve(cfg, world, rank)
@@ -82,7 +82,7 @@ def build_on_stand_in(world: int, rank: int, config: str, overrides: dict) -> tu
             fsdp_with_tp=plan.fsdp and plan.dims.tp > 1,
         )
         try:
-            parts = build_model_parts(cfg, plan, meshes, STAND_IN)  # runs check_placement itself
+            parts = model_parts(cfg, plan, meshes, STAND_IN)  # runs check_placement itself
         except RuntimeError as exc:  # raised by check_placement: report it as the test's failure
             pytest.fail(str(exc))
     return parts, cfg.parallel.fsdp_cpu_offload

@@ -1,4 +1,4 @@
-"""mesh/memory_estimate.py: hand-worked examples, bytes autograd really saves, and torch's own schedule orders.
+"""planning/memory_estimate.py: hand-worked examples, bytes autograd really saves, and torch's own schedule orders.
 
 The per-layer count is also checked on 2 ranks under TP, with and without SP (tests/test_activation_memory.py:
 bench/activation_memory.py's formula_bytes is this module's count).
@@ -9,7 +9,10 @@ import pytest
 from bench.activation_memory import SavedBytes, storage_ptr
 from bench.plan_layout import kept_bytes
 from bench.schedule_ir import activations_in_flight, schedule_actions
-from mesh.memory_estimate import (
+from mesh.pipeline import SCHEDULE_FAMILIES, stage_ids_of_rank
+from models.llama import ModelArgs
+from models.moe import MoEArgs
+from planning.memory_estimate import (
     MemoryLayout,
     chunks_in_flight,
     even_stage_layers,
@@ -18,9 +21,7 @@ from mesh.memory_estimate import (
     stage_parameters,
     states_bytes,
 )
-from mesh.pipeline import SCHEDULE_FAMILIES, stage_ids_of_rank
-from models.llama import PRESETS, ModelArgs
-from models.moe import MoEArgs
+from planning.presets import PRESETS
 
 LLAMA8B = PRESETS["llama3-8b"]
 

@@ -2,7 +2,8 @@ import torch
 import torch.nn.functional as F
 
 from models.flops import matmul_params_per_token
-from models.llama import PRESETS, ModelArgs, Transformer
+from models.llama import ModelArgs, Transformer
+from planning.presets import PRESETS
 
 
 def tiny(**kw) -> ModelArgs:

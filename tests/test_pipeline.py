@@ -5,8 +5,9 @@ import json
 import pytest
 
 from launch.local_runs import DEBUG_CONFIG, train_on
-from mesh.pipeline import balanced_split, split_layers, stage_ids_of_rank
+from mesh.pipeline import stage_ids_of_rank
 from models.llama import ModelArgs
+from planning.pipeline_split import balanced_split, split_layers
 from runtime.config import ConfigError, load_config
 from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 from train import check_config

@@ -1,4 +1,4 @@
-"""bench/plan_layout.py and its time model: Megatron-LM's published runs, a step worked out by hand, the command
+"""planning/plan_layout.py and its time model: Megatron-LM's published runs, a step worked out by hand, the command
 lines meshloom accepts (dense, MoE, uneven pipeline stages), and the measured activation-checkpointing bytes.
 
 The memory model itself is tested in tests/test_memory_estimate.py.
@@ -11,13 +11,16 @@ import sys
 import pytest
 
 from bench.activation_memory import formula_bytes
-from bench.plan_layout import (
+from bench.plan_layout import kept_bytes
+from launch.local_runs import ROOT
+from models.llama import ModelArgs
+from planning.gpus import PLANNER_GPUS
+from planning.plan_layout import (
     HEADROOM,
     MODELS,
     command,
     evaluate,
     gpu_markdown,
-    kept_bytes,
     main_layout,
     main_plan,
     meshloom_refusal,
@@ -25,20 +28,17 @@ from bench.plan_layout import (
     parse_layout,
     search,
 )
-from bench.published_runs import (
+from planning.published_runs import (
     CALIBRATION_ROW,
     MEGATRON_TABLE_1,
     derive_mamf_share,
     markdown_table,
+    megatron_flops_per_step,
     torchtitan_markdown,
     torchtitan_rows,
     validation_rows,
 )
-from bench.step_time import MAMF_SHARE, matmul_efficiency, planner_gpu
-from launch.local_runs import ROOT
-from models.flops import megatron_flops_per_step
-from models.llama import ModelArgs
-from training.throughput import PLANNER_GPUS
+from planning.step_time import MAMF_SHARE, matmul_efficiency, planner_gpu
 
 GOAL = 0.15
 
@@ -64,7 +64,7 @@ def test_megatron_table_1_within_the_goal():
 
 
 def test_mamf_share_is_what_the_1t_row_gives():
-    """bench/step_time.py stores the derived share; it must be what the derivation from the 1T row gives."""
+    """planning/step_time.py stores the derived share; it must be what the derivation from the 1T row gives."""
     assert derive_mamf_share() == pytest.approx(MAMF_SHARE, abs=5e-5)
     # A100: 271.2 / 312 of the peak is achievable by a single matmul; the training step's matmuls reach 0.7930
     # of that, 0.689 of the peak, 215 TFLOP/s.
@@ -87,7 +87,7 @@ def test_the_megatron_rows_are_the_published_gpts():
 
 
 def test_docs_show_what_the_code_prints(capsys):
-    """docs/combining.md prints the tables ``python -m bench.plan_layout --validate --markdown`` writes, the GPU
+    """docs/combining.md prints the tables ``python -m planning.plan_layout --validate --markdown`` writes, the GPU
     table, and the outputs of section 8's two commands, exactly."""
     chapter = (ROOT / "docs" / "combining.md").read_text()
     assert markdown_table() in chapter
@@ -148,9 +148,9 @@ def test_the_bubble_is_under_20_percent_exactly_when_m_exceeds_4_times_pp_minus_
 
 def check_command(args: ModelArgs, e: dict, tmp_path) -> None:
     """The planner's overrides pass meshloom's own config and layout validation for that world size (no processes
-    started): runtime/config.py's value checks and mesh/plan.py's rules (the data check is left out: the default
+    started): runtime/config.py's value checks and planning/plan.py's rules (the data check is left out: the default
     corpus is smaller than a 2^24-token batch)."""
-    from mesh.plan import LayoutPlan
+    from planning.plan import LayoutPlan
     from runtime.config import check_values, load_config
 
     cfg = load_config(overrides=overrides(args, e) + [("run.dir", str(tmp_path / "run"))])

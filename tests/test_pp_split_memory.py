@@ -6,11 +6,12 @@ import itertools
 import pytest
 
 from launch.local_runs import DEBUG_CONFIG, train_on
-from mesh.dry_run import dry_run
-from mesh.memory_estimate import MemoryLayout, layer_activation_bytes
-from mesh.pipeline import SCHEDULE_FAMILIES, memory_split, rank_peaks, split_layers
-from mesh.plan import LayoutPlan
+from mesh.pipeline import SCHEDULE_FAMILIES
 from models.llama import ModelArgs
+from planning.dry_run import dry_run
+from planning.memory_estimate import MemoryLayout, layer_activation_bytes
+from planning.pipeline_split import memory_split, rank_peaks, split_layers
+from planning.plan import LayoutPlan
 from runtime.config import load_config
 from tests.training_runs import assert_same_curve
 
@@ -35,7 +36,7 @@ def test_memory_split_matches_a_hand_worked_example():
     """dim h = 16, 2 heads of 8 (kv width g = 16), FFN H = 32, vocabulary V = 32, 8 layers, w = 4 bytes (fp32).
 
     Per block: parameters 2h^2 + 2hg + 3hH + 2h = 512 + 512 + 1,536 + 32 = 2,592, states 16 x 2,592 = 41,472 B.
-    Activations per micro-batch of n = 64 tokens (mesh/memory_estimate.py, item 3): norms 2(n h (4 + w) + 4n)
+    Activations per micro-batch of n = 64 tokens (planning/memory_estimate.py, item 3): norms 2(n h (4 + w) + 4n)
     = 16,896; the two gathered inputs 2 n h w = 8,192; attention (2 n h w + 2 n g w + 4 n a) = 16,896; SwiGLU
     4 n H w = 32,768; in all A = 74,752 B. The embedding 16 x 512 = 8,192 B on stage 0; head + norm
     16 x 528 = 8,448 B and logits 12 x 64 x 32 = 24,576 B on stage 3 (33,024 B).

@@ -1,15 +1,14 @@
-"""The spread of step compute time across ranks (training/rank_balance.py): in metrics.jsonl on every step,
+"""The spread of step compute time across ranks (extras/rank_balance.py): in metrics.jsonl on every step,
 a console warning when one rank stays slower than the 15% rule, and none in a clean run."""
 
 import contextlib
 import io
-import os
 
 import torch
 
+from extras.rank_balance import SPREAD_RULE, WARN_AFTER, RankBalance, compute_clock, fields
 from launch.local_runs import read_metrics, run_training
 from launch.spawn import run_on_ranks
-from training.rank_balance import SLOW_ENV, SPREAD_RULE, WARN_AFTER, RankBalance, compute_clock, fields
 
 TINY = {"model.n_layers": 2, "training.seq_len": 64, "training.global_batch": 4, "training.steps": 4}
 
@@ -52,10 +51,31 @@ def test_the_cpu_clock_counts_work_and_not_waiting_for_a_peer():
     assert working["compute"] >= 0.5
 
 
+def slow_down(rank: int, seconds: float) -> None:
+    """A stand-in for a slow device: global rank ``rank`` computes (spins) ``seconds`` more in every step, right
+    after the step's compute clock starts."""
+    import time
+
+    import torch.distributed as dist
+
+    started = RankBalance.step_started
+
+    def spinning(self, wall: float) -> None:
+        started(self, wall)
+        if dist.get_rank() == rank:
+            end = time.thread_time() + seconds
+            while time.thread_time() < end:
+                pass
+
+    RankBalance.step_started = spinning
+
+
 def run_printing(overrides: dict, run_dir: str, slow: str) -> tuple[list[dict], str]:
-    """Rank body: train with the slow-rank hook set (or not), returning the records and what was printed."""
+    """Rank body: train with one rank slowed down ("RANK:SECONDS", or not), returning the records and what was
+    printed."""
     if slow:
-        os.environ[SLOW_ENV] = slow
+        rank, _, seconds = slow.partition(":")
+        slow_down(int(rank), float(seconds))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         records = run_training(overrides, run_dir)
@@ -68,7 +88,7 @@ def test_a_slowed_rank_is_named_and_a_clean_run_is_quiet(tmp_path):
     logged = read_metrics(tmp_path / "clean")
     assert len(logged) == 4 and all(r["compute_spread"] >= 1.0 and r["compute_s_min"] > 0 for r in logged)
     assert "warning: step compute time" not in clean[0][1]
-    # rank 1 spins 0.5 s more per step (the hook), far above the step's own compute on this tiny model
+    # rank 1 spins 0.5 s more per step (slow_down), far above the step's own compute on this tiny model
     logged = read_metrics(tmp_path / "slow")
     assert all(r["slowest_rank"] == 1 and r["compute_spread"] > SPREAD_RULE for r in logged)
     assert all(r["compute_s_max"] - r["compute_s_min"] > 0.4 for r in logged)

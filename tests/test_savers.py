@@ -1,4 +1,4 @@
-"""Communication and memory savers (mesh/comm_memory_savers.py, docs/dp_savers.md sections 2-4).
+"""Communication and memory savers (extras/comm_memory_savers.py, docs/dp_savers.md sections 2-4).
 
 - ``parallel.grad_sync=step``: parity with one process, and train.py's loop issuing k-1 fewer gradient
   reductions per step for k micro-batches (counted on the real loop with bench/grad_traffic.py; the per-unit
@@ -228,14 +228,14 @@ def offload_applied(overrides: dict) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     from mesh.dims import build_mesh
-    from mesh.plan import LayoutPlan
     from mesh.private_api import offloads_to_host
-    from train import build_model
+    from planning.options import model_parts
+    from planning.plan import LayoutPlan
 
     cfg = load_config(path=DEBUG_CONFIG, overrides=overrides)
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
     meshes = build_mesh(plan.dims, torch.device("cpu"), timeout_s=60)
-    model = build_model(cfg, plan, meshes, torch.device("cpu"))
+    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     return len(units) == UNITS and all(offloads_to_host(u) for u in units)
 
@@ -336,7 +336,7 @@ def test_powersgd_resumes_from_a_checkpoint_and_its_checkpoint_resumes_elsewhere
 def test_onebit_adam_resumed_inside_its_warm_up_continues_the_curve(tmp_path):
     # Saved at step 2 of a 3-step warm-up, resumed: the compressed steps 4-6 start from the same m, v and step
     # count (AdamW's state in the checkpoint) and from zero error buffers in both runs, so the curve continues
-    # at fp32 parity. (After the warm-up the per-rank error buffers are not saved: mesh/onebit_adam.py.)
+    # at fp32 parity. (After the warm-up the per-rank error buffers are not saved: extras/onebit_adam.py.)
     onebit = {"parallel.grad_compression": "onebit_adam", **REPLICATE2, "parallel.onebit_warmup_steps": 3}
     folder = {"checkpoint.folder": str(tmp_path / "ck")}
     whole = train_on(2, {**onebit, **folder, "checkpoint.interval": 2, "checkpoint.keep_last": 0}, tmp_path / "a")

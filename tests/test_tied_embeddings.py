@@ -13,16 +13,16 @@ import torch.nn.functional as F
 
 from checkpoint.state import expected_entries, stored_names, with_tied_head
 from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, train_on
-from mesh.memory_estimate import stage_parameters
 from mesh.pipeline import build_stage_module
 from mesh.tied_embeddings import embedding_group_ranks
 from models.llama import ModelArgs, Transformer
+from planning.memory_estimate import stage_parameters
 from runtime.config import load_config
 from tests.reference import reference_losses
 from tests.training_runs import CHECK_REPLICAS, LOSS_RTOL, assert_same_curve
 
 TIED = {"model.tie_embeddings": True}
-# Multi-rank runs also compare the two pipeline copies every step (mesh/replica_check.py: tied_replicas).
+# Multi-rank runs also compare the two pipeline copies every step (extras/replica_check.py: tied_replicas).
 TIED_CHECKED = {**TIED, **CHECK_REPLICAS}
 # The one-process reference also saves at steps 3 and 6 (saving does not change the curve): one run serves the
 # parity tests and the resume from a whole model's checkpoint.

@@ -30,14 +30,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from mesh.pipeline import SCHEDULE_FAMILIES, run_schedule
-from mesh.tensor_parallel import loss_context, loss_value
+from mesh.pipeline import SCHEDULE_FAMILIES
 from runtime.process import sum_over
-from training.loss import token_loss_sum
+from training.step import forward_backward
 
 if TYPE_CHECKING:
     from mesh.dims import Meshes
-    from mesh.plan import LayoutPlan
+    from planning.plan import LayoutPlan
 
 
 def eval_due(step: int, interval: int, last_step: int) -> bool:
@@ -52,18 +51,16 @@ def evaluate(parts, schedule, loader, plan: LayoutPlan, meshes: Meshes, *, steps
     forward_only = schedule is None or SCHEDULE_FAMILIES[plan.pp_schedule].forward_only_eval
     for part in parts:
         part.eval()
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    f64 = torch.float64
+    loss_sum = torch.zeros((), device=device, dtype=f64)
     try:
         for _ in range(steps):  # step 2
             for inputs, targets in loader.next_batch():
                 inputs, targets = inputs.to(device), targets.to(device)
-                with loss_context(plan.dims.tp > 1), torch.no_grad() if forward_only else contextlib.nullcontext():
-                    if schedule is None:
-                        loss_sum += loss_value(token_loss_sum(parts[0](inputs), targets)).double()
-                        continue
-                    # the schedule's loss function divides by the training step's global token count
-                    losses = run_schedule(schedule, list(plan.stage_ids), plan.n_stages, inputs, targets, forward_only)
-                    loss_sum += sum(loss_value(loss.detach()).double() for loss in losses) * plan.global_tokens
+                with torch.no_grad() if forward_only else contextlib.nullcontext():
+                    # the training step's forward (training/step.py), without its backward where torch allows
+                    backward = not forward_only
+                    loss_sum += forward_backward(parts, schedule, plan, inputs, targets, backward=backward, dtype=f64)
     finally:
         for part in parts:  # step 4
             part.train()

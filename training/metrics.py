@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 import resource
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+from runtime.config import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.process import ControlPlane
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -82,3 +88,19 @@ def format_step(record: dict) -> str:
         + (f" | compute max/min {record['compute_spread']:.2f}" if record.get("compute_spread", 1.0) != 1.0 else "")
         + (f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
     )
+
+
+def open_metrics(
+    run_dir: str, tensorboard: bool, control: ControlPlane, is_logger: bool, resumed_step: int | None
+) -> MetricsWriter:
+    """Rank 0 opens metrics.jsonl and TensorBoard; a failure there is raised on every rank, together."""
+    # Every rank checked run.dir before the process group started; wait for all of them before rank 0 creates
+    # files in it.
+    control.barrier()
+    writer, error = None, None
+    try:
+        writer = MetricsWriter(run_dir, enabled=is_logger, tensorboard=tensorboard, resume_step=resumed_step)
+    except OSError as exc:
+        error = ConfigError(f"run.dir={run_dir!r} cannot be written ({exc}); choose a writable --run.dir.")
+    control.raise_if_any_failed(error, "opening run.dir", error_type=ConfigError)
+    return writer

@@ -5,7 +5,7 @@ and LR schedule, so that its optimizer state can be saved and loaded under the p
 (checkpoint/), whatever the pipeline split. Within a part, parameters are grouped by (weight decay, mesh):
 fused foreach kernels cannot mix DTensors that live on different meshes (dense vs expert weights).
 
-With ``parallel.grad_compression onebit_adam`` the optimizer is 1-bit Adam (mesh/onebit_adam.py), which
+With ``parallel.grad_compression onebit_adam`` the optimizer is 1-bit Adam (extras/onebit_adam.py), which
 exchanges the data-parallel gradient (warm-up) or the compressed momentum (after it) itself:
 ``prepare_gradients`` runs before clipping, ``agree_on_norm`` after it; both do nothing for plain AdamW.
 """
@@ -48,7 +48,7 @@ class Optimizers:
         self.parts = parts
         adamw = {"lr": t.lr, "betas": (t.beta1, t.beta2), "foreach": True}
         if cfg.parallel.grad_compression == "onebit_adam":
-            from mesh.onebit_adam import OneBitAdam
+            from extras.onebit_adam import OneBitAdam
 
             self.optimizers = [
                 OneBitAdam(
@@ -69,7 +69,7 @@ class Optimizers:
         return self.schedulers[0].get_last_lr()[0]
 
     def prepare_gradients(self) -> None:
-        """Before clipping: 1-bit Adam's data-parallel exchange of the gradients (mesh/onebit_adam.py, step 1)."""
+        """Before clipping: 1-bit Adam's data-parallel exchange of the gradients (extras/onebit_adam.py, step 1)."""
         for opt in self.optimizers:
             if hasattr(opt, "prepare_gradients"):
                 opt.prepare_gradients()

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
 
+from extras.base import Extra
+
 if TYPE_CHECKING:
     import torch
 
@@ -60,7 +62,7 @@ def trace_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "profile" / f"rank{rank}.pt.trace.json"
 
 
-class StepProfiler:
+class StepProfiler(Extra):
     """torch.profiler over the configured steps of this rank (see the module docstring)."""
 
     def __init__(self, cfg, rank: int, device: torch.device, first_step: int):
@@ -139,7 +141,7 @@ class StepProfiler:
             self.written.append(timeline)
 
 
-class NoProfiler:
+class NoProfiler(Extra):
     """What the loop holds when profiling is off: every call does nothing."""
 
     written: list[Path] = []

@@ -17,7 +17,7 @@ def darker(hex_colour: str, by: float = 0.4) -> str:
 
 def pipeline_svg(schedule: str, pp: int, microbatches: int) -> str:
     """One row per rank, a box per F/B/I/W of torch's action list run with unit times, every box labelled."""
-    from mesh.pipeline_timeline import COLOURS, predicted_bubble
+    from extras.pipeline_timeline import COLOURS, predicted_bubble
 
     ideal = pipeline_ideal(schedule, pp, microbatches)
     timed, v = ideal["timed"], ideal["v"]
@@ -87,7 +87,7 @@ def pipeline_svg(schedule: str, pp: int, microbatches: int) -> str:
 
 
 def pipeline_table(pp: int, microbatches: int) -> str:
-    from mesh.pipeline_timeline import predicted_bubble
+    from extras.pipeline_timeline import predicted_bubble
 
     lines = [
         f"pp={pp}, m={microbatches}: torch's action lists run with F = I = W = 1, B = 2 (per rank's worth of "

@@ -1,6 +1,6 @@
 """docs/pipeline_parallel.md section 2: peak memory per pipeline rank under three layer splits.
 
-The bytes are mesh/memory_estimate.py's (``rank_memory``) and the splits mesh/pipeline.py's: equal layer
+The bytes are planning/memory_estimate.py's (``rank_memory``) and the splits planning/pipeline_split.py's: equal layer
 counts, ``pp_split params`` and ``pp_split memory``, for a Llama-3-8B-shaped model on pp 4 under 1F1B.
 """
 
@@ -23,9 +23,10 @@ LAYOUT = {
 
 def pp_split_rows() -> list[tuple[str, list[int], list]]:
     """(split name, layers per stage, each rank's RankMemory) for uniform, params and memory."""
-    from mesh.memory_estimate import MemoryLayout, rank_memory
-    from mesh.pipeline import memory_split, split_layers, stage_ids_of_rank, stages_of
+    from mesh.pipeline import stage_ids_of_rank
     from models.llama import ModelArgs
+    from planning.memory_estimate import MemoryLayout, rank_memory
+    from planning.pipeline_split import memory_split, split_layers, stages_of
 
     args, layout = ModelArgs(**SHAPE), MemoryLayout(**LAYOUT)
     splits = {
@@ -52,7 +53,7 @@ def pp_split_svg() -> str:
     svg.text(
         10, 22, "Peak memory per pipeline rank: 8B-shaped model, pp 4 x FSDP 8, 1F1B, m = 8", size=14, weight="bold"
     )
-    svg.text(10, 40, "bf16, no activation checkpointing; mesh/memory_estimate.py: rank_memory", size=11)
+    svg.text(10, 40, "bf16, no activation checkpointing; planning/memory_estimate.py: rank_memory", size=11)
     parts = [("states + gathered", 0), ("activations", 1), ("logits", 3)]
     y = top
     for name, sizes, ranks in rows:

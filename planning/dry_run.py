@@ -7,11 +7,11 @@ decides before its first collective that needs neither a process group nor a fil
 1. Split the dry-run flags off the command line (``parse_dry_run``); the rest is the run's own
    ``[--config F] [--key value ...]``, parsed by runtime/config.py as the run would parse it.
 2. Resolve the plan for the world size, once per pipeline rank (its stages differ): every field's range
-   and every layout rule (mesh/plan.py: ``LayoutPlan.resolve``). A broken rule raises the same
+   and every layout rule (planning/plan.py: ``LayoutPlan.resolve``). A broken rule raises the same
    ConfigError, listing every broken rule, that every rank of the real launch would raise: exit 2.
 3. Print the banner: the mesh (every dim and its size, in mesh order); the parameters in total, then per
    pipeline rank those of its stages and those each of its ranks holds once TP, EP and FSDP split them; the
-   estimated memory per rank (mesh/memory_estimate.py: states, gathered weights, activations, logits); the
+   estimated memory per rank (planning/memory_estimate.py: states, gathered weights, activations, logits); the
    batch split; the pipeline's stages; and what was not checked because it needs files or the machine: the
    data (``data.*``: sources, tokenizer, token-file headers, split sizes), the checkpoints (``checkpoint.*``:
    resume, folder, init_from), ``run.dir``, and the estimate against the device's memory. Exit 0.
@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mesh.dims import MESH_DIMS
-from mesh.memory_estimate import MemoryLayout, rank_memory, rank_parameters, stage_parameters
-from mesh.plan import LayoutPlan
+from planning.memory_estimate import MemoryLayout, rank_memory, rank_parameters, stage_parameters
+from planning.plan import LayoutPlan
 from runtime.config import ConfigError
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
             f"  {f'pp rank {pp_rank}' if d.pp > 1 else 'per rank':<13} {what} (after tp, ep and fsdp split them)",
             f"  {'':<13} memory about {size(memory.total)} per rank: states {size(memory.states)}, gathered weights "
             f"{size(memory.gathered)}, activations {size(memory.activations)}, logits {size(memory.logits)} "
-            "(mesh/memory_estimate.py)",
+            "(planning/memory_estimate.py)",
         ]
     lines.append(f"  batch         {plan.batch_line()}")
     if d.pp > 1:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from extras.base import Extra
 from mesh.pipeline import SCHEDULE_FAMILIES
 from runtime.process import ControlPlane, synchronize
 
@@ -197,7 +198,7 @@ def write_pipeline_timeline(
 ) -> None:
     """The last step's timeline, gathered from the pp group (``pp_ranks``, global ranks) on every rank; the
     logger prints the bubble table and writes ``pipeline_bubble.json`` and ``pipeline_timeline.svg`` in run_dir.
-    ``plan`` is the run's mesh.plan.LayoutPlan."""
+    ``plan`` is the run's planning.plan.LayoutPlan."""
     events, windows = timeline.gather(control, pp_ranks)
     if not is_logger:
         return
@@ -224,3 +225,27 @@ def write_pipeline_timeline(
         print(f"  pp rank {r['rank']}: {busy}  idle {r['idle'] * 1000:7.1f} ms ({r['idle_fraction']:.1%})")
     shown = "n/a" if predicted is None else f"{predicted:.1%}"
     print(f"  bubble: measured {measured:.1%} (mean over ranks) vs predicted {shown}", flush=True)
+
+
+class PipelineTimelineExtra(Extra):
+    """``run.pp_timeline``: times every pipeline action of each step (its window opens after data loading, so
+    it holds only the pipeline's work); after the last step, the last step's timeline is written to run.dir."""
+
+    def __init__(self, stages, plan, pp_mesh, control: ControlPlane, run_dir: str, device: torch.device):
+        self.timeline = PipelineTimeline(plan.pp_rank, device)
+        for stage in stages:
+            self.timeline.instrument(stage)
+        self.plan, self.pp_mesh, self.control, self.run_dir = plan, pp_mesh, control, run_dir
+
+    def before_forward_backward(self) -> None:
+        self.timeline.begin_step()
+
+    def after_forward_backward(self) -> None:
+        self.timeline.end_step()
+
+    def finish(self) -> None:
+        import torch.distributed as dist
+
+        pp_ranks = dist.get_process_group_ranks(self.pp_mesh.get_group())
+        is_logger = dist.get_rank() == 0
+        write_pipeline_timeline(self.run_dir, self.plan, self.timeline, pp_ranks, self.control, is_logger)

@@ -55,7 +55,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from extras.base import Extra
 from mesh.private_api import all_gather_into
+from runtime.failures import phase
 
 # Position weights repeat with this period (a prime, so that a period rarely lines up with a tensor's rows).
 _WEIGHT_PERIOD = 8191
@@ -232,3 +234,23 @@ def tied_replicas(copies: list[tuple[str, torch.Tensor]], group) -> list[tuple[s
         return [(name, param, ReplicaGroup((), kind, None)) for kind, param in copies]
     ranks = tuple(dist.get_process_group_ranks(group))
     return [(name, param, ReplicaGroup(ranks, "pp (tied embedding group)", group)) for _, param in copies]
+
+
+class ReplicaCheck(Extra):
+    """``debug.check_replicas = N``: every N steps, after the step is timed (a check step's throughput stays
+    comparable) and before anything is logged or saved, the replicas are compared (``check_replicas``),
+    tied-embedding copies included."""
+
+    def __init__(self, every: int, action: str, parts, world_mesh, tied, device: torch.device, control):
+        self.every, self.action, self.world_mesh, self.device, self.control = every, action, world_mesh, device, control
+        self.named_params = [(name, p) for part in parts for name, p in part.named_parameters()]
+        self.tied = tied
+
+    def after_step(self, step: int) -> None:
+        if step % self.every:
+            return
+        with phase(f"step {step}: replica check", "device plane: each replica group; control plane"):
+            extra = tied_replicas(self.tied.copies, self.tied.group)
+            check_replicas(
+                self.named_params, self.world_mesh, self.device, self.control, step, self.action, extra=extra
+            )

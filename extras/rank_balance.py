@@ -20,17 +20,14 @@ same and hides it. What differs is the time each rank spends working rather than
    in a row, rank 0 prints one warning naming the slowest rank; it stays quiet while that spell of imbalance
    lasts (a long run on a busy host would otherwise repeat it every few steps: metrics.jsonl keeps every
    step's spread) and counts again once a logged step is back within the rule.
-
-Test hook: ``MESHLOOM_SLOW_RANK="RANK:SECONDS"`` makes rank RANK compute (spin) SECONDS more in every step,
-a stand-in for a slow device (tests/test_rank_balance.py).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING
 
+from extras.base import Extra
 from runtime.process import device_time
 
 if TYPE_CHECKING:
@@ -38,7 +35,6 @@ if TYPE_CHECKING:
 
 SPREAD_RULE = 1.15  # max / min compute time across ranks: the articles' "differ by less than 15%"
 WARN_AFTER = 3  # logged steps in a row above the rule before the console warns
-SLOW_ENV = "MESHLOOM_SLOW_RANK"
 
 
 def compute_clock(device: torch.device, wall: float | None = None) -> float:
@@ -61,28 +57,33 @@ def fields(times: list[float]) -> dict:
     }
 
 
-class RankBalance:
-    """Times this rank's compute in each step (step 1) and warns when the spread lasts (step 4)."""
+class RankBalance(Extra):
+    """Times this rank's compute in each step (step 1) and warns when the spread lasts (step 4); an extra whose
+    hooks (extras/base.py) start and stop the clock and give the warning."""
 
     def __init__(self, rank: int, device: torch.device):
         self.device = device
         self.started = 0.0
         self.streak = 0
         self.warned = False  # this spell of imbalance has had its warning
-        slow_rank, _, seconds = os.environ.get(SLOW_ENV, "").partition(":")
-        self.extra_s = float(seconds) if slow_rank and int(slow_rank) == rank else 0.0
+        self.compute_s = 0.0  # the last step's compute seconds, shared on the stop agreement (step 2)
 
     def start(self, wall: float) -> None:
         """At the step's start; ``wall`` is the step's own ``device_time`` reading."""
         self.started = compute_clock(self.device, wall)
-        if self.extra_s:  # the test hook: busy work, as a slow device would do
-            end = time.thread_time() + self.extra_s
-            while time.thread_time() < end:
-                pass
 
     def elapsed(self, wall: float) -> float:
         """The step's compute seconds on this rank; ``wall`` is the step's closing ``device_time`` reading."""
         return compute_clock(self.device, wall) - self.started
+
+    def step_started(self, wall: float) -> None:
+        self.start(wall)
+
+    def step_timed(self, wall: float) -> None:
+        self.compute_s = self.elapsed(wall)
+
+    def after_log(self, record: dict) -> str | None:
+        return self.check(record)
 
     def check(self, record: dict) -> str | None:
         """After a logged step: the warning to print, once ``WARN_AFTER`` logged steps in a row exceeded the rule."""

@@ -1,6 +1,6 @@
 """Every rule a parallel layout must satisfy, in one place: ``layout_errors`` returns all the broken ones.
 
-``LayoutPlan.resolve`` (mesh/plan.py) calls ``layout_errors`` on every rank before any process group exists,
+``LayoutPlan.resolve`` (planning/plan.py) calls ``layout_errors`` on every rank before any process group exists,
 and raises one ConfigError listing each broken rule with its field, its value and the fix, so a misfit never
 reaches a collective. Single fields were already checked against their ranges where they are declared
 (runtime/config.py: ``check_values``); the rules here tie the layout to the world, the model and the batch:
@@ -18,7 +18,7 @@ reaches a collective. Single fields were already checked against their ranges wh
 
 One more rule needs the resolved plan and the machine: ``check_memory`` (train.check_config calls it right
 after ``LayoutPlan.resolve``, every rank, before anything is allocated) compares the per-rank memory
-estimate (mesh/memory_estimate.py) of the busiest pipeline rank with the memory one rank may use, and
+estimate (planning/memory_estimate.py) of the busiest pipeline rank with the memory one rank may use, and
 refuses a layout that exceeds it by a clear margin, naming the model's size, a layout and a size that would
 fit; ``run.memory_check = false`` turns it off.
 """
@@ -26,18 +26,22 @@ fit; ``run.memory_check = false`` turns it off.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mesh.memory_estimate import MemoryLayout, RankMemory, even_stage_layers, rank_memory
-from mesh.onebit_adam import onebit_adam_errors
+from extras.onebit_adam import onebit_adam_errors
 from mesh.pipeline import SCHEDULE_FAMILIES, SCHEDULES, schedules_of, stage_ids_of_rank
-from runtime.config import ConfigError
+from planning.memory_estimate import MemoryLayout, RankMemory, even_stage_layers, rank_memory
+from runtime.config import ConfigError, PipelineSchedule
 
 if TYPE_CHECKING:
     from mesh.dims import ParallelDims
     from models.llama import ModelArgs
     from runtime.config import Config
+
+# The one table of schedule families is mesh/pipeline.py's; the config lists the names a user may type.
+assert set(SCHEDULES) == set(typing.get_args(PipelineSchedule)), "runtime/config.py and SCHEDULE_FAMILIES disagree"
 
 
 @dataclass(frozen=True)
@@ -343,7 +347,7 @@ def batch_errors(dims: ParallelDims, cfg: Config, batch: BatchSplit) -> list[str
 
 
 def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> list[str]:
-    """Every gradient-sync, compression and offload setting (mesh/comm_memory_savers.py) that cannot work on this
+    """Every gradient-sync, compression and offload setting (extras/comm_memory_savers.py) that cannot work on this
     layout.
 
     ``accumulation``: forward/backward calls of the training loop per step (None when the batch does not
@@ -390,7 +394,7 @@ def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> l
                 "PowerSGD runs on a replicated (DDP) model without FSDP; turn one of them off."
             )
     if p.grad_compression == "onebit_adam" and dims.dp > 1:
-        errors += onebit_adam_errors(dims, cfg)  # mesh/onebit_adam.py
+        errors += onebit_adam_errors(dims, cfg)  # extras/onebit_adam.py
     return errors
 
 
@@ -418,7 +422,7 @@ def peak_rank_memory(args: ModelArgs, layout: MemoryLayout, stage_layers, pp_sch
 
 def check_memory(plan, cfg: Config, budget: tuple[int, str] | None) -> None:
     """Raise a ConfigError when the busiest rank's estimate exceeds ``budget`` (the bytes one rank may use,
-    and words saying whose they are) by ``MEMORY_MARGIN``; ``plan`` is the resolved LayoutPlan (mesh/plan.py).
+    and words saying whose they are) by ``MEMORY_MARGIN``; ``plan`` is the resolved LayoutPlan (planning/plan.py).
 
     The message names the model's size and what would fit, each found with the same estimate: the FSDP
     degree (a power of two times this one) whose sharded states fit, full activation checkpointing, and the
@@ -476,7 +480,7 @@ def check_memory(plan, cfg: Config, budget: tuple[int, str] | None) -> None:
         f"the model does not fit in memory: {size} ({args.num_params():,} parameters) needs about "
         f"{peak.total / GIB:,.1f} GiB on its busiest rank (states {peak.states / GIB:,.1f}, gathered weights "
         f"{peak.gathered / GIB:,.1f}, activations {peak.activations / GIB:,.1f}, logits {peak.logits / GIB:,.1f}; "
-        f"mesh/memory_estimate.py), more than {MEMORY_MARGIN:g}x the {limit / GIB:,.1f} GiB {where}. Would fit: "
+        f"planning/memory_estimate.py), more than {MEMORY_MARGIN:g}x the {limit / GIB:,.1f} GiB {where}. Would fit: "
         + ("; ".join(options) if options else "no FSDP degree and no depth of this width: lower model.dim")
         + ". Or set --run.memory_check false to try anyway."
     )

@@ -26,13 +26,13 @@ Three config switches, each a trade (docs/dp_savers.md, sections 2-4 give the ar
    r = ``parallel.powersgd_rank``, with error feedback (what the approximation missed is added to the next
    step's gradient). It needs the whole gradient matrix on every rank, so only a pure data-parallel layout
    (dp_replicate only) can use it. ``onebit_adam`` (1-bit Adam) compresses Adam's momentum rather than the
-   gradient, so its optimizer does the exchange itself: mesh/onebit_adam.py.
+   gradient, so its optimizer does the exchange itself: extras/onebit_adam.py.
 
 3. ``parallel.fsdp_cpu_offload``: FSDP2's ``CPUOffloadPolicy``. Sharded parameters, their gradients and so
    the AdamW state live in host memory; a unit's shard is copied to the device for its all-gather and its
    reduced gradient copied back, and the optimizer steps on the host.
 
-mesh/layout_rules.py: ``saver_errors`` lists every combination that cannot work, with the field, the value
+planning/layout_rules.py: ``saver_errors`` lists every combination that cannot work, with the field, the value
 and the fix; it runs with the other layout rules before any process group exists.
 """
 

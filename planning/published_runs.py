@@ -1,6 +1,6 @@
-"""The time model (bench/step_time.py) beside training runs that really happened: Megatron-LM's Table 1.
+"""The time model (planning/step_time.py) beside training runs that really happened: Megatron-LM's Table 1.
 
-    python -m bench.plan_layout --validate [--markdown]
+    python -m planning.plan_layout --validate [--markdown]
 
 **The runs.** Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (arXiv 2104.04473), Table 1: ten GPT models from 1.7B to 1T parameters on up to 3,072 A100 80GB
@@ -22,12 +22,12 @@ the rows with ``DDP=torch`` and its own DDP (all-reduce after backward) for ``DD
 send/recv between stages, each split over tp for the inter-node hop (``scatter_gather_tensors_in_pipeline``,
 on by default), the fused kernels on by default (masked softmax, bias-GeLU, bias-dropout-add).
 
-**Like with like.** The paper's TFLOP/s count the recomputed forward (models/flops.py:
-megatron_flops_per_step): the planner predicts a step time, and the prediction is compared through the same
+**Like with like.** The paper's TFLOP/s count the recomputed forward (``megatron_flops_per_step``
+below): the planner predicts a step time, and the prediction is compared through the same
 count, FLOPs per step / (step time x GPUs).
 
 **One number derived, not fitted per row.** Every hardware figure is a data-sheet figure or a published
-measurement (training/throughput.py: GPUS). The one derived number is ``MAMF_SHARE`` (bench/step_time.py):
+measurement (planning/gpus.py: GPUS). The one derived number is ``MAMF_SHARE`` (planning/step_time.py):
 the share of the A100's maximum achievable matmul throughput (271.2 of 312 TFLOP/s) that Megatron-LM's
 matmuls reached inside a training step. ``derive_mamf_share`` finds it from the 1T row alone: the row whose
 step is most nearly all matmul (hidden size 25,600: attention's s x s terms and every other memory-bound
@@ -47,18 +47,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bench.step_time import MESHLOOM, Layout, LlamaWorkload, Stack, matmul_efficiency, planner_gpu, step_time
-from models.flops import gpt_head_flops_per_token, gpt_layer_flops_per_token, megatron_flops_per_step
-from models.llama import PRESETS
+from planning.presets import PRESETS
+from planning.step_time import MESHLOOM, Layout, LlamaWorkload, Stack, matmul_efficiency, planner_gpu, step_time
 
 VOCAB, SEQ = 51200, 2048
 A100 = planner_gpu("a100")
 CALIBRATION_ROW = "1008.0B"
 
 
+# ---- the GPT FLOP formulas the published runs are counted in ----------------------------------------
+
+
+def gpt_layer_flops_per_token(dim: int, seq_len: int) -> int:
+    """Model FLOPs of one training token in one block of a GPT of width ``dim`` (Megatron-LM's: multi-head
+    attention, a 4·dim GeLU MLP): 6 x its 12·dim² matmul weights (QKV 3, output 1, MLP 8), and the attention
+    scores and weighted sum over all ``seq_len`` positions, 12·dim·seq_len (the convention of models/flops.py, step 2)."""
+    return 72 * dim**2 + 12 * dim * seq_len
+
+
+def gpt_head_flops_per_token(dim: int, vocab_size: int) -> int:
+    """Model FLOPs of one training token in a GPT's output head (tied to the embedding or not, a matmul)."""
+    return 6 * dim * vocab_size
+
+
+def megatron_flops_per_step(batch: int, seq_len: int, n_layers: int, dim: int, vocab_size: int) -> float:
+    """FLOPs of one training step of a GPT as Narayanan et al. (2021, "Efficient Large-Scale Language Model
+    Training on GPU Clusters Using Megatron-LM", section 5.1) count them for the TFLOP/s of their Table 1:
+
+        96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))
+
+    B sequences of s tokens, l layers of width h, vocabulary V. Per token and layer: 24h² matmul FLOPs in
+    forward (the 12h² weights of attention and a 4h MLP, 2 FLOPs each) and 4·s·h for the full s x s attention,
+    run four times (forward, the recomputed forward of full activation checkpointing, and a backward worth
+    two forwards); plus 6·h·V for the output head (not recomputed). It counts the recomputation, so it is
+    what the GPUs executed (hardware FLOPs), not the model FLOPs of ``flops_per_token`` (three passes).
+    """
+    return 96 * batch * seq_len * n_layers * dim**2 * (1 + seq_len / (6 * dim) + vocab_size / (16 * n_layers * dim))
+
+
 @dataclass(frozen=True)
 class MegatronGPT:
-    """Megatron-LM's GPT of 2021 at one size, as bench/step_time.py: Workload sees it.
+    """Megatron-LM's GPT of 2021 at one size, as planning/step_time.py: Workload sees it.
 
     Per token and layer: 72h² + 12·s·h model FLOPs (models/flops.py: gpt_layer_flops_per_token; forward 24h²
     + 4·s·h, the full scores; backward twice), 12h² + 13h parameters (the 7h biases of the column-parallel QKV and first MLP matmul split over tp).
@@ -148,7 +177,7 @@ class MegatronRun:
         return Layout(
             tp=self.tp,
             pp=self.pp,
-            dp=self.gpus // (self.tp * self.pp),
+            dp_shard=self.gpus // (self.tp * self.pp),
             schedule="Interleaved1F1B" if v > 1 else "1F1B",
             stages_per_rank=v,
             sequences_per_microbatch=self.micro_batch,
@@ -197,7 +226,7 @@ def validation_rows() -> list[dict]:
     for run in MEGATRON_TABLE_1:
         predicted, parts = predicted_tflops(run)
         step = parts["step"]
-        m = run.batch // (run.layout.dp * run.micro_batch)
+        m = run.batch // (run.layout.dp_shard * run.micro_batch)
         rows.append(
             {
                 "run": run,
@@ -259,7 +288,7 @@ def torchtitan_rows() -> list[dict]:
     """Each torchtitan row: published and predicted tokens/s per GPU, and the error."""
     rows = []
     for run in TORCHTITAN_RUNS:
-        layout = Layout(dp=run.gpus, sequences_per_microbatch=run.local_batch, ac="selective")
+        layout = Layout(dp_shard=run.gpus, sequences_per_microbatch=run.local_batch, ac="selective")
         t = step_time(LlamaWorkload(PRESETS["llama3-8b"], 8192), layout, MESHLOOM, TORCHTITAN_H100, run.gpus * 2)
         predicted = run.local_batch * 8192 / t.step
         rows.append({"run": run, "predicted": predicted, "error": predicted / run.published_tokens_per_s - 1})

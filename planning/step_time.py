@@ -1,15 +1,15 @@
 """How long one training step takes on a cluster, and what it spends the time on: a model you can read.
 
-Arithmetic only; bench/plan_layout.py searches layouts with it, and bench/published_runs.py checks it against
+Arithmetic only; planning/plan_layout.py searches layouts with it, and planning/published_runs.py checks it against
 published runs. Per step, for the slowest pipeline rank (with no pipeline, any rank), in seconds:
 
 1. **Matmuls**: the model FLOPs of every block on the rank (models/flops.py: attention included, an MoE layer's
    active experts only) for its share of the tokens (tp splits the work of a token, cp the tokens of a
    sequence), forward and backward, plus a second forward of the blocks under full activation checkpointing,
    and the output head on the last stage. They run at ``matmul_efficiency(gpu)`` x the GPU's dense peak:
-   one figure per GPU, the GPU's largest measured matmul throughput (MAMF, training/throughput.py: GPUS) times
+   one figure per GPU, the GPU's largest measured matmul throughput (MAMF, planning/gpus.py: GPUS) times
    ``MAMF_SHARE``, the share of it a real training step's matmuls reached on the one published run where
-   matmuls are nearly everything (bench/published_runs.py: derive_mamf_share).
+   matmuls are nearly everything (planning/published_runs.py: derive_mamf_share).
 2. **Memory-bound kernels**: norms, rotary, activations, residual adds, softmax and dropout where the scores
    are materialised, the loss: bytes each moves, counted kernel by kernel for the code that ran
    (``Workload.elementwise_bytes``), at the GPU's memory bandwidth. Backward moves twice a forward's bytes;
@@ -47,17 +47,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from mesh.memory_estimate import MemoryLayout, block_parameters, even_stage_layers
 from mesh.pipeline import stage_ids_of_rank
 from models.flops import head_flops_per_token, layer_flops_per_token
-from training.throughput import GPU, GPUS, PLANNER_GPUS
+from planning.gpus import GPU, GPUS, PLANNER_GPUS
+from planning.memory_estimate import MemoryLayout, block_parameters, even_stage_layers
 
 if TYPE_CHECKING:
     from models.llama import ModelArgs
 
 GPUS_PER_NODE = 8
 # The share of a GPU's maximum achievable matmul throughput that a training step's matmuls reached, derived once
-# from Megatron-LM's 1T-parameter run by bench/published_runs.py: derive_mamf_share (tests/test_plan_layout.py
+# from Megatron-LM's 1T-parameter run by planning/published_runs.py: derive_mamf_share (tests/test_plan_layout.py
 # checks that this is what the derivation gives).
 MAMF_SHARE = 0.7930
 # AdamW reads the fp32 weight, gradient, m and v and writes weight, m and v (28 bytes); clipping by the global
@@ -99,12 +99,13 @@ MESHLOOM = Stack("meshloom", True, "fsdp", 4, False, 0.75)
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees and schedule of one plan. ``dp`` is the FSDP shard degree (dp_shard), ``dp_replicate`` HSDP's."""
+    """Degrees and schedule of one plan, named as ParallelDims names them (mesh/dims.py): ``dp_shard`` is the FSDP
+    shard degree, ``dp_replicate`` HSDP's (the planner's ``--layout`` and its output call dp_shard ``dp``)."""
 
     tp: int = 1
     cp: int = 1
     pp: int = 1
-    dp: int = 1
+    dp_shard: int = 1
     ep: int = 1
     dp_replicate: int = 1
     schedule: str = "1F1B"
@@ -116,7 +117,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp * self.dp_replicate
+        return self.tp * self.cp * self.pp * self.dp_shard * self.dp_replicate
 
     @property
     def n_stages(self) -> int:
@@ -124,7 +125,7 @@ class Layout:
 
     def describe(self) -> str:
         extra = f", dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else ""
-        return f"tp={self.tp}, cp={self.cp}, pp={self.pp}, dp={self.dp}, ep={self.ep}{extra}"
+        return f"tp={self.tp}, cp={self.cp}, pp={self.pp}, dp={self.dp_shard}, ep={self.ep}{extra}"
 
 
 # ---- the model, as the time model sees it -------------------------------------------------------------------
@@ -132,7 +133,7 @@ class Layout:
 
 class Workload(Protocol):
     """A model at a sequence length, as the time model sees it: FLOPs, parameters and bytes moved per token of
-    one rank's share. ``LlamaWorkload`` is meshloom's own model; bench/published_runs.py: MegatronGPT is the
+    one rank's share. ``LlamaWorkload`` is meshloom's own model; planning/published_runs.py: MegatronGPT is the
     GPT Megatron-LM trained in 2021."""
 
     n_layers: int
@@ -325,7 +326,7 @@ def owned_params(
         for key, value in workload.layer_params(i).items():
             total[key] += value
     gathered = total["tp"] / layout.tp + total["whole"] + total["experts"] / layout.ep
-    shards = layout.dp * layout.cp if stack.data_parallel == "fsdp" else 1
+    shards = layout.dp_shard * layout.cp if stack.data_parallel == "fsdp" else 1
     return {"gathered": gathered, "owned": gathered / shards}
 
 
@@ -335,7 +336,7 @@ def step_time(
     """Items 1-8 of the module docstring for one step of ``global_batch`` sequences (``efficiency``: the matmul
     efficiency, ``matmul_efficiency(gpu)`` unless given)."""
     efficiency = matmul_efficiency(gpu) if efficiency is None else efficiency
-    replicas = layout.dp * layout.dp_replicate
+    replicas = layout.dp_shard * layout.dp_replicate
     m = global_batch // (replicas * layout.sequences_per_microbatch)  # micro-batches per replica and step
     stages = stage_layers_of(workload, layout)
     v, p = layout.stages_per_rank, layout.pp
@@ -366,8 +367,8 @@ def step_time(
 
 def dp_seconds(layout: Layout, stack: Stack, gpu: GPU, params: dict[str, float], mb: StepTime, m: int) -> float:
     """Item 7: exposed data-parallel traffic per step for the slowest rank."""
-    shards = layout.dp * layout.cp  # FSDP shards over dp_shard x cp (mesh/dims.py)
-    within = link(gpu, layout.tp * layout.cp * layout.dp)
+    shards = layout.dp_shard * layout.cp  # FSDP shards over dp_shard x cp (mesh/dims.py)
+    within = link(gpu, layout.tp * layout.cp * layout.dp_shard)
     gathered = params["gathered"]
     replicas = layout.dp_replicate
     across = (2 * ring(stack.grad_bytes * params["owned"], replicas) / link(gpu, layout.gpus)) if replicas > 1 else 0.0
@@ -380,7 +381,7 @@ def dp_seconds(layout: Layout, stack: Stack, gpu: GPU, params: dict[str, float],
         per_microbatch = ring((2 * w + stack.grad_bytes) * gathered, shards) / within
         compute = mb.matmul + mb.recompute + mb.memory_bound
         return m * max(0.0, per_microbatch - compute) + across
-    allreduce = 2 * ring(stack.grad_bytes * gathered, layout.dp) / link(gpu, layout.tp * layout.dp)
+    allreduce = 2 * ring(stack.grad_bytes * gathered, layout.dp_shard) / link(gpu, layout.tp * layout.dp_shard)
     if stack.data_parallel == "ddp_overlapped":  # during the last micro-batch's backward (and its recompute)
         backward = (2 * mb.matmul + 2 * mb.memory_bound) / 3 + mb.recompute + mb.tp
         return max(0.0, allreduce - backward)
@@ -391,12 +392,12 @@ def dp_seconds(layout: Layout, stack: Stack, gpu: GPU, params: dict[str, float],
 
 
 def memory_layout(layout: Layout, seq_len: int, microbatches: int, mixed_precision: str = "bf16") -> MemoryLayout:
-    """The mesh/memory_estimate.py view of a ``Layout`` trained by meshloom."""
+    """The planning/memory_estimate.py view of a ``Layout`` trained by meshloom."""
     return MemoryLayout(
         tp=layout.tp,
         pp=layout.pp,
         dp_replicate=layout.dp_replicate,
-        dp_shard=layout.dp,
+        dp_shard=layout.dp_shard,
         cp=layout.cp,
         ep=layout.ep,
         seq_len=seq_len,

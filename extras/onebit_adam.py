@@ -41,8 +41,8 @@ buffers, which are each rank's own: a run resumed after the warm-up restarts err
 PowerSGD's compressor (docs/dp_savers.md, section 3).
 
 Every replica applies the same ``m`` and the same frozen ``v``: the replicas stay bitwise equal (the replica
-check, mesh/replica_check.py, holds under 1-bit Adam too). What cannot use it is refused before any process
-group exists (mesh/layout_rules.py: ``saver_errors``): sharded states (dp_shard > 1, FSDP), TP, PP and CP
+check, extras/replica_check.py, holds under 1-bit Adam too). What cannot use it is refused before any process
+group exists (planning/layout_rules.py: ``saver_errors``): sharded states (dp_shard > 1, FSDP), TP, PP and CP
 (the momentum would be a shard, and the model is not a plain replica), bf16 and CPU offload (FSDP's).
 """
 
@@ -158,7 +158,7 @@ class OneBitAdam(torch.optim.AdamW):
 
 
 def onebit_adam_errors(dims: ParallelDims, cfg: Config) -> list[str]:
-    """1-bit Adam (mesh/onebit_adam.py) compresses the momentum of whole, replicated parameters: each rank must
+    """1-bit Adam (extras/onebit_adam.py) compresses the momentum of whole, replicated parameters: each rank must
     hold every parameter and its whole Adam state (one reason per broken field)."""
     p, t = cfg.parallel, cfg.training
     why = "parallel.grad_compression=onebit_adam compresses the momentum of whole replicated parameters"

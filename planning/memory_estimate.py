@@ -1,7 +1,7 @@
 """What one rank holds in GPU memory at the peak of a training step: an estimate in bytes, arithmetic only.
 
 Nothing here builds a model or a process group, so a layout can be judged before anything is allocated: the
-layout planner (bench/plan_layout.py) adds a search and a time model on top, and the same functions serve a
+layout planner (planning/plan_layout.py) adds a search and a time model on top, and the same functions serve a
 dry run, a "will it fit" check before allocation, and a memory-balanced pipeline split. Inputs: a
 ``ModelArgs`` (models/llama.py; MoE layers through ``args.moe``), the degrees, the batch and sequence, the
 pipeline schedule, the activation checkpointing mode and the precision, gathered in ``MemoryLayout``.
@@ -82,7 +82,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (no mesh.plan import, even here: mesh/plan.py may import this module)
+if TYPE_CHECKING:  # (no planning.plan import, even here: planning/plan.py may import this module)
     from models.llama import ModelArgs
     from runtime.config import Config
 
@@ -113,7 +113,7 @@ class MemoryLayout:
     sequence_parallel: bool = True
     sp_regather: bool = False
     cp_attention: str = "allgather"  # allgather | ring
-    fsdp: bool = True  # FSDP2 wraps the model (mesh/plan.py: uses_fsdp)
+    fsdp: bool = True  # FSDP2 wraps the model (planning/plan.py: uses_fsdp)
     cpu_offload: bool = False  # parallel.fsdp_cpu_offload
 
     @property
@@ -131,7 +131,7 @@ class MemoryLayout:
 
     @classmethod
     def of_plan(cls, plan, cfg: Config) -> MemoryLayout:
-        """The layout a resolved ``LayoutPlan`` (mesh/plan.py) and its config describe."""
+        """The layout a resolved ``LayoutPlan`` (planning/plan.py) and its config describe."""
         return cls.of_config(
             cfg, plan.dims, plan.micro_batch, plan.pp_microbatches, plan.stages_per_rank, fsdp=plan.fsdp
         )

@@ -7,11 +7,11 @@
 2. Derive the batch arithmetic: global batch = micro-batch x dp x accumulation. The local batch is
    global_batch / dp sequences per step; without pipelining the loop runs ``accumulation`` forward/backward
    passes of ``micro_batch`` sequences, with pipelining the schedule splits the local batch into
-   ``pp_microbatches`` pieces itself (mesh/layout_rules.py: ``batch_split``). Context parallelism consumes
+   ``pp_microbatches`` pieces itself (planning/layout_rules.py: ``batch_split``). Context parallelism consumes
    no batch: the cp ranks of one dp rank split each of its sequences.
 3. Derive the pipeline: stages per rank (1, or 2 for looped and V schedules), the number of stages, the
    layers of each stage (``pp_split``) and this rank's stage ids.
-4. Check every rule against the world size, the model and the batch (mesh/layout_rules.py:
+4. Check every rule against the world size, the model and the batch (planning/layout_rules.py:
    ``layout_errors``), and raise one ConfigError listing each broken rule with its field, value and fix.
    The same text on every rank, before any collective could hang.
 
@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mesh.dims import ParallelDims
-from mesh.layout_rules import batch_split, layout_errors
-from mesh.memory_estimate import MemoryLayout
-from mesh.pipeline import default_microbatches, split_layers, stage_ids_of_rank, stages_per_rank
+from mesh.pipeline import default_microbatches, stage_ids_of_rank, stages_per_rank
+from planning.layout_rules import batch_split, layout_errors
+from planning.memory_estimate import MemoryLayout
+from planning.pipeline_split import split_layers
 from runtime.config import Config, ConfigError, check_values, model_args
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class LayoutPlan:
     pp_microbatches: int  # micro-batches the schedule splits each local batch into (1 without pipelining)
     stage_layers: tuple[tuple[int, ...], ...]  # layer ids of every stage
     stage_ids: tuple[int, ...]  # the stages this rank runs
-    fsdp: bool  # whether FSDP2 wraps the model (train.parallelize)
+    fsdp: bool  # whether FSDP2 wraps the model (mesh/parallelize.py)
 
     @property
     def global_tokens(self) -> int:
@@ -66,9 +67,10 @@ class LayoutPlan:
     def resolve(cls, cfg: Config, world_size: int, rank: int = 0) -> LayoutPlan:
         """Steps 1-4 of the module docstring; raises ConfigError on a misfit."""
         check_values(cfg)  # every field in its range first: the rules below assume it
-        dims = ParallelDims.resolve(cfg, world_size)
-        args = model_args(cfg)
         p, t = cfg.parallel, cfg.training
+        degrees = {name: getattr(p, name) for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+        dims = ParallelDims.resolve(world_size, **degrees)
+        args = model_args(cfg)
         n_local = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank) if dims.pp > 1 else 1
         microbatches = (p.pp_microbatches or default_microbatches(dims.pp * n_local)) if dims.pp > 1 else 1
         batch = batch_split(t.global_batch, dims.dp, t.micro_batch)
@@ -128,8 +130,8 @@ def uses_fsdp(dims: ParallelDims, cfg: Config) -> bool:
     """FSDP whenever there is data or context parallelism (both need their gradients summed), and also for bf16
     or CPU offload on one rank: its policies are where bf16 compute with fp32 master weights and fp32 gradient
     reduction, and offloading, live. Not with PowerSGD, whose layouts are replicated with DDP
-    (mesh/comm_memory_savers.py), nor with 1-bit Adam, whose optimizer exchanges the replicas' momentum itself
-    (mesh/onebit_adam.py)."""
+    (extras/comm_memory_savers.py), nor with 1-bit Adam, whose optimizer exchanges the replicas' momentum itself
+    (extras/onebit_adam.py)."""
     p = cfg.parallel
     if p.grad_compression in ("powersgd", "onebit_adam"):  # a replicated model: DDP's, or a plain one
         return False

@@ -1,0 +1,33 @@
+"""The one loader factory: a split's ``GlobalBatchLoader`` for this rank of the layout (train and validation).
+
+Each data-parallel rank reads its slice of the same global batches (data/loader.py); under context
+parallelism the cp ranks of one dp rank read the same windows and each keeps its chunks of every sequence
+(mesh/context_parallel.py: ``load_balanced_positions``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from data.loader import GlobalBatchLoader
+from mesh.context_parallel import load_balanced_positions
+
+if TYPE_CHECKING:
+    from mesh.dims import Meshes
+    from planning.plan import LayoutPlan
+
+
+def batch_loader(tokens, plan: LayoutPlan, meshes: Meshes) -> GlobalBatchLoader:
+    """``tokens`` (one split of data/dataset.py's ``Splits``) cut into this rank's micro-batches."""
+    dims = plan.dims
+    positions = load_balanced_positions(plan.seq_len, meshes.cp.get_local_rank(), dims.cp) if dims.cp > 1 else None
+    return GlobalBatchLoader(
+        tokens,
+        seq_len=plan.seq_len,
+        global_batch=plan.global_batch,
+        micro_batch=plan.micro_batch,
+        dp_rank=meshes.dp.get_local_rank(),
+        dp_size=dims.dp,
+        positions=positions,
+        vocab_size=plan.model.vocab_size,  # every step's ids checked on the host (data/loader.py)
+    )

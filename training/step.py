@@ -1,0 +1,211 @@
+"""One optimizer step on any layout: the numbered steps of ``train_step``.
+
+1. Read this rank's slice of the next global batch (data/loader.py) and start the step's clock.
+2. Forward and backward of each micro-batch (``forward_backward``); the loss that is backpropagated is the
+   token-loss sum divided by the *global* token count (training/loss.py), so data-parallel ranks sum their
+   gradients and the scale is applied once. With ``grad_sync = step`` only the last micro-batch's backward
+   reduces (extras/comm_memory_savers.py: ``reduction_window``; forward and backward inside the window).
+3. The gradients TP leaves partial are summed (norm weights under sequence parallelism, MoE blocks whose tp
+   ranks computed from their own tokens), and a tied embedding's two pipeline copies get the sum of theirs.
+4. The step's global numbers, before anything changes: the loss is the global mean (sum the token-loss sums
+   over the dp and cp ranks and the pp stages; only last-stage ranks hold a non-zero sum), the gradient norm
+   the norm of the whole model's gradient (clipped to ``grad_clip``).
+5. A loss or norm that is not finite stops every rank together, before the step reaches the weights
+   (``DivergenceError``): every rank holds the same global numbers.
+6. The optimizer step (after an async save's copy is taken: the step changes what it copies), then the MoE
+   layers' global expert load and their aux-loss-free bias update from it.
+7. The step's clock stops; the extras' ``after_step`` hooks run (extras/base.py); the record is returned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from extras.comm_memory_savers import reduction_window
+from mesh.expert_parallel import load_metrics, step_expert_load
+from mesh.grad_clip import clip_grad_norm
+from mesh.pipeline import build_pipeline_schedule, run_schedule
+from mesh.tensor_parallel import loss_context, loss_value, reduce_partial_gradients, sum_token_split_gradients
+from runtime.failures import phase
+from runtime.process import device_time, sum_over
+from training.loss import token_loss_sum
+from training.metrics import peak_memory_bytes
+from training.profiling import named_range
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from data.loader import GlobalBatchLoader
+    from extras.base import Extra
+    from mesh.dims import Meshes
+    from mesh.tied_embeddings import TiedEmbeddings
+    from planning.plan import LayoutPlan
+    from runtime.config import Config
+    from training.optimizer import Optimizers
+    from training.throughput import Throughput
+
+
+class DivergenceError(FloatingPointError):
+    """The loss or the gradient norm of a step is not finite; raised before that step reaches the weights."""
+
+
+@dataclass
+class StepParts:
+    """Everything one step touches, built once by train.py's ``build``."""
+
+    parts: list[nn.Module]  # this rank's model parts (the whole model, or its pipeline stages)
+    schedule: Any  # the pipeline schedule, or None
+    plan: LayoutPlan
+    meshes: Meshes
+    device: torch.device
+    optimizers: Optimizers
+    loader: GlobalBatchLoader
+    tied: TiedEmbeddings  # a tied embedding's pipeline copies (none without them)
+    throughput: Throughput
+    extras: Extra  # the run's extras as one (extras/base.py: Extras)
+    reduce_every_microbatch: bool = True  # parallel.grad_sync = microbatch
+    grad_clip: float = 1.0
+    advice: str = ""  # what a DivergenceError suggests (``divergence_advice``)
+    before_update: Callable[[], None] = lambda: None  # the checkpointer's wait for an async save's copy
+    params: list = field(init=False)
+    counted: list = field(init=False)
+    moe_layer_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.params = [p for part in self.parts for p in part.parameters()]
+        self.counted = self.tied.counted(self.params)  # the gradient norm counts a tied weight once
+        args = self.plan.model
+        self.moe_layer_ids = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
+
+    @property
+    def device_groups(self) -> str:
+        """The device-plane groups a forward and backward uses (for runtime/failures.py's report)."""
+        dims = self.plan.dims
+        names = [n for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, n) > 1]
+        return "device plane: " + ", ".join(names) if names else "none (one process)"
+
+
+def divergence_advice(cfg: Config) -> str:
+    """The fix a DivergenceError names: the fields of ``cfg`` that make a step diverge less easily."""
+    t = cfg.training
+    return (
+        f"Lower training.lr (now {t.lr})"
+        + (", set training.grad_clip" if t.grad_clip <= 0 else "")
+        + (", or try training.mixed_precision=fp32" if t.mixed_precision == "bf16" else "")
+        + ", then resume with --checkpoint.resume auto."
+    )
+
+
+def pipeline_schedule(parts, plan: LayoutPlan, meshes: Meshes, device: torch.device) -> tuple[Any, list]:
+    """The pipeline schedule over this rank's stages and the stages themselves; ``(None, [])`` without pipelining.
+
+    The schedule's loss function is the token-loss sum divided by the global token count, like step 2's.
+    """
+    if plan.dims.pp == 1:
+        return None, []
+    return build_pipeline_schedule(
+        parts,
+        list(plan.stage_ids),
+        plan.n_stages,
+        schedule=plan.pp_schedule,
+        microbatches=plan.pp_microbatches,
+        pp_group=meshes.pp.get_group(),
+        device=device,
+        loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / plan.global_tokens,
+    )
+
+
+def forward_backward(
+    parts, schedule, plan: LayoutPlan, inputs, targets, *, backward: bool = True, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """One micro-batch's forward and (with ``backward``) backward (step 2); returns this rank's token-loss sum (0
+    off the last stage), in ``dtype`` when given. Validation runs it forward only (training/evaluation.py)."""
+    with loss_context(plan.dims.tp > 1):  # vocab-sharded cross-entropy under TP: forward *and* backward inside
+        if schedule is None:
+            with named_range("forward"):
+                loss = token_loss_sum(parts[0](inputs), targets)
+            if backward:
+                with named_range("backward"):
+                    (loss / plan.global_tokens).backward()
+            return loss_value(loss.detach()).to(dtype or loss.dtype)
+        with named_range("pipeline schedule"):  # the schedule's own per-action ranges nest inside
+            losses = run_schedule(
+                schedule, list(plan.stage_ids), plan.n_stages, inputs, targets, forward_only=not backward
+            )
+        if not losses:
+            return torch.zeros((), device=inputs.device, dtype=dtype)
+        # the schedule's loss function divides by the global token count: multiplied back here
+        return sum(loss_value(loss.detach()).to(dtype or loss.dtype) for loss in losses) * plan.global_tokens
+
+
+def accumulate_gradients(s: StepParts, batch, step: int) -> torch.Tensor:
+    """Steps 2-3: every micro-batch's forward and backward, then the gradient sums TP and tied copies need."""
+    plan, dims = s.plan, s.plan.dims
+    loss_sum = torch.zeros((), device=s.device)
+    with phase(f"step {step}: forward and backward", s.device_groups):
+        s.extras.before_forward_backward()  # after data loading: the pipeline timeline's window
+        for index, (inputs, targets) in enumerate(batch):
+            reduce = s.reduce_every_microbatch or index == len(batch) - 1
+            with reduction_window(s.parts, reduce=reduce, hsdp=dims.dp_replicate > 1):
+                loss_sum += forward_backward(s.parts, s.schedule, plan, inputs.to(s.device), targets.to(s.device))
+        s.extras.after_forward_backward()
+        if dims.tp > 1:
+            reduce_partial_gradients(s.params)
+            if s.moe_layer_ids:  # each tp rank computed its MoE blocks' gradients from its own tokens
+                sum_token_split_gradients(s.parts, s.meshes.tp)
+        # Pipeline + tied embeddings: the first and last stage's copies get the sum of their gradients, after
+        # every micro-batch's backward and reduction, before the norm sees them.
+        s.tied.sum_gradients()
+    return loss_sum
+
+
+def global_loss_and_norm(s: StepParts, loss_sum: torch.Tensor, step: int) -> tuple[float, float]:
+    """Step 4: the global mean loss and the clipped model's gradient norm, the same on every rank."""
+    with phase(f"step {step}: loss sum and gradient norm", "device plane: the loss mesh (pp x dp x cp), pp"):
+        sum_over(loss_sum, s.meshes.loss)
+        s.optimizers.prepare_gradients()  # 1-bit Adam: the replicas' exchange (extras/onebit_adam.py)
+        with named_range("gradient clipping"):
+            grad_norm = s.optimizers.agree_on_norm(clip_grad_norm(s.params, s.grad_clip, s.meshes.pp, s.counted))
+        return (loss_sum / s.plan.global_tokens).item(), grad_norm.item()
+
+
+def train_step(s: StepParts, step: int) -> dict:
+    """Steps 1-7 of the module docstring; returns the step's record (metrics.jsonl's fields so far)."""
+    start = device_time(s.device)
+    s.extras.step_started(start)
+    with named_range("data loading"):
+        batch = s.loader.next_batch()
+    loss, norm = global_loss_and_norm(s, accumulate_gradients(s, batch, step), step)
+    if not (math.isfinite(loss) and math.isfinite(norm)):  # step 5: nothing has changed yet
+        raise DivergenceError(
+            f"at step {step} the loss is {loss} and the gradient norm {norm}; the step was not applied "
+            f"and nothing was saved after step {step - 1}. {s.advice}"
+        )
+    lr = s.optimizers.lr
+    s.before_update()  # an async save's copy: the step changes the weights and Adam state it copies
+    with named_range("optimizer"):
+        s.optimizers.step()
+    # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
+    tp_label = ", then tp (its ranks split the tokens)" if s.plan.dims.tp > 1 else ""
+    with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)" + tp_label):
+        moe_load = step_expert_load(s.parts, s.moe_layer_ids, s.meshes.loss, s.meshes.tp) if s.moe_layer_ids else {}
+    end = device_time(s.device)
+    s.extras.step_timed(end)
+    s.extras.after_step(step)  # after the step is timed (a check step's throughput stays comparable)
+    tokens_per_s = s.plan.global_tokens / (end - start)
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": norm,
+        "lr": lr,
+        "tokens_per_s": tokens_per_s,
+        **s.throughput.fields(tokens_per_s),
+        "peak_mem_bytes": peak_memory_bytes(s.device),
+        "tokens_consumed": s.loader.tokens_consumed,
+        **load_metrics(moe_load),
+    }
