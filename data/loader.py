@@ -27,8 +27,6 @@ read as a view of the memory map (no copy) or of the in-memory tensor; there is 
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 
@@ -67,6 +65,9 @@ class GlobalBatchLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.positions = positions  # the positions of each window this rank trains on; None: all of them
         self.vocab_size = vocab_size  # every id read must be below it (None: not checked)
+        # The ids as the check reads them: an in-memory corpus (always on the host) through a numpy view made
+        # once here, so that no torch op on the step's path reads a tensor back (bench/host_syncs.py).
+        self.host_ids = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
         self.tokens_consumed = 0  # position in the global stream, identical on every rank
 
     def window_starts(self, position: int) -> torch.Tensor:
@@ -78,18 +79,24 @@ class GlobalBatchLoader:
 
     def global_spans(self, position: int) -> list[tuple[int, int]]:
         """The global batch at ``position`` as contiguous [first, stop) token ranges: consecutive windows
-        overlap by one token, so there is one range, or two or more where the stream wraps."""
-        offsets = (position + torch.arange(self.global_batch, dtype=torch.int64) * self.seq_len) % (
-            self.num_tokens - self.seq_len
-        )
-        breaks = [0, *(torch.nonzero(offsets.diff() != self.seq_len).flatten() + 1).tolist(), len(offsets)]
-        return [(int(offsets[a]), int(offsets[b - 1]) + self.seq_len + 1) for a, b in itertools.pairwise(breaks)]
+        overlap by one token, so there is one range, or two or more where the stream wraps.
+
+        Plain Python integers: nothing on the step's path reads a torch tensor back (bench/host_syncs.py).
+        """
+        wrap = self.num_tokens - self.seq_len
+        offsets = [(position + i * self.seq_len) % wrap for i in range(self.global_batch)]
+        spans, first = [], 0
+        for i in range(1, len(offsets) + 1):
+            if i == len(offsets) or offsets[i] - offsets[i - 1] != self.seq_len:
+                spans.append((offsets[first], offsets[i - 1] + self.seq_len + 1))
+                first = i
+        return spans
 
     def check_ids(self, position: int) -> None:
         """Every id of the global batch at ``position`` below ``vocab_size`` (module docstring), or a ConfigError
         naming the file, the token offset, the id and the fix; the same on every rank."""
         for first, stop in self.global_spans(position):
-            bad = first_at_least(self.tokens, self.vocab_size, first, stop)
+            bad = first_at_least(self.host_ids, self.vocab_size, first, stop)
             if bad is not None:
                 raise ConfigError(out_of_range(self.tokens, bad, self.vocab_size))
 
@@ -124,8 +131,7 @@ def first_at_least(tokens, limit: int, first: int, stop: int) -> int | None:
     span = tokens[first:stop]
     if len(span) == 0 or int(span.max()) < limit:
         return None
-    at_least = (span >= limit).to(torch.uint8) if isinstance(span, torch.Tensor) else span >= limit
-    return first + int(at_least.argmax())
+    return first + int((span >= limit).argmax())
 
 
 def out_of_range(tokens, offset: int, vocab_size: int) -> str:
