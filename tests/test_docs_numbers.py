@@ -1,0 +1,259 @@
+"""The chapters' arithmetic, recomputed: every marked number and every symbol the chapters define.
+
+1. **Numbers.** A number in the prose that follows from a formula or a bench (a ratio, a byte count, a bubble
+   fraction, a traffic multiple, a rounding bound) carries a marker, an HTML comment that the rendered page
+   does not show, after it in the same paragraph (or after the table that holds it):
+
+       the ring sends (3cp − 2)/(2(cp − 1)) ≈ 1.67x the all-gather <!-- check 1.67x: ring_bytes(4) / allgather_bytes(4) -->
+
+   The quote (``1.67x``) must stand in the paragraph before the marker, verbatim. The expression is evaluated
+   with the helpers of ``NAMESPACE`` (meshloom's own formulas and benches' formula functions) and rounded to
+   the quote's decimals: ``%`` reads the value as a fraction (0.1667 -> 16.7%), ``x``/``×`` as a ratio, any
+   other unit (GB, MB, s, bytes) as the number in that unit; thousands commas are ignored. A changed number in
+   the code fails here until the prose follows, and a changed prose number fails until the code agrees.
+2. **Symbols.** docs/glossary.md's tables give each symbol one meaning: a meaning cell may not list a second
+   one (no ';' between two meanings, no "(chapter N)" alternatives). Every symbol a chapter defines with the
+   marker ``<!-- symbol X -->`` is a row of the glossary.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from launch.local_runs import ROOT
+
+DOCS = ROOT / "docs"
+CHAPTERS = sorted(p for p in DOCS.glob("*.md") if p.name != "glossary.md")
+CHECK = re.compile(r"<!-- check (?P<quote>[^:]+?): (?P<expr>.+?) -->")
+QUOTE = re.compile(r"^(?P<number>-?\d[\d,]*(?:\.\d+)?)\s*(?P<unit>%|x|×|[A-Za-z/ ]*)$")
+
+# ---- the helpers a marker's expression may use: meshloom's own formulas ------------------------------------
+
+
+@cache
+def psi(preset: str) -> int:
+    """Parameters of a models/llama.py preset ('llama3-8b'), or of the debug model ('debug')."""
+    if preset == "debug":
+        from runtime.config import load_config, model_args
+
+        return model_args(load_config(path="configs/debug.toml")).num_params()
+    from models.llama import PRESETS
+
+    return PRESETS[preset].num_params()
+
+
+def stages(schedule: str) -> int:
+    from bench.schedule_ir import SCHEDULE_STAGES
+
+    return SCHEDULE_STAGES[schedule]
+
+
+def bubble(schedule: str, p: int, m: int) -> float:
+    """The chapter 4 formula, `mesh/pipeline_timeline.py: predicted_bubble` (0 for ZB-V/DualPipeV's steady state)."""
+    from mesh.pipeline_timeline import predicted_bubble
+
+    return predicted_bubble(schedule, p, m, stages(schedule))
+
+
+def empty_bubble(schedule: str, p: int, m: int) -> float:
+    """The bubble of a step that starts from an empty pipeline (what the idealized pictures' titles give)."""
+    from docs.figures.pipeline import empty_pipeline_bubble
+
+    return empty_pipeline_bubble(schedule, p, m, stages(schedule))
+
+
+@cache
+def idle(schedule: str, p: int, m: int) -> float:
+    """torch's action list run with unit times: the idealized idle fraction (bench/schedule_ir.py)."""
+    from bench.schedule_ir import pipeline_ideal
+
+    return pipeline_ideal(schedule, p, m)["idle"]
+
+
+def ring_share(n: int) -> float:
+    """Bytes one rank sends in a ring all-gather or reduce-scatter, per byte of the whole tensor."""
+    from bench.step_time import ring
+
+    return ring(1.0, n)
+
+
+def allreduce_share(n: int) -> float:
+    """A ring all-reduce: reduce-scatter + all-gather, 2(n-1)/n."""
+    return 2 * ring_share(n)
+
+
+def state_bytes(p: int, n: int = 1) -> dict[str, float]:
+    """bench/memory_table.py: bytes per rank of the full state and the ZeRO stages (bf16 + Adam, k = 12)."""
+    from bench.memory_table import bytes_per_rank
+
+    return bytes_per_rank(p, n)
+
+
+def fsdp_bytes(p: int, n: int) -> float:
+    from bench.fsdp_memory import formula_bytes
+
+    return formula_bytes(p, n)
+
+
+def cp_bytes(cp: int, algorithm: str) -> int:
+    """Bytes sent per layer and rank by context parallelism at the bench's size (bench/context_parallel.py)."""
+    from bench.context_parallel import BATCH, BENCH_ARGS, SEQ, formula_comm
+
+    return formula_comm(BENCH_ARGS, BATCH, SEQ, cp, algorithm)
+
+
+@cache
+def layer_terms(preset: str = "llama3-8b", seq: int = 8192, tp: int = 1, precision: str = "bf16") -> dict:
+    """Bytes one block keeps for backward, by term (`mesh/memory_estimate.py: layer_activation_terms`)."""
+    from mesh.memory_estimate import MemoryLayout, layer_activation_terms
+    from models.llama import PRESETS
+
+    layout = MemoryLayout(seq_len=seq, tp=tp, mixed_precision=precision)
+    return layer_activation_terms(PRESETS[preset], 0, layout, "none")
+
+
+def layer_bytes(preset: str = "llama3-8b", seq: int = 8192, tp: int = 1, precision: str = "bf16") -> float:
+    return sum(layer_terms(preset, seq, tp, precision).values())
+
+
+def korthikanti(s: int, h: int, b: int = 1) -> float:
+    """Korthikanti et al.'s 34·s·b·h bytes per GPT layer in 16-bit precision (attention scores aside)."""
+    return 34 * s * b * h
+
+
+def fp32_norm_copies(preset: str = "llama3-8b", seq: int = 8192) -> float:
+    """The fp32 copies of its input that meshloom's two RMSNorms per layer keep: 2 · 4 bytes · s · h."""
+    from models.llama import PRESETS
+
+    return 2 * 4 * seq * PRESETS[preset].dim
+
+
+def finfo(dtype: str):
+    import torch
+
+    return torch.finfo(getattr(torch, dtype))
+
+
+def half_gap(dtype: str) -> float:
+    """The largest relative rounding error of round-to-nearest: half the gap after 1.0."""
+    return finfo(dtype).eps / 2
+
+
+NAMESPACE = {
+    name: obj
+    for name, obj in list(globals().items())
+    if callable(obj) and not name.startswith("_") and obj.__module__ == __name__
+} | {"math": math, "ceil": math.ceil, "log": math.log, "sqrt": math.sqrt, "GB": 1e9, "MB": 1e6}
+NAMESPACE.pop("cache", None)
+
+
+# ---- 1. the numbers ----------------------------------------------------------------------------------------
+
+
+def paragraph_before(text: str, end: int) -> str:
+    """The text of the paragraph (or table) that a marker at ``end`` closes, without earlier markers."""
+    start = text.rfind("\n\n", 0, end)
+    return CHECK.sub("", text[start + 1 : end])
+
+
+def checks(text: str):
+    for match in CHECK.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        yield line, match["quote"].strip(), match["expr"], paragraph_before(text, match.start())
+
+
+def recompute(quote: str, expr: str) -> str | None:
+    """None when ``expr`` rounds to ``quote``; else what the quote should say."""
+    parsed = QUOTE.match(quote)
+    if not parsed:
+        return f"unreadable quote {quote!r} (a number, then %, x, × or a unit)"
+    number, unit = parsed["number"].replace(",", ""), parsed["unit"].strip()
+    value = eval(expr, {"__builtins__": {"abs": abs, "min": min, "max": max, "sum": sum, "round": round}}, NAMESPACE)
+    if unit == "%":
+        value *= 100
+    decimals = len(number.split(".")[1]) if "." in number else 0
+    got = f"{value:.{decimals}f}"
+    if got == number or float(got) == float(number):
+        return None
+    return f"{got}{unit if unit in ('%', 'x', '×') else ' ' + unit}"
+
+
+def check_text(text: str) -> list[str]:
+    problems = []
+    for line, quote, expr, paragraph in checks(text):
+        if quote not in paragraph:
+            problems.append(f"line {line}: the marker quotes {quote!r}, which its paragraph does not say")
+            continue
+        wrong = recompute(quote, expr)
+        if wrong:
+            problems.append(f"line {line}: the prose says {quote}, {expr} gives {wrong}")
+    return problems
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_every_marked_number_is_what_the_code_computes(chapter):
+    problems = check_text(chapter.read_text())
+    assert not problems, f"{chapter.name}:\n" + "\n".join(problems)
+
+
+def test_the_checker_fails_on_a_wrong_number_and_a_missing_quote():
+    assert check_text("A ring sends 1.67x the bytes. <!-- check 1.67x: 10 / 6 -->") == []
+    assert check_text("The bubble is 20.0% here. <!-- check 20.0%: bubble('1F1B', 2, 4) -->") == []
+    wrong = check_text("A ring sends 1.5x the bytes. <!-- check 1.5x: 10 / 6 -->")
+    assert wrong and "1.7x" in wrong[0]
+    assert check_text("Some text.\n\nA ring sends 1.67x. <!-- check 1.5x: 10 / 6 -->")[0].endswith("does not say")
+
+
+def test_every_chapter_marks_its_numbers():
+    counts = {chapter.name: len(list(checks(chapter.read_text()))) for chapter in CHAPTERS}
+    print("marked numbers per chapter:", counts, "total", sum(counts.values()))
+    assert all(counts.values()), {name: n for name, n in counts.items() if not n}
+
+
+# ---- 2. one meaning per symbol -----------------------------------------------------------------------------
+
+SYMBOL_MARKER = re.compile(r"<!-- symbols? (?P<symbols>.+?) -->")
+# A meaning cell that gives a second meaning: "...; ..." or "(chapter N)" alternatives.
+SECOND_MEANING = re.compile(r";|\(chapters? \d")
+
+
+def glossary_symbols() -> dict[str, str]:
+    """Symbol -> meaning, from every table of docs/glossary.md whose first header cell is 'symbol'."""
+    symbols: dict[str, str] = {}
+    in_table = False
+    for line in (DOCS / "glossary.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| symbol"):
+            in_table = True
+            continue
+        if not line.startswith("|"):
+            in_table = False
+            continue
+        if in_table and not set(cells[0]) <= set("-: "):
+            for symbol in re.split(r",\s*", cells[0]):
+                assert symbol not in symbols, f"glossary: {symbol} has two rows"
+                symbols[symbol] = cells[1]
+    return symbols
+
+
+def test_every_glossary_symbol_has_one_meaning():
+    doubled = {s: m for s, m in glossary_symbols().items() if SECOND_MEANING.search(m)}
+    assert not doubled, doubled
+
+
+def test_every_symbol_a_chapter_defines_is_in_the_glossary():
+    symbols = glossary_symbols()
+    missing = {}
+    for chapter in CHAPTERS:
+        for match in SYMBOL_MARKER.finditer(chapter.read_text()):
+            for symbol in re.split(r",\s*", match["symbols"]):
+                if symbol not in symbols:
+                    missing.setdefault(chapter.name, []).append(symbol)
+    assert not missing, missing
+    for symbol in ("w", "η", "σ", "MAMF", "M", "Ψ_u", "cf", "S", "q", "t_F", "t_I", "t_W"):
+        assert symbol in symbols, f"glossary: no row for {symbol}"
