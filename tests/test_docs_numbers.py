@@ -30,7 +30,7 @@ from launch.local_runs import ROOT
 DOCS = ROOT / "docs"
 CHAPTERS = sorted(p for p in DOCS.glob("*.md") if p.name != "glossary.md")
 CHECK = re.compile(r"<!-- check (?P<quote>[^:]+?): (?P<expr>.+?) -->")
-QUOTE = re.compile(r"^(?P<number>-?\d[\d,]*(?:\.\d+)?)\s*(?P<unit>%|x|×|[A-Za-z/ ]*)$")
+QUOTE = re.compile(r"^(?P<number>-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?)\s*(?P<unit>%|x|×|[A-Za-z/ ]*)$")
 
 # ---- the helpers a marker's expression may use: meshloom's own formulas ------------------------------------
 
@@ -45,6 +45,19 @@ def psi(preset: str) -> int:
     from models.llama import PRESETS
 
     return PRESETS[preset].num_params()
+
+
+def preset(name: str):
+    """A models/llama.py preset's ModelArgs ('llama3-8b')."""
+    from models.llama import PRESETS
+
+    return PRESETS[name]
+
+
+def layer_params(name: str) -> float:
+    """Parameters of one block of a preset: Ψ less the embedding, the head and the final norm, per layer."""
+    args = preset(name)
+    return (psi(name) - 2 * args.vocab_size * args.dim - args.dim) / args.n_layers
 
 
 def stages(schedule: str) -> int:
@@ -144,6 +157,13 @@ def half_gap(dtype: str) -> float:
     return finfo(dtype).eps / 2
 
 
+def as_dtype(x: float, dtype: str) -> float:
+    """``x`` rounded to the nearest number of ``dtype`` ('bfloat16')."""
+    import torch
+
+    return torch.tensor(x, dtype=getattr(torch, dtype)).item()
+
+
 NAMESPACE = {
     name: obj
     for name, obj in list(globals().items())
@@ -173,11 +193,13 @@ def recompute(quote: str, expr: str) -> str | None:
     if not parsed:
         return f"unreadable quote {quote!r} (a number, then %, x, × or a unit)"
     number, unit = parsed["number"].replace(",", ""), parsed["unit"].strip()
-    value = eval(expr, {"__builtins__": {"abs": abs, "min": min, "max": max, "sum": sum, "round": round}}, NAMESPACE)
+    builtins = {"abs": abs, "min": min, "max": max, "sum": sum, "round": round, "range": range}
+    value = eval(expr, {"__builtins__": builtins, **NAMESPACE})
     if unit == "%":
         value *= 100
-    decimals = len(number.split(".")[1]) if "." in number else 0
-    got = f"{value:.{decimals}f}"
+    mantissa, _, exponent = number.partition("e")
+    decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    got = f"{value:.{decimals}e}" if exponent else f"{value:.{decimals}f}"
     if got == number or float(got) == float(number):
         return None
     return f"{got}{unit if unit in ('%', 'x', '×') else ' ' + unit}"
