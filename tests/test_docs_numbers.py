@@ -36,15 +36,35 @@ QUOTE = re.compile(r"^(?P<number>-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?)\s*(?P<unit>%|x
 
 
 @cache
-def psi(preset: str) -> int:
-    """Parameters of a models/llama.py preset ('llama3-8b'), or of the debug model ('debug')."""
-    if preset == "debug":
+def model(name: str):
+    """ModelArgs of the debug models ('debug', 'debug_moe': configs/NAME.toml) or of a models/llama.py preset."""
+    if name.startswith("debug"):
         from runtime.config import load_config, model_args
 
-        return model_args(load_config(path="configs/debug.toml")).num_params()
-    from models.llama import PRESETS
+        return model_args(load_config(path=f"configs/{name}.toml"))
+    return preset(name)
 
-    return PRESETS[preset].num_params()
+
+def psi(name: str) -> int:
+    """Parameters of a model ('debug', 'llama3-8b', ...)."""
+    return model(name).num_params()
+
+
+def flops(name: str, seq: int) -> int:
+    """Model FLOPs per token (`models/flops.py: flops_per_token`)."""
+    from models.flops import flops_per_token
+
+    return flops_per_token(model(name), seq)
+
+
+def capacity(cf: float, seq: int, k: int, experts: int) -> int:
+    """Tokens an expert accepts per sequence (`models/moe.py: MoE.capacity`)."""
+    from types import SimpleNamespace
+
+    from models.moe import MoE
+
+    args = SimpleNamespace(capacity_factor=cf, top_k=k, n_experts=experts)
+    return MoE.capacity(SimpleNamespace(args=args), seq)
 
 
 def preset(name: str):
