@@ -12,8 +12,10 @@
    other unit (GB, MB, s, bytes) as the number in that unit; thousands commas are ignored. A changed number in
    the code fails here until the prose follows, and a changed prose number fails until the code agrees.
 2. **Symbols.** docs/glossary.md's tables give each symbol one meaning: a meaning cell may not list a second
-   one (no ';' between two meanings, no "(chapter N)" alternatives). Every symbol a chapter defines with the
-   marker ``<!-- symbol X -->`` is a row of the glossary.
+   one (no ';' between two meanings, no "(chapter N)" alternatives). A letter still used two ways stands in
+   the glossary's last table, "One letter with two uses", with the reason, and in no other table. Every symbol a
+   chapter defines carries the marker ``<!-- symbol X -->`` (or ``<!-- symbols X, Y -->``) at its definition,
+   and is a row of the glossary.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import math
 import re
 from functools import cache
-from pathlib import Path
 
 import pytest
 
@@ -264,13 +265,13 @@ SYMBOL_MARKER = re.compile(r"<!-- symbols? (?P<symbols>.+?) -->")
 SECOND_MEANING = re.compile(r";|\(chapters? \d")
 
 
-def glossary_symbols() -> dict[str, str]:
-    """Symbol -> meaning, from every table of docs/glossary.md whose first header cell is 'symbol'."""
+def glossary_table(header: str) -> dict[str, str]:
+    """Symbol -> second cell, from every table of docs/glossary.md whose header row starts with ``header``."""
     symbols: dict[str, str] = {}
     in_table = False
     for line in (DOCS / "glossary.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| symbol"):
+        if line.startswith(header):
             in_table = True
             continue
         if not line.startswith("|"):
@@ -283,13 +284,25 @@ def glossary_symbols() -> dict[str, str]:
     return symbols
 
 
+def glossary_symbols() -> dict[str, str]:
+    """The letters with one meaning: the tables headed '| symbol | meaning |'."""
+    return glossary_table("| symbol | meaning")
+
+
+def two_use_symbols() -> dict[str, str]:
+    """The glossary's last table: a letter still used two ways, and why (headed '| symbol | uses |')."""
+    return glossary_table("| symbol | uses")
+
+
 def test_every_glossary_symbol_has_one_meaning():
     doubled = {s: m for s, m in glossary_symbols().items() if SECOND_MEANING.search(m)}
     assert not doubled, doubled
+    both = set(glossary_symbols()) & set(two_use_symbols())
+    assert not both, f"in a one-meaning table and in 'One letter with two uses': {both}"
 
 
 def test_every_symbol_a_chapter_defines_is_in_the_glossary():
-    symbols = glossary_symbols()
+    symbols = glossary_symbols() | two_use_symbols()
     missing = {}
     for chapter in CHAPTERS:
         for match in SYMBOL_MARKER.finditer(chapter.read_text()):
