@@ -16,6 +16,8 @@
    the glossary's last table, "One letter with two uses", with the reason, and in no other table. Every symbol a
    chapter defines carries the marker ``<!-- symbol X -->`` (or ``<!-- symbols X, Y -->``) at its definition,
    and is a row of the glossary.
+3. **Pictures.** The idealized pipeline pictures (docs/img/*_ideal.svg, drawn by docs/figures/pipeline.py) state
+   in their titles the idle fraction they show and the chapter's formula for it; the two agree.
 """
 
 from __future__ import annotations
@@ -312,3 +314,24 @@ def test_every_symbol_a_chapter_defines_is_in_the_glossary():
     assert not missing, missing
     for symbol in ("w", "η", "σ", "MAMF", "M", "Ψ_u", "cf", "S", "q", "t_F", "t_I", "t_W"):
         assert symbol in symbols, f"glossary: no row for {symbol}"
+
+
+# ---- the idealized pipeline pictures: their titles state the chapter's formula ------------------------------
+
+TITLE = re.compile(
+    r"(?P<schedule>\w+): pp=(?P<pp>\d+), \d stage\(s\)/rank, m=(?P<m>\d+), idealized: idle (?P<idle>[\d.]+)% \(formula (?P<formula>[\d.]+)%"
+)
+
+
+@pytest.mark.parametrize("picture", sorted((DOCS / "img").glob("*_ideal.svg")), ids=lambda p: p.stem)
+def test_idealized_picture_titles_agree_with_the_bubble_formula(picture):
+    # docs/pipeline_parallel.md, section 3: every step starts from an empty pipeline, so ZB-V and DualPipeV idle
+    # (p-1)/(3vm+p-1) like interleaved zero bubble; a title that says "formula 0.0%" beside 5.9% contradicts it.
+    title = TITLE.search(picture.read_text())
+    assert title, f"{picture.name}: no title of the form 'X: pp=.., m=.., idealized: idle ..% (formula ..%'"
+    schedule, pp, m = title["schedule"], int(title["pp"]), int(title["m"])
+    assert float(title["idle"]) == pytest.approx(round(100 * idle(schedule, pp, m), 1)), picture.name
+    assert float(title["formula"]) == pytest.approx(round(100 * empty_bubble(schedule, pp, m), 1)), picture.name
+    assert title["formula"] == title["idle"], (
+        f"{picture.name}: the picture idles {title['idle']}%, its formula says {title['formula']}%"
+    )
