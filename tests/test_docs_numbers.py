@@ -180,6 +180,13 @@ def half_gap(dtype: str) -> float:
     return finfo(dtype).eps / 2
 
 
+def saved_chunks(shape, saved, loaded) -> dict:
+    """Which saved chunk each new rank reads (`docs/figures/dcp.py: dcp_reads`): {rank: [(chunk, box), ...]}."""
+    from docs.figures import dcp_reads
+
+    return dcp_reads(shape, saved, loaded)
+
+
 def as_dtype(x: float, dtype: str) -> float:
     """``x`` rounded to the nearest number of ``dtype`` ('bfloat16')."""
     import torch
