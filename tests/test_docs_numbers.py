@@ -143,6 +143,14 @@ def cp_bytes(cp: int, algorithm: str) -> int:
     return formula_comm(BENCH_ARGS, BATCH, SEQ, cp, algorithm)
 
 
+def cp_pairs(seq: int, cp: int, rank: int) -> int:
+    """(query, key) pairs of the causal mask a cp rank computes: its positions from
+    `mesh/context_parallel.py: load_balanced_positions`, position p attending p + 1 keys."""
+    from mesh.context_parallel import load_balanced_positions
+
+    return int((load_balanced_positions(seq, rank, cp) + 1).sum())
+
+
 @cache
 def layer_terms(preset: str = "llama3-8b", seq: int = 8192, tp: int = 1, precision: str = "bf16") -> dict:
     """Bytes one block keeps for backward, by term (`mesh/memory_estimate.py: layer_activation_terms`)."""
