@@ -13,7 +13,7 @@
    the code fails here until the prose follows, and a changed prose number fails until the code agrees.
 2. **Symbols.** docs/glossary.md's tables give each symbol one meaning: a meaning cell may not list a second
    one (no ';' between two meanings, no "(chapter N)" alternatives). A letter still used two ways stands in
-   the glossary's last table, "One letter with two uses", with the reason, and in no other table. Every symbol a
+   the glossary's last table, "Letters with two uses", with the reason, and in no other table. Every symbol a
    chapter defines carries the marker ``<!-- symbol X -->`` (or ``<!-- symbols X, Y -->``) at its definition,
    and is a row of the glossary.
 3. **Pictures.** The idealized pipeline pictures (docs/img/*_ideal.svg, drawn by docs/figures/pipeline.py) state
@@ -315,7 +315,7 @@ def test_every_glossary_symbol_has_one_meaning():
     doubled = {s: m for s, m in glossary_symbols().items() if SECOND_MEANING.search(m)}
     assert not doubled, doubled
     both = set(glossary_symbols()) & set(two_use_symbols())
-    assert not both, f"in a one-meaning table and in 'One letter with two uses': {both}"
+    assert not both, f"in a one-meaning table and in 'Letters with two uses': {both}"
 
 
 def test_every_symbol_a_chapter_defines_is_in_the_glossary():
