@@ -15,8 +15,9 @@ same and hides it. What differs is the time each rank spends working rather than
 3. **Spread** (``fields``): max / min over the ranks, with the slowest and fastest ranks' seconds and the
    slowest rank's number, in metrics.jsonl as ``compute_spread``, ``compute_s_max``, ``compute_s_min``,
    ``slowest_rank`` (1.0 on one process).
-4. **Warning** (``RankBalance.check``). The source articles' health rule: utilisation should differ by less
-   than 15% across ranks. When the spread exceeds ``SPREAD_RULE`` (1.15) on ``WARN_AFTER`` (3) logged steps
+4. **Warning** (``RankBalance.check``). meshloom's own health rule: compute time should differ by less than
+   15% across ranks (the step runs at the slowest rank's pace, so at 1.15 the fastest waits 13% of every step;
+   docs/profiling.md). When the spread exceeds ``SPREAD_RULE`` (1.15) on ``WARN_AFTER`` (3) logged steps
    in a row, rank 0 prints one warning naming the slowest rank; it stays quiet while that spell of imbalance
    lasts (a long run on a busy host would otherwise repeat it every few steps: metrics.jsonl keeps every
    step's spread) and counts again once a logged step is back within the rule.
@@ -33,7 +34,7 @@ from runtime.process import device_time
 if TYPE_CHECKING:
     import torch
 
-SPREAD_RULE = 1.15  # max / min compute time across ranks: the articles' "differ by less than 15%"
+SPREAD_RULE = 1.15  # max / min compute time across ranks: meshloom's "differ by less than 15%" rule
 WARN_AFTER = 3  # logged steps in a row above the rule before the console warns
 
 

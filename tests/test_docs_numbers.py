@@ -1,0 +1,352 @@
+"""The chapters' arithmetic, recomputed: every marked number and every symbol the chapters define.
+
+1. **Numbers.** A number in the prose that follows from a formula or a bench (a ratio, a byte count, a bubble
+   fraction, a traffic multiple, a rounding bound) carries a marker, an HTML comment that the rendered page
+   does not show, after it in the same paragraph (or after the table that holds it):
+
+       the ring sends (3cp − 2)/(2(cp − 1)) ≈ 1.67x the all-gather <!-- check 1.67x: ring_bytes(4) / allgather_bytes(4) -->
+
+   The quote (``1.67x``) must stand in the paragraph before the marker, verbatim. The expression is evaluated
+   with the helpers of ``NAMESPACE`` (meshloom's own formulas and benches' formula functions) and rounded to
+   the quote's decimals: ``%`` reads the value as a fraction (0.1667 -> 16.7%), ``x``/``×`` as a ratio, any
+   other unit (GB, MB, s, bytes) as the number in that unit; thousands commas are ignored. A changed number in
+   the code fails here until the prose follows, and a changed prose number fails until the code agrees.
+2. **Symbols.** docs/glossary.md's tables give each symbol one meaning: a meaning cell may not list a second
+   one (no ';' between two meanings, no "(chapter N)" alternatives). A letter still used two ways stands in
+   the glossary's last table, "Letters with two uses", with the reason, and in no other table. Every symbol a
+   chapter defines carries the marker ``<!-- symbol X -->`` (or ``<!-- symbols X, Y -->``) at its definition,
+   and is a row of the glossary.
+3. **Pictures.** The idealized pipeline pictures (docs/img/*_ideal.svg, drawn by docs/figures/pipeline.py) state
+   in their titles the idle fraction they show and the chapter's formula for it; the two agree.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from functools import cache
+
+import pytest
+
+from launch.local_runs import ROOT
+
+DOCS = ROOT / "docs"
+CHAPTERS = sorted(p for p in DOCS.glob("*.md") if p.name != "glossary.md")
+CHECK = re.compile(r"<!-- check (?P<quote>[^:]+?): (?P<expr>.+?) -->")
+QUOTE = re.compile(r"^(?P<number>-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?)\s*(?P<unit>%|x|×|[A-Za-z/ ]*)$")
+
+# ---- the helpers a marker's expression may use: meshloom's own formulas ------------------------------------
+
+
+@cache
+def model(name: str):
+    """ModelArgs of the debug models ('debug', 'debug_moe': configs/NAME.toml) or of a models/llama.py preset."""
+    if name.startswith("debug"):
+        from runtime.config import load_config, model_args
+
+        return model_args(load_config(path=f"configs/{name}.toml"))
+    return preset(name)
+
+
+def psi(name: str) -> int:
+    """Parameters of a model ('debug', 'llama3-8b', ...)."""
+    return model(name).num_params()
+
+
+def flops(name: str, seq: int) -> int:
+    """Model FLOPs per token (`models/flops.py: flops_per_token`)."""
+    from models.flops import flops_per_token
+
+    return flops_per_token(model(name), seq)
+
+
+def capacity(cf: float, seq: int, k: int, experts: int) -> int:
+    """Tokens an expert accepts per sequence (`models/moe.py: MoE.capacity`)."""
+    from types import SimpleNamespace
+
+    from models.moe import MoE
+
+    args = SimpleNamespace(capacity_factor=cf, top_k=k, n_experts=experts)
+    return MoE.capacity(SimpleNamespace(args=args), seq)
+
+
+def preset(name: str):
+    """A models/llama.py preset's ModelArgs ('llama3-8b')."""
+    from planning.presets import PRESETS
+
+    return PRESETS[name]
+
+
+def layer_params(name: str) -> float:
+    """Parameters of one block of a preset: Ψ less the embedding, the head and the final norm, per layer."""
+    args = preset(name)
+    return (psi(name) - 2 * args.vocab_size * args.dim - args.dim) / args.n_layers
+
+
+def stages(schedule: str) -> int:
+    from bench.schedule_ir import SCHEDULE_STAGES
+
+    return SCHEDULE_STAGES[schedule]
+
+
+def bubble(schedule: str, p: int, m: int) -> float:
+    """The chapter 4 formula, `extras/pipeline_timeline.py: predicted_bubble` (0 for ZB-V/DualPipeV's steady state)."""
+    from extras.pipeline_timeline import predicted_bubble
+
+    return predicted_bubble(schedule, p, m, stages(schedule))
+
+
+def empty_bubble(schedule: str, p: int, m: int) -> float:
+    """The bubble of a step that starts from an empty pipeline (what the idealized pictures' titles give)."""
+    from docs.figures.pipeline import empty_pipeline_bubble
+
+    return empty_pipeline_bubble(schedule, p, m, stages(schedule))
+
+
+@cache
+def idle(schedule: str, p: int, m: int) -> float:
+    """torch's action list run with unit times: the idealized idle fraction (bench/schedule_ir.py)."""
+    from bench.schedule_ir import pipeline_ideal
+
+    return pipeline_ideal(schedule, p, m)["idle"]
+
+
+def ring_share(n: int) -> float:
+    """Bytes one rank sends in a ring all-gather or reduce-scatter, per byte of the whole tensor."""
+    from planning.step_time import ring
+
+    return ring(1.0, n)
+
+
+def allreduce_share(n: int) -> float:
+    """A ring all-reduce: reduce-scatter + all-gather, 2(n-1)/n."""
+    return 2 * ring_share(n)
+
+
+def state_bytes(p: int, n: int = 1) -> dict[str, float]:
+    """bench/memory_table.py: bytes per rank of the full state and the ZeRO stages (bf16 + Adam, k = 12)."""
+    from bench.memory_table import bytes_per_rank
+
+    return bytes_per_rank(p, n)
+
+
+def fsdp_bytes(p: int, n: int) -> float:
+    from bench.fsdp_memory import formula_bytes
+
+    return formula_bytes(p, n)
+
+
+def cp_bytes(cp: int, algorithm: str) -> int:
+    """Bytes sent per layer and rank by context parallelism at the bench's size (bench/context_parallel.py)."""
+    from bench.context_parallel import BATCH, BENCH_ARGS, SEQ, formula_comm
+
+    return formula_comm(BENCH_ARGS, BATCH, SEQ, cp, algorithm)
+
+
+def cp_pairs(seq: int, cp: int, rank: int) -> int:
+    """(query, key) pairs of the causal mask a cp rank computes: its positions from
+    `mesh/context_parallel.py: load_balanced_positions`, position p attending p + 1 keys."""
+    from mesh.context_parallel import load_balanced_positions
+
+    return int((load_balanced_positions(seq, rank, cp) + 1).sum())
+
+
+@cache
+def layer_terms(preset: str = "llama3-8b", seq: int = 8192, tp: int = 1, precision: str = "bf16") -> dict:
+    """Bytes one block keeps for backward, by term (`planning/memory_estimate.py: layer_activation_terms`)."""
+    from planning.memory_estimate import MemoryLayout, layer_activation_terms
+    from planning.presets import PRESETS
+
+    layout = MemoryLayout(seq_len=seq, tp=tp, mixed_precision=precision)
+    return layer_activation_terms(PRESETS[preset], 0, layout, "none")
+
+
+def layer_bytes(preset: str = "llama3-8b", seq: int = 8192, tp: int = 1, precision: str = "bf16") -> float:
+    return sum(layer_terms(preset, seq, tp, precision).values())
+
+
+def korthikanti(s: int, h: int, b: int = 1) -> float:
+    """Korthikanti et al.'s 34·s·b·h bytes per GPT layer in 16-bit precision (attention scores aside)."""
+    return 34 * s * b * h
+
+
+def fp32_norm_copies(preset: str = "llama3-8b", seq: int = 8192) -> float:
+    """The fp32 copies of its input that meshloom's two RMSNorms per layer keep: 2 · 4 bytes · s · h."""
+    from planning.presets import PRESETS
+
+    return 2 * 4 * seq * PRESETS[preset].dim
+
+
+def finfo(dtype: str):
+    import torch
+
+    return torch.finfo(getattr(torch, dtype))
+
+
+def half_gap(dtype: str) -> float:
+    """The largest relative rounding error of round-to-nearest: half the gap after 1.0."""
+    return finfo(dtype).eps / 2
+
+
+def saved_chunks(shape, saved, loaded) -> dict:
+    """Which saved chunk each new rank reads (`docs/figures/dcp.py: dcp_reads`): {rank: [(chunk, box), ...]}."""
+    from docs.figures import dcp_reads
+
+    return dcp_reads(shape, saved, loaded)
+
+
+def as_dtype(x: float, dtype: str) -> float:
+    """``x`` rounded to the nearest number of ``dtype`` ('bfloat16')."""
+    import torch
+
+    return torch.tensor(x, dtype=getattr(torch, dtype)).item()
+
+
+NAMESPACE = {
+    name: obj
+    for name, obj in list(globals().items())
+    if callable(obj) and not name.startswith("_") and obj.__module__ == __name__
+} | {"math": math, "ceil": math.ceil, "log": math.log, "sqrt": math.sqrt, "GB": 1e9, "MB": 1e6}
+NAMESPACE.pop("cache", None)
+
+
+# ---- 1. the numbers ----------------------------------------------------------------------------------------
+
+
+def paragraph_before(text: str, end: int) -> str:
+    """The text of the paragraph (or table) that a marker at ``end`` closes, without earlier markers."""
+    start = text.rfind("\n\n", 0, end)
+    return CHECK.sub("", text[start + 1 : end])
+
+
+def checks(text: str):
+    for match in CHECK.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        yield line, match["quote"].strip(), match["expr"], paragraph_before(text, match.start())
+
+
+def recompute(quote: str, expr: str) -> str | None:
+    """None when ``expr`` rounds to ``quote``; else what the quote should say."""
+    parsed = QUOTE.match(quote)
+    if not parsed:
+        return f"unreadable quote {quote!r} (a number, then %, x, × or a unit)"
+    number, unit = parsed["number"].replace(",", ""), parsed["unit"].strip()
+    builtins = {"abs": abs, "min": min, "max": max, "sum": sum, "round": round, "range": range}
+    value = eval(expr, {"__builtins__": builtins, **NAMESPACE})
+    if unit == "%":
+        value *= 100
+    mantissa, _, exponent = number.partition("e")
+    decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    got = f"{value:.{decimals}e}" if exponent else f"{value:.{decimals}f}"
+    if got == number or float(got) == float(number):
+        return None
+    return f"{got}{unit if unit in ('%', 'x', '×') else ' ' + unit}"
+
+
+def check_text(text: str) -> list[str]:
+    problems = []
+    for line, quote, expr, paragraph in checks(text):
+        if quote not in paragraph:
+            problems.append(f"line {line}: the marker quotes {quote!r}, which its paragraph does not say")
+            continue
+        wrong = recompute(quote, expr)
+        if wrong:
+            problems.append(f"line {line}: the prose says {quote}, {expr} gives {wrong}")
+    return problems
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_every_marked_number_is_what_the_code_computes(chapter):
+    problems = check_text(chapter.read_text())
+    assert not problems, f"{chapter.name}:\n" + "\n".join(problems)
+
+
+def test_the_checker_fails_on_a_wrong_number_and_a_missing_quote():
+    assert check_text("A ring sends 1.67x the bytes. <!-- check 1.67x: 10 / 6 -->") == []
+    assert check_text("The bubble is 20.0% here. <!-- check 20.0%: bubble('1F1B', 2, 4) -->") == []
+    wrong = check_text("A ring sends 1.5x the bytes. <!-- check 1.5x: 10 / 6 -->")
+    assert wrong and "1.7x" in wrong[0]
+    assert check_text("Some text.\n\nA ring sends 1.67x. <!-- check 1.5x: 10 / 6 -->")[0].endswith("does not say")
+
+
+def test_every_chapter_marks_its_numbers():
+    counts = {chapter.name: len(list(checks(chapter.read_text()))) for chapter in CHAPTERS}
+    print("marked numbers per chapter:", counts, "total", sum(counts.values()))
+    assert all(counts.values()), {name: n for name, n in counts.items() if not n}
+
+
+# ---- 2. one meaning per symbol -----------------------------------------------------------------------------
+
+SYMBOL_MARKER = re.compile(r"<!-- symbols? (?P<symbols>.+?) -->")
+# A meaning cell that gives a second meaning: "...; ..." or "(chapter N)" alternatives.
+SECOND_MEANING = re.compile(r";|\(chapters? \d")
+
+
+def glossary_table(header: str) -> dict[str, str]:
+    """Symbol -> second cell, from every table of docs/glossary.md whose header row starts with ``header``."""
+    symbols: dict[str, str] = {}
+    in_table = False
+    for line in (DOCS / "glossary.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith(header):
+            in_table = True
+            continue
+        if not line.startswith("|"):
+            in_table = False
+            continue
+        if in_table and not set(cells[0]) <= set("-: "):
+            for symbol in re.split(r",\s*", cells[0]):
+                assert symbol not in symbols, f"glossary: {symbol} has two rows"
+                symbols[symbol] = cells[1]
+    return symbols
+
+
+def glossary_symbols() -> dict[str, str]:
+    """The letters with one meaning: the tables headed '| symbol | meaning |'."""
+    return glossary_table("| symbol | meaning")
+
+
+def two_use_symbols() -> dict[str, str]:
+    """The glossary's last table: a letter still used two ways, and why (headed '| symbol | uses |')."""
+    return glossary_table("| symbol | uses")
+
+
+def test_every_glossary_symbol_has_one_meaning():
+    doubled = {s: m for s, m in glossary_symbols().items() if SECOND_MEANING.search(m)}
+    assert not doubled, doubled
+    both = set(glossary_symbols()) & set(two_use_symbols())
+    assert not both, f"in a one-meaning table and in 'Letters with two uses': {both}"
+
+
+def test_every_symbol_a_chapter_defines_is_in_the_glossary():
+    symbols = glossary_symbols() | two_use_symbols()
+    missing = {}
+    for chapter in CHAPTERS:
+        for match in SYMBOL_MARKER.finditer(chapter.read_text()):
+            for symbol in re.split(r",\s*", match["symbols"]):
+                if symbol not in symbols:
+                    missing.setdefault(chapter.name, []).append(symbol)
+    assert not missing, missing
+    for symbol in ("w", "η", "σ", "MAMF", "M", "Ψ_u", "cf", "S", "q", "t_F", "t_I", "t_W"):
+        assert symbol in symbols, f"glossary: no row for {symbol}"
+
+
+# ---- the idealized pipeline pictures: their titles state the chapter's formula ------------------------------
+
+TITLE = re.compile(
+    r"(?P<schedule>\w+): pp=(?P<pp>\d+), \d stage\(s\)/rank, m=(?P<m>\d+), idealized: idle (?P<idle>[\d.]+)% \(formula (?P<formula>[\d.]+)%"
+)
+
+
+@pytest.mark.parametrize("picture", sorted((DOCS / "img").glob("*_ideal.svg")), ids=lambda p: p.stem)
+def test_idealized_picture_titles_agree_with_the_bubble_formula(picture):
+    # docs/pipeline_parallel.md, section 3: every step starts from an empty pipeline, so ZB-V and DualPipeV idle
+    # (p-1)/(3vm+p-1) like interleaved zero bubble; a title that says "formula 0.0%" beside 5.9% contradicts it.
+    title = TITLE.search(picture.read_text())
+    assert title, f"{picture.name}: no title of the form 'X: pp=.., m=.., idealized: idle ..% (formula ..%'"
+    schedule, pp, m = title["schedule"], int(title["pp"]), int(title["m"])
+    assert float(title["idle"]) == pytest.approx(round(100 * idle(schedule, pp, m), 1)), picture.name
+    assert float(title["formula"]) == pytest.approx(round(100 * empty_bubble(schedule, pp, m), 1)), picture.name
+    assert title["formula"] == title["idle"], (
+        f"{picture.name}: the picture idles {title['idle']}%, its formula says {title['formula']}%"
+    )
