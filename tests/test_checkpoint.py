@@ -396,6 +396,25 @@ def test_saving_an_existing_step_does_not_clobber_it(tmp_path):
     assert "never overwrites" in outcomes[0] and outcomes[1] == "OSError"
 
 
+def async_saving_linear(folder: str, width: int):
+    """(part, optimizers, loader, manager) on one rank: a Linear saved asynchronously after every step."""
+    from checkpoint.manager import CheckpointManager
+    from data.loader import GlobalBatchLoader
+    from planning.plan import LayoutPlan
+    from runtime.process import init_process_group
+    from training.optimizer import Optimizers
+
+    overrides = {"checkpoint.folder": folder, "checkpoint.interval": 1, "checkpoint.async": True}
+    cfg = load_config(path=DEBUG_CONFIG, overrides=overrides)
+    part = torch.nn.Linear(width, width)
+    optimizers = Optimizers([part], cfg)
+    loader = GlobalBatchLoader(torch.arange(2000) % 256, seq_len=8, global_batch=2, micro_batch=2, dp_rank=0, dp_size=1)
+    control = init_process_group(torch.device("cpu"), 60)
+    manager = CheckpointManager(cfg, LayoutPlan.resolve(cfg, 1), Resume("none"), control, torch.device("cpu"))
+    manager.restore([part], optimizers, loader)
+    return part, optimizers, loader, manager
+
+
 def async_save_then_change_the_weights(folder: str, wait: bool) -> bool:
     """Rank body: an async save of step 1 whose copy starts late, then (after wait_staged, if ``wait``) an
     in-place change of every weight, as the optimizer step makes; returns whether the checkpoint holds step 1."""
@@ -406,11 +425,7 @@ def async_save_then_change_the_weights(folder: str, wait: bool) -> bool:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    from checkpoint.manager import CheckpointManager, staging_options
-    from data.loader import GlobalBatchLoader
-    from planning.plan import LayoutPlan
-    from runtime.process import init_process_group
-    from training.optimizer import Optimizers
+    from checkpoint.manager import staging_options
 
     class LateStager(DefaultStager):
         """DefaultStager whose copy starts 0.5 s late, so a step that does not wait for it changes the save."""
@@ -428,14 +443,7 @@ def async_save_then_change_the_weights(folder: str, wait: bool) -> bool:
             threading.Thread(target=later, daemon=True).start()
             return staged
 
-    overrides = {"checkpoint.folder": folder, "checkpoint.interval": 1, "checkpoint.async": True}
-    cfg = load_config(path=DEBUG_CONFIG, overrides=overrides)
-    part = torch.nn.Linear(64, 64)
-    optimizers = Optimizers([part], cfg)
-    loader = GlobalBatchLoader(torch.arange(2000) % 256, seq_len=8, global_batch=2, micro_batch=2, dp_rank=0, dp_size=1)
-    control = init_process_group(torch.device("cpu"), 60)
-    manager = CheckpointManager(cfg, LayoutPlan.resolve(cfg, 1), Resume("none"), control, torch.device("cpu"))
-    manager.restore([part], optimizers, loader)
+    part, optimizers, loader, manager = async_saving_linear(folder, 64)
     manager.new_stager = lambda: LateStager(staging_options(torch.device("cpu")))
     saved = part.weight.detach().clone()
     manager.maybe_save(1, [part], optimizers, loader)
@@ -465,20 +473,7 @@ def three_async_saves_in_a_row(folder: str) -> list[bool]:
     save failed with ``KeyError: <class 'type'>`` while one stager served the whole run.)"""
     import torch.distributed.checkpoint as dcp
 
-    from checkpoint.manager import CheckpointManager
-    from data.loader import GlobalBatchLoader
-    from planning.plan import LayoutPlan
-    from runtime.process import init_process_group
-    from training.optimizer import Optimizers
-
-    overrides = {"checkpoint.folder": folder, "checkpoint.interval": 1, "checkpoint.async": True}
-    cfg = load_config(path=DEBUG_CONFIG, overrides=overrides)
-    part = torch.nn.Linear(16, 16)
-    optimizers = Optimizers([part], cfg)
-    loader = GlobalBatchLoader(torch.arange(2000) % 256, seq_len=8, global_batch=2, micro_batch=2, dp_rank=0, dp_size=1)
-    control = init_process_group(torch.device("cpu"), 60)
-    manager = CheckpointManager(cfg, LayoutPlan.resolve(cfg, 1), Resume("none"), control, torch.device("cpu"))
-    manager.restore([part], optimizers, loader)
+    part, optimizers, loader, manager = async_saving_linear(folder, 16)
     expected = {}
     for step in (1, 2, 3):
         expected[step] = part.weight.detach().clone()
