@@ -1,0 +1,101 @@
+"""A loss mask (chat data) gives the same loss and gradients on every layout as one process.
+
+The masked loss is the sum over trained targets divided by the step's *global* count of trained targets
+(training/loss.py, data/loader.py). The mask below makes that count differ between data-parallel ranks,
+micro-batches, pipeline micro-batches and cp chunks, with one micro-batch of no trained target at all, so a
+layout that divided by any local count (or by the constant global_batch x seq_len) would drift at once.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data.loader import IGNORE, GlobalBatchLoader
+from data.token_file import MaskedTokens, TokenFileWriter, open_tokens, read_header
+from data.tokenizers import load_tokenizer
+from launch.local_runs import ROOT, train_on
+from tests.training_runs import assert_same_curve
+
+SEQ, BATCH, STEPS = 128, 8, 3  # configs/debug.toml's batch and sequence length; three optimizer steps
+
+
+def window_mask(n_tokens: int) -> np.ndarray:
+    """One 0/1 per token (as a target). Window w of a step (targets w*SEQ+1 .. w*SEQ+SEQ of it):
+
+    - windows 0, 1: dense (every target but every 7th);
+    - windows 2, 3: no trained target (a whole micro-batch of 2 windows: accumulation and pp 4 x 2 windows);
+    - windows 4-7: sparse, only in the first 40 positions (every 3rd): so fsdp rank 1 has far fewer trained
+      targets than rank 0, and under cp 2 (chunks of 32: rank 0 holds 0-31 and 96-127) rank 1 only 8 a window.
+    """
+    p = np.arange(n_tokens) - 1  # target index p -> its position in the stream of windows
+    window, pos = (p // SEQ) % BATCH, p % SEQ
+    dense = (window < 2) & (pos % 7 != 0)
+    sparse = (window >= 4) & (pos < 40) & (pos % 3 == 0)
+    return (dense | sparse).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def masked_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("masked") / "data"
+    text = (ROOT / "README.md").read_bytes()
+    n = BATCH * SEQ * (STEPS + 1) + 1
+    ids = np.frombuffer((text * (n // len(text) + 1))[:n], dtype=np.uint8).astype(np.uint16)
+    writer = TokenFileWriter(folder, "uint16", masked=True)
+    writer.append(ids, window_mask(n))
+    writer.finish({"num_documents": 1, "tokenizer": load_tokenizer("bytes").describe(), "source": "README.md"})
+    return folder
+
+
+def test_the_loader_masks_targets_and_counts_the_global_batch(masked_folder):
+    tokens = open_tokens(masked_folder, read_header(masked_folder))
+    assert isinstance(tokens, MaskedTokens)
+    counts = []
+    for rank in range(2):
+        loader = GlobalBatchLoader(tokens, seq_len=SEQ, global_batch=BATCH, micro_batch=2, dp_rank=rank, dp_size=2)
+        batch = loader.next_batch()
+        counts.append([int((targets != IGNORE).sum()) for _, targets in batch])
+        assert loader.trained_tokens == int(window_mask(BATCH * SEQ + 1)[1:].sum())  # the whole global batch
+    assert counts == [[218, 0], [28, 28]]  # per rank and micro-batch: uneven, one micro-batch empty
+    assert loader.trained_tokens == sum(map(sum, counts))
+
+
+def test_an_empty_micro_batch_contributes_zero_not_nan():
+    logits = torch.randn(1, 4, 8, requires_grad=True)
+    loss = F.cross_entropy(logits.flatten(0, 1), torch.full((4,), IGNORE), reduction="sum") / 1
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits.grad))
+
+
+@pytest.fixture(scope="module")
+def masked_one_process(masked_folder, tmp_path_factory) -> list[dict]:
+    return train_on(1, {"data.source": str(masked_folder), "training.steps": STEPS}, tmp_path_factory.mktemp("one"))
+
+
+LAYOUTS = {
+    "fsdp2": (2, {"parallel.dp_shard": 2}),
+    "pp2_1f1b_4mb": (2, {"parallel.pp": 2, "parallel.pp_microbatches": 4, "parallel.pp_schedule": "1F1B"}),
+    "fsdp2_accumulation2": (2, {"parallel.dp_shard": 2, "training.micro_batch": 2}),
+    "cp2": (2, {"parallel.cp": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_masked_loss_matches_one_process(layout, masked_folder, masked_one_process, tmp_path):
+    world, knobs = LAYOUTS[layout]
+    run = train_on(world, {"data.source": str(masked_folder), "training.steps": STEPS, **knobs}, tmp_path)
+    # fp32 on both sides; only the order of the sums differs (per rank, per micro-batch, then all-reduced):
+    # ~1e-7 relative, so assert_same_curve's 1e-5 is generous and far below the wrong ways' error (>1e-2).
+    assert_same_curve(run, masked_one_process)
+
+
+def test_the_masked_loss_is_the_mean_over_trained_targets(masked_folder, masked_one_process, tmp_path):
+    # The same tokens without their mask train on every target: another loss from the first step on.
+    plain = tmp_path / "plain"
+    writer = TokenFileWriter(plain, "uint16")
+    writer.append(np.asarray(open_tokens(masked_folder, read_header(masked_folder)).tokens))
+    writer.finish({"num_documents": 1, "tokenizer": load_tokenizer("bytes").describe(), "source": "README.md"})
+    unmasked = train_on(1, {"data.source": str(plain), "training.steps": 1}, tmp_path / "run")
+    assert abs(unmasked[0]["loss"] - masked_one_process[0]["loss"]) > 1e-3
