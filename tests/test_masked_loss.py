@@ -99,3 +99,65 @@ def test_the_masked_loss_is_the_mean_over_trained_targets(masked_folder, masked_
     writer.finish({"num_documents": 1, "tokenizer": load_tokenizer("bytes").describe(), "source": "README.md"})
     unmasked = train_on(1, {"data.source": str(plain), "training.steps": 1}, tmp_path / "run")
     assert abs(unmasked[0]["loss"] - masked_one_process[0]["loss"]) > 1e-3
+
+
+def masked_batch_losses(masked_folder):
+    """The debug model at step 0 (configs/debug.toml, seed 1234) and its per-window token losses on the first
+    global batch of the masked folder: (model, per-window losses [BATCH, SEQ], trained [BATCH, SEQ])."""
+    from models.llama import ModelArgs, Transformer
+    from runtime.config import load_config
+
+    m = load_config(path=str(ROOT / "configs" / "debug.toml")).model
+    args = ModelArgs(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads)
+    args.vocab_size, args.multiple_of, args.max_seq_len = m.vocab_size, m.multiple_of, m.max_seq_len
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.init_weights(1234)
+    tokens = open_tokens(masked_folder, read_header(masked_folder))
+    loader = GlobalBatchLoader(tokens, seq_len=SEQ, global_batch=BATCH, micro_batch=BATCH, dp_rank=0, dp_size=1)
+    ((inputs, targets),) = loader.next_batch()
+    losses = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten(), reduction="none")
+    return model, losses.view(BATCH, SEQ), targets != IGNORE
+
+
+def wrong_way_errors(masked_folder) -> dict:
+    """The step-0 loss and gradient of three recipes on fsdp 2 x accumulation 2 (4 micro-batches of 2 windows,
+    2 per rank) against the exact one: the global sum over the global trained count."""
+    model, losses, trained = masked_batch_losses(masked_folder)
+    groups = {"micro-batch": [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)], "rank": [slice(0, 4), slice(4, 8)]}
+    recipes = {"global count (meshloom)": losses.sum() / trained.sum()}
+    for name, parts in groups.items():
+        # each group's own mean, averaged over the groups (a group with no trained target is skipped: its
+        # own mean would be 0/0 = NaN)
+        means = [losses[p].sum() / trained[p].sum() for p in parts if trained[p].sum() > 0]
+        recipes[f"per-{name} mean, averaged"] = sum(means) / len(means)
+    figures = {}
+    exact_loss, exact_grad = None, None
+    for name, loss in recipes.items():
+        model.zero_grad()
+        loss.backward(retain_graph=True)
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+        if exact_grad is None:
+            exact_loss, exact_grad = loss.item(), grad
+        figures[name] = (
+            loss.item(),
+            abs(loss.item() - exact_loss) / exact_loss,
+            ((grad - exact_grad).norm() / exact_grad.norm()).item(),
+        )
+    return figures
+
+
+def test_the_one_process_run_gives_the_exact_masked_mean(masked_folder, masked_one_process):
+    _, losses, trained = masked_batch_losses(masked_folder)
+    exact = (losses.sum() / trained.sum()).item()  # masked targets' losses are 0 (ignored)
+    # the same fp32 forward; train.py sums in another order: ~1e-7 relative
+    assert masked_one_process[0]["loss"] == pytest.approx(exact, rel=1e-5)
+
+
+def test_the_wrong_ways_differ_from_one_process(masked_folder):
+    figures = wrong_way_errors(masked_folder)
+    for name, (loss, loss_err, grad_err) in figures.items():
+        print(f"{name}: loss {loss:.5f}, loss error {loss_err:.2e}, gradient error {grad_err:.2e}")
+    assert figures["global count (meshloom)"][1:] == (0.0, 0.0)
+    for name in ("per-micro-batch mean, averaged", "per-rank mean, averaged"):
+        assert figures[name][1] > 1e-3 and figures[name][2] > 1e-2, name  # far outside fp32 noise (1e-6)
