@@ -11,8 +11,6 @@ from data.token_file import MaskedTokens, open_tokens, read_header
 from data.tokenizers import load_tokenizer
 from launch.local_runs import ROOT
 
-pytest.importorskip("transformers")
-
 CHATS = ROOT / "examples" / "chat_sample.jsonl"
 TINY_TEMPLATE = (
     "{% for m in messages %}{{ '<|start|>' + m['role'] + '\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
