@@ -200,8 +200,22 @@ def export_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> l
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }
+    # The chat template of the tokenizer's folder is carried along: a chat fine-tune is then sampled (and
+    # rendered by transformers) with the template it was trained on.
+    written = [out / "tokenizer.json", out / "tokenizer_config.json"]
+    source = Path(tokenizer.file).parent
+    if (source / "chat_template.jinja").is_file():
+        shutil.copyfile(source / "chat_template.jinja", out / "chat_template.jinja")
+        written.append(out / "chat_template.jinja")
+    elif (source / "tokenizer_config.json").is_file():
+        try:
+            template = json.loads((source / "tokenizer_config.json").read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            template = None
+        if template:
+            config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return [out / "tokenizer.json", out / "tokenizer_config.json"]
+    return written
 
 
 def expected_hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:

@@ -125,3 +125,12 @@ class Packer:
             self.writer.append(np.full(gap, self.eos_id, dtype=np.int64), np.zeros(gap, dtype=np.uint8))
         self.split += len(ids) > window
         self.writer.append(ids, mask)
+
+
+def chat_prompt(tokenizer, user: str) -> str:
+    """``user`` as the one user turn of a conversation, rendered with the generation prompt by the chat template
+    of the folder that holds ``tokenizer``'s tokenizer.json (``python -m generate --chat``)."""
+    file = getattr(tokenizer, "file", None)
+    if file is None:
+        raise ConfigError("--chat needs a tokenizer folder with a chat template, not the byte tokenizer")
+    return render(template_tokenizer(Path(file).parent), [{"role": "user", "content": user}], generation_prompt=True)

@@ -120,3 +120,16 @@ def test_chat_needs_a_template_and_a_seq_len(tmp_path, capsys):
     assert "no chat template" in capsys.readouterr().err
     assert prepare_main([*base, "--tokenizer", str(bare)]) == 2
     assert "--seq-len" in capsys.readouterr().err
+
+
+def test_generate_chat_prompt_and_the_export_keep_the_template(tiny_folder, tmp_path):
+    from checkpoint.hf import export_tokenizer
+    from data.chat import chat_prompt
+
+    tokenizer = load_tokenizer(str(tiny_folder))
+    assert chat_prompt(tokenizer, "hi") == "<|start|>user\nhi<|end|>\n<|start|>assistant\n"
+    out = tmp_path / "export"
+    out.mkdir()
+    export_tokenizer(tokenizer, out, 128)  # the template is in tokenizer_config.json here: carried along
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == TINY_TEMPLATE
+    assert chat_prompt(load_tokenizer(str(out)), "hi") == chat_prompt(tokenizer, "hi")
