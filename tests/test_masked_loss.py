@@ -79,6 +79,7 @@ LAYOUTS = {
     "pp2_1f1b_4mb": (2, {"parallel.pp": 2, "parallel.pp_microbatches": 4, "parallel.pp_schedule": "1F1B"}),
     "fsdp2_accumulation2": (2, {"parallel.dp_shard": 2, "training.micro_batch": 2}),
     "cp2": (2, {"parallel.cp": 2}),
+    "tp2": (2, {"parallel.tp": 2}),  # the ignored targets inside loss_parallel's vocab-sharded cross-entropy
 }
 
 
