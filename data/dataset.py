@@ -162,10 +162,15 @@ def check_data(cfg: Config) -> None:
 
 def stream_digest(source: str) -> str | None:
     """The content digest of a prepared folder's tokens (its header's ``tokens_sha256``); None for raw text
-    and for token files written before the digest existed (those are identified by path only)."""
+    and for token files written before the digest existed (those are identified by path only). A masked
+    folder's digest names its mask's SHA-256 too."""
     if not source or source == "default" or not is_token_folder(source):
         return None
-    return read_header(source).get("tokens_sha256")
+    header = read_header(source)
+    digest, mask = header.get("tokens_sha256"), header.get("loss_mask")
+    if digest and mask:  # the same tokens under another mask (--train-on all) are another stream to train on
+        return f"{digest}+mask {mask.get('sha256')}"
+    return digest
 
 
 def stream_identity(cfg: Config) -> dict:

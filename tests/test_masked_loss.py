@@ -162,3 +162,15 @@ def test_the_wrong_ways_differ_from_one_process(masked_folder):
     assert figures["global count (meshloom)"][1:] == (0.0, 0.0)
     for name in ("per-micro-batch mean, averaged", "per-rank mean, averaged"):
         assert figures[name][1] > 1e-3 and figures[name][2] > 1e-2, name  # far outside fp32 noise (1e-6)
+
+
+def test_another_mask_on_the_same_tokens_is_another_stream(masked_folder, tmp_path):
+    from data.dataset import stream_digest
+
+    tokens = np.asarray(open_tokens(masked_folder, read_header(masked_folder)).tokens)
+    other = tmp_path / "all"
+    writer = TokenFileWriter(other, "uint16", masked=True)
+    writer.append(tokens, np.ones(len(tokens), dtype=np.uint8))
+    writer.finish({"num_documents": 1, "tokenizer": load_tokenizer("bytes").describe(), "source": "README.md"})
+    assert read_header(other)["tokens_sha256"] == read_header(masked_folder)["tokens_sha256"]
+    assert stream_digest(str(other)) != stream_digest(str(masked_folder))  # a resume across them is refused
