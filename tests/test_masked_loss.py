@@ -41,7 +41,7 @@ def window_mask(n_tokens: int) -> np.ndarray:
 def masked_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("masked") / "data"
     text = (ROOT / "README.md").read_bytes()
-    n = BATCH * SEQ * (STEPS + 1) + 1
+    n = BATCH * SEQ * (STEPS + 2) + 1  # the steps, and a held-out batch for the validation test
     ids = np.frombuffer((text * (n // len(text) + 1))[:n], dtype=np.uint8).astype(np.uint16)
     writer = TokenFileWriter(folder, "uint16", masked=True)
     writer.append(ids, window_mask(n))
@@ -174,3 +174,13 @@ def test_another_mask_on_the_same_tokens_is_another_stream(masked_folder, tmp_pa
     writer.finish({"num_documents": 1, "tokenizer": load_tokenizer("bytes").describe(), "source": "README.md"})
     assert read_header(other)["tokens_sha256"] == read_header(masked_folder)["tokens_sha256"]
     assert stream_digest(str(other)) != stream_digest(str(masked_folder))  # a resume across them is refused
+
+
+def test_the_masked_validation_loss_matches_one_process(masked_folder, tmp_path):
+    # the last quarter held out (1,280 tokens: one global batch); evaluated after the last step
+    knobs = {"data.source": str(masked_folder), "training.steps": 2, "data.val_fraction": 0.25, "eval.interval": 2}
+    knobs["eval.steps"] = 1
+    one = train_on(1, knobs, tmp_path / "one")
+    many = train_on(2, {**knobs, "parallel.dp_shard": 2, "training.micro_batch": 2}, tmp_path / "fsdp2")
+    assert one[-1]["val_loss"] == pytest.approx(many[-1]["val_loss"], rel=1e-5)  # fp32, other sum order
+    assert 0 < one[-1]["val_loss"] < 10
