@@ -133,3 +133,13 @@ def test_generate_chat_prompt_and_the_export_keep_the_template(tiny_folder, tmp_
     export_tokenizer(tokenizer, out, 128)  # the template is in tokenizer_config.json here: carried along
     assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == TINY_TEMPLATE
     assert chat_prompt(load_tokenizer(str(out)), "hi") == chat_prompt(tokenizer, "hi")
+
+
+def test_the_banner_names_the_mask_and_a_packing_for_another_seq_len(tiny_folder, tmp_path):
+    from data.dataset import packing_note
+
+    out = tmp_path / "chat"
+    args = ["--format", "chat", "--source", str(CHATS), "--tokenizer", str(tiny_folder), "--seq-len", "64"]
+    assert prepare_main([*args, "--out", str(out)]) == 0
+    assert packing_note(str(out), 64).startswith(", loss mask: ") and "WARNING" not in packing_note(str(out), 64)
+    assert "--seq-len 128" in packing_note(str(out), 128)
