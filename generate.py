@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from data.chat import chat_prompt
 from models.llama import KVCache, Transformer
 from runtime.config import ConfigError
 
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--tokenizer", default="", help="the run's tokenizer.json, if it moved since training")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument(
+        "--chat", action="store_true", help="send --prompt as a user turn through the tokenizer folder's chat template"
+    )
     opts = parser.parse_args(argv)
     try:
         if opts.max_new_tokens < 1 or opts.temperature < 0 or opts.top_k < 0:
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             "cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()) else "cpu"
         )
         model = model.to(device).eval()
-        prompt = tokenizer.encode(opts.prompt)
+        text = chat_prompt(tokenizer, opts.prompt) if opts.chat else opts.prompt
+        prompt = tokenizer.encode(text)
         check_prompt(prompt, model.args.max_seq_len)  # refused before anything is echoed
         print(
             f"[{source} | {model.args.num_params():,} parameters | tokenizer {tokenizer.name} | "
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         start = time.perf_counter()
-        sys.stdout.write(opts.prompt)
+        sys.stdout.write(text)
         ids = stream_text(
             tokenizer,
             generate_tokens(

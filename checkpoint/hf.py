@@ -10,6 +10,8 @@ key/value head serves consecutive query heads in both. tests/test_checkpoint.py 
 | tok_embeddings.weight                  | model.embed_tokens.weight                         |
 | layers.N.attention_norm.weight         | model.layers.N.input_layernorm.weight             |
 | layers.N.attention.wq/wk/wv/wo.weight  | model.layers.N.self_attn.q_proj/k_proj/v_proj/o_proj.weight |
+| layers.N.attention.wq/wk/wv.bias       | model.layers.N.self_attn.q_proj/k_proj/v_proj.bias (Qwen2)  |
+| layers.N.attention.q_norm/k_norm.weight| model.layers.N.self_attn.q_norm/k_norm.weight (Qwen3)       |
 | layers.N.ffn_norm.weight               | model.layers.N.post_attention_layernorm.weight    |
 | layers.N.feed_forward.w1/w3/w2.weight  | model.layers.N.mlp.gate_proj/up_proj/down_proj.weight |
 | norm.weight                            | model.norm.weight                                 |
@@ -53,6 +55,11 @@ IN_LAYER = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
@@ -63,9 +70,14 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # its files in: the embedding, then per layer attention, MLP and the two norms, then the final norm, the head.
 _HF_LAYER_ORDER = [
     "self_attn.q_proj.weight",
+    "self_attn.q_proj.bias",
     "self_attn.k_proj.weight",
+    "self_attn.k_proj.bias",
     "self_attn.v_proj.weight",
+    "self_attn.v_proj.bias",
     "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
     "mlp.gate_proj.weight",
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
@@ -89,15 +101,20 @@ def hf_name(name: str) -> str:
     match = _LAYER.match(name)
     if match and match.group(2) in IN_LAYER:
         return f"model.layers.{match.group(1)}.{IN_LAYER[match.group(2)]}"
-    raise ValueError(f"{name!r} has no Hugging Face Llama name: only dense Llama models export (MoE layers do not map)")
+    raise ValueError(
+        f"{name!r} has no Hugging Face Llama-family name: only dense models export (MoE layers do not map)"
+    )
 
 
 def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
-    """A config.json that ``LlamaForCausalLM.from_pretrained`` reads as this architecture.
+    """A config.json that ``AutoModelForCausalLM.from_pretrained`` reads as this architecture.
 
-    RoPE goes in the current dialect (``rope_parameters``, transformers >= 5). ``bos_token_id`` is None
-    (meshloom packs documents with an EOS after each and no BOS), and ``eos_token_id`` is the tokenizer's
-    (None for bytes), so ``generate`` stops where our generate.py does.
+    The family (``args.family``) gives model_type and architectures (checkpoint/hf_folder.py: FAMILIES); its
+    switches are what that family's class computes: Qwen2 has the q/k/v biases built in, Qwen3 the q/k norms,
+    and a sliding window is written back as it was read (Qwen: with ``use_sliding_window``). RoPE goes in the
+    current dialect (``rope_parameters``, transformers >= 5). ``bos_token_id`` is None (meshloom packs
+    documents with an EOS after each and no BOS), and ``eos_token_id`` is the tokenizer's (None for bytes), so
+    ``generate`` stops where our generate.py does.
     """
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     s = args.rope_scaling
@@ -109,9 +126,26 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
             high_freq_factor=s.high_freq_factor,
             original_max_position_embeddings=s.original_max_seq_len,
         )
+    from checkpoint.hf_folder import FAMILIES
+
+    expected = {"qwen2": (True, False), "qwen3": (False, True)}.get(args.family, (False, False))
+    if (args.qkv_bias, args.qk_norm) != expected:
+        raise ValueError(
+            f"model.family={args.family!r} with qkv_bias={args.qkv_bias}, qk_norm={args.qk_norm}: no transformers "
+            "class computes that (Qwen2 has the q/k/v biases, Qwen3 the q/k norms, Llama and Mistral neither)"
+        )
+    family = {}
+    if args.family in ("qwen2", "qwen3"):
+        family = {"use_sliding_window": bool(args.sliding_window), "sliding_window": args.sliding_window or None}
+        family["max_window_layers"] = 0 if args.sliding_window else args.n_layers
+    elif args.family == "mistral":
+        family = {"sliding_window": args.sliding_window or None}
+    elif args.sliding_window:
+        raise ValueError(f"model.sliding_window={args.sliding_window}: a Llama config has no sliding window")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [FAMILIES[args.family]],
+        "model_type": args.family,
+        **family,
         "hidden_size": args.dim,
         "intermediate_size": args.hidden_dim,
         "num_attention_heads": args.n_heads,
@@ -123,8 +157,8 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
         "rope_parameters": rope,
         "max_position_embeddings": args.max_seq_len,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **({} if args.family == "qwen2" else {"attention_bias": False}),
+        **({"mlp_bias": False} if args.family == "llama" else {}),
         "tie_word_embeddings": args.tie_embeddings,
         "dtype": "float32",
         "bos_token_id": None,
@@ -166,8 +200,22 @@ def export_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> l
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }
+    # The chat template of the tokenizer's folder is carried along: a chat fine-tune is then sampled (and
+    # rendered by transformers) with the template it was trained on.
+    written = [out / "tokenizer.json", out / "tokenizer_config.json"]
+    source = Path(tokenizer.file).parent
+    if (source / "chat_template.jinja").is_file():
+        shutil.copyfile(source / "chat_template.jinja", out / "chat_template.jinja")
+        written.append(out / "chat_template.jinja")
+    elif (source / "tokenizer_config.json").is_file():
+        try:
+            template = json.loads((source / "tokenizer_config.json").read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            template = None
+        if template:
+            config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return [out / "tokenizer.json", out / "tokenizer_config.json"]
+    return written
 
 
 def expected_hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:

@@ -4,10 +4,25 @@
 model-0000k-of-0000n.safetensors shards with model.safetensors.index.json (tensor name -> shard file).
 Starting a run (or ``python -m generate``) from such a folder:
 
-1. **Refuse what meshloom does not compute** (``unsupported``): another model_type or architecture, biases,
-   a sliding window, MoE fields, qk-norm, a head_dim other than hidden_size / num_attention_heads, an
+1. **Refuse what meshloom does not compute** (``unsupported``): a model_type or architecture outside the
+   families below, biases the family does not have, a sliding window that binds (see below), MoE fields, an
    activation other than SiLU, partial rotary, dropout, a RoPE type other than none/linear/llama3. Each
    problem names the field, its value and what meshloom supports.
+
+   The families (``FAMILIES``) are one decoder with two switches (models/llama.py):
+
+   | family  | architectures        | differs from Llama                                 | meshloom model.*        |
+   |---------|----------------------|----------------------------------------------------|-------------------------|
+   | llama   | LlamaForCausalLM     | (the reference)                                    |                         |
+   | mistral | MistralForCausalLM   | its defaults only; ``sliding_window`` (see below)  | sliding_window          |
+   | qwen2   | Qwen2ForCausalLM     | q/k/v projections have biases (o has none)         | qkv_bias = true         |
+   | qwen3   | Qwen3ForCausalLM     | RMSNorm per q and k head before RoPE; own head_dim | qk_norm = true, head_dim|
+
+   Any of them may give ``head_dim`` (model.head_dim; 0 when it is hidden_size / num_attention_heads).
+   A sliding window is accepted as a limit: meshloom computes full causal attention, which equals windowed
+   attention as long as no sequence is longer than the window, so ``model.sliding_window`` records it and a
+   longer ``training.seq_len`` (or generation) is refused. Qwen's ``sliding_window`` counts only with
+   ``use_sliding_window: true`` (transformers ignores it otherwise).
 2. **Read the shape** (``model_fields``): config.json in either dialect, the legacy top-level
    ``rope_theta`` + ``rope_scaling`` ({"type" or "rope_type": ...}) or the current ``rope_parameters``
    ({"rope_type", "rope_theta", ...}), mapped onto meshloom's ``model.*`` keys.
@@ -24,17 +39,24 @@ from pathlib import Path
 
 from runtime.config import Config, ConfigError
 
-SUPPORTED = "dense Llama (model_type 'llama', LlamaForCausalLM) with SiLU SwiGLU, no biases, full attention"
+# model_type -> (the architecture transformers writes, the biases its attention has)
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED = "dense Llama-family decoders with SiLU SwiGLU: " + ", ".join(
+    f"{arch} (model_type {kind!r})" for kind, arch in FAMILIES.items()
+)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 # Fields that, when present with anything but these values, mean computation meshloom does not do.
 _MUST_BE = {
-    "attention_bias": (False,),
+    "attention_bias": (False,),  # Llama/Qwen3: biases on q, k, v *and* o (Qwen2's q/k/v biases are implicit)
     "mlp_bias": (False,),
     "hidden_act": ("silu",),
-    "sliding_window": (None,),
-    "use_sliding_window": (False,),
     "partial_rotary_factor": (1, 1.0),
     "attention_dropout": (0, 0.0),
     "qk_layernorm": (False,),
@@ -62,24 +84,29 @@ def rope_parameters(config: dict) -> dict:
 def unsupported(config: dict) -> list[str]:
     """Step 1: why meshloom cannot compute what ``config`` describes (empty: it can)."""
     out = []
-    if config.get("model_type") != "llama":
-        out.append(f"config.json model_type={config.get('model_type')!r}: meshloom runs {SUPPORTED}")
+    kind = config.get("model_type")
+    if kind not in FAMILIES:
+        out.append(f"config.json model_type={kind!r}: meshloom runs {SUPPORTED}")
     arch = config.get("architectures")
-    if arch is not None and arch != ["LlamaForCausalLM"]:
-        out.append(f"config.json architectures={arch}: meshloom runs LlamaForCausalLM only ({SUPPORTED})")
+    if arch is not None and (kind not in FAMILIES or arch != [FAMILIES[kind]]):
+        out.append(f"config.json architectures={arch}: meshloom runs {SUPPORTED}")
+    if kind == "llama" and config.get("sliding_window") is not None:  # LlamaForCausalLM has no window to apply
+        out.append(
+            f"config.json sliding_window={config['sliding_window']!r}: a Llama config has no sliding window; "
+            f"meshloom runs full attention ({SUPPORTED}; Mistral and Qwen may give one)"
+        )
+    layer_types = set(config.get("layer_types") or ["full_attention"])
+    if layer_types - {"full_attention", "sliding_attention"}:
+        out.append(f"config.json layer_types={sorted(layer_types)}: meshloom runs full attention ({SUPPORTED})")
     for key, allowed in _MUST_BE.items():
         if key in config and config[key] not in allowed:
             out.append(f"config.json {key}={config[key]!r}: meshloom supports only {allowed[0]!r} ({SUPPORTED})")
     for key in _MOE_FIELDS:
         if config.get(key):
             out.append(f"config.json {key}={config[key]!r} describes MoE layers; meshloom imports {SUPPORTED}")
-    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     head_dim = config.get("head_dim")
-    if head_dim is not None and heads and hidden and head_dim * heads != hidden:
-        out.append(
-            f"config.json head_dim={head_dim} but hidden_size / num_attention_heads = {hidden}/{heads}: meshloom's "
-            "heads are hidden_size / num_attention_heads wide"
-        )
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2):
+        out.append(f"config.json head_dim={head_dim!r}: a head must be an even number of channels (RoPE pairs)")
     rope = rope_parameters(config)
     kind = rope["rope_type"]
     if kind not in ("default", "linear", "llama3"):
@@ -96,6 +123,8 @@ def model_fields(config: dict) -> dict[str, object]:
     """Step 2: meshloom ``model.*`` key (without ``model.``) -> value, for a config ``unsupported`` accepts."""
     rope = rope_parameters(config)
     kind = {"default": "none"}.get(rope["rope_type"], rope["rope_type"])
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
     fields = {
         "dim": config["hidden_size"],
         "n_layers": config["num_hidden_layers"],
@@ -109,6 +138,12 @@ def model_fields(config: dict) -> dict[str, object]:
         "rope_scaling": kind,
         "n_experts": 0,
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),  # transformers leaves lm_head out
+        "family": config["model_type"],
+        "qkv_bias": config["model_type"] == "qwen2",
+        "qk_norm": config["model_type"] == "qwen3",
+        # 0 when it is the Llama rule, so the run's config (and its checkpoint's meshloom.json) says so
+        "head_dim": 0 if head_dim * heads == hidden else head_dim,
+        "sliding_window": window(config),
     }
     if kind in ("linear", "llama3"):
         fields["rope_factor"] = float(rope["factor"])
@@ -119,6 +154,20 @@ def model_fields(config: dict) -> dict[str, object]:
             rope.get("original_max_position_embeddings") or config.get("max_position_embeddings", 8192)
         )
     return fields
+
+
+def window(config: dict) -> int:
+    """The sliding window transformers applies for ``config`` (0: none). Mistral: ``sliding_window`` when not
+    null. Qwen2/3: only with ``use_sliding_window`` (transformers sets it to None otherwise), on the layers
+    ``layer_types`` (or ``max_window_layers``) name; meshloom keeps one window for all, the strictest."""
+    size = config.get("sliding_window")
+    if config.get("model_type") == "llama":  # refused by ``unsupported`` when set
+        return 0
+    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        return 0
+    if config.get("layer_types") and "sliding_attention" not in config["layer_types"]:
+        return 0
+    return int(size or 0)
 
 
 def folder_of(init_from: str | Path) -> Path | None:
@@ -159,6 +208,13 @@ def adopt_folder_config(cfg: Config) -> None:
     if folder is None:
         return
     fields = checked_fields(folder, "checkpoint.init_from")
+    if fields["sliding_window"] and cfg.training.seq_len > fields["sliding_window"]:
+        raise ConfigError(
+            f"checkpoint.init_from={str(folder)!r} has a sliding window of {fields['sliding_window']} tokens, and "
+            f"training.seq_len={cfg.training.seq_len} is longer: meshloom computes full attention, which equals the "
+            f"windowed attention only while a sequence fits in the window; set training.seq_len <= "
+            f"{fields['sliding_window']}."
+        )
     explicit = getattr(cfg, "explicit_keys", frozenset())
     clashes = []
     for name, value in fields.items():

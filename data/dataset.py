@@ -148,11 +148,31 @@ def load_data(cfg: Config) -> Splits:
             f"training.global_batch x training.seq_len + 1 = {one_batch:,} tokens: "
             + ("give a larger data.val_source." if d.val_source else "raise data.val_fraction or use more data.")
         )
+    about += packing_note(d.source, t.seq_len)
     eos = f", EOS id {tokenizer.eos_id}" if tokenizer.eos_id is not None else ""
     description = f"{d.source}: {about} | tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size:,}{eos})" + (
         f" | validation: {val_about}" if val is not None else ""
     )
     return Splits(tokenizer, train, val, description)
+
+
+def packing_note(source: str, seq_len: int) -> str:
+    """For chat data (data/chat.py): the loss mask, and a warning when it was packed for another seq_len (its
+    conversations then straddle the training windows; still a correct loss, on fewer whole conversations)."""
+    if source == "default" or not is_token_folder(source):
+        return ""
+    header = read_header(source)
+    mask, chat = header.get("loss_mask"), header.get("chat") or {}
+    if not mask:
+        return ""
+    note = f", loss mask: {mask.get('trained_tokens', 0):,} trained tokens"
+    packed = chat.get("seq_len")
+    if packed and packed != seq_len:
+        note += (
+            f"; WARNING: packed for seq_len {packed}, not training.seq_len={seq_len}: prepare again with "
+            f"--seq-len {seq_len} to keep conversations whole in a window"
+        )
+    return note
 
 
 def check_data(cfg: Config) -> None:
@@ -162,10 +182,15 @@ def check_data(cfg: Config) -> None:
 
 def stream_digest(source: str) -> str | None:
     """The content digest of a prepared folder's tokens (its header's ``tokens_sha256``); None for raw text
-    and for token files written before the digest existed (those are identified by path only)."""
+    and for token files written before the digest existed (those are identified by path only). A masked
+    folder's digest names its mask's SHA-256 too."""
     if not source or source == "default" or not is_token_folder(source):
         return None
-    return read_header(source).get("tokens_sha256")
+    header = read_header(source)
+    digest, mask = header.get("tokens_sha256"), header.get("loss_mask")
+    if digest and mask:  # the same tokens under another mask (--train-on all) are another stream to train on
+        return f"{digest}+mask {mask.get('sha256')}"
+    return digest
 
 
 def stream_identity(cfg: Config) -> dict:

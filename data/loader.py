@@ -23,6 +23,15 @@ same verdict from the same bytes, with no collective: a damaged id stops every r
 ConfigError (exit 2) naming the file and the token offset, instead of one rank dying in the embedding while
 the others wait in a collective. Its cost is one max over the step's ``global_batch x seq_len + 1`` ids,
 read as a view of the memory map (no copy) or of the in-memory tensor; there is no device involved.
+
+**A loss mask** (chat data: tokens given as a ``MaskedTokens``, data/token_file.py) travels with the
+tokens: a target whose mask is 0 becomes ``IGNORE`` (-100, cross-entropy's ``ignore_index``), so it adds
+nothing to the token-loss sum, on every layout and inside TP's ``loss_parallel`` alike. The loss divisor
+is then the step's *global* number of trained targets, ``trained_tokens``, counted here on the host from
+the global batch's mask (``global_batch x seq_len`` bytes of the map, like the id check): every rank computes
+the same count from the same bytes with no collective, before any forward, whatever its own share of trained
+tokens is (a micro-batch may have none: its sum is 0 and its gradient 0). Without a mask
+``trained_tokens`` is ``global_batch x seq_len``, the divisor of every unmasked step.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ import numpy as np
 import torch
 
 from runtime.config import ConfigError
+
+IGNORE = -100  # a target that is not trained (F.cross_entropy's default ignore_index)
 
 
 class GlobalBatchLoader:
@@ -60,7 +71,9 @@ class GlobalBatchLoader:
                 f"training.micro_batch={micro_batch} must divide the local batch {self.local_batch} "
                 f"(global_batch {global_batch} / dp {dp_size})."
             )
-        self.tokens = tokens
+        self.mask = getattr(tokens, "mask", None)  # a MaskedTokens: one 0/1 per token (module docstring)
+        self.tokens = getattr(tokens, "tokens", tokens) if self.mask is not None else tokens
+        self.trained_tokens = global_batch * seq_len  # the last batch's global count of trained targets
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.positions = positions  # the positions of each window this rank trains on; None: all of them
@@ -110,11 +123,29 @@ class GlobalBatchLoader:
             windows = self.tokens[index].long()
         else:  # numpy / memory map: reads only the pages these windows touch
             windows = torch.from_numpy(self.tokens[index.numpy()].astype(np.int64))
-        self.tokens_consumed += self.global_batch * self.seq_len
         inputs, targets = windows[:, :-1], windows[:, 1:]
+        if self.mask is not None:
+            targets = targets.masked_fill(self.read(self.mask, index[:, 1:]) == 0, IGNORE)
+            self.trained_tokens = self.global_trained_tokens(self.tokens_consumed)
+        self.tokens_consumed += self.global_batch * self.seq_len
         if self.positions is not None:
             inputs, targets = inputs[:, self.positions], targets[:, self.positions]
         return list(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch), strict=True))
+
+    def global_trained_tokens(self, position: int) -> int:
+        """The number of trained targets in the whole global batch at ``position`` (every rank, every
+        micro-batch, every cp chunk): the divisor of the step's loss (module docstring)."""
+        offsets = (position + torch.arange(self.global_batch, dtype=torch.int64) * self.seq_len) % (
+            self.num_tokens - self.seq_len
+        )
+        return int(self.read(self.mask, offsets[:, None] + torch.arange(1, self.seq_len + 1)).count_nonzero())
+
+    @staticmethod
+    def read(array, index: torch.Tensor) -> torch.Tensor:
+        """``array[index]`` as a torch tensor, for a torch tensor, a numpy array or a TokenMap."""
+        if isinstance(array, torch.Tensor):
+            return array[index]
+        return torch.from_numpy(np.asarray(array[index.numpy()]))
 
     def state_dict(self) -> dict:
         return {"tokens_consumed": self.tokens_consumed}

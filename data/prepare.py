@@ -3,6 +3,10 @@
     python -m data.prepare --source corpus.jsonl --tokenizer tokenizer.json --out data/corpus
     python -m data.prepare --source shards/ --tokenizer tokenizer.json --out data/shards --text-field content
     python -m data.prepare --source default --tokenizer bytes --out data/stdlib-bytes
+    python -m data.prepare --format chat --source chats.jsonl --tokenizer MODEL_FOLDER --seq-len 512 --out data/chat
+
+``--format chat`` (data/chat.py) renders conversations with the model folder's chat template and writes a
+loss mask beside the tokens: the assistant's turns only, or every token with ``--train-on all``.
 
 1. **Documents.** ``--source`` is a file, a folder (every regular file below it, sorted by path; hidden
    files skipped) or ``default`` (the Python standard library's sources, data/corpus.py). Each file is read
@@ -437,6 +441,49 @@ def prepare(
     return header
 
 
+def prepare_chat(
+    source: str, tokenizer_spec: str, out: str, *, seq_len: int, eos_token: str = "", train_on: str = "assistant"
+) -> dict:
+    """Chat JSONL -> a masked token file packed for ``seq_len`` windows (data/chat.py); returns the header."""
+    from data.chat import Packer, conversation, conversations, template_tokenizer
+
+    start = time.perf_counter()
+    if seq_len <= 0:
+        raise ConfigError("--format chat packs conversations into training windows: give --seq-len (training.seq_len)")
+    tokenizer = load_tokenizer(tokenizer_spec, eos_token, field="--tokenizer")
+    if not hasattr(tokenizer, "encode_with_offsets"):
+        raise ConfigError("--format chat needs a model's tokenizer folder (with its chat template), not 'bytes'")
+    folder = Path(tokenizer_spec).expanduser()
+    tok = template_tokenizer(folder if folder.is_dir() else folder.parent)
+    files = source_files(source)
+    writer = TokenFileWriter(out, dtype_for(tokenizer.vocab_size), masked=True)
+    packer, n_docs = Packer(writer, seq_len, tokenizer.eos_id), 0
+    try:
+        for file in files:
+            for messages, where in conversations(file):
+                packer.add(*conversation(tok, tokenizer, messages, train_on, where))
+                n_docs += 1
+    except BaseException:
+        writer.abort()
+        raise
+    if n_docs == 0:
+        writer.abort()
+        raise ConfigError(f"--source {source!r} holds no conversation (JSONL lines with 'messages').")
+    header = {
+        "num_documents": n_docs,
+        "tokenizer": tokenizer.describe(),
+        "source": str(Path(source).expanduser().resolve()),
+        "files": len(files),
+        "chat": {"train_on": train_on, "seq_len": seq_len, "split_conversations": packer.split},
+    }
+    writer.finish(header)
+    header.update(
+        dtype=writer.dtype, num_tokens=writer.num_tokens, seconds=time.perf_counter() - start, utf8_replaced_bytes=0
+    )
+    header["trained_tokens"] = writer.trained_tokens
+    return header
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--source", required=True, help="a text/JSONL/Parquet file, a folder of them, or 'default'")
@@ -448,7 +495,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers", type=int, default=0, help="tokenizing processes (default: the CPU count, at most 8)"
     )
-    parser.add_argument("--eos-token", default="", help="end-of-document token (default: found in the tokenizer)")
+    parser.add_argument(
+        "--eos-token",
+        "--eos",
+        default="",
+        help="end-of-document token (default: the tokenizer folder's eos_token, the one the model was trained with)",
+    )
+    parser.add_argument("--format", choices=("text", "chat"), default="text", help="text documents, or chat JSONL")
+    parser.add_argument(
+        "--train-on", choices=("assistant", "all"), default="assistant", help="chat: the tokens the loss trains"
+    )
+    parser.add_argument("--seq-len", type=int, default=0, help="chat: training.seq_len, the windows to pack for")
     parser.add_argument(
         "--errors",
         choices=ERRORS,
@@ -457,6 +514,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     opts = parser.parse_args(argv)
     try:
+        if opts.format == "chat":
+            h = prepare_chat(
+                opts.source,
+                opts.tokenizer,
+                opts.out,
+                seq_len=opts.seq_len,
+                eos_token=opts.eos_token,
+                train_on=opts.train_on,
+            )
+            print(
+                f"prepared {h['num_documents']:,} conversations, {h['num_tokens']:,} tokens, {h['trained_tokens']:,} "
+                f"trained ({opts.train_on}), {h['chat']['split_conversations']} longer than a window (split) -> "
+                f"{Path(opts.out) / 'tokens.bin'} + mask.bin",
+                flush=True,
+            )
+            return 0
         h = prepare(
             opts.source,
             opts.tokenizer,

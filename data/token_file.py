@@ -6,6 +6,16 @@
                        "max_id": M, "tokens_sha256": "...", "num_documents": D, "tokenizer": {"name", "sha256", "vocab_size", "eos_id", ...},
                        "source": "...", "text_field": "text", "created_at": "..."}
 
+Chat data (``data.prepare --format chat``) adds a loss mask beside the tokens:
+
+    DIR/mask.bin      one uint8 per token of tokens.bin: 1 if the loss counts that token *as a target* (the
+                      prediction of it from the tokens before it), 0 if not (a user turn, the template's
+                      framing); the header then has "loss_mask": {"file": "mask.bin", "trained_tokens": K,
+                      "sha256": "..."}
+
+``open_tokens`` then returns a ``MaskedTokens`` (the tokens and the mask, sliced together), and the loader
+turns masked targets into the ignored index and counts the step's trained tokens (data/loader.py).
+
 ``max_id`` (the largest id written) is computed while writing; a header without it (written before it
 existed) still loads, and its ids are then only checked window by window as a run reads them
 (data/loader.py).
@@ -36,7 +46,7 @@ import numpy as np
 
 from runtime.config import ConfigError
 
-HEADER, TOKENS = "header.json", "tokens.bin"
+HEADER, TOKENS, MASK = "header.json", "tokens.bin", "mask.bin"
 FORMAT, VERSION = "meshloom-tokens", 1
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # little-endian on every machine
 
@@ -56,9 +66,9 @@ class TokenFileWriter:
     The folder must not already hold a dataset (or a half-written one): nothing saved is overwritten.
     """
 
-    def __init__(self, out_dir: str | Path, dtype: str):
+    def __init__(self, out_dir: str | Path, dtype: str, masked: bool = False):
         self.dir = Path(out_dir)
-        for name in (HEADER, TOKENS, TOKENS + ".tmp"):
+        for name in (HEADER, TOKENS, TOKENS + ".tmp", MASK, MASK + ".tmp"):
             if (self.dir / name).exists():
                 raise ConfigError(
                     f"--out {self.dir} already holds {name}; meshloom never overwrites a prepared dataset: "
@@ -71,8 +81,18 @@ class TokenFileWriter:
         self.num_tokens = 0
         self.max_id = -1  # the largest id written (-1: none yet)
         self.digest = hashlib.sha256()  # of the bytes written, chunk by chunk: the header's tokens_sha256
+        self.mask_file = open(self.dir / (MASK + ".tmp"), "wb") if masked else None  # noqa: SIM115 - as above
+        self.mask_digest, self.trained_tokens = hashlib.sha256(), 0
 
-    def append(self, ids: np.ndarray) -> None:
+    def append(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append ``ids`` (and, for a masked writer, their loss mask: one 0/1 per id)."""
+        if (mask is None) != (self.mask_file is None) or (mask is not None and len(mask) != len(ids)):
+            raise ValueError("a masked TokenFileWriter needs one mask value per id; an unmasked one takes none")
+        if mask is not None:
+            raw_mask = np.ascontiguousarray(mask, dtype=np.uint8).tobytes()
+            self.mask_file.write(raw_mask)
+            self.mask_digest.update(raw_mask)
+            self.trained_tokens += int(np.count_nonzero(mask))
         if len(ids):
             self.max_id = max(self.max_id, int(ids.max()))
         raw = np.ascontiguousarray(ids, dtype=DTYPES[self.dtype]).tobytes()
@@ -85,6 +105,13 @@ class TokenFileWriter:
         os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.tmp, self.dir / TOKENS)
+        if self.mask_file is not None:
+            self.mask_file.flush()
+            os.fsync(self.mask_file.fileno())
+            self.mask_file.close()
+            os.replace(self.dir / (MASK + ".tmp"), self.dir / MASK)
+            mask = {"file": MASK, "trained_tokens": self.trained_tokens, "sha256": self.mask_digest.hexdigest()}
+            header = {**header, "loss_mask": mask}
         header = {
             "format": FORMAT,
             "version": VERSION,
@@ -104,6 +131,9 @@ class TokenFileWriter:
         """Remove the partial file (a failed prepare leaves nothing that looks like a dataset)."""
         self.file.close()
         self.tmp.unlink(missing_ok=True)
+        if self.mask_file is not None:
+            self.mask_file.close()
+            (self.dir / (MASK + ".tmp")).unlink(missing_ok=True)
 
 
 def read_header(path: str | Path, field: str = "data.source") -> dict:
@@ -132,6 +162,15 @@ def read_header(path: str | Path, field: str = "data.source") -> dict:
             f"{where}: {TOKENS} {found} but {HEADER} promises {header['num_tokens']:,} {header['dtype']} tokens "
             f"({expected:,} bytes); the folder is damaged: prepare the dataset again."
         )
+    if "loss_mask" in header:
+        mask = folder / MASK
+        size = mask.stat().st_size if mask.is_file() else None
+        if size != header["num_tokens"]:
+            found = "is missing" if size is None else f"has {size:,} bytes"
+            raise ConfigError(
+                f"{where}: {MASK} {found} but {HEADER} promises a loss mask of {header['num_tokens']:,} bytes (one "
+                "per token); the folder is damaged: prepare the dataset again."
+            )
     return header
 
 
@@ -199,11 +238,40 @@ class TokenMap:
         self._map.madvise(mmap.MADV_DONTNEED, begin, stop * self.dtype.itemsize - begin)
 
 
+class MaskedTokens:
+    """Token ids and their loss mask (one 0/1 per token: is it trained as a target), sliced together.
+
+    ``tokens[a:b]`` is a MaskedTokens of both parts (the train / validation split); the loader unpacks it
+    (data/loader.py). ``tokens`` and ``mask`` are TokenMaps, numpy arrays or torch tensors of equal length.
+    """
+
+    def __init__(self, tokens, mask):
+        if len(tokens) != len(mask):
+            raise ValueError(f"{len(tokens)} tokens but {len(mask)} mask values")
+        self.tokens, self.mask = tokens, mask
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self.tokens),)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, key):
+        if not isinstance(key, slice):
+            raise TypeError("index the tokens and the mask of a MaskedTokens separately")
+        return MaskedTokens(self.tokens[key], self.mask[key])
+
+
 def open_tokens(path: str | Path, header: dict):
-    """The token file as a TokenMap (nothing is read until it is indexed); an empty array for no tokens."""
+    """The token file as a TokenMap (nothing is read until it is indexed); an empty array for no tokens; with a
+    loss mask, a MaskedTokens of both maps."""
     if header["num_tokens"] == 0:
         return np.zeros(0, dtype=DTYPES[header["dtype"]])
-    return TokenMap(Path(path).expanduser() / TOKENS, DTYPES[header["dtype"]])
+    tokens = TokenMap(Path(path).expanduser() / TOKENS, DTYPES[header["dtype"]])
+    if "loss_mask" not in header:
+        return tokens
+    return MaskedTokens(tokens, TokenMap(Path(path).expanduser() / MASK, np.dtype(np.uint8)))
 
 
 def check_header_ids(header: dict, vocab_size: int, field: str = "data.source", path: str = "") -> None:

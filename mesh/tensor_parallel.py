@@ -333,6 +333,9 @@ def apply_tensor_parallel(
         if isinstance(block.feed_forward, MoE):
             plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
             plan.update(moe_plan(sequence_parallel))
+        if block.attention.qk_norm:  # Qwen3: each rank normalises its own heads (dim 2) with the replicated
+            # weight, whose gradient is then a Partial sum over the heads of all ranks (reduce_partial_gradients)
+            plan.update({f"attention.{n}_norm": SequenceParallel(sequence_dim=2, use_local_output=True) for n in "qk"})
         parallelize_module(block, tp_mesh, plan)
     return model
 

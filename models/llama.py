@@ -51,13 +51,19 @@ class ModelArgs:
     moe: MoEArgs | None = None  # None: a dense model
     moe_every: int = 1  # with moe: layers i where (i + 1) % moe_every == 0 are MoE, the others dense
     tie_embeddings: bool = False  # one weight for the embedding and the output head (see ``stored_name``)
+    # The Llama-family variants transformers folders bring (checkpoint/hf_folder.py maps each config field):
+    family: str = "llama"  # llama, mistral, qwen2, qwen3: what an export writes as model_type / architectures
+    qkv_bias: bool = False  # Qwen2/2.5: wq, wk, wv have biases (wo has none)
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head (head_dim wide), before RoPE
+    explicit_head_dim: int = 0  # 0: dim // n_heads (Llama); Qwen3 and some Mistrals give their own
+    sliding_window: int = 0  # 0: none. Else a window that must not bind: longer sequences are refused
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and (layer_id + 1) % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
 
     @property
     def hidden_dim(self) -> int:
@@ -69,8 +75,10 @@ class ModelArgs:
 
     def layer_params(self, layer_id: int) -> int:
         """Parameters of block ``layer_id``: attention, its FFN (dense, or every expert and the router), 2 norms."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = self.dim * q_dim * 2 + self.dim * kv_dim * 2
+        attn += (q_dim + 2 * kv_dim) if self.qkv_bias else 0
+        attn += 2 * self.head_dim if self.qk_norm else 0
         dense_mlp = 3 * self.dim * self.hidden_dim
         mlp = dense_mlp
         if self.is_moe_layer(layer_id):
@@ -133,6 +141,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
+def check_window(args: ModelArgs, seq_len: int) -> None:
+    """meshloom computes full causal attention: a sliding window (Mistral v0.1, Qwen with use_sliding_window)
+    gives the same result only while it does not bind, i.e. while no sequence is longer than the window (query
+    i sees keys i - window + 1 .. i, transformers' rule). A longer one is refused, not silently computed."""
+    if args.sliding_window and seq_len > args.sliding_window:
+        raise ValueError(
+            f"a sequence of {seq_len} tokens is longer than the model's sliding window of {args.sliding_window}: "
+            "meshloom computes full attention, which equals windowed attention only up to the window; use "
+            f"sequences of at most {args.sliding_window} tokens"
+        )
+
+
 class KVCache:
     """Keys and values of the positions seen so far, per layer, for incremental decoding on one device.
 
@@ -142,6 +162,7 @@ class KVCache:
     """
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, device=None, dtype=torch.float32):
+        check_window(args, max_len)
         shape = (batch, max_len, args.n_kv_heads, args.head_dim)
         self.keys = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
         self.values = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
@@ -224,15 +245,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
+    """Causal grouped-query attention: n_heads query heads share n_kv_heads key/value heads.
+
+    Two variants of the Llama family, both off by default: ``qkv_bias`` (Qwen2) gives wq, wk, wv biases;
+    ``qk_norm`` (Qwen3) normalises each query and key head (RMSNorm over head_dim, one weight shared by all
+    heads) after the projection and before RoPE.
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Registered only when used, so a Llama's parameter names (and checkpoints) are unchanged.
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+        self.qk_norm = args.qk_norm
         self.attend = causal_attention  # the seam context parallelism replaces (not a module: no parameters)
 
     def forward(
@@ -247,6 +278,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.qk_norm:  # per head: under TP each rank normalises its own heads with the (replicated) weight
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
             out = self.attend(q, k, v)
@@ -297,6 +330,7 @@ class Transformer(nn.Module):
 
         With a ``cache`` (whole model, one device), ``tokens`` continue the cached positions (see KVCache).
         """
+        check_window(self.args, tokens.shape[1] if cache is None else cache.length + tokens.shape[1])
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for key, layer in self.layers.items():
             if cache is None:
@@ -334,6 +368,8 @@ class Transformer(nn.Module):
         name = self.args.stored_name(name)
         if name.endswith("norm.weight"):
             return torch.ones(shape)
+        if name.endswith(".bias"):  # qkv_bias: start at zero, as transformers' _init_weights does
+            return torch.zeros(shape)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if name == EMBEDDING:
             std = self.args.dim**-0.5 if self.args.tie_embeddings else 1.0

@@ -80,6 +80,12 @@ class ModelConfig:
     moe_aux_loss_coef: float = opt(0.0, "Switch-style load-balancing loss coefficient (0: off)", ge=0)
     moe_bias_update_rate: float = opt(0.0, "aux-loss-free expert-bias step (0: off)", ge=0)
     moe_capacity_factor: float = opt(0.0, "0: dropless; > 0: per-sequence capacity with token dropping", ge=0)
+    # Llama-family variants (checkpoint/hf_folder.py sets them from a transformers folder's config.json)
+    family: Literal["llama", "mistral", "qwen2", "qwen3"] = opt("llama", "architecture an export writes")
+    qkv_bias: bool = opt(False, "biases on the q, k, v projections (Qwen2)")
+    qk_norm: bool = opt(False, "RMSNorm over each query and key head before RoPE (Qwen3)")
+    head_dim: int = opt(0, "width of one attention head; 0: dim / n_heads", ge=0)
+    sliding_window: int = opt(0, "0: none; else the window, which training.seq_len must not exceed", ge=0)
 
 
 @dataclass
@@ -421,6 +427,11 @@ def check_values(cfg: Config) -> None:
             f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings rotate pairs); "
             "change model.dim or model.n_heads."
         )
+    if m.sliding_window and cfg.training.seq_len > m.sliding_window:
+        broken.append(
+            f"training.seq_len={cfg.training.seq_len} is longer than model.sliding_window={m.sliding_window}: meshloom "
+            "computes full attention, which equals the model's windowed attention only up to the window; lower it."
+        )
     if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
         broken.append(
             f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be < model.rope_high_freq_factor="
@@ -499,6 +510,11 @@ def model_args(cfg: Config):
         max_seq_len=m.max_seq_len,
         moe_every=m.moe_every,
         tie_embeddings=m.tie_embeddings,
+        family=m.family,
+        qkv_bias=m.qkv_bias,
+        qk_norm=m.qk_norm,
+        explicit_head_dim=m.head_dim,
+        sliding_window=m.sliding_window,
     )
     if m.n_experts:
         args.moe = MoEArgs(

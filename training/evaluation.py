@@ -16,7 +16,7 @@
    at the price of a backward (tests/test_real_data.py checks both paths against one process).
 3. The token-loss sums of all micro-batches and batches are summed over the loss mesh (data-parallel ranks
    and pipeline stages; only last-stage ranks hold a non-zero part) and divided by the global number of
-   tokens evaluated: ``eval.steps x global_batch x seq_len``.
+   tokens evaluated: ``eval.steps x global_batch x seq_len`` (with a loss mask: the trained targets among them).
 4. Afterwards: parts back to train mode; FSDP units resharded (a forward with no backward leaves the units
    that keep their weights for backward gathered); MoE load counters cleared, so evaluation never counts
    toward the training step's expert load or bias update.
@@ -46,7 +46,7 @@ def eval_due(step: int, interval: int, last_step: int) -> bool:
 def evaluate(parts, schedule, loader, plan: LayoutPlan, meshes: Meshes, *, steps: int, device: torch.device) -> float:
     """The validation loss (a float, the same on every rank); see the module docstring for the steps."""
     loader.load_state_dict({"tokens_consumed": 0})  # step 1
-    global_tokens = loader.global_batch * loader.seq_len
+    trained = 0  # the global count of trained targets over the steps (global_batch x seq_len each, unmasked)
     # the exception of step 2: torch 2.13's forward-only path fails on the V-shaped schedules
     forward_only = schedule is None or SCHEDULE_FAMILIES[plan.pp_schedule].forward_only_eval
     for part in parts:
@@ -55,12 +55,23 @@ def evaluate(parts, schedule, loader, plan: LayoutPlan, meshes: Meshes, *, steps
     loss_sum = torch.zeros((), device=device, dtype=f64)
     try:
         for _ in range(steps):  # step 2
-            for inputs, targets in loader.next_batch():
+            batch = loader.next_batch()
+            trained += loader.trained_tokens
+            for inputs, targets in batch:
                 inputs, targets = inputs.to(device), targets.to(device)
                 with torch.no_grad() if forward_only else contextlib.nullcontext():
                     # the training step's forward (training/step.py), without its backward where torch allows
                     backward = not forward_only
-                    loss_sum += forward_backward(parts, schedule, plan, inputs, targets, backward=backward, dtype=f64)
+                    loss_sum += forward_backward(
+                        parts,
+                        schedule,
+                        plan,
+                        inputs,
+                        targets,
+                        backward=backward,
+                        dtype=f64,
+                        trained_tokens=loader.trained_tokens,
+                    )
     finally:
         for part in parts:  # step 4
             part.train()
@@ -72,4 +83,4 @@ def evaluate(parts, schedule, loader, plan: LayoutPlan, meshes: Meshes, *, steps
                 if hasattr(module, "reset_stats"):
                     module.reset_stats()
     sum_over(loss_sum, meshes.loss)  # step 3
-    return (loss_sum / (steps * global_tokens)).item()
+    return (loss_sum / max(trained, 1)).item()

@@ -33,7 +33,7 @@ from mesh.pipeline import build_pipeline_schedule, run_schedule
 from mesh.tensor_parallel import loss_context, loss_value, reduce_partial_gradients, sum_token_split_gradients
 from runtime.failures import phase
 from runtime.process import device_time, sum_over
-from training.loss import token_loss_sum
+from training.loss import LossDivisor, divisor, token_loss_sum
 from training.metrics import peak_memory_bytes
 from training.profiling import named_range
 
@@ -104,11 +104,13 @@ def divergence_advice(cfg: Config) -> str:
 def pipeline_schedule(parts, plan: LayoutPlan, meshes: Meshes, device: torch.device) -> tuple[Any, list]:
     """The pipeline schedule over this rank's stages and the stages themselves; ``(None, [])`` without pipelining.
 
-    The schedule's loss function is the token-loss sum divided by the global token count, like step 2's.
+    The schedule's loss function is the token-loss sum divided by the step's global count of trained tokens,
+    like step 2's (``schedule.loss_divisor``, set by ``forward_backward``).
     """
     if plan.dims.pp == 1:
         return None, []
-    return build_pipeline_schedule(
+    scale = LossDivisor(plan.global_tokens)
+    schedule, stages = build_pipeline_schedule(
         parts,
         list(plan.stage_ids),
         plan.n_stages,
@@ -116,22 +118,36 @@ def pipeline_schedule(parts, plan: LayoutPlan, meshes: Meshes, device: torch.dev
         microbatches=plan.pp_microbatches,
         pp_group=meshes.pp.get_group(),
         device=device,
-        loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / plan.global_tokens,
+        loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / scale.tokens,
     )
+    schedule.loss_divisor = scale
+    return schedule, stages
 
 
 def forward_backward(
-    parts, schedule, plan: LayoutPlan, inputs, targets, *, backward: bool = True, dtype: torch.dtype | None = None
+    parts,
+    schedule,
+    plan: LayoutPlan,
+    inputs,
+    targets,
+    *,
+    backward: bool = True,
+    dtype: torch.dtype | None = None,
+    trained_tokens: int | None = None,
 ) -> torch.Tensor:
     """One micro-batch's forward and (with ``backward``) backward (step 2); returns this rank's token-loss sum (0
-    off the last stage), in ``dtype`` when given. Validation runs it forward only (training/evaluation.py)."""
+    off the last stage), in ``dtype`` when given. Validation runs it forward only (training/evaluation.py).
+    ``trained_tokens``: the step's global count of trained targets (a loss mask; default the global token count)."""
+    tokens = plan.global_tokens if trained_tokens is None else divisor(trained_tokens)
+    if schedule is not None:
+        schedule.loss_divisor.tokens = tokens
     with loss_context(plan.dims.tp > 1):  # vocab-sharded cross-entropy under TP: forward *and* backward inside
         if schedule is None:
             with named_range("forward"):
                 loss = token_loss_sum(parts[0](inputs), targets)
             if backward:
                 with named_range("backward"):
-                    (loss / plan.global_tokens).backward()
+                    (loss / tokens).backward()
             return loss_value(loss.detach()).to(dtype or loss.dtype)
         with named_range("pipeline schedule"):  # the schedule's own per-action ranges nest inside
             losses = run_schedule(
@@ -139,8 +155,8 @@ def forward_backward(
             )
         if not losses:
             return torch.zeros((), device=inputs.device, dtype=dtype)
-        # the schedule's loss function divides by the global token count: multiplied back here
-        return sum(loss_value(loss.detach()).to(dtype or loss.dtype) for loss in losses) * plan.global_tokens
+        # the schedule's loss function divides by the step's trained-token count: multiplied back here
+        return sum(loss_value(loss.detach()).to(dtype or loss.dtype) for loss in losses) * tokens
 
 
 def accumulate_gradients(s: StepParts, batch, step: int) -> torch.Tensor:
@@ -152,7 +168,9 @@ def accumulate_gradients(s: StepParts, batch, step: int) -> torch.Tensor:
         for index, (inputs, targets) in enumerate(batch):
             reduce = s.reduce_every_microbatch or index == len(batch) - 1
             with reduction_window(s.parts, reduce=reduce, hsdp=dims.dp_replicate > 1):
-                loss_sum += forward_backward(s.parts, s.schedule, plan, inputs.to(s.device), targets.to(s.device))
+                inputs, targets = inputs.to(s.device), targets.to(s.device)
+                trained = s.loader.trained_tokens  # the global count of trained targets (data/loader.py)
+                loss_sum += forward_backward(s.parts, s.schedule, plan, inputs, targets, trained_tokens=trained)
         s.extras.after_forward_backward()
         if dims.tp > 1:
             reduce_partial_gradients(s.params)
@@ -171,7 +189,7 @@ def global_loss_and_norm(s: StepParts, loss_sum: torch.Tensor, step: int) -> tup
         s.optimizers.prepare_gradients()  # 1-bit Adam: the replicas' exchange (extras/onebit_adam.py)
         with named_range("gradient clipping"):
             grad_norm = s.optimizers.agree_on_norm(clip_grad_norm(s.params, s.grad_clip, s.meshes.pp, s.counted))
-        return (loss_sum / s.plan.global_tokens).item(), grad_norm.item()
+        return (loss_sum / divisor(s.loader.trained_tokens)).item(), grad_norm.item()
 
 
 def train_step(s: StepParts, step: int) -> dict:

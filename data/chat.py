@@ -1,0 +1,136 @@
+"""Chat data: conversations rendered with the model's own chat template, tokenized, masked and packed.
+
+``python -m data.prepare --format chat --source X.jsonl --tokenizer FOLDER --seq-len S --out DIR`` reads one
+conversation per JSONL line, ``{"messages": [{"role": "user", "content": "..."}, ...]}``, and writes the
+token file of data/token_file.py with a loss mask beside it (``mask.bin``). The steps:
+
+1. **Render** each conversation with the tokenizer folder's own chat template (``tokenizer_config.json``'s
+   ``chat_template`` or ``chat_template.jinja``), by transformers' ``apply_chat_template(tokenize=False)``
+   itself: the template's rules (its globals, ``raise_exception``, whitespace handling) are transformers',
+   not a copy of them. The text is then tokenized by meshloom's tokenizer (the same ``tokenizer.json``);
+   tests/test_chat.py checks the ids equal ``apply_chat_template(tokenize=True)``.
+2. **Find the assistant's tokens** by rendering prefixes: for assistant message i, its span is the text
+   between the render of ``messages[:i]`` with the generation prompt (``add_generation_prompt=True``) and
+   the render of ``messages[:i + 1]``: the reply and the template's end of turn (``<|im_end|>``: the model
+   must learn to stop). Every prefix render must be a prefix of the whole render, else the conversation is
+   refused naming its line. A token is trained when its first character lies in an assistant span (the
+   tokenizer's character offsets). Chosen over ``return_assistant_tokens_mask``, which needs the template to
+   mark ``{% generation %}`` blocks: most published templates (SmolLM2's, Qwen's, Llama's) do not.
+   ``--train-on all`` trains every token of the conversation instead.
+3. **Pack**: each conversation is followed by the document-end token (``--eos``; default the folder's
+   ``eos_token``, the one the model was trained with), never trained in assistant-only mode. The loader reads
+   windows of ``seq_len + 1`` tokens at multiples of ``seq_len`` (data/loader.py); a conversation that fits in
+   one window but not in what is left of the current one starts the next window, the gap filled with the
+   document-end token at mask 0. A conversation longer than a window is split across windows (its start stays
+   aligned). The alignment holds from the start of the stream until the loader wraps around at its end, and
+   for the training split only (a ``data.val_fraction`` split starts wherever it falls).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from runtime.config import ConfigError
+
+TRAIN_ON = ("assistant", "all")
+
+
+def template_tokenizer(folder: Path):
+    """transformers' tokenizer of ``folder``, which must carry a chat template."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise ConfigError(
+            "--format chat renders with transformers' chat template rules: pip install transformers"
+        ) from exc
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(
+            f"--tokenizer {folder} has no chat template (tokenizer_config.json chat_template or chat_template.jinja); "
+            "use a model folder that has one, or prepare the text with --format text."
+        )
+    return tok
+
+
+def render(tok, messages: list[dict], generation_prompt: bool = False) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_spans(tok, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The whole render and the character spans of the assistant's turns (step 2 of the docstring)."""
+    text = render(tok, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start, stop = render(tok, messages[:i], generation_prompt=True), render(tok, messages[: i + 1])
+        if not (text.startswith(stop) and stop.startswith(start)):
+            raise ConfigError(
+                f"{where}: the chat template renders message {i} differently once later messages follow, so its "
+                "assistant tokens cannot be found by prefix; use --train-on all for this template."
+            )
+        spans.append((len(start), len(stop)))
+    return text, spans
+
+
+def conversation(tok, tokenizer, messages: list[dict], train_on: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of one conversation, without the document end."""
+    text, spans = assistant_spans(tok, messages, where)
+    encoding = tokenizer.encode_with_offsets(text)
+    ids = np.asarray(encoding.ids, dtype=np.int64)
+    if train_on == "all":
+        return ids, np.ones(len(ids), dtype=np.uint8)
+    starts = np.asarray([a for a, _ in encoding.offsets], dtype=np.int64)
+    mask = np.zeros(len(ids), dtype=bool)
+    for a, b in spans:
+        mask |= (starts >= a) & (starts < b)
+    return ids, mask.astype(np.uint8)
+
+
+def conversations(path: Path) -> Iterator[tuple[list[dict], str]]:
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            messages = json.loads(line)["messages"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{where}: not a JSON object with a 'messages' list ({exc!r})") from exc
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ConfigError(f"{where}: 'messages' must be a list of {{'role': str, 'content': str}}")
+        yield messages, where
+
+
+class Packer:
+    """Appends conversations to a masked TokenFileWriter, aligned to the loader's windows (step 3)."""
+
+    def __init__(self, writer, seq_len: int, eos_id: int):
+        self.writer, self.seq_len, self.eos_id = writer, seq_len, eos_id
+        self.split = 0  # conversations longer than one window
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        ids, mask = np.append(ids, self.eos_id), np.append(mask, 0).astype(np.uint8)
+        window = self.seq_len + 1
+        at = self.writer.num_tokens
+        room = (at // self.seq_len) * self.seq_len + window - at
+        if len(ids) > room and at % self.seq_len:  # start at the next window (a long one too: aligned)
+            gap = self.seq_len - at % self.seq_len
+            self.writer.append(np.full(gap, self.eos_id, dtype=np.int64), np.zeros(gap, dtype=np.uint8))
+        self.split += len(ids) > window
+        self.writer.append(ids, mask)
+
+
+def chat_prompt(tokenizer, user: str) -> str:
+    """``user`` as the one user turn of a conversation, rendered with the generation prompt by the chat template
+    of the folder that holds ``tokenizer``'s tokenizer.json (``python -m generate --chat``)."""
+    file = getattr(tokenizer, "file", None)
+    if file is None:
+        raise ConfigError("--chat needs a tokenizer folder with a chat template, not the byte tokenizer")
+    return render(template_tokenizer(Path(file).parent), [{"role": "user", "content": user}], generation_prompt=True)
