@@ -28,8 +28,8 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    (h = dim, g = n_kv_heads x head_dim, H = the FFN's hidden size, a = n_heads, w = bytes of the compute
    dtype, t = tp), counted from the ops that save tensors, the same list as bench/activation_memory.py:
 
-   - each RMSNorm: its input in fp32 (the ``x.float()`` copy in bf16; the input itself in fp32), the fp32
-     rsqrt per token and the normalised activation in the compute dtype: n·h·(4 + w) + 4n, twice;
+   - each RMSNorm: its input in the compute dtype and the fp32 rsqrt per token (models/llama.py's
+     ``_RMSNormFunction`` recomputes the normalised activation in backward): n·h·w + 4n, twice;
    - the inputs of wq/wk/wv and of w1/w3 (the norms' outputs): 2·n·h·w;
    - attention: q and the output n·h·w each; **k and v at their own n_kv_heads width**, 2·n·g·w (grouped-query
      attention: SDPA reads each k/v head for its query heads, no repeated copies); the fp32 log-sum-exp
@@ -257,7 +257,7 @@ def layer_activation_terms(args: ModelArgs, layer_id: int, layout: MemoryLayout,
             gathers = (1 if moe else 2) if sp else (1 if moe else 0)  # without SP, an MoE layer gathers its chunks
             terms["collectives"] = n * h * w * (gathers + (1 if moe else 2) / shard)
         return terms
-    norm = n * h * (4 + w) + 4 * n
+    norm = n * h * w + 4 * n  # the input and the fp32 rsqrt (models/llama.py: _RMSNormFunction)
     terms = {
         "norms": 2 * norm / shard,
         "gathered": (1 if moe else 2) * n * h * w / (t if sp and layout.sp_regather else 1),
