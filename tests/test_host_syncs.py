@@ -105,12 +105,22 @@ def test_one_read_per_step_waits_for_the_device_in_dense_layouts(measured):
     assert [device_syncs(c) for c in measured["moe ep2"]] == [1 + 1 + 2] * 2
 
 
-def test_steps_between_log_steps_get_their_loss_norm_and_throughput_on_the_next_log_step(tmp_path):
-    # run.log_every 3 over 5 steps: steps 1-2 are read with step 3, step 4 with step 5 (the last step is logged)
-    from launch.local_runs import read_metrics, run_training
+def every_and_sparse_records(run_dir: str) -> tuple[list[dict], list[dict]]:
+    """Rank body: the same 5 steps logged every step, and with run.log_every 3."""
+    from launch.local_runs import run_training
 
-    every = run_training({"model.n_layers": 2, "training.steps": 5}, str(tmp_path / "every"))
-    sparse = run_training({"model.n_layers": 2, "training.steps": 5, "run.log_every": 3}, str(tmp_path / "sparse"))
+    every = run_training({"model.n_layers": 2, "training.steps": 5}, f"{run_dir}/every")
+    sparse = run_training({"model.n_layers": 2, "training.steps": 5, "run.log_every": 3}, f"{run_dir}/sparse")
+    return every, sparse
+
+
+def test_steps_between_log_steps_get_their_loss_norm_and_throughput_on_the_next_log_step(tmp_path):
+    # run.log_every 3 over 5 steps: steps 1-2 are read with step 3, step 4 with step 5 (the last step is logged).
+    # On a spawned rank: train() in the pytest process would leave its process group behind for other tests.
+    from launch.local_runs import read_metrics
+    from launch.spawn import run_on_ranks
+
+    every, sparse = run_on_ranks(every_and_sparse_records, 1, str(tmp_path))[0]
     assert [r["loss"] for r in sparse] == [r["loss"] for r in every]  # the same numbers, read later
     assert [r["grad_norm"] for r in sparse] == [r["grad_norm"] for r in every]
     assert all(r["tokens_per_s"] > 0 for r in sparse)
