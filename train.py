@@ -210,7 +210,8 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     on, or None."""
     cfg, s, last = run.cfg, run.step, run.cfg.training.steps
     s.extras.begin_step(step)
-    record = train_step(s, step)  # training/step.py
+    log = step % cfg.run.log_every == 0 or step == last or eval_due(step, cfg.eval.interval, last)
+    record = train_step(s, step, log)  # training/step.py; on a log step it reads the loss and grad norm
     if eval_due(step, cfg.eval.interval, last):
         with phase(f"step {step}: validation", s.device_groups):
             record["val_loss"] = evaluate(
@@ -223,7 +224,7 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
         # every rank's compute time rides on the agreement (extras/rank_balance.py, step 2)
         signum, compute_times = signals.agreed_stop(run.control, run.balance.compute_s)
     record.update(balance_fields(compute_times))
-    if step % cfg.run.log_every == 0 or step == last or "val_loss" in record:
+    if log:
         run.writer.log(record)
         lines = s.extras.after_log(record)  # the rank-balance warning
         if run.is_logger:

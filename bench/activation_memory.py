@@ -20,7 +20,7 @@ The formula (``formula_bytes``, computed by planning/memory_estimate.py) lists w
 in elements, for batch b, sequence s, model dim h, SwiGLU hidden size H and a query heads, on the SDPA path that CPU takes for fp32 causal
 attention (``_scaled_dot_product_flash_attention_for_cpu``, which keeps a logsumexp, not the s x s scores):
 
-    each RMSNorm            x (bsh), rsqrt(mean x^2) (bs), x * rsqrt (bsh)                  x 2 norms
+    each RMSNorm            x (bsh), rsqrt(mean x^2) (bs, fp32)                             x 2 norms
     wq/wk/wv (shared) input norm output (bsh)                  <- gathered in full under SP
     SDPA                    q after rotary (bsh), k and v after rotary at their own kv heads (2 bsg, with
                             g = n_kv_heads x head_dim: SDPA's enable_gqa, no repeated copies), output (bsh;
@@ -28,12 +28,22 @@ attention (``_scaled_dot_product_flash_attention_for_cpu``, which keeps a logsum
     w1/w3 (shared) input    norm output (bsh)                  <- gathered in full under SP
     SwiGLU                  w1 out (bsH), silu(w1 out) (bsH), w3 out (bsH), product = w2 input (bsH)
 
-    one process:   8 bsh + 2 bsg + 4 bsH + 2 bs + abs
-    TP, no SP:     6 bsh + 2 bs + (2 bsh + 2 bsg + 4 bsH + abs) / t          norms and residual replicated
-    TP + SP:       2 bsh + (6 bsh + 2 bsg + 4 bsH + 2 bs + abs) / t          only the two gathered inputs replicated
-    TP + SP, rg:   (8 bsh + 2 bsg + 4 bsH + 2 bs + abs) / t                  all / t
+    one process:   6 bsh + 2 bsg + 4 bsH + 2 bs + abs
+    TP, no SP:     4 bsh + 2 bs + (2 bsh + 2 bsg + 4 bsH + abs) / t          norms and residual replicated
+    TP + SP:       2 bsh + (4 bsh + 2 bsg + 4 bsH + 2 bs + abs) / t          only the two gathered inputs replicated
+    TP + SP, rg:   (6 bsh + 2 bsg + 4 bsH + 2 bs + abs) / t                  all / t
 
-times 4 bytes in fp32. DTensor's ColwiseParallel saves the all-gathered input it multiplied, so with plain SP
+times 4 bytes in fp32 (the bs terms are fp32 in any dtype: the norms' rsqrt, attention's log-sum-exp). The
+norms keep their input and the rsqrt only (models/llama.py: ``_RMSNormFunction``, which recomputes x * rsqrt in
+backward); composed of plain ops they kept an fp32 copy of the input and x * rsqrt besides (8 bsh then).
+
+**bf16 against Korthikanti et al.** (``korthikanti_bytes``): the paper counts, per layer in 16 bits, every tensor
+a GPT block saves, 34 sbh bytes with flash attention. Its count for *this* block's kernels (RMSNorm, GQA,
+fused attention, SwiGLU, no dropout) keeps each norm's input, the inputs of wq/wk/wv and w1/w3, q, k and v,
+attention's output, and SwiGLU's four hidden tensors: 2 (6 bsh + 2 bsg + 4 bsH) bytes. The bench measures
+one block in bf16 beside it; what remains is fp32 bookkeeping (the rsqrt and the log-sum-exp, 2 bs + abs
+elements of 4 bytes). 34 sbh itself is for a GPT block: a 4h GeLU MLP (19 sbh with its dropout mask) where
+Llama's SwiGLU keeps four tensors of H = 3.5h (28 sbh at the 8B shape), k and v at full width, and dropout masks. DTensor's ColwiseParallel saves the all-gathered input it multiplied, so with plain SP
 2 bsh stays. Megatron-LM's sequence parallelism keeps the *sharded* input of the first column-parallel matmul
 and all-gathers it again in backward, so there everything is divided by t (the "all / t" column);
 ``parallel.sp_regather`` does the same here (mesh/tensor_parallel.GatherSavingShard), at the price of one more
@@ -93,7 +103,13 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 
 def measure_block(
-    args: ModelArgs, batch: int, seq: int, tp: int = 1, sequence_parallel: bool = False, regather: bool = False
+    args: ModelArgs,
+    batch: int,
+    seq: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    regather: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """Bytes autograd saves in one block's forward on this rank (tp > 1: inside a process group of tp ranks)."""
     from mesh.materialize import materialize_weights
@@ -113,10 +129,10 @@ def measure_block(
             regather=regather,
         )
     materialize_weights(model, torch.device("cpu"), seed=0)
-    block = model.layers["0"]
+    block = model.layers["0"].to(dtype)
     local_seq = seq // tp if sequence_parallel else seq  # with SP the block receives this rank's sequence shard
     # The block's input comes from the previous layer, so it requires grad like any activation.
-    x = torch.randn(batch, local_seq, args.dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = torch.randn(batch, local_seq, args.dim, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
     state = {storage_ptr(t) for t in (*model.parameters(), *model.buffers())}
     with SavedBytes(exclude=state) as saved:
         out = block(x, model.rope_cos, model.rope_sin)
@@ -156,6 +172,14 @@ def formula_bytes(
     return layer_activation_bytes(args, 0, layout, "none")
 
 
+def korthikanti_bytes(args: ModelArgs, batch: int, seq: int, dtype_bytes: int = 2) -> float:
+    """Korthikanti et al.'s per-layer count (every saved tensor once, in the compute dtype) for this block's
+    kernels: the norms' inputs, the inputs of wq/wk/wv and w1/w3, q, k, v, attention's output, SwiGLU's four
+    hidden tensors (module docstring)."""
+    n, h, g = batch * seq, args.dim, args.n_kv_heads * args.head_dim
+    return dtype_bytes * (6 * n * h + 2 * n * g + 4 * n * args.hidden_dim)
+
+
 def table(args: ModelArgs = BENCH_ARGS, batch: int = BATCH, seq: int = SEQ, layouts=LAYOUTS) -> list[dict]:
     from launch.spawn import run_on_ranks
 
@@ -189,11 +213,25 @@ def main() -> None:
             f"{r['layout']:<13} {r['bytes']:>11,} {r['bytes'] / one:>9.4f} {r['formula']:>11,.0f} "
             f"{r['bytes'] / r['formula']:>10.4f} {1 / r['tp']:>8.4f}"
         )
+    bf16 = measure_block(args, b, s, dtype=torch.bfloat16)["bytes"]
+    paper = korthikanti_bytes(args, b, s)
+    print(
+        f"one process, bf16: measured {bf16:,}, formula {formula_bytes(args, b, s, dtype_bytes=2):,.0f}, "
+        f"Korthikanti's count for these kernels 2(6bsh + 2bsg + 4bsH) = {paper:,.0f}: {bf16 / paper:.4f}"
+    )
+    from planning.presets import PRESETS
+
+    llama8b = PRESETS["llama3-8b"]
+    print(
+        f"Llama-3-8B shape, s=8192, bf16, per layer: formula {formula_bytes(llama8b, 1, 8192, dtype_bytes=2) / 1e9:.3f} GB, "
+        f"Korthikanti for these kernels {korthikanti_bytes(llama8b, 1, 8192) / 1e9:.3f} GB, "
+        f"the paper's 34sbh for a GPT block {34 * 8192 * 4096 / 1e9:.3f} GB"
+    )
     print("formula, in elements (x 4 bytes):")
-    print("  one process  8bsh + 2bsg + 4bsH + 2bs + abs")
-    print("  TP, no SP    6bsh + 2bs + (2bsh + 2bsg + 4bsH + abs)/t")
-    print("  TP + SP      2bsh + (6bsh + 2bsg + 4bsH + 2bs + abs)/t")
-    print("  TP + SP, rg  (8bsh + 2bsg + 4bsH + 2bs + abs)/t   (parallel.sp_regather: the gathered inputs as shards)")
+    print("  one process  6bsh + 2bsg + 4bsH + 2bs + abs")
+    print("  TP, no SP    4bsh + 2bs + (2bsh + 2bsg + 4bsH + abs)/t")
+    print("  TP + SP      2bsh + (4bsh + 2bsg + 4bsH + 2bs + abs)/t")
+    print("  TP + SP, rg  (6bsh + 2bsg + 4bsH + 2bs + abs)/t   (parallel.sp_regather: the gathered inputs as shards)")
     print(
         "'all / t': Megatron-LM's SP (and SP+rg), which keeps the sharded, not the gathered, input of the first matmuls"
     )

@@ -15,7 +15,7 @@
 Formulas, per layer and rank, in elements (x 4 bytes in fp32), for batch b, sequence s, n = s/cp tokens per
 rank, L = s/(2cp) per chunk, model dim h, kv width g = kv_heads x head_dim, SwiGLU hidden H, a query heads:
 
-    outside attention (norms, matmul inputs, SwiGLU)   6bnh + 2bn + 4bnH          (n = s on one process)
+    outside attention (norms, matmul inputs, SwiGLU)   4bnh + 2bn + 4bnH          (n = s on one process)
     one process:  q; k, v at kv heads; output; lse     2bsh + 2bsg + abs
     ring:         q; k, v at kv heads; output; lse     2bnh + 2bng + abn          (nothing of size s)
     allgather:    q; all s keys and values at kv heads, in global order (every block is a view of them);
@@ -75,7 +75,7 @@ def formula_bytes(args: ModelArgs, batch: int, seq: int, cp: int, rank: int, alg
     b, h, hidden, a = batch, args.dim, args.hidden_dim, args.n_heads
     g = args.n_kv_heads * args.head_dim
     n = seq // cp
-    outside = 6 * b * n * h + 2 * b * n + 4 * b * n * hidden
+    outside = 4 * b * n * h + 2 * b * n + 4 * b * n * hidden  # norms: their input and rsqrt (models/llama.py)
     if cp == 1:
         return 4 * (outside + 2 * b * seq * h + 2 * b * seq * g + a * b * seq)
     keys = n if algorithm == "ring" else seq  # the ring holds this rank's keys; the all-gather every rank's

@@ -17,7 +17,7 @@ until the queue has drained; the GPU then idles while the host catches up. docs/
 
    It is a ``TorchDispatchMode`` (every aten op, autograd's backward included) with a ``TorchFunctionMode``
    beside it (``.tolist()`` and ``.numpy()`` read a CPU tensor's memory without any aten op). Each sync is
-   recorded with the innermost frame of meshloom's own code on the stack (``training/step.py:global_loss_and_norm``,
+   recorded with the innermost frame of meshloom's own code on the stack (``training/step.py:read_step``,
    ``mesh/expert_parallel.py:_dispatch``); a sync inside torch is charged to the meshloom line that called it.
    On a CPU every tensor is a host tensor, so the counter counts an op even where, on a GPU, its tensor lives
    on the host and costs no device sync (torch's AdamW keeps its step counter on the host): ``REASONS`` says
@@ -154,6 +154,7 @@ SMALL = {
 # name: (ranks, config, overrides)
 LAYOUTS = {
     "one process": (1, DEBUG_CONFIG, {}),
+    "log every 10": (1, DEBUG_CONFIG, {"run.log_every": 10}),  # the measured step is not a log step
     "fsdp2": (2, DEBUG_CONFIG, {"parallel.dp_shard": 2}),
     "tp2": (2, DEBUG_CONFIG, {"parallel.tp": 2, "parallel.dp_shard": 1}),
     "pp2": (2, DEBUG_CONFIG, {"parallel.pp": 2, "parallel.dp_shard": 1}),
@@ -170,7 +171,8 @@ LAYOUTS = {
 
 
 # Every site that syncs today: (waits for the device on a GPU, why it is there).
-LOSS = "training/step.py:global_loss_and_norm _local_scalar_dense"
+LOSS = "training/step.py:read_step tolist"
+FINITE = "training/step.py:read_step _local_scalar_dense"
 OPTIMIZER = "training/optimizer.py:step _local_scalar_dense"
 STOP_AGREEMENT = "runtime/process.py:gather_floats tolist"
 EMBEDDING_MASK = "models/llama.py:forward boolean index"
@@ -180,8 +182,13 @@ CAPACITY = "models/moe.py:forward _local_scalar_dense"
 REASONS = {
     LOSS: (
         True,
-        "the step's loss and gradient norm, read for the log line and the divergence check (every rank stops "
-        "before a non-finite step is applied); the second read finds the device idle already",
+        "on a log step, the loss and gradient norm of this step and of the unlogged steps before it, in one "
+        "read: for the log line and the divergence check (every rank stops before a non-finite step is applied)",
+    ),
+    FINITE: (
+        True,
+        "on a step that is not logged, only whether the loss and gradient norm are finite: the divergence check "
+        "must know before the optimizer step (the step's one read; the values wait for the next log step)",
     ),
     OPTIMIZER: (
         False,

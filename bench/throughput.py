@@ -21,7 +21,7 @@ What is timed, per step (medians over steps > ``--warmup``):
   neighbouring steps of one process share the machine's state, so the overhead of meshloom against plain
   PyTorch is read from these pairs.
 - meshloom layouts: ``train.train`` with the layout's overrides. ``full`` is the same start-to-start time
-  (measured by wrapping ``train.device_time``, which train.py calls at the start and the end of each
+  (measured by wrapping ``training.step.clock_reading``, which train_step calls at the start and the end of each
   step's timed window), so it includes everything train.py does per step: logging, checkpoint checks, the
   stop agreement. ``tokens_per_s`` in metrics.jsonl times only the window, and is printed as ``window``.
 
@@ -170,10 +170,10 @@ def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = Fa
     import training.step
     from runtime.config import load_config
 
-    calls: list[tuple[float, float]] = []  # (wall, cpu) at each device_time call: a step's start, then its end
+    calls: list[tuple[float, float]] = []  # (wall, cpu) at each clock_reading call: a step's start, then its end
     plain_spans: list[tuple[float, float]] = []  # (wall, cpu) a plain step took, inside meshloom's step k
     plain = PlainLoop(config, overrides, run_dir + "-plain") if paired else None
-    timed = training.step.device_time
+    timed = training.step.clock_reading
 
     def recording(device):
         now = timed(device)
@@ -184,12 +184,12 @@ def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = Fa
             plain_spans.append((time.perf_counter() - wall, time.process_time() - cpu))
         return now  # meshloom's own window ends before the plain step
 
-    training.step.device_time = recording  # train_step reads it at each step's start and end
+    training.step.clock_reading = recording  # train_step reads it at each step's start and end
     try:
         records = train.train(load_config(path=config, overrides={**overrides, "run.dir": run_dir}))
     finally:
-        training.step.device_time = timed
-    assert len(calls) == 2 * len(records), "train_step no longer calls device_time exactly twice a step"
+        training.step.clock_reading = timed
+    assert len(calls) == 2 * len(records), "train_step no longer calls clock_reading exactly twice a step"
     starts = calls[::2]
     inserted = plain_spans or [(0.0, 0.0)] * len(records)
     result = {

@@ -80,7 +80,7 @@ class GlobalBatchLoader:
         self.vocab_size = vocab_size  # every id read must be below it (None: not checked)
         # The ids as the check reads them: an in-memory corpus (always on the host) through a numpy view made
         # once here, so that no torch op on the step's path reads a tensor back (bench/host_syncs.py).
-        self.host_ids = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
+        self.host_ids = self.tokens.numpy() if isinstance(self.tokens, torch.Tensor) else self.tokens
         self.tokens_consumed = 0  # position in the global stream, identical on every rank
 
     def window_starts(self, position: int) -> torch.Tensor:

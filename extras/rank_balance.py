@@ -6,7 +6,7 @@ same and hides it. What differs is the time each rank spends working rather than
 
 1. **Clock** (``compute_clock``). On CPU, the training thread's CPU time (``time.thread_time``): the thread
    burns it while it computes, and sleeps while a gloo collective waits for a peer (gloo's own threads move
-   the bytes). On CUDA, the step's wall time on the host once the device is idle (``device_time``): NCCL's
+   the bytes). On CUDA, the step's wall time on the host (the step's one read waits for the device): NCCL's
    kernels keep the device busy while they wait, so this reading sees imbalance only where no collective
    is in flight (not measured here: no GPU).
 2. **Exchange.** Each rank's compute seconds for the step ride on the stop agreement that every step already
@@ -40,7 +40,7 @@ WARN_AFTER = 3  # logged steps in a row above the rule before the console warns
 
 def compute_clock(device: torch.device, wall: float | None = None) -> float:
     """Step 1: a reading in seconds of this rank's own work: the training thread's CPU time, or on CUDA the
-    device-synced wall time (``wall``, a ``device_time`` reading the step takes anyway, so no extra sync)."""
+    host's wall time (``wall``, a ``time.perf_counter`` reading the step passes in; no sync of its own)."""
     if device.type == "cuda":
         return device_time(device) if wall is None else wall
     return time.thread_time()
@@ -70,11 +70,11 @@ class RankBalance(Extra):
         self.compute_s = 0.0  # the last step's compute seconds, shared on the stop agreement (step 2)
 
     def start(self, wall: float) -> None:
-        """At the step's start; ``wall`` is the step's own ``device_time`` reading."""
+        """At the step's start; ``wall`` is the step's own host clock reading."""
         self.started = compute_clock(self.device, wall)
 
     def elapsed(self, wall: float) -> float:
-        """The step's compute seconds on this rank; ``wall`` is the step's closing ``device_time`` reading."""
+        """The step's compute seconds on this rank; ``wall`` is the step's closing host clock reading."""
         return compute_clock(self.device, wall) - self.started
 
     def step_started(self, wall: float) -> None:

@@ -2,10 +2,13 @@
 
 ``apply_fsdp`` does, in order:
 
-1. Wrap each transformer block in its own FSDP unit, then the root (embedding, final norm, head). A unit's
-   parameters are all-gathered just before its forward (and again before its backward when it resharded
-   after forward), and its gradients are reduce-scattered right after its backward: only one or two
-   blocks are ever unsharded at a time.
+1. Wrap each transformer block in its own FSDP unit, the embedding in one, the final norm with the head in
+   another (``vocabulary_units``), then the root (what is left: nothing but buffers in models/llama.py). A
+   unit's parameters are all-gathered just before its forward (and again before its backward when it
+   resharded after forward), and its gradients are reduce-scattered right after its backward: only one or two
+   blocks, and never both vocabulary matrices, are unsharded at a time. A vocabulary matrix is V x h: at a
+   128k vocabulary and h = 16,384, 4 GB each in bf16; inside the root they stayed gathered from the first
+   forward to the last backward.
 2. On a 1-D mesh (dp_shard) every rank holds 1/dp_shard of each parameter, gradient and optimizer state.
    On a 2-D mesh (dp_replicate, dp_shard) that is HSDP: shard inside a group (a node), replicate across
    groups; a gradient is reduce-scattered inside the group, then all-reduced across the replicas.
@@ -17,8 +20,10 @@
    already its share of the global mean (its token-loss sum divided by the global token count), so the sum
    of the ranks' gradients is exactly the gradient of the global mean: the scaling happens once, in the
    loss. (FSDP's default would divide by the dp size a second time.)
-5. Prefetch: each block asks FSDP to start all-gathering the next block during its own forward, so the
-   communication overlaps compute on GPUs. Backward prefetching of the previous block is FSDP2's default.
+5. Prefetch: each unit asks FSDP to start all-gathering the next one during its own forward (the embedding
+   the first block, each block the next, the last block the norm and head), so the communication overlaps
+   compute on GPUs. Backward prefetching of the previous unit is FSDP2's default (it follows the reverse of
+   the forward order: the head, the last block, ..., the first block, the embedding).
 """
 
 from __future__ import annotations
@@ -46,6 +51,20 @@ def reshard_after_forward_policy(policy: str, is_last_block: bool, pipelined: bo
     if policy == "never" or pipelined:
         return False
     return not is_last_block
+
+
+def vocabulary_units(model: nn.Module) -> list[list[nn.Module]]:
+    """The groups of modules that become the vocabulary units: ``[[embedding], [final norm, head]]``, with
+    whichever of them this pipeline stage holds. A tied embedding and head share one weight, and an FSDP
+    unit owns its parameters, so there they stay in one unit with the norm: ``[[embedding, norm, head]]``,
+    gathered from the embedding's forward to its backward (after the head's): the root's behaviour before,
+    for what is one matrix rather than two."""
+    embedding, norm, head = (getattr(model, name, None) for name in ("tok_embeddings", "norm", "output"))
+    if embedding is not None and head is not None and embedding.weight is head.weight:
+        return [[embedding, norm, head]]
+    groups = [[embedding]] if embedding is not None else []
+    last = [m for m in (norm, head) if m is not None]
+    return groups + ([last] if last else [])
 
 
 def sum_gradients_across_replicas(module: FSDPModule) -> None:
@@ -100,12 +119,30 @@ def apply_fsdp(
             offload_policy=offload,
             reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, i == len(blocks) - 1, pipelined),
         )
-    # The root holds the embedding, final norm and head: used at the start of forward and again at the end
-    # (the head), then first in backward, so by default it stays gathered like the last block.
+    # The vocabulary units. The embedding is used first in forward and last in backward: it reshards after
+    # forward (it is all-gathered again for its backward, at the very end) like an ordinary block. The norm and
+    # head are used last in forward and first in backward, so by default they stay gathered like the last block
+    # (resharding would all-gather them again at once). Tied, the one unit is used at both ends: it reshards
+    # like an early block, so the matrix is gathered twice instead of held through the whole step.
+    vocab = []
+    for modules in vocabulary_units(model):
+        used_last = model.output in modules and model.tok_embeddings not in modules
+        unit = modules if len(modules) > 1 else modules[0]
+        fully_shard(
+            unit,
+            mesh=fsdp_mesh,
+            mp_policy=policy,
+            offload_policy=offload,
+            reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, used_last, pipelined),
+        )
+        vocab.append(modules[0])  # fully_shard on a list makes the first module the FSDPModule handle
+    # The root: the rest (the rotary buffers here), and the module whose forward starts and ends the step.
     root_reshard = reshard_after_forward_policy(reshard_after_forward, True, pipelined)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=root_reshard)
-    for module in [*expert_units, *blocks, model]:
+    for module in [*expert_units, *blocks, *vocab, model]:
         sum_gradients_across_replicas(module)
-    for block, next_block in zip(blocks, blocks[1:], strict=False):
-        block.set_modules_to_forward_prefetch([next_block])
+    order = [*(m for m in vocab if m is getattr(model, "tok_embeddings", None)), *blocks]
+    order += [m for m in vocab if m not in order]
+    for unit, next_unit in zip(order, order[1:], strict=False):
+        unit.set_modules_to_forward_prefetch([next_unit])
     return model

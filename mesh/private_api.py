@@ -251,13 +251,25 @@ def replicate_with_ddp(model, group, device: torch.device, **ddp_kwargs):
     return replicate(model, process_group=group, device_id=device, **ddp_kwargs)
 
 
-def offloads_to_host(module) -> bool:
-    """True when every parameter of FSDP unit ``module`` is managed with FSDP2's CPU offload."""
-    state = module._get_fsdp_state()
+def _param_groups(state) -> list:
     groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13+: a list of groups per unit
     if groups is None:  # torch 2.11: one group (or None) per unit
         groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-    params = [p for group in groups for p in group.fsdp_params]
+    return groups
+
+
+def fsdp_units(model) -> int:
+    """The FSDP units of ``model`` that hold parameters: one per ``fully_shard`` call (modules sharded together
+    as a list share one state; a root left with buffers only has no parameter group)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    states = {id(s): s for m in model.modules() if isinstance(m, FSDPModule) for s in [m._get_fsdp_state()]}
+    return sum(1 for state in states.values() if any(g.fsdp_params for g in _param_groups(state)))
+
+
+def offloads_to_host(module) -> bool:
+    """True when every parameter of FSDP unit ``module`` is managed with FSDP2's CPU offload."""
+    params = [p for group in _param_groups(module._get_fsdp_state()) for p in group.fsdp_params]
     return bool(params) and all(p.offload_to_cpu for p in params)
 
 

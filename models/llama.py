@@ -108,8 +108,34 @@ class ModelArgs:
 EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm's forward and backward, saving only what backward needs: the input in its own dtype and the fp32
+    rsqrt(mean(x^2) + eps) per token (Megatron's and Apex's fused RMSNorm keep the same two). Composed of
+    plain ops, autograd would keep an fp32 copy of a bf16 input and the normalised activation besides:
+    3 bytes per element more in bf16 (docs/mixed_precision.md, section 7). The arithmetic is in fp32 either way,
+    so the forward is bit for bit the composed one (and transformers' LlamaRMSNorm)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd  # recomputed: one multiply, instead of keeping it
+        grad_weight = (grad * normed.type_as(x)).sum(dim=tuple(range(grad.dim() - 1))).to(weight.dtype)
+        g = (grad * weight).float()
+        # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed)) over the last dimension
+        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+        return grad_x.type_as(x), grad_weight, None
+
+
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 for stability."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 for stability; saves its input and the fp32
+    rsqrt only (``_RMSNormFunction``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -117,9 +143,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rotary_tables(

@@ -16,10 +16,13 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    then shards everything over dp_shard x cp (mesh/dims.py), experts over the same ranks as efsdp x ep;
    dp_replicate (HSDP) holds copies. ``fsdp_cpu_offload`` moves the states to the host: 0 here.
 2. **Gathered weights** (``gathered_bytes``), only under FSDP, in the compute dtype (2 bytes in bf16, 4 in fp32):
-   without pipelining the root unit (embedding, final norm, head) stays gathered, and at the start of
-   backward two blocks are gathered (the last one, kept, and the next one, prefetched); the head's unsharded
-   gradient lives until the root reduces last, and the block being reduced holds its unsharded gradient
-   (in bf16 also the fp32 copy FSDP reduce-scatters: 2 + 4 bytes). With pipelining torch keeps a stage's
+   without pipelining the final norm and head (one unit, mesh/data_parallel.py: vocabulary_units) stay
+   gathered from their forward to their backward, and at the start of backward two blocks are gathered (the
+   last one, kept, and the next one, prefetched); the head's unsharded gradient lives until its unit reduces,
+   and the block being reduced holds its unsharded gradient (in bf16 also the fp32 copy FSDP reduce-scatters:
+   2 + 4 bytes). The embedding, a unit of its own, is gathered only around its forward and its backward, where
+   its peak (the embedding, its gradient and a block's) is counted when it is the larger one. A tied embedding
+   and head are one unit with the norm, gathered with the whole vocabulary table. With pipelining torch keeps a stage's
    units gathered and accumulates unsharded fp32 gradients until the step's last backward
    (torch/distributed/pipelining/stage.py: backward_maybe_with_nosync): (compute dtype + 4) bytes for every
    parameter of the rank's stages.
@@ -28,8 +31,8 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    (h = dim, g = n_kv_heads x head_dim, H = the FFN's hidden size, a = n_heads, w = bytes of the compute
    dtype, t = tp), counted from the ops that save tensors, the same list as bench/activation_memory.py:
 
-   - each RMSNorm: its input in fp32 (the ``x.float()`` copy in bf16; the input itself in fp32), the fp32
-     rsqrt per token and the normalised activation in the compute dtype: n·h·(4 + w) + 4n, twice;
+   - each RMSNorm: its input in the compute dtype and the fp32 rsqrt per token (models/llama.py's
+     ``_RMSNormFunction`` recomputes the normalised activation in backward): n·h·w + 4n, twice;
    - the inputs of wq/wk/wv and of w1/w3 (the norms' outputs): 2·n·h·w;
    - attention: q and the output n·h·w each; **k and v at their own n_kv_heads width**, 2·n·g·w (grouped-query
      attention: SDPA reads each k/v head for its query heads, no repeated copies); the fp32 log-sum-exp
@@ -228,7 +231,13 @@ def gathered_bytes(args: ModelArgs, layout: MemoryLayout, layers, first: bool, l
     blocks = sorted((gathered_parameters(layout, block_parameters(args, i)) for i in layers), reverse=True)
     root = gathered_parameters(layout, stage_parameters(args, [], first, last))
     head = args.vocab_size * args.dim / layout.tp if last else 0.0
-    return w * (root + sum(blocks[:2])) + w * head + grad_w * (blocks[0] if blocks else 0.0)
+    block_grad = grad_w * (blocks[0] if blocks else 0.0)
+    if args.tie_embeddings and first and last:  # one unit holds the table (and the norm), used at both ends
+        return w * (root + sum(blocks[:2])) + w * head + block_grad
+    embedding = args.vocab_size * args.dim / layout.tp if first else 0.0
+    head_end = w * (root - embedding + sum(blocks[:2])) + w * head + block_grad  # the head's backward
+    embedding_end = 2 * w * embedding + block_grad  # the embedding's backward, last: it, its gradient, a block's
+    return max(head_end, embedding_end)
 
 
 # ---- 3. activations ----------------------------------------------------------------------------------------
@@ -257,7 +266,7 @@ def layer_activation_terms(args: ModelArgs, layer_id: int, layout: MemoryLayout,
             gathers = (1 if moe else 2) if sp else (1 if moe else 0)  # without SP, an MoE layer gathers its chunks
             terms["collectives"] = n * h * w * (gathers + (1 if moe else 2) / shard)
         return terms
-    norm = n * h * (4 + w) + 4 * n
+    norm = n * h * w + 4 * n  # the input and the fp32 rsqrt (models/llama.py: _RMSNormFunction)
     terms = {
         "norms": 2 * norm / shard,
         "gathered": (1 if moe else 2) * n * h * w / (t if sp and layout.sp_regather else 1),

@@ -34,7 +34,9 @@ to connect to them and failed ("connectFullMesh ... Connection refused"; upstrea
 ``init_process_group`` therefore puts each restart attempt's keys under a prefix of its own.
 
 Timing: CUDA kernels run asynchronously, so a wall-clock reading means nothing until the device caught up.
-``device_time`` synchronizes the device first; on CPU it is plain ``time.perf_counter``.
+``device_time`` synchronizes the device first; on CPU it is plain ``time.perf_counter``. The training step
+times itself without waiting: ``clock_reading`` records a CUDA event in the stream (on CPU, ``perf_counter``),
+and ``seconds_between`` reads two of them once the host waits anyway (a log step's read).
 """
 
 from __future__ import annotations
@@ -258,6 +260,25 @@ def synchronize(device: torch.device) -> None:
     """Wait until ``device`` finished the work queued so far (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def clock_reading(device: torch.device) -> float | torch.cuda.Event:
+    """A point on the device's timeline without waiting for it: on CUDA an event recorded in the current stream,
+    on CPU ``time.perf_counter()``. Two readings give seconds with ``seconds_between``."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def seconds_between(start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+    """Seconds from ``start`` to ``end`` (``clock_reading``s); on CUDA it waits until the device has passed
+    ``end``: read it where the host waits for the device anyway."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0
 
 
 def device_time(device: torch.device) -> float:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.debug import CommDebugMode
 
 from launch.spawn import run_on_ranks
+from mesh.private_api import fsdp_units
 from models.llama import ModelArgs, Transformer
 from models.moe import MoEArgs
 from tests.api_path import (
@@ -47,8 +47,7 @@ def fsdp_step_collectives(dp_replicate: int, dp_shard: int, policy: str) -> dict
         out = model(my_slice(inputs))
     with CommDebugMode() as backward:
         loss_share(out, my_slice(targets), targets.numel()).backward()
-    units = sum(isinstance(m, FSDPModule) for m in model.modules())
-    return {"units": units, "forward": comm_counts(forward), "backward": comm_counts(backward)}
+    return {"units": fsdp_units(model), "forward": comm_counts(forward), "backward": comm_counts(backward)}
 
 
 @pytest.mark.parametrize(
@@ -59,9 +58,11 @@ def fsdp_step_collectives(dp_replicate: int, dp_shard: int, policy: str) -> dict
 def test_fsdp_gathers_each_unit_before_use_and_reduce_scatters_its_gradients_once(policy, regathered):
     r = run_on_ranks(fsdp_step_collectives, 2, 1, 2, policy)[0]
     units = r["units"]
-    assert units == 3  # 2 blocks + the root (embedding, final norm, head)
+    # 2 blocks, the embedding, the final norm with the head (mesh/data_parallel.py: vocabulary_units); the root
+    # keeps only buffers, so it has no parameters to gather
+    assert units == 4
     assert r["forward"] == {"_allgather_base_": units}
-    # `default` keeps the last block and the root gathered (their backward comes first); `never` keeps all
+    # `default` keeps the last block and the norm + head gathered (their backward comes first); `never` keeps all
     expected = {"_allgather_base_": regathered(units), "_reduce_scatter_base_": units}
     assert r["backward"] == {k: v for k, v in expected.items() if v}
 
@@ -152,13 +153,13 @@ def one_process_gradients(world: int) -> dict:
 @pytest.mark.parametrize(
     "dp_replicate, dp_shard, per_step",
     [
-        (1, 2, {"microbatch": {"reduce_scatter@shard": 3 * K}, "step": {"reduce_scatter@shard": 3}}),
+        (1, 2, {"microbatch": {"reduce_scatter@shard": 4 * K}, "step": {"reduce_scatter@shard": 4}}),
         (
             2,
             2,
             {
-                "microbatch": {"reduce_scatter@shard": 3 * K, "all_reduce@replicate": 3 * K},
-                "step": {"reduce_scatter@shard": 3 * K, "all_reduce@replicate": 3},
+                "microbatch": {"reduce_scatter@shard": 4 * K, "all_reduce@replicate": 4 * K},
+                "step": {"reduce_scatter@shard": 4 * K, "all_reduce@replicate": 4},
             },
         ),
     ],
@@ -169,7 +170,7 @@ def test_step_sync_reduces_each_unit_once_per_step_instead_of_once_per_micro_bat
     expected = one_process_gradients(world)
     for grad_sync, calls in per_step.items():
         result = run_on_ranks(accumulate_counting_reductions, world, dp_replicate, dp_shard, grad_sync)[0]
-        # 3 units (2 blocks + root): FSDP reduce-scatters each unit K times, or once (K-1 fewer); HSDP keeps
+        # 4 units (2 blocks, the embedding, the norm + head): FSDP reduce-scatters each unit K times, or once (K-1 fewer); HSDP keeps
         # the reduce-scatter inside the shard group per micro-batch and all-reduces across replicas once.
         assert result["calls"] == calls, grad_sync
         for name, grad in expected.items():

@@ -17,6 +17,7 @@ from bench.host_syncs import (
     EMBEDDING_MASK,
     EP_SPLITS,
     EXPERT_LOAD,
+    FINITE,
     LAYOUTS,
     LOSS,
     OPTIMIZER,
@@ -49,10 +50,15 @@ def test_the_counter_sees_each_kind_of_host_sync_and_nothing_else():
 
 
 # One training step (debug model, 2 layers, one micro-batch per rank) on each rank, by site.
-_DENSE = {LOSS: 2, OPTIMIZER: 42, STOP_AGREEMENT: 1}  # 21 parameter tensors: AdamW reads 2 step counters each
-_MOE = {LOSS: 2, OPTIMIZER: 58, STOP_AGREEMENT: 1, EXPERT_LOAD: 1}  # 29 parameter tensors
+_DENSE = {
+    LOSS: 1,
+    OPTIMIZER: 42,
+    STOP_AGREEMENT: 1,
+}  # 21 parameter tensors: AdamW reads 2 step counters each
+_MOE = {LOSS: 1, OPTIMIZER: 58, STOP_AGREEMENT: 1, EXPERT_LOAD: 1}  # 29 parameter tensors
 PER_STEP = {
     "one process": [_DENSE],
+    "log every 10": [{FINITE: 1, OPTIMIZER: 42, STOP_AGREEMENT: 1}],  # not a log step: the finiteness flag only
     "fsdp2": [_DENSE, _DENSE],
     "tp2": [{**_DENSE, EMBEDDING_MASK: 1}] * 2,
     "pp2": [{**_DENSE, OPTIMIZER: 20}, {**_DENSE, OPTIMIZER: 22}],  # stage 0: 10 tensors, stage 1: 11
@@ -86,9 +92,32 @@ def test_host_syncs_per_step_are_as_documented(layout, measured):
         )
 
 
-def test_only_the_logging_reads_wait_for_the_device_in_dense_layouts(measured):
-    # the loss and the gradient norm; the optimizer's and the stop agreement's reads are host tensors on a GPU
-    for layout in ("one process", "fsdp2", "pp2", "cp2 ring", "cp2 allgather"):
-        assert [device_syncs(c) for c in measured[layout]] == [2] * len(measured[layout]), layout
+def test_one_read_per_step_waits_for_the_device_in_dense_layouts(measured):
+    # the loss and the gradient norm in one read on a log step, their finiteness alone on any other step; the
+    # optimizer's and the stop agreement's reads are host tensors on a GPU
+    for layout in ("one process", "log every 10", "fsdp2", "pp2", "cp2 ring", "cp2 allgather"):
+        assert [device_syncs(c) for c in measured[layout]] == [1] * len(measured[layout]), layout
     # expert parallelism adds what its all-to-all needs: one read of the split sizes per MoE layer
-    assert [device_syncs(c) for c in measured["moe ep2"]] == [2 + 1 + 2] * 2
+    assert [device_syncs(c) for c in measured["moe ep2"]] == [1 + 1 + 2] * 2
+
+
+def every_and_sparse_records(run_dir: str) -> tuple[list[dict], list[dict]]:
+    """Rank body: the same 5 steps logged every step, and with run.log_every 3."""
+    from launch.local_runs import run_training
+
+    every = run_training({"model.n_layers": 2, "training.steps": 5}, f"{run_dir}/every")
+    sparse = run_training({"model.n_layers": 2, "training.steps": 5, "run.log_every": 3}, f"{run_dir}/sparse")
+    return every, sparse
+
+
+def test_steps_between_log_steps_get_their_loss_norm_and_throughput_on_the_next_log_step(tmp_path):
+    # run.log_every 3 over 5 steps: steps 1-2 are read with step 3, step 4 with step 5 (the last step is logged).
+    # On a spawned rank: train() in the pytest process would leave its process group behind for other tests.
+    from launch.local_runs import read_metrics
+    from launch.spawn import run_on_ranks
+
+    every, sparse = run_on_ranks(every_and_sparse_records, 1, str(tmp_path))[0]
+    assert [r["loss"] for r in sparse] == [r["loss"] for r in every]  # the same numbers, read later
+    assert [r["grad_norm"] for r in sparse] == [r["grad_norm"] for r in every]
+    assert all(r["tokens_per_s"] > 0 for r in sparse)
+    assert [r["step"] for r in read_metrics(tmp_path / "sparse")] == [3, 5]

@@ -36,29 +36,29 @@ def test_memory_split_matches_a_hand_worked_example():
     """dim h = 16, 2 heads of 8 (kv width g = 16), FFN H = 32, vocabulary V = 32, 8 layers, w = 4 bytes (fp32).
 
     Per block: parameters 2h^2 + 2hg + 3hH + 2h = 512 + 512 + 1,536 + 32 = 2,592, states 16 x 2,592 = 41,472 B.
-    Activations per micro-batch of n = 64 tokens (planning/memory_estimate.py, item 3): norms 2(n h (4 + w) + 4n)
-    = 16,896; the two gathered inputs 2 n h w = 8,192; attention (2 n h w + 2 n g w + 4 n a) = 16,896; SwiGLU
-    4 n H w = 32,768; in all A = 74,752 B. The embedding 16 x 512 = 8,192 B on stage 0; head + norm
+    Activations per micro-batch of n = 64 tokens (planning/memory_estimate.py, item 3): norms 2(n h w + 4n)
+    = 8,704; the two gathered inputs 2 n h w = 8,192; attention (2 n h w + 2 n g w + 4 n a) = 16,896; SwiGLU
+    4 n H w = 32,768; in all A = 66,560 B. The embedding 16 x 512 = 8,192 B on stage 0; head + norm
     16 x 528 = 8,448 B and logits 12 x 64 x 32 = 24,576 B on stage 3 (33,024 B).
     1F1B with 4 micro-batches: rank r holds 4 - r micro-batches, so a block costs S + (4 - r) A there:
-    340,480 | 265,728 | 190,976 | 116,224.
-      params (2,2,2,2): 689,152 | 531,456 | 381,952 | 265,472 (max/min 2.60).
-      memory: stage 3 with 4 blocks is 497,920; stage 0 or 1 with 2 blocks is at least 531,456, so they get
-      one each, stage 2 the remaining two: (1,1,2,4) -> 348,672 | 265,728 | 381,952 | 497,920 (max/min 1.87);
-      any other cut puts 2 blocks on stage 0 or 1, or 5 on stage 3 (614,144), or 3 on stage 2 (572,928).
+    307,712 | 241,152 | 174,592 | 108,032.
+      params (2,2,2,2): 623,616 | 482,304 | 349,184 | 249,088 (max/min 2.50).
+      memory: stage 3 with 4 blocks is 465,152; stage 0 or 1 with 2 blocks is at least 482,304, so they get
+      one each, stage 2 the remaining two: (1,1,2,4) -> 315,904 | 241,152 | 349,184 | 465,152 (max/min 1.93);
+      any other cut puts 2 blocks on stage 0 or 1, or 5 on stage 3 (573,184), or 3 on stage 2 (523,776).
     With full checkpointing a block keeps only its input, n h w = 4,096 B per micro-batch, and each rank
-    rebuilds one block (74,752 - 4,096 = 70,656 B): S + (4 - r) 4,096 = 57,856 | 53,760 | 49,664 | 45,568,
-    and (2,2,2,2) gives 194,560 | 178,176 | 169,984 | 194,816, which no move of one layer improves (stage 2
-    with 3 blocks: 219,648; stage 1 with 3: 231,936): the split stays even.
+    rebuilds one block (66,560 - 4,096 = 62,464 B): S + (4 - r) 4,096 = 57,856 | 53,760 | 49,664 | 45,568,
+    and (2,2,2,2) gives 186,368 | 169,984 | 161,792 | 186,624, which no move of one layer improves (stage 2
+    with 3 blocks: 211,456; stage 1 with 3: 223,744): the split stays even.
     """
     none, full = hand_layout("none"), hand_layout("full")
-    assert HAND.layer_params(0) == 2_592 and layer_activation_bytes(HAND, 0, none) == 74_752
-    assert rank_peaks(HAND, none, [2, 2, 2, 2], "1F1B") == [689_152, 531_456, 381_952, 265_472]
+    assert HAND.layer_params(0) == 2_592 and layer_activation_bytes(HAND, 0, none) == 66_560
+    assert rank_peaks(HAND, none, [2, 2, 2, 2], "1F1B") == [623_616, 482_304, 349_184, 249_088]
     assert memory_split(HAND, none, 4, "1F1B") == [1, 1, 2, 4]
-    assert rank_peaks(HAND, none, [1, 1, 2, 4], "1F1B") == [348_672, 265_728, 381_952, 497_920]
+    assert rank_peaks(HAND, none, [1, 1, 2, 4], "1F1B") == [315_904, 241_152, 349_184, 465_152]
     assert [len(s) for s in split_layers(HAND, 4, "params", 32)] == [2, 2, 2, 2]
     assert memory_split(HAND, full, 4, "1F1B") == [2, 2, 2, 2]
-    assert rank_peaks(HAND, full, [2, 2, 2, 2], "1F1B") == [194_560, 178_176, 169_984, 194_816]
+    assert rank_peaks(HAND, full, [2, 2, 2, 2], "1F1B") == [186_368, 169_984, 161_792, 186_624]
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULE_FAMILIES))

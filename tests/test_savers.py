@@ -24,7 +24,7 @@ from runtime.config import ConfigError, help_text, load_config
 from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 from train import check_config
 
-UNITS = 5  # FSDP units of the debug model: 4 blocks + the root (embedding, final norm, head)
+UNITS = 6  # FSDP units of the debug model: 4 blocks, the embedding, the final norm with the head (the root: buffers)
 
 
 # ---- misuse is refused before any process group ------------------------------------------------------------
@@ -228,7 +228,7 @@ def offload_applied(overrides: dict) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     from mesh.dims import build_mesh
-    from mesh.private_api import offloads_to_host
+    from mesh.private_api import fsdp_units, offloads_to_host
     from planning.options import model_parts
     from planning.plan import LayoutPlan
 
@@ -236,8 +236,8 @@ def offload_applied(overrides: dict) -> bool:
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
     meshes = build_mesh(plan.dims, torch.device("cpu"), timeout_s=60)
     model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    return len(units) == UNITS and all(offloads_to_host(u) for u in units)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]  # the root has no parameters
+    return fsdp_units(model) == UNITS and all(offloads_to_host(u) for u in units)
 
 
 @pytest.mark.parametrize(

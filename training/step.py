@@ -1,6 +1,7 @@
 """One optimizer step on any layout: the numbered steps of ``train_step``.
 
-1. Read this rank's slice of the next global batch (data/loader.py) and start the step's clock.
+1. Read this rank's slice of the next global batch (data/loader.py) and start the step's clock (a CUDA event on a
+   GPU, ``time.perf_counter`` on CPU: no wait for the device).
 2. Forward and backward of each micro-batch (``forward_backward``); the loss that is backpropagated is the
    token-loss sum divided by the *global* token count (training/loss.py), so data-parallel ranks sum their
    gradients and the scale is applied once. With ``grad_sync = step`` only the last micro-batch's backward
@@ -11,15 +12,22 @@
    over the dp and cp ranks and the pp stages; only last-stage ranks hold a non-zero sum), the gradient norm
    the norm of the whole model's gradient (clipped to ``grad_clip``).
 5. A loss or norm that is not finite stops every rank together, before the step reaches the weights
-   (``DivergenceError``): every rank holds the same global numbers.
+   (``DivergenceError``): every rank holds the same global numbers. This is the step's one host read
+   (``read_step``): on a log step the loss and norm themselves, of this step and of the unlogged steps before it,
+   in one ``tolist``; on any other step only whether both are finite. The guard needs the answer before the
+   optimizer step, so it is one read per step, never two.
 6. The optimizer step (after an async save's copy is taken: the step changes what it copies), then the MoE
    layers' global expert load and their aux-loss-free bias update from it.
-7. The step's clock stops; the extras' ``after_step`` hooks run (extras/base.py); the record is returned.
+7. The step's clock stops; the extras' ``after_step`` hooks run (extras/base.py); the record is returned. On a
+   log step the records of the steps since the last log get their loss, norm and tokens/s (read in step 5 and
+   from the clock, whose events the device has passed by then); on other steps they wait, so a record is
+   complete once a later log step (the last step is always one) has run.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,7 +40,7 @@ from mesh.grad_clip import clip_grad_norm
 from mesh.pipeline import build_pipeline_schedule, run_schedule
 from mesh.tensor_parallel import loss_context, loss_value, reduce_partial_gradients, sum_token_split_gradients
 from runtime.failures import phase
-from runtime.process import device_time, sum_over
+from runtime.process import clock_reading, seconds_between, sum_over
 from training.loss import LossDivisor, divisor, token_loss_sum
 from training.metrics import peak_memory_bytes
 from training.profiling import named_range
@@ -72,6 +80,7 @@ class StepParts:
     grad_clip: float = 1.0
     advice: str = ""  # what a DivergenceError suggests (``divergence_advice``)
     before_update: Callable[[], None] = lambda: None  # the checkpointer's wait for an async save's copy
+    unread: list = field(default_factory=list)  # the records not yet logged: (record, loss, norm, start, end)
     params: list = field(init=False)
     counted: list = field(init=False)
     moe_layer_ids: list[int] = field(init=False)
@@ -182,26 +191,40 @@ def accumulate_gradients(s: StepParts, batch, step: int) -> torch.Tensor:
     return loss_sum
 
 
-def global_loss_and_norm(s: StepParts, loss_sum: torch.Tensor, step: int) -> tuple[float, float]:
-    """Step 4: the global mean loss and the clipped model's gradient norm, the same on every rank."""
+def global_loss_and_norm(s: StepParts, loss_sum: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 4: the global mean loss and the clipped model's gradient norm, the same on every rank, on the device."""
     with phase(f"step {step}: loss sum and gradient norm", "device plane: the loss mesh (pp x dp x cp), pp"):
         sum_over(loss_sum, s.meshes.loss)
         s.optimizers.prepare_gradients()  # 1-bit Adam: the replicas' exchange (extras/onebit_adam.py)
         with named_range("gradient clipping"):
             grad_norm = s.optimizers.agree_on_norm(clip_grad_norm(s.params, s.grad_clip, s.meshes.pp, s.counted))
-        return (loss_sum / divisor(s.loader.trained_tokens)).item(), grad_norm.item()
+        return loss_sum / divisor(s.loader.trained_tokens), grad_norm
 
 
-def train_step(s: StepParts, step: int) -> dict:
-    """Steps 1-7 of the module docstring; returns the step's record (metrics.jsonl's fields so far)."""
-    start = device_time(s.device)
-    s.extras.step_started(start)
+def read_step(s: StepParts, loss: torch.Tensor, norm: torch.Tensor, log: bool) -> tuple[bool, list[float]]:
+    """Step 5's one host read: (the step is finite, the losses and norms read). On a log step, the loss and norm
+    of every unlogged step and of this one, in one ``tolist`` (the unlogged steps' pairs first, this step's
+    last); otherwise only whether both of this step's are finite, and nothing read."""
+    if not log:
+        return bool(torch.isfinite(torch.stack([loss, norm])).all()), []
+    pairs = [t for _, *pair, _, _ in s.unread for t in pair]
+    values = torch.stack([*(t.float() for t in pairs), loss.float(), norm.float()]).tolist()
+    return math.isfinite(values[-2]) and math.isfinite(values[-1]), values
+
+
+def train_step(s: StepParts, step: int, log: bool = True) -> dict:
+    """Steps 1-7 of the module docstring; returns the step's record (metrics.jsonl's fields so far). ``log``: the
+    loop logs this step, so the step reads its loss and norm (and those of the unlogged steps before it)."""
+    start = clock_reading(s.device)
+    s.extras.step_started(time.perf_counter())
     with named_range("data loading"):
         batch = s.loader.next_batch()
     loss, norm = global_loss_and_norm(s, accumulate_gradients(s, batch, step), step)
-    if not (math.isfinite(loss) and math.isfinite(norm)):  # step 5: nothing has changed yet
+    finite, values = read_step(s, loss, norm, log)
+    if not finite:  # step 5: nothing has changed yet
+        bad_loss, bad_norm = values[-2:] if values else torch.stack([loss.float(), norm.float()]).tolist()
         raise DivergenceError(
-            f"at step {step} the loss is {loss} and the gradient norm {norm}; the step was not applied "
+            f"at step {step} the loss is {bad_loss} and the gradient norm {bad_norm}; the step was not applied "
             f"and nothing was saved after step {step - 1}. {s.advice}"
         )
     lr = s.optimizers.lr
@@ -212,18 +235,29 @@ def train_step(s: StepParts, step: int) -> dict:
     tp_label = ", then tp (its ranks split the tokens)" if s.plan.dims.tp > 1 else ""
     with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)" + tp_label):
         moe_load = step_expert_load(s.parts, s.moe_layer_ids, s.meshes.loss, s.meshes.tp) if s.moe_layer_ids else {}
-    end = device_time(s.device)
-    s.extras.step_timed(end)
+    end = clock_reading(s.device)
+    s.extras.step_timed(time.perf_counter())
     s.extras.after_step(step)  # after the step is timed (a check step's throughput stays comparable)
-    tokens_per_s = s.plan.global_tokens / (end - start)
-    return {
+    record = {
         "step": step,
-        "loss": loss,
-        "grad_norm": norm,
+        "loss": None,  # these three on a log step (``fill_records``)
+        "grad_norm": None,
         "lr": lr,
-        "tokens_per_s": tokens_per_s,
-        **s.throughput.fields(tokens_per_s),
+        "tokens_per_s": None,
         "peak_mem_bytes": peak_memory_bytes(s.device),
         "tokens_consumed": s.loader.tokens_consumed,
         **load_metrics(moe_load),
     }
+    s.unread.append((record, loss, norm, start, end))
+    if log:
+        fill_records(s, values)
+    return record
+
+
+def fill_records(s: StepParts, values: list[float]) -> None:
+    """Step 7 on a log step: the unlogged records and this one get their loss, norm and tokens/s."""
+    for index, (record, _, _, start, end) in enumerate(s.unread):
+        tokens_per_s = s.plan.global_tokens / seconds_between(start, end)
+        record.update(loss=values[2 * index], grad_norm=values[2 * index + 1], tokens_per_s=tokens_per_s)
+        record.update(s.throughput.fields(tokens_per_s))
+    s.unread.clear()
