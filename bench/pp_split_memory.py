@@ -48,13 +48,13 @@ def step_peak(split: str) -> dict:
     from torch.utils._pytree import tree_leaves
 
     from mesh.dims import build_mesh
-    from mesh.pipeline import build_pipeline_schedule, run_schedule
+    from mesh.pipeline import run_schedule
     from planning.memory_estimate import MemoryLayout, rank_memory
     from planning.options import model_parts
     from planning.plan import LayoutPlan
     from runtime.config import load_config
-    from training.loss import token_loss_sum
     from training.optimizer import Optimizers
+    from training.step import pipeline_schedule
 
     class LiveBytes(TorchDispatchMode):
         """The peak of the bytes of op outputs created under the mode and still alive (step 2)."""
@@ -80,16 +80,7 @@ def step_peak(split: str) -> dict:
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), rank)
     meshes = build_mesh(plan.dims, device, timeout_s=120)
     parts = model_parts(cfg, plan, meshes, device)
-    schedule, _ = build_pipeline_schedule(
-        parts,
-        list(plan.stage_ids),
-        plan.n_stages,
-        schedule=plan.pp_schedule,
-        microbatches=plan.pp_microbatches,
-        pp_group=meshes.pp.get_group(),
-        device=device,
-        loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / plan.global_tokens,
-    )
+    schedule, _ = pipeline_schedule(parts, plan, meshes, device)  # the schedule train.py builds
     optimizers = Optimizers(parts, cfg)
     seq = cfg.training.seq_len
     tokens = torch.randint(0, plan.model.vocab_size, (plan.local_batch, seq + 1), generator=torch.Generator())
