@@ -1,4 +1,4 @@
-"""What gloo does when a rank misbehaves: the troubleshooting table of docs/combining.md, section 9.
+"""What gloo does when a rank misbehaves: the troubleshooting table of docs/combining.md, Appendix C.
 
     python -m bench.failure_modes        # four 2-rank torchrun launches, about a minute
 
