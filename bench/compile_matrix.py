@@ -1,4 +1,4 @@
-"""Which layouts ``training.compile`` runs: each eagerly and compiled, 3 steps, the loss compared (docs/profiling.md 8.5).
+"""Which layouts ``training.compile`` runs: each eagerly and compiled, 3 steps, the loss compared (docs/profiling.md Appendix A.5).
 
     python -m bench.compile_matrix                 # about 10 minutes on 2 CPU cores (compiling is most of it)
     python -m bench.compile_matrix one,tp2         # some of them

@@ -1,4 +1,4 @@
-"""Where a TP 2 step's time goes, next to one process: a profiled breakdown (docs/profiling.md, section 8.1).
+"""Where a TP 2 step's time goes, next to one process: a profiled breakdown (docs/profiling.md, Appendix A.1).
 
     python -m bench.tp_breakdown                 # about 2 minutes on 2 CPU cores
     python -m bench.tp_breakdown --set parallel.sp_regather=true --set training.activation_checkpoint=none

@@ -305,7 +305,7 @@ def expert_errors(dims: ParallelDims, cfg: Config) -> list[str]:
 
 
 def compile_errors(dims: ParallelDims, cfg: Config) -> list[str]:
-    """Layouts that ``training.compile`` cannot run in torch 2.13 (measured on CPU; docs/profiling.md, section 8.5).
+    """Layouts that ``training.compile`` cannot run in torch 2.13 (measured on CPU; docs/profiling.md, Appendix A.5).
 
     Each failed at its first step with the error quoted; they are refused here so that no run gets that far.
     (Zero-bubble pipeline schedules with compile are refused by ``pipeline_errors``, ``parallel.sp_regather`` with
