@@ -11,7 +11,7 @@ Two torchrun agents on this machine play two nodes of 2 ranks each (c10d rendezv
 Either way node A's launcher restarts its workers; the new rendezvous finds one node (the minimum), so the
 restarted run has a world of 2 instead of 4, and ``--checkpoint.resume auto`` loads the 4-rank checkpoint onto
 2 ranks (``dp_shard -1`` takes the whole world: FSDP 4 becomes FSDP 2). The loss curve is the one-process
-curve, before and after the change of world size, replayed steps included (docs/troubleshooting.md, section 4).
+curve, before and after the change of world size, replayed steps included (docs/troubleshooting.md, Appendix B).
 """
 
 from __future__ import annotations
