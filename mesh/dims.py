@@ -207,8 +207,10 @@ def _experts_within_dp_shard(world: DeviceMesh, dims: ParallelDims, options) -> 
     """The earlier layout: dp_shard = efsdp x ep (row-major), experts FSDP-sharded over (dp_replicate, efsdp)
     and replicated over tp, whose ranks then sum their expert gradients (``Meshes.experts_replicated_over_tp``)."""
     if dims.cp > 1:
-        raise ValueError(f"ep_within_dp_shard with cp={dims.cp}: experts would be FSDP-sharded over efsdp x cp "
-                         "with ep in between; build the default expert meshes (ep over dp_shard x cp x tp)")
+        raise ValueError(
+            f"ep_within_dp_shard with cp={dims.cp}: experts would be FSDP-sharded over efsdp x cp "
+            "with ep in between; build the default expert meshes (ep over dp_shard x cp x tp)"
+        )
     experts = unflatten_mesh(world, "dp_shard", (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"), options)
     return experts["ep"], experts[("dp_replicate", "efsdp") if dims.dp_replicate > 1 else ("efsdp",)]
 
