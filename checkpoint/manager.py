@@ -251,7 +251,7 @@ class CheckpointManager:
         self._log(
             f"checkpoint: resumed {self.resume_dir} at step {step}, {loader.tokens_consumed:,} tokens consumed; "
             f"saved on pp={saved['pp']} dp_replicate={saved['dp_replicate']} dp_shard={saved['dp_shard']} "
-            f"cp={saved.get('cp', 1)} tp={saved['tp']}, now {self.plan.dims.describe()}"
+            f"cp={saved.get('cp', 1)} tp={saved['tp']} ep={saved.get('ep', 1)}, now {self.plan.dims.describe()}"
         )
         self.resumed_step = self.last_saved = step
         return step

@@ -98,8 +98,8 @@ def apply_fsdp(
     blocks = list(model.layers.values())
     expert_units = []
     if meshes.expert_fsdp is not None:
-        # Expert weights are already sharded over ep; FSDP shards them further over the rest of dp_shard
-        # (efsdp) in units of their own, inside their block's unit.
+        # Expert weights are already sharded over ep; FSDP shards them further over the rest of dp_shard x cp
+        # x tp (efsdp, mesh/dims.py) in units of their own, inside their block's unit.
         for block in blocks:
             for module in block.modules():
                 if isinstance(module, MoE):

@@ -17,9 +17,21 @@
                are reduced (only the last pipeline stage holds a non-zero loss; each cp rank holds the sum
                over its own tokens; tp ranks hold copies of the loss, but split the tokens of each MoE
                layer, so mesh/expert_parallel.step_expert_load sums the load over tp as well).
-   - ``ep``, ``expert_fsdp``: with expert parallelism, dp_shard is *unflattened* into (efsdp, ep) within the
-               same root: ep ranks are consecutive dp_shard ranks, and expert weights are FSDP-sharded over
-               (dp_replicate, efsdp). (Not with cp > 1: planning/plan.py refuses ep with cp.)
+   - ``ep``, ``expert_fsdp``: with expert parallelism the ep ranks are borrowed from dp_shard x cp x tp. The
+               world is flattened and *unflattened* again, within the same root, into (pp, dp_replicate, efsdp,
+               ep): ep takes the innermost ranks of (dp_shard, cp, tp) (tp first, then cp, then dp_shard), efsdp
+               = dp_shard * cp * tp / ep the rest. Expert weights are sharded over ep, FSDP-sharded over
+               (dp_replicate, efsdp), and held by no other rank: never replicated over cp or tp.
+
+   For pp 1, dp_shard 2, tp 2 (ranks 0-3; rank = 2 * dp_shard coordinate + tp coordinate):
+
+       dense weights               experts, ep 4                experts, ep 2
+                dp_shard -->                  ep -->                      ep -->
+       tp  | rank 0  rank 2        rank 0  1  2  3             efsdp | rank 0: E0-1/2  rank 1: E2-3/2
+           v rank 1  rank 3        owns  E0 E1 E2 E3                 v rank 2: E0-1/2  rank 3: E2-3/2
+
+   Dense weights: FSDP over dp_shard, TP over tp. ep 4: rank r holds expert r whole. ep 2: the ep groups are
+   the tp pairs {0, 1} and {2, 3}; ranks 0 and 2 (an efsdp group) each hold half (FSDP) of experts 0-1.
 
    cp sits between dp_shard and tp: tp innermost keeps a tp group on consecutive ranks (inside a node),
    and cp next to it keeps the K/V exchange, which runs in every attention layer, as close as tp allows.
@@ -46,7 +58,8 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """The degrees, in the mesh's own order (``MESH_DIMS``), then ep (carved from dp_shard) and the world."""
+    """The degrees, in the mesh's own order (``MESH_DIMS``), then ep (borrowed from dp_shard x cp x tp) and the
+    world."""
 
     pp: int = 1
     dp_replicate: int = 1
@@ -96,11 +109,14 @@ class Meshes:
     pp: DeviceMesh
     cp: DeviceMesh  # the ranks that split this rank's sequences (context parallelism; size 1 without it)
     loss: DeviceMesh  # flattened (pp, dp_replicate, dp_shard, cp): loss sum and MoE load
-    ep: DeviceMesh | None = None  # MoE with ep > 1: the expert-parallel ranks (carved from dp_shard)
+    ep: DeviceMesh | None = None  # MoE with ep > 1: the expert-parallel ranks (from dp_shard x cp x tp)
     expert_fsdp: DeviceMesh | None = None  # ... and what FSDP shards expert weights over: (dp_replicate, efsdp)
+    # Whether every tp rank holds the same experts (each computing their gradient from its own tokens, so the
+    # gradients are summed over tp): without ep, or with ep carved from dp_shard alone (``ep_within_dp_shard``).
+    experts_replicated_over_tp: bool = True
 
     def all(self) -> dict[str, DeviceMesh]:
-        return {name: mesh for name, mesh in vars(self).items() if mesh is not None}
+        return {name: mesh for name, mesh in vars(self).items() if isinstance(mesh, DeviceMesh)}
 
 
 def mesh_backend_options(device: torch.device, timeout_s: float, host_tensors: bool = False):
@@ -124,12 +140,15 @@ def build_mesh(
     has_experts: bool = False,
     host_tensors: bool = False,
     fsdp_with_tp: bool = False,
+    ep_within_dp_shard: bool = False,
 ) -> Meshes:
     """The world mesh with named dims (pp, dp_replicate, dp_shard, cp, tp), and its named views (one root).
 
     ``host_tensors``: FSDP CPU offload; the groups must also reduce CPU tensors (``mesh_backend_options``).
     ``fsdp_with_tp``: FSDP will shard TP-sharded weights; add the flattened (dp_shard, cp, tp) group their
     gradient norm is reduced over (below).
+    ``ep_within_dp_shard``: the earlier expert layout, kept for comparison (bench/ep_placement.py): ep carved
+    from dp_shard alone, every expert replicated over tp (and cp > 1 not possible).
     """
     options = mesh_backend_options(device, timeout_s, host_tensors)
     world = init_device_mesh(
@@ -146,10 +165,7 @@ def build_mesh(
         flatten_mesh(world, ("dp_shard", "cp", "tp"), "dp_shard_cp_tp", options)
     ep = expert_fsdp = None
     if has_experts and dims.ep > 1:
-        # dp_shard = efsdp x ep, row-major: ep groups are runs of consecutive dp_shard ranks.
-        experts = unflatten_mesh(world, "dp_shard", (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"), options)
-        ep = experts["ep"]
-        expert_fsdp = experts[("dp_replicate", "efsdp") if dims.dp_replicate > 1 else ("efsdp",)]
+        ep, expert_fsdp = (_experts_within_dp_shard if ep_within_dp_shard else _expert_meshes)(world, dims, options)
     return Meshes(
         world=world,
         dp=flatten_mesh(world, ("dp_replicate", "dp_shard"), "dp", options),
@@ -160,7 +176,43 @@ def build_mesh(
         loss=flatten_mesh(world, ("pp", "dp_replicate", "dp_shard", "cp"), "pp_dp_cp", options),
         ep=ep,
         expert_fsdp=expert_fsdp,
+        experts_replicated_over_tp=ep is None or ep_within_dp_shard,
     )
+
+
+def _expert_meshes(world: DeviceMesh, dims: ParallelDims, options) -> tuple[DeviceMesh, DeviceMesh]:
+    """The ep mesh and the experts' FSDP mesh, with ep borrowing the innermost ranks of dp_shard x cp x tp.
+
+    1. Flatten the whole world into one dim (rank order is kept: the mesh is row-major).
+    2. Unflatten it again as (pp, dp_replicate, efsdp, ep): the same ranks, only the last three dims regrouped,
+       with efsdp = dp_shard * cp * tp / ep. Both are views of the one root, so no group exists twice.
+    3. Expert weights are sharded over ep and FSDP-sharded over (dp_replicate, efsdp): every (dp_replicate,
+       dp_shard, cp, tp) coordinate lies in exactly one (dp_replicate, efsdp, ep) one, so each expert's
+       gradient is summed over every rank whose tokens reached it, and over no rank twice.
+    """
+    efsdp = dims.dp_shard * dims.cp * dims.tp // dims.ep
+    flat = flatten_mesh(world, MESH_DIMS, "world_flat", options)
+    experts = unflatten_mesh(
+        flat,
+        "world_flat",
+        (dims.pp, dims.dp_replicate, efsdp, dims.ep),
+        ("experts_pp", "experts_dp_replicate", "efsdp", "ep"),
+        options,
+    )
+    fsdp = experts[("experts_dp_replicate", "efsdp") if dims.dp_replicate > 1 else ("efsdp",)]
+    return experts["ep"], fsdp
+
+
+def _experts_within_dp_shard(world: DeviceMesh, dims: ParallelDims, options) -> tuple[DeviceMesh, DeviceMesh]:
+    """The earlier layout: dp_shard = efsdp x ep (row-major), experts FSDP-sharded over (dp_replicate, efsdp)
+    and replicated over tp, whose ranks then sum their expert gradients (``Meshes.experts_replicated_over_tp``)."""
+    if dims.cp > 1:
+        raise ValueError(
+            f"ep_within_dp_shard with cp={dims.cp}: experts would be FSDP-sharded over efsdp x cp "
+            "with ep in between; build the default expert meshes (ep over dp_shard x cp x tp)"
+        )
+    experts = unflatten_mesh(world, "dp_shard", (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"), options)
+    return experts["ep"], experts[("dp_replicate", "efsdp") if dims.dp_replicate > 1 else ("efsdp",)]
 
 
 def _fsdp_with_cp(world: DeviceMesh, dims: ParallelDims, options) -> DeviceMesh:

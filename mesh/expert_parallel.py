@@ -20,13 +20,16 @@ count per expert; then:
 
 A rank that receives no tokens runs its experts on empty inputs and still joins both all-to-alls.
 
-EP ranks are carved from the data-parallel *shard* ranks: ``dp_shard = efsdp x ep``, an unflattening of the
-world mesh's dp_shard dim (mesh/dims.build_mesh), so the ep groups belong to the one root mesh. Expert
-weights are then FSDP-sharded over the remaining ``efsdp`` (and replicated over ``dp_replicate``), dense weights over
-all of ``dp_shard`` as before. Ranks of one ep group hold different tokens (they are data-parallel), which
-is what makes the exchange worthwhile. Under tensor parallelism each tp rank runs the MoE block on its own
-chunk of every sequence (mesh/tensor_parallel.TokenSplitMoE), each tp coordinate with its own ep group: the
-tp ranks act as further data-parallel ranks for the experts, and every (token, expert) pair is computed once.
+EP ranks are borrowed from the data-parallel shard, context-parallel and tensor-parallel ranks: the world
+mesh is unflattened so that ``dp_shard x cp x tp = efsdp x ep`` within the same root (mesh/dims.build_mesh),
+ep taking the innermost ranks (tp first). Every rank of an ep group holds different tokens: dp_shard ranks
+read different sequences, cp ranks different chunks of them, and under TP each tp rank runs the MoE block on
+its own chunk of every sequence (mesh/tensor_parallel.TokenSplitMoE) and dispatches that chunk to the
+experts' owners, so every (token, expert) pair is computed once. Expert weights are then FSDP-sharded over the
+remaining ``efsdp`` (and replicated over ``dp_replicate``), dense weights over dp_shard (x cp) as before; no
+expert weight, gradient or optimizer state is replicated over cp or tp. An expert's gradient sums the tokens
+of its ep group (the all-to-all's backward brings their gradients home) and FSDP sums it over efsdp and
+dp_replicate: together every rank of the pipeline stage, each once.
 
 Both exchanges are functional collectives (they return new tensors): selective activation checkpointing
 saves their outputs, so recomputing a block in backward never repeats them (mesh/activation_checkpoint.py).
@@ -39,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from mesh.private_api import all_to_all_autograd, all_to_all_functional
@@ -106,6 +109,20 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     }
     if plan:
         parallelize_module(model, ep_mesh, plan)
+
+
+def local_expert_bytes(parts: list[nn.Module]) -> dict[str, int]:
+    """Bytes of expert weights this rank holds, by MoE layer id: the local shards (ep and FSDP) of its
+    ``experts`` modules. Their gradients and fp32 Adam moments follow the same shards."""
+    held = {}
+    for layer_id, moe in moe_modules(parts).items():
+        params = moe.experts.parameters()
+        held[layer_id] = sum(_local(p).numel() * p.element_size() for p in params)
+    return held
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:

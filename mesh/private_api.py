@@ -28,7 +28,7 @@ identifiers, not Python APIs.)
 | what                                   | why no public API serves                                              |
 |----------------------------------------|-----------------------------------------------------------------------|
 | ``DeviceMesh._flatten``                | a 1-D view over several mesh dims (the dp ranks, the loss ranks)      |
-| ``DeviceMesh._unflatten``              | split dp_shard into (efsdp, ep) inside the *same* root mesh           |
+| ``DeviceMesh._unflatten``              | regroup the world as (pp, dp_replicate, efsdp, ep) in the *same* root |
 | ``DeviceMesh._concatenate``            | (dp_replicate, dp_shard x cp) as one 2-D mesh for HSDP with cp, from  |
 |                                        | existing groups (slicing a flattened dim from the root is deprecated) |
 | ``DeviceMesh._get_root_mesh``          | check that every mesh of a run shares one root (tests)                |

@@ -204,9 +204,12 @@ class TokenSplitMoE(ParallelStyle):
        chunks come from ``SequenceChunks`` (models/moe.py, "Sequences in chunks").
     3. Experts, EP dispatch/combine and the shared expert run on the chunk's tokens only.
     4. Output: with SP it is this rank's shard already; without SP the chunks are all-gathered.
-    5. The block's weights (router, experts, shared expert) stay whole on every tp rank, but each rank's
-       gradient covers only its tokens: ``sum_token_split_gradients`` all-reduces them over tp once per step,
-       before clipping. The per-step expert-load statistics are summed over tp as well
+    5. The router and the shared expert stay whole on every tp rank, but each rank's gradient covers only its
+       tokens: ``sum_token_split_gradients`` all-reduces them over tp once per step, before clipping. With
+       expert parallelism the ep group borrows the tp ranks (mesh/dims.py), so each tp rank dispatches its chunk
+       to the experts' owners and holds other experts than its tp peers: FSDP sums those gradients over efsdp,
+       and the tp sum leaves them out. Without ep the experts are whole on every tp rank and summed over tp
+       like the router. The per-step expert-load statistics are summed over tp as well
        (mesh/expert_parallel.step_expert_load).
     """
 
@@ -246,19 +249,21 @@ def moe_plan(sequence_parallel: bool) -> dict:
 
 
 @torch.no_grad()
-def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh) -> None:
-    """Sum over tp the gradients of every MoE block's weights (``TokenSplitMoE``, step 5): one all-reduce.
+def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, experts: bool = True) -> None:
+    """Sum over tp the gradients of the MoE blocks' weights that every tp rank holds (``TokenSplitMoE``, step
+    5): one all-reduce. ``experts``: whether the experts are among them (``Meshes.experts_replicated_over_tp``);
+    when ep borrows the tp ranks each tp rank holds other experts, and summing would add unrelated gradients.
 
     Local tensors are reduced: under FSDP each tp rank holds the same dp shard of a weight, so the sum of
-    the shards is the shard of the sum; expert-parallel shards likewise.
+    the shards is the shard of the sum; expert-parallel shards within dp_shard likewise.
     """
     grads = [
         _local(p.grad)
         for part in parts
         for module in part.modules()
         if isinstance(module, MoE)
-        for p in module.parameters()
-        if p.grad is not None
+        for name, p in module.named_parameters()
+        if p.grad is not None and (experts or not name.startswith("experts."))
     ]
     for dtype in {g.dtype for g in grads}:
         same = [g for g in grads if g.dtype == dtype]

@@ -10,7 +10,7 @@ reaches a collective. Single fields were already checked against their ranges wh
    parallelism and MoE under TP need seq_len to split over tp; ``sp_regather`` needs SP.
 3. **Context parallelism.** Two balanced chunks per cp rank; what cp cannot combine with.
 4. **Pipeline.** The schedule's family against the stages per rank, the layer split, the micro-batches.
-5. **Experts.** top_k within n_experts; ep divides the experts and is carved from dp_shard.
+5. **Experts.** top_k within n_experts; ep divides the experts and the dp_shard x cp x tp ranks it borrows.
 6. **Compile.** The layouts torch 2.13 cannot compile.
 7. **Batch.** global batch = micro-batch x dp x accumulation, split evenly (``batch_split``, worked out once).
 8. **Savers.** Gradient sync once per step, compression and CPU offload against the layout.
@@ -190,13 +190,6 @@ def context_parallel_errors(dims: ParallelDims, cfg: Config) -> list[str]:
             f"not divisible by parallel.tp={dims.tp}, which sequence parallelism needs; make seq_len a multiple of "
             f"cp*tp={dims.cp * dims.tp} (and of 2*cp) or set parallel.sequence_parallel=false."
         )
-    if dims.ep > 1:
-        errors.append(
-            f"parallel.ep={dims.ep} with parallel.cp={dims.cp} is not supported: expert weights would be sharded over "
-            "ep and FSDP-sharded over the dp_shard ranks outside ep times cp, a set of mesh dims with ep in between "
-            "that DTensor cannot reduce over; use parallel.ep=1 (experts FSDP-sharded over dp_shard x cp) or "
-            "parallel.cp=1."
-        )
     if m.n_experts and m.moe_aux_loss_coef > 0:
         errors.append(
             f"model.moe_aux_loss_coef={m.moe_aux_loss_coef} with parallel.cp={dims.cp}: the auxiliary loss is computed "
@@ -283,7 +276,8 @@ def pipeline_errors(
 
 
 def expert_errors(dims: ParallelDims, cfg: Config) -> list[str]:
-    """Rule 5: top_k within the experts; ep divides the experts and the dp_shard ranks it is carved from."""
+    """Rule 5: top_k within the experts; ep divides the experts and the dp_shard x cp x tp ranks it borrows
+    (mesh/dims.build_mesh unflattens those into efsdp x ep)."""
     errors: list[str] = []
     m = cfg.model
     if m.n_experts and not 1 <= m.top_k <= m.n_experts:
@@ -296,10 +290,12 @@ def expert_errors(dims: ParallelDims, cfg: Config) -> list[str]:
                 f"parallel.ep={dims.ep} does not divide model.n_experts={m.n_experts}; each ep rank must own "
                 "the same number of experts: choose an ep that divides n_experts."
             )
-        if dims.dp_shard % dims.ep:
+        borrowed = dims.dp_shard * dims.cp * dims.tp
+        if borrowed % dims.ep:
             errors.append(
-                f"parallel.ep={dims.ep} must divide parallel.dp_shard={dims.dp_shard}: expert-parallel ranks are "
-                "carved from the data-parallel shard ranks."
+                f"parallel.ep={dims.ep} must divide parallel.dp_shard*cp*tp={dims.dp_shard}*{dims.cp}*{dims.tp}"
+                f"={borrowed}: expert-parallel ranks are borrowed from the data-parallel shard, context-parallel "
+                "and tensor-parallel ranks; choose an ep that divides it."
             )
     return errors
 

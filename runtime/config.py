@@ -94,7 +94,7 @@ class ParallelConfig:
     dp_shard: int = opt(-1, "FSDP shards; -1: whatever is left of the world after the other degrees", ge=-1)
     tp: int = opt(1, "tensor-parallel degree (inside a node)", ge=1)
     pp: int = opt(1, "pipeline-parallel degree", ge=1)
-    ep: int = opt(1, "expert-parallel degree, carved from dp_shard (MoE models)", ge=1)
+    ep: int = opt(1, "expert-parallel degree, borrowed from dp_shard x cp x tp (MoE models)", ge=1)
     cp: int = opt(1, "context-parallel degree: each sequence split over cp ranks (between dp_shard and tp)", ge=1)
     cp_attention: Literal["allgather", "ring"] = opt(
         "allgather",

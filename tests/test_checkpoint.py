@@ -615,6 +615,28 @@ def test_moe_resume_on_another_expert_parallel_degree(shared_runs, tmp_path):
     assert [r["expert_load"] for r in resumed] == [r["expert_load"] for r in ref[N:]]
 
 
+@pytest.mark.compat
+def test_moe_resume_from_ep_over_tp_into_ep_over_cp(shared_runs, tmp_path):
+    """Saved where ep 4 borrows dp_shard 2 x tp 2 (one expert per rank), resumed where ep 2 borrows the cp
+    ranks (dp_shard 2 x cp 2, efsdp 2: half of two experts per rank); the curve goes on as if uninterrupted."""
+    moe = str(ROOT / "configs" / "debug_moe.toml")
+    # 4 experts (ep 4 on 4 ranks); dropless with no aux loss, which cp needs; the bias is training state too
+    knobs = {"model.n_experts": 4, "model.moe_aux_loss_coef": 0.0, "model.moe_bias_update_rate": 0.01}
+    ref = shared_runs.records(knobs, config=moe)
+    folder = tmp_path / "ckpt"
+    before = {**knobs, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 4}
+    first = train_on(
+        4, {**before, "checkpoint.interval": N, "training.steps": N, **overrides(folder)}, tmp_path / "a", config=moe
+    )
+    assert_same_curve(first, ref[:N])
+    after = {**knobs, "parallel.dp_shard": 2, "parallel.cp": 2, "parallel.ep": 2}
+    resumed = train_on(4, {**after, **overrides(folder, checkpoint__resume="auto")}, tmp_path / "b", config=moe)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    # fp32, DCP moves exact values between the layouts; the default 1e-5 as for every uninterrupted layout
+    assert_same_curve(resumed, ref[N:])
+    assert [r["expert_load"] for r in resumed] == [r["expert_load"] for r in ref[N:]]
+
+
 # ---- the learning rate after a resume -------------------------------------------------------------------------
 
 

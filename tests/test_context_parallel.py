@@ -407,8 +407,8 @@ def test_cp_sits_between_dp_shard_and_tp_and_fsdp_shards_over_dp_shard_x_cp():
         ),
         (
             4,
-            {"parallel.cp": 2, "parallel.ep": 2, "model.n_experts": 4, "parallel.dp_shard": 2},
-            "parallel.ep=2 with parallel.cp=2 is not supported",
+            {"parallel.cp": 2, "parallel.ep": 8, "model.n_experts": 8, "parallel.dp_shard": 2},
+            "parallel.ep=8 must divide parallel.dp_shard*cp*tp=2*2*1=4",
         ),
         (
             2,

@@ -155,6 +155,79 @@ def test_expert_parallel_training_matches_one_process(world, layout, moe_one_pro
     assert [r["expert_load"] for r in run] == [r["expert_load"] for r in moe_one_process]
 
 
+# ---- where each expert lives: ep borrowing tp and cp --------------------------------------------------------
+
+# 4 experts so that ep 4 on dp_shard 2 x tp 2 gives each rank exactly one
+FOUR_EXPERTS = {"model.n_experts": 4}
+DP2_TP2_EP4 = {"parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 4}
+# cp needs a dropless MoE without the per-sequence aux loss (planning/layout_rules.py: context_parallel_errors)
+CP_KNOBS = {"model.moe_aux_loss_coef": 0.0, "model.moe_bias_update_rate": 0.01}
+
+
+def expert_shapes(overrides: dict, ep_within_dp_shard: bool = False) -> dict:
+    """Rank body: the MoE debug model parallelized for ``overrides``; each expert weight's local and global
+    shape, which experts this rank holds, and the bytes of its local expert weights."""
+    from mesh.dims import build_mesh
+    from mesh.expert_parallel import local_expert_bytes
+    from planning.options import model_parts
+    from planning.plan import LayoutPlan
+
+    cfg = load_config(path=MOE_CONFIG, overrides=overrides)
+    plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
+    meshes = build_mesh(
+        plan.dims, torch.device("cpu"), 60, has_experts=True, fsdp_with_tp=True, ep_within_dp_shard=ep_within_dp_shard
+    )
+    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
+    experts = model.layers["0"].feed_forward.experts
+    return {
+        "local": {n: tuple(p.to_local().shape) for n, p in experts.named_parameters()},
+        "global": {n: tuple(p.shape) for n, p in experts.named_parameters()},
+        "ep_rank": meshes.ep.get_local_rank(),
+        "bytes": local_expert_bytes([model]),
+    }
+
+
+@pytest.mark.compat
+def test_ep_borrowing_tp_gives_each_rank_one_expert():
+    # dp_shard 2 x tp 2, ep 4: the ep group is all four ranks (tp pairs first), efsdp has size 1
+    results = run_on_ranks(expert_shapes, 4, {**FOUR_EXPERTS, **DP2_TP2_EP4})
+    for rank, r in enumerate(results):
+        assert r["ep_rank"] == rank
+        for name, shape in r["global"].items():
+            assert shape[0] == 4 and r["local"][name] == (1, *shape[1:]), (rank, name, r["local"][name])
+    # one copy of the experts between the four ranks: each holds a quarter of one layer's expert bytes
+    whole = 4 * sum(results[0]["bytes"].values())
+    assert all(4 * sum(r["bytes"].values()) == whole for r in results)
+    # the earlier layout, ep 2 within dp_shard: each rank holds two experts, the same two as its tp peer
+    old = run_on_ranks(expert_shapes, 4, {**FOUR_EXPERTS, **DP2_TP2_EP4, "parallel.ep": 2}, True)
+    assert [r["local"]["w1"][0] for r in old] == [2, 2, 2, 2]
+    assert sum(sum(r["bytes"].values()) for r in old) == 2 * sum(sum(r["bytes"].values()) for r in results)
+
+
+@pytest.fixture(scope="module")
+def four_experts_one_process(shared_runs):
+    return shared_runs.records(FOUR_EXPERTS, config=MOE_CONFIG)
+
+
+@pytest.mark.compat
+def test_ep_borrowing_tp_matches_one_process(four_experts_one_process, shared_runs):
+    run = shared_runs.records({**FOUR_EXPERTS, **DP2_TP2_EP4}, config=MOE_CONFIG, world=4)
+    # fp32 throughout; the same tokens meet the same experts, only the order of sums differs (all-to-all
+    # regrouping, FSDP's reduce-scatter, the tp all-reduce of the router): LOSS_RTOL = 1e-5 as for every layout
+    assert_same_curve(run, four_experts_one_process)
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in four_experts_one_process]
+
+
+@pytest.mark.compat
+def test_ep_with_cp_matches_one_process(shared_runs, tmp_path):
+    # ep 2 borrows the two cp ranks (cp is inside dp_shard x cp x tp): each cp rank dispatches its own chunks
+    reference = shared_runs.records(CP_KNOBS, config=MOE_CONFIG)
+    run = moe_run(4, {**CP_KNOBS, "parallel.dp_shard": 2, "parallel.cp": 2, "parallel.ep": 2}, tmp_path, timeout=400)
+    # fp32; cp's all-gathered attention and the expert exchange only reorder sums: the default 1e-5
+    assert_same_curve(run, reference)
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in reference]
+
+
 def test_4d_pipeline_fsdp_tp_ep_matches_one_process(moe_one_process, tmp_path):
     layout = {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 2, **CHECK_REPLICAS}
     run = moe_run(8, layout, tmp_path, timeout=400)
@@ -192,7 +265,16 @@ def test_load_metrics_are_logged(moe_one_process):
 @pytest.mark.parametrize(
     "overrides, world, expected",
     [
-        ({"parallel.dp_shard": 3, "parallel.ep": 2, "training.global_batch": 6}, 3, "must divide parallel.dp_shard=3"),
+        (
+            {"parallel.dp_shard": 3, "parallel.ep": 2, "training.global_batch": 6},
+            3,
+            "parallel.ep=2 must divide parallel.dp_shard*cp*tp=3*1*1=3",
+        ),
+        (
+            {"parallel.dp_shard": 1, "parallel.tp": 2, "parallel.ep": 4},
+            2,
+            "parallel.ep=4 must divide parallel.dp_shard*cp*tp=1*1*2=2",
+        ),
         (
             {"parallel.dp_shard": 3, "parallel.ep": 3, "training.global_batch": 6},
             3,

@@ -200,6 +200,8 @@ LAYOUTS = [
     ({"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}, 2),
     ({"pp": 1, "dp_replicate": 2, "dp_shard": 4, "tp": 1}, 2),
     ({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}, 1),
+    ({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}, 4),  # ep borrows cp and tp
+    ({"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 2, "tp": 2}, 2),  # HSDP, ep within cp x tp
 ]
 
 
@@ -218,9 +220,30 @@ def test_mesh_figure_groups_are_meshloom_process_groups(sizes, ep):
             real["dp"] = meshes.dp
             if ep > 1:
                 real["ep"] = meshes.ep
+                real["efsdp"] = meshes.expert_fsdp["efsdp"] if meshes.expert_fsdp.ndim > 1 else meshes.expert_fsdp
             for dim, mesh in real.items():
                 group = dist.get_process_group_ranks(mesh.get_group())
                 assert group in drawn[dim], (dim, rank, group)
+
+
+@pytest.mark.parametrize("title, ep, within", figures.PLACEMENT_LAYOUTS, ids=["ep4", "ep2", "ep2-within-dp_shard"])
+def test_expert_placement_figure_holds_what_meshloom_places(title, ep, within):
+    """The picture's experts per rank, against the ep coordinate and efsdp size of meshloom's meshes."""
+    from bench.schedule_ir import fake_world
+    from mesh.dims import ParallelDims, build_mesh
+
+    sizes, n_experts = figures.PLACEMENT_SIZES, 4
+    drawn = figures.expert_holdings(sizes, ep, n_experts, within)
+    dims = ParallelDims(**sizes, ep=ep, world_size=4)
+    for rank in range(4):
+        with fake_world(4, rank):
+            meshes = build_mesh(dims, torch.device("cpu"), 60, has_experts=True, ep_within_dp_shard=within)
+            first = meshes.ep.get_local_rank() * n_experts // ep
+            real = (list(range(first, first + n_experts // ep)), 1 / meshes.expert_fsdp.size())
+        assert drawn[rank] == real, (title, rank)
+    # the new layouts hold one copy of each expert between the ranks, the earlier one a copy per tp rank
+    copies = sum(len(e) * f for e, f in drawn.values()) / n_experts
+    assert copies == (sizes["tp"] if within else 1)
 
 
 def test_mesh_command_writes_the_picture_and_prints_the_groups(tmp_path, capsys):

@@ -31,15 +31,21 @@ def mesh_facts(dp_replicate: int, dp_shard: int, ep: int, tp: int) -> dict:
 
 @pytest.mark.parametrize(
     "layout, ep_groups",
-    [((1, 4, 2, 1), [[0, 1], [2, 3]]), ((2, 2, 2, 1), [[0, 1], [2, 3]]), ((1, 2, 2, 2), [[0, 2], [1, 3]])],
-    ids=["fsdp4-ep2", "hsdp2x2-ep2", "fsdp2-ep2-tp2"],
+    [
+        ((1, 4, 2, 1), [[0, 1], [2, 3]]),
+        ((2, 2, 2, 1), [[0, 1], [2, 3]]),
+        ((1, 2, 2, 2), [[0, 1], [2, 3]]),
+        ((1, 2, 4, 2), [[0, 1, 2, 3]]),
+    ],
+    ids=["fsdp4-ep2", "hsdp2x2-ep2", "fsdp2-ep2-tp2", "fsdp2-ep4-tp2"],
 )
 def test_every_mesh_shares_one_root_and_the_timeout(layout, ep_groups):
     results = run_on_ranks(mesh_facts, 4, *layout)
     for rank, facts in enumerate(results):
         assert all(facts["roots"].values()), facts["roots"]
         assert set(facts["roots"]) >= {"world", "dp", "fsdp", "tp", "pp", "loss", "ep", "expert_fsdp"}
-        # ep groups are consecutive dp_shard ranks (dp_shard = efsdp x ep, row-major)
+        # ep groups are runs of consecutive ranks of (dp_shard, cp, tp) (= efsdp x ep, row-major): the tp pairs
+        # {0, 1} and {2, 3} when tp = 2 and ep = 2
         assert facts["ep_ranks"] in ep_groups and rank in facts["ep_ranks"]
         assert facts["timeouts"] == {datetime.timedelta(seconds=TIMEOUT_S)}
-    assert results[0]["expert_fsdp_dims"] == (("dp_replicate", "efsdp") if layout[0] > 1 else ("efsdp",))
+    assert results[0]["expert_fsdp_dims"] == (("experts_dp_replicate", "efsdp") if layout[0] > 1 else ("efsdp",))

@@ -184,7 +184,7 @@ def accumulate_gradients(s: StepParts, batch, step: int) -> torch.Tensor:
         if dims.tp > 1:
             reduce_partial_gradients(s.params)
             if s.moe_layer_ids:  # each tp rank computed its MoE blocks' gradients from its own tokens
-                sum_token_split_gradients(s.parts, s.meshes.tp)
+                sum_token_split_gradients(s.parts, s.meshes.tp, experts=s.meshes.experts_replicated_over_tp)
         # Pipeline + tied embeddings: the first and last stage's copies get the sum of their gradients, after
         # every micro-batch's backward and reduction, before the norm sees them.
         s.tied.sum_gradients()

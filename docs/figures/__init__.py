@@ -8,7 +8,7 @@ Each figure takes its facts from the code it illustrates wherever the code can s
 results from a symbolic model that tests/test_figures.py checks against real gloo collectives; ZeRO's bytes
 from bench/memory_table.py; the TP and SP layouts from mesh/tensor_parallel.py's plans; the rank grid from
 the same row-major rule as ``init_device_mesh`` (the test compares it with meshloom's real meshes); the EP
-example from examples/moe_from_scratch.py; the DCP chunks from the placements meshloom gives a weight (the
+example from examples/moe_from_scratch.py; where each expert lives from the same row-major rule as mesh/dims.py; the DCP chunks from the placements meshloom gives a weight (the
 test reads them off a real 2 x 2 run); the RoPE wavelengths from models/rope.py; the pipeline schedules from torch's own action lists
 (bench/schedule_ir.py); the memory per pipeline rank under three layer splits from planning/memory_estimate.py and
 mesh/pipeline.py's splits. Plain SVG strings (docs/figures/svg.py), no dependencies; one module per picture family, named for its chapter.
@@ -27,7 +27,14 @@ from pathlib import Path
 from docs.figures.collectives import collective_cells, collectives_svg, evaluate_cells
 from docs.figures.context_parallel import cp_mask_svg, ring_cells
 from docs.figures.dcp import DCP_EXAMPLE, LOAD_MESH, SAVE_MESH, dcp_reads, dcp_svg, placement_boxes
-from docs.figures.expert_parallel import ep_example, ep_svg
+from docs.figures.expert_parallel import (
+    PLACEMENT_LAYOUTS,
+    PLACEMENT_SIZES,
+    ep_example,
+    ep_svg,
+    expert_holdings,
+    expert_placement_svg,
+)
 from docs.figures.mesh_grid import MESH_ORDER, layout_groups, mesh_svg
 from docs.figures.pipeline import PIPELINE_FIGURES, SCHEDULE_STAGES, pipeline_ideal, pipeline_svg, pipeline_table
 from docs.figures.pp_split import pp_split_svg
@@ -50,7 +57,10 @@ __all__ = [
     "all_figures",
     "collective_cells",
     "dcp_reads",
+    "PLACEMENT_LAYOUTS",
+    "PLACEMENT_SIZES",
     "ep_example",
+    "expert_holdings",
     "evaluate_cells",
     "layout_groups",
     "main",
@@ -77,6 +87,7 @@ def all_figures() -> dict[str, Callable[[], str]]:
         "sp_transitions.svg": sp_svg,
         "tied_embeddings_pp.svg": tied_embeddings_svg,
         "ep_dispatch.svg": ep_svg,
+        "ep_placement.svg": expert_placement_svg,
         "dcp_reshard.svg": dcp_svg,
         "cp_causal_mask.svg": cp_mask_svg,
         "rope_scaling.svg": rope_svg,
@@ -120,8 +131,8 @@ def main(argv: list[str]) -> None:
             "cp": args.cp,
             "tp": args.tp,
         }
-        if args.dp_shard % args.ep:
-            parser.error(f"--ep {args.ep} must divide --dp-shard {args.dp_shard} (ep is carved from dp_shard)")
+        if (args.dp_shard * args.cp * args.tp) % args.ep:
+            parser.error(f"--ep {args.ep} must divide --dp-shard x --cp x --tp (ep borrows those ranks)")
         Path(args.out).write_text(mesh_svg(sizes, args.ep))
         for dim, groups in layout_groups(sizes, args.ep).items():
             if dim != "cp" or args.cp > 1:

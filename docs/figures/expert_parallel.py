@@ -82,3 +82,69 @@ def ep_svg(ep: int = 2, n_experts: int = 4) -> str:
         size=11,
     )
     return svg.render()
+
+
+# ---- where each expert lives (section "Where each expert lives") ---------------------------------------------
+
+PLACEMENT_SIZES = {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+PLACEMENT_LAYOUTS = (  # (title, ep, ep_within_dp_shard)
+    ("ep 4 over dp_shard x tp", 4, False),
+    ("ep 2 over dp_shard x tp", 2, False),
+    ("ep 2 within dp_shard (earlier)", 2, True),
+)
+
+
+def expert_holdings(sizes: dict[str, int], ep: int, n_experts: int, ep_within_dp_shard: bool = False) -> dict:
+    """Per rank: (the experts it holds a shard of, the share of each it holds). Rank r of an ep group owns experts
+    [r E/ep, (r+1) E/ep) (mesh/expert_parallel.py: Shard(0) over ep), and FSDP splits them over its efsdp group.
+    The groups are mesh_grid.layout_groups', the same row-major rule as mesh/dims.py (checked by a test)."""
+    from docs.figures.mesh_grid import layout_groups
+
+    groups = layout_groups(sizes, ep, ep_within_dp_shard)
+    n_local = n_experts // ep
+    held = {}
+    for group in groups["ep"]:
+        for ep_rank, rank in enumerate(group):
+            held[rank] = (list(range(ep_rank * n_local, (ep_rank + 1) * n_local)), 1 / len(groups["efsdp"][0]))
+    return dict(sorted(held.items()))
+
+
+def expert_placement_svg(n_experts: int = 4) -> str:
+    """dp_shard 2 x tp 2: which experts each rank holds under each layout of PLACEMENT_LAYOUTS."""
+    box, pitch, panel_w = 120, 132, 330
+    svg = Svg(40 + len(PLACEMENT_LAYOUTS) * panel_w, 0)
+    y0 = svg.lines(
+        10,
+        22,
+        f"Where each expert lives: {n_experts} experts on dp_shard 2 x tp 2 (rank = 2 x dp_shard + tp), one MoE layer",
+        svg.width - 20,
+        size=13,
+        weight="bold",
+    )
+    for i, (title, ep, within) in enumerate(PLACEMENT_LAYOUTS):
+        x0 = 20 + i * panel_w
+        held = expert_holdings(PLACEMENT_SIZES, ep, n_experts, within)
+        share = sum(len(e) * f for e, f in held.values()) / n_experts
+        svg.text(x0, y0 + 14, title, size=12, weight="bold")
+        svg.text(x0, y0 + 30, f"all ranks hold {share:g} cop{'y' if share == 1 else 'ies'} of every expert", size=10)
+        for t in range(2):
+            svg.text(x0 + 60 + t * pitch + box / 2, y0 + 52, f"tp {t}", anchor="middle", size=10)
+        for s in range(2):
+            svg.text(x0 + 52, y0 + 64 + s * 64 + 30, f"dp_shard {s}", anchor="end", size=10)
+            for t in range(2):
+                rank = 2 * s + t
+                experts, frac = held[rank]
+                x, y = x0 + 60 + t * pitch, y0 + 64 + s * 64
+                svg.rect(x, y, box, 56, "#f4f4f4", stroke="#777777", tooltip=f"rank {rank}")
+                svg.text(x + 4, y + 14, f"rank {rank}", size=10, weight="bold")
+                width = (box - 8) / len(experts)
+                for j, e in enumerate(experts):
+                    label = f"E{e}" if frac == 1 else f"1/{round(1 / frac)} of E{e}"
+                    svg.rect(x + 4 + j * width, y + 22, width - 2, 28, colour(e), text=label, size=10)
+    note = (
+        "ep over dp_shard x tp (mesh/dims.py): each expert has one copy, split over ep and FSDP's efsdp; "
+        "gradients, fp32 master weights and Adam moments follow. The earlier layout, ep carved from dp_shard alone, "
+        "held every expert whole on both tp ranks. Bytes: python -m bench.ep_placement."
+    )
+    svg.height = svg.lines(20, y0 + 64 + 2 * 64 + 18, note, svg.width - 40, size=10) + 6
+    return svg.render()

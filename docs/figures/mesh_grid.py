@@ -9,9 +9,10 @@ from docs.figures.svg import Svg
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
-def layout_groups(sizes: dict[str, int], ep: int = 1) -> dict[str, list[list[int]]]:
+def layout_groups(sizes: dict[str, int], ep: int = 1, ep_within_dp_shard: bool = False) -> dict[str, list[list[int]]]:
     """The process groups of each mesh dim: ranks are laid out row-major over MESH_ORDER (init_device_mesh's rule),
-    and a dim's group is the ranks that differ only in that dim. With ep > 1, dp_shard = efsdp x ep (ep inner).
+    and a dim's group is the ranks that differ only in that dim. With ep > 1, dp_shard x cp x tp = efsdp x ep
+    (ep inner: mesh/dims.py), or, ``ep_within_dp_shard``, dp_shard = efsdp x ep (the earlier layout).
     A missing dim (``cp`` in older layouts) has size 1."""
     import torch
 
@@ -22,17 +23,23 @@ def layout_groups(sizes: dict[str, int], ep: int = 1) -> dict[str, list[list[int
     for i, dim in enumerate(MESH_ORDER):
         groups[dim] = grid.movedim(i, -1).reshape(-1, shape[i]).tolist()
     groups["dp"] = grid.permute(0, 3, 4, 1, 2).reshape(-1, sizes["dp_replicate"] * sizes["dp_shard"]).tolist()
-    if ep > 1:
+    if ep > 1 and ep_within_dp_shard:
         split = grid.view(shape[0], shape[1], shape[2] // ep, ep, shape[3], shape[4])
         groups["ep"] = split.movedim(3, -1).reshape(-1, ep).tolist()
         groups["efsdp"] = split.movedim(2, -1).reshape(-1, shape[2] // ep).tolist()
+    elif ep > 1:
+        borrowed = shape[2] * shape[3] * shape[4]  # dp_shard x cp x tp, flattened row-major
+        split = grid.reshape(shape[0], shape[1], borrowed // ep, ep)
+        groups["ep"] = split.reshape(-1, ep).tolist()
+        groups["efsdp"] = split.movedim(2, -1).reshape(-1, borrowed // ep).tolist()
     return groups
 
 
 # Each dim's groups are drawn as lines of its own colour through its ranks: the vertical dims (ranks in one
 # column) to the right of the boxes, the horizontal ones (ranks in one row) below them.
-VERTICAL = ("dp_replicate", "dp_shard", "ep", "efsdp")
+VERTICAL = ("dp_replicate", "dp_shard")
 HORIZONTAL = ("cp", "tp")
+EXPERT_DIMS = ("ep", "efsdp")  # drawn as a column or a row when their groups are one; else listed only
 DIM_COLOUR = {
     "dp_replicate": "#e15759",
     "dp_shard": "#4e79a7",
@@ -50,7 +57,7 @@ MEANING = {
     "tp": "tensor parallel (consecutive ranks)",
     "cp": "context parallel (K/V all-gather or ring)",
     "dp": "all data-parallel ranks (loader, loss)",
-    "ep": "expert parallel (all-to-all), carved out of dp_shard",
+    "ep": "expert parallel (all-to-all), from dp_shard x cp x tp",
     "efsdp": "FSDP of expert weights",
 }
 
@@ -71,17 +78,23 @@ def lanes(spans: list[tuple[float, float]]) -> list[int]:
 
 def mesh_svg(sizes: dict[str, int], ep: int = 1) -> str:
     """The ranks as a grid, one panel per pipeline stage; every group of every dim drawn as a line of the dim's
-    colour through its ranks (ep apart from dp_shard, so that ep visibly runs inside dp_shard)."""
+    colour through its ranks (ep and efsdp beside the others, when their groups are a column or a row)."""
     sizes = {d: sizes.get(d, 1) for d in MESH_ORDER}
     pp, rep, shard, cp, tp = (sizes[d] for d in MESH_ORDER)
     groups = layout_groups(sizes, ep)
     drawn = lambda dims: [d for d in dims if d in groups and len(groups[d][0]) > 1]  # noqa: E731
-    vertical, horizontal = drawn(VERTICAL), drawn(HORIZONTAL)
     cols, rows = cp * tp, rep * shard
 
     def position(rank: int) -> tuple[int, int, int]:  # (panel, row, column) of a rank in the drawing
         p, rest = divmod(rank, rows * cols)
         return p, rest // cols, rest % cols
+
+    def along(dim: str, axis: int) -> bool:  # every group of ``dim`` in one column (axis 2) or one row (axis 1)
+        return all(len({position(m)[axis] for m in g}) == 1 for g in groups[dim])
+
+    experts = drawn(EXPERT_DIMS)
+    vertical = drawn(VERTICAL) + [d for d in experts if along(d, 2)]
+    horizontal = drawn(HORIZONTAL) + [d for d in experts if d not in vertical and along(d, 1)]
 
     # Groups of one dim that overlap along their row or column (dp_replicate across shards, cp across tp) get
     # lanes of their own, so that every line is one group.
@@ -111,7 +124,9 @@ def mesh_svg(sizes: dict[str, int], ep: int = 1) -> str:
     width = max(20 + pp * (panel_w + 20), 760)
     svg = Svg(width, 0)
     shown_dims = [d for d in MESH_ORDER if d != "cp" or cp > 1]
-    layout = " x ".join(f"{d} {sizes[d]}" for d in shown_dims) + (f" (ep {ep} inside dp_shard)" if ep > 1 else "")
+    layout = " x ".join(f"{d} {sizes[d]}" for d in shown_dims) + (
+        f" (ep {ep} from dp_shard x cp x tp)" if ep > 1 else ""
+    )
     y0 = svg.lines(
         10, 22, f"DeviceMesh {layout}: {math.prod(sizes.values())} ranks, row-major", width - 20, size=14, weight="bold"
     )
@@ -177,7 +192,7 @@ def mesh_svg(sizes: dict[str, int], ep: int = 1) -> str:
         svg.text(52, y, f"{d:<13} {MEANING_HERE[d]:<56} {shown}".replace(" ", "\u00a0"), size=11)
         y += 17
     note = "lines: the groups of each dim, drawn through their ranks" + (
-        "; ep's purple runs inside dp_shard's blue" if ep > 1 else ""
+        "; ep takes the innermost ranks of dp_shard x cp x tp (tp first)" if ep > 1 else ""
     )
     svg.height = svg.lines(20, y + 4, note, width - 40, size=10) + 4
     return svg.render()
