@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from planning.memory_estimate import degrees
 from planning.presets import PRESETS
 from planning.step_time import MESHLOOM, Layout, LlamaWorkload, Stack, matmul_efficiency, planner_gpu, step_time
 
@@ -175,9 +176,7 @@ class MegatronRun:
     def layout(self) -> Layout:
         v = self.layers // self.pp // self.layers_per_virtual_stage if self.layers_per_virtual_stage else 1
         return Layout(
-            tp=self.tp,
-            pp=self.pp,
-            dp_shard=self.gpus // (self.tp * self.pp),
+            dims=degrees(tp=self.tp, pp=self.pp, dp_shard=self.gpus // (self.tp * self.pp)),
             schedule="Interleaved1F1B" if v > 1 else "1F1B",
             stages_per_rank=v,
             sequences_per_microbatch=self.micro_batch,
@@ -226,7 +225,7 @@ def validation_rows() -> list[dict]:
     for run in MEGATRON_TABLE_1:
         predicted, parts = predicted_tflops(run)
         step = parts["step"]
-        m = run.batch // (run.layout.dp_shard * run.micro_batch)
+        m = run.batch // (run.layout.dp * run.micro_batch)
         rows.append(
             {
                 "run": run,
@@ -288,7 +287,7 @@ def torchtitan_rows() -> list[dict]:
     """Each torchtitan row: published and predicted tokens/s per GPU, and the error."""
     rows = []
     for run in TORCHTITAN_RUNS:
-        layout = Layout(dp_shard=run.gpus, sequences_per_microbatch=run.local_batch, ac="selective")
+        layout = Layout(dims=degrees(dp_shard=run.gpus), sequences_per_microbatch=run.local_batch, ac="selective")
         t = step_time(LlamaWorkload(PRESETS["llama3-8b"], 8192), layout, MESHLOOM, TORCHTITAN_H100, run.gpus * 2)
         predicted = run.local_batch * 8192 / t.step
         rows.append({"run": run, "predicted": predicted, "error": predicted / run.published_tokens_per_s - 1})
@@ -305,4 +304,73 @@ def torchtitan_markdown(rows: list[dict] | None = None) -> str:
             for r in rows
         ),
     ]
+    return "\n".join(lines) + "\n"
+
+
+# ---- Llama 3 405B on up to 16,384 H100s ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Llama3Run:
+    """One row of Table 4 of "The Llama 3 Herd of Models" (Llama Team, AI @ Meta, 2024, arXiv 2407.21783,
+    section 3.3.2, "Scaling configurations and MFU for each stage of Llama 3 405B pre-training"): Llama 3 405B
+    in bf16 on H100 SXM 80GB GPUs (700 W), tokens per batch and TFLOP/s per GPU as published. Transcribed from
+    the table as quoted at stevengong.co/notes/Model-FLOPs-Utilization, and the same figures (GPUs, TP, CP, PP,
+    tokens per batch, TFLOP/s) from the SC'24 slide quoted at glennklockwood.com/garden/llama-3.1."""
+
+    gpus: int
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    seq_len: int
+    batch_per_dp: int  # sequences per data-parallel rank and step
+    published_tflops: float  # per GPU
+    published_mfu: float
+
+
+LLAMA3_TABLE_4: tuple[Llama3Run, ...] = (
+    Llama3Run(8192, 8, 1, 16, 64, 8192, 32, 430, 0.43),
+    Llama3Run(16384, 8, 1, 16, 128, 8192, 16, 400, 0.41),
+    Llama3Run(16384, 8, 16, 16, 8, 131072, 16, 380, 0.38),
+)
+
+
+def llama3_rows() -> list[dict]:
+    """Each Llama 3 row: the published degrees, the schedule, micro-batches and checkpointing the planner chooses
+    for them (planning/plan_layout.py: choose), its TFLOP/s per GPU beside the published, and the error. Nothing
+    here was tuned on these runs: the H100's figures are its data sheet's and MAMF, sigma comes from Table 1."""
+    from planning.plan_layout import choose
+
+    args = PRESETS["llama3-405b"]
+    rows = []
+    for run in LLAMA3_TABLE_4:
+        assert run.gpus == run.tp * run.cp * run.pp * run.dp
+        layout = Layout(dims=degrees(tp=run.tp, cp=run.cp, pp=run.pp, dp_shard=run.dp))
+        tokens = run.dp * run.batch_per_dp * run.seq_len
+        e, _ = choose(args, layout, frozenset(), "h100", run.seq_len, tokens)
+        rows.append(
+            {
+                "run": run,
+                "planned": e,
+                "predicted": e["tflops_per_gpu"],
+                "error": e["tflops_per_gpu"] / run.published_tflops - 1,
+            }
+        )
+    return rows
+
+
+def llama3_markdown(rows: list[dict] | None = None) -> str:
+    rows = rows if rows is not None else llama3_rows()
+    lines = [
+        "| GPUs | tp | cp | pp | dp | seq | batch/dp | published TFLOP/s | planner's choice | memory GB | predicted | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        run, e = r["run"], r["planned"]
+        choice = f"{e['schedule']} v={e['stages_per_rank']}, mb={e['sequences_per_microbatch']}, {e['activation_checkpoint']} AC"
+        lines.append(
+            f"| {run.gpus:,} | {run.tp} | {run.cp} | {run.pp} | {run.dp} | {run.seq_len:,} | {run.batch_per_dp} "
+            f"| {run.published_tflops:.0f} | {choice} | {e['memory_gb']:.1f} | {r['predicted']:.0f} | {r['error']:+.1%} |"
+        )
     return "\n".join(lines) + "\n"
