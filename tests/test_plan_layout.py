@@ -100,7 +100,9 @@ def test_docs_show_what_the_code_prints(capsys):
     assert gpu_markdown() in chapter
     main_plan(MODELS["llama3-70b"], "llama3-70b", "h100", 512, 8192, 4e6, 5, False)
     args = MODELS["llama3-405b"]
-    main_layout(args, "llama3-405b", "h100", *parse_layout("tp=8,cp=1,pp=16,dp=64,ep=1", args, 8192), 8192, 2**24, False)
+    main_layout(
+        args, "llama3-405b", "h100", *parse_layout("tp=8,cp=1,pp=16,dp=64,ep=1", args, 8192), 8192, 2**24, False
+    )
     printed = capsys.readouterr().out
     search_output, layout_output = printed.split("llama3-405b:")
     assert search_output in chapter and "llama3-405b:" + layout_output in chapter
@@ -281,7 +283,9 @@ def test_the_planner_chooses_schedule_v_microbatches_and_ac_and_says_why():
     fitting = [e for e in tried if e["fits"]]
     assert best["fits"] and best["step_s"] == min(e["step_s"] for e in fitting)
     default = next(
-        e for e in tried if (e["schedule"], e["activation_checkpoint"], e["sequences_per_microbatch"]) == ("1F1B", "full", 1)
+        e
+        for e in tried
+        if (e["schedule"], e["activation_checkpoint"], e["sequences_per_microbatch"]) == ("1F1B", "full", 1)
     )
     assert best["step_s"] < default["step_s"]
     assert best["why"].startswith(f"fastest of {len(fitting)} variants that fit ({len(tried)} tried)")
@@ -310,6 +314,8 @@ def test_llama3_table_4_beside_the_planner():
     rows = llama3_rows()
     assert [r["run"] for r in rows] == list(LLAMA3_TABLE_4)
     for r in rows:
-        print(f"{r['run'].gpus} GPUs cp {r['run'].cp}: published {r['run'].published_tflops} predicted {r['predicted']:.0f}")
+        print(
+            f"{r['run'].gpus} GPUs cp {r['run'].cp}: published {r['run'].published_tflops} predicted {r['predicted']:.0f}"
+        )
         assert r["planned"]["fits"] and "note" not in r["planned"]
     assert all(abs(r["error"]) < 0.20 for r in rows), [round(r["error"], 3) for r in rows]
