@@ -1,4 +1,5 @@
-"""The time model (planning/step_time.py) beside training runs that really happened: Megatron-LM's Table 1.
+"""The planner beside training runs that really happened: Megatron-LM's Table 1, torchtitan's H100 runs and
+Llama 3's Table 4, each row's error printed by one command.
 
     python -m planning.plan_layout --validate [--markdown]
 
@@ -41,6 +42,12 @@ checkpointing, local batch 2 of 8,192 tokens (train_configs/llama3_8b.toml), on 
 limit whose peak FLOP/s, its authors write, they do not know. The planner (meshloom's model and stack,
 the H100 SXM's peak and MAMF, torchtitan's memory bandwidth) predicts more than they measured; ``torchtitan_rows``
 prints how much. It is the only check of an H100 figure here, and it is not a tight one.
+
+**A third check, not tuned on either: Llama 3 405B.** Table 4 of "The Llama 3 Herd of Models" (Llama Team,
+AI @ Meta, 2024, arXiv 2407.21783) lists three layouts of the 405B pre-training on 8,192 and 16,384 H100s (tp,
+cp, pp, dp, sequence length, sequences per dp rank, 16M tokens a step) and the TFLOP/s per GPU each reached.
+planning/plan_layout.py's ``llama3_rows`` gives the planner the degrees only: its ``choose`` picks the schedule,
+stages per rank, micro-batch size and checkpointing, and the chosen variant's TFLOP/s stand beside Meta's.
 """
 
 from __future__ import annotations
@@ -334,43 +341,3 @@ LLAMA3_TABLE_4: tuple[Llama3Run, ...] = (
     Llama3Run(16384, 8, 1, 16, 128, 8192, 16, 400, 0.41),
     Llama3Run(16384, 8, 16, 16, 8, 131072, 16, 380, 0.38),
 )
-
-
-def llama3_rows() -> list[dict]:
-    """Each Llama 3 row: the published degrees, the schedule, micro-batches and checkpointing the planner chooses
-    for them (planning/plan_layout.py: choose), its TFLOP/s per GPU beside the published, and the error. Nothing
-    here was tuned on these runs: the H100's figures are its data sheet's and MAMF, sigma comes from Table 1."""
-    from planning.plan_layout import choose
-
-    args = PRESETS["llama3-405b"]
-    rows = []
-    for run in LLAMA3_TABLE_4:
-        assert run.gpus == run.tp * run.cp * run.pp * run.dp
-        layout = Layout(dims=degrees(tp=run.tp, cp=run.cp, pp=run.pp, dp_shard=run.dp))
-        tokens = run.dp * run.batch_per_dp * run.seq_len
-        e, _ = choose(args, layout, frozenset(), "h100", run.seq_len, tokens)
-        rows.append(
-            {
-                "run": run,
-                "planned": e,
-                "predicted": e["tflops_per_gpu"],
-                "error": e["tflops_per_gpu"] / run.published_tflops - 1,
-            }
-        )
-    return rows
-
-
-def llama3_markdown(rows: list[dict] | None = None) -> str:
-    rows = rows if rows is not None else llama3_rows()
-    lines = [
-        "| GPUs | tp | cp | pp | dp | seq | batch/dp | published TFLOP/s | planner's choice | memory GB | predicted | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        run, e = r["run"], r["planned"]
-        choice = f"{e['schedule']} v={e['stages_per_rank']}, mb={e['sequences_per_microbatch']}, {e['activation_checkpoint']} AC"
-        lines.append(
-            f"| {run.gpus:,} | {run.tp} | {run.cp} | {run.pp} | {run.dp} | {run.seq_len:,} | {run.batch_per_dp} "
-            f"| {run.published_tflops:.0f} | {choice} | {e['memory_gb']:.1f} | {r['predicted']:.0f} | {r['error']:+.1%} |"
-        )
-    return "\n".join(lines) + "\n"
