@@ -343,13 +343,13 @@ def candidates(args: ModelArgs, gpus: int, seq_len: int, batch: int):
             for pp in range(1, args.n_layers + 1):
                 if gpus % (tp * cp * pp):
                     continue
-                dp = gpus // (tp * cp * pp)
-                if batch // dp < 1:
+                dp_shard = gpus // (tp * cp * pp)  # no HSDP in the search: dp = dp_shard
+                if batch // dp_shard < 1:
                     continue
-                for ep in [e for e in range(1, experts + 1) if experts % e == 0 and dp % e == 0]:
+                for ep in [e for e in range(1, experts + 1) if experts % e == 0 and dp_shard % e == 0]:
                     if ep > 1 and cp > 1:
                         continue
-                    yield Layout(dims=degrees(tp=tp, cp=cp, pp=pp, dp_shard=dp, ep=ep))
+                    yield Layout(dims=degrees(tp=tp, cp=cp, pp=pp, dp_shard=dp_shard, ep=ep))
 
 
 def search(args: ModelArgs, gpu_name: str, gpus: int, seq_len: int, tokens: float) -> list[dict]:
