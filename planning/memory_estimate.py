@@ -82,8 +82,10 @@ optimizer step's temporaries, the data loader, and anything torch.compile change
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
+
+from mesh.dims import ParallelDims
 
 if TYPE_CHECKING:  # (no planning.plan import, even here: planning/plan.py may import this module)
     from models.llama import ModelArgs
@@ -96,16 +98,43 @@ LOGIT_KEPT_BYTES = 4  # per logit of a micro-batch waiting for its backward: the
 ROUTING_BYTES = 32  # per routed (token, expert) pair: three int64 indices, two fp32 gates (models/moe.py: MoE)
 
 
-@dataclass(frozen=True, kw_only=True)
-class MemoryLayout:
-    """Everything besides the model that decides what a rank holds."""
+DEGREES = ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep")
 
-    tp: int = 1
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    ep: int = 1
+
+def degrees(
+    *, tp: int = 1, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int = 1, ep: int = 1
+) -> ParallelDims:
+    """The ``ParallelDims`` (mesh/dims.py) of a layout given degree by degree: the world is their product (ep is
+    carved from the others, so it does not multiply)."""
+    world = tp * pp * dp_replicate * dp_shard * cp
+    return ParallelDims(tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, world_size=world)
+
+
+class DegreesOf:
+    """Read-only views of ``self.dims``' degrees, so that ``layout.tp`` reads as before. ``dp`` is what it is
+    everywhere in meshloom: dp_replicate x dp_shard (ParallelDims.dp), the ranks that see different data."""
+
+    dims: ParallelDims
+
+    tp = property(lambda self: self.dims.tp)
+    pp = property(lambda self: self.dims.pp)
+    dp_replicate = property(lambda self: self.dims.dp_replicate)
+    dp_shard = property(lambda self: self.dims.dp_shard)
+    cp = property(lambda self: self.dims.cp)
+    ep = property(lambda self: self.dims.ep)
+    dp = property(lambda self: self.dims.dp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryLayout(DegreesOf):
+    """Everything besides the model that decides what a rank holds: the degrees (``dims``, one ParallelDims)
+    and how the step runs on them.
+
+    The degrees may also be given one by one (``MemoryLayout(tp=2, dp_shard=4, seq_len=...)``, and
+    ``dataclasses.replace(layout, dp_shard=8)``): a shorthand that builds or updates ``dims``; they are not
+    stored twice."""
+
+    dims: ParallelDims = field(default_factory=degrees)
     seq_len: int
     sequences_per_microbatch: int = 1  # one pipeline micro-batch (or one forward call without pipelining)
     pp_schedule: str = "1F1B"
@@ -118,6 +147,18 @@ class MemoryLayout:
     cp_attention: str = "allgather"  # allgather | ring
     fsdp: bool = True  # FSDP2 wraps the model (planning/plan.py: uses_fsdp)
     cpu_offload: bool = False  # parallel.fsdp_cpu_offload
+    tp: InitVar[int | None] = None  # the shorthand (class docstring)
+    pp: InitVar[int | None] = None
+    dp_replicate: InitVar[int | None] = None
+    dp_shard: InitVar[int | None] = None
+    cp: InitVar[int | None] = None
+    ep: InitVar[int | None] = None
+
+    def __post_init__(self, *given: int | None) -> None:
+        changes = {k: v for k, v in zip(DEGREES, given, strict=True) if v is not None}
+        if changes:
+            merged = {k: getattr(self.dims, k) for k in DEGREES} | changes
+            object.__setattr__(self, "dims", degrees(**merged))
 
     @property
     def sp(self) -> bool:
@@ -148,12 +189,7 @@ class MemoryLayout:
         p, t = cfg.parallel, cfg.training
         per_microbatch = micro_batch // pp_microbatches if d.pp > 1 else micro_batch
         return cls(
-            tp=d.tp,
-            pp=d.pp,
-            dp_replicate=d.dp_replicate,
-            dp_shard=d.dp_shard,
-            cp=d.cp,
-            ep=d.ep,
+            dims=d,
             seq_len=t.seq_len,
             sequences_per_microbatch=per_microbatch,
             pp_schedule=p.pp_schedule if d.pp > 1 else "1F1B",
@@ -400,3 +436,8 @@ def even_stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     sizes = [base + (1 if s >= n_stages - extra else 0) for s in range(n_stages)]
     bounds = [sum(sizes[:s]) for s in range(n_stages + 1)]
     return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
+
+
+# The shorthand's InitVars left class attributes (None) that hide DegreesOf's views: remove them.
+for _name in DEGREES:
+    delattr(MemoryLayout, _name)

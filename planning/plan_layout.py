@@ -5,7 +5,7 @@
         --layout tp=8,cp=1,pp=16,dp=64,ep=1,schedule=Interleaved1F1B --json    # one given layout
     python -m planning.plan_layout --model-shape dim=4096,n_layers=32,n_heads=32,n_kv_heads=8,vocab_size=32000,\\
         ffn_dim=14336,n_experts=8,top_k=2,moe_ffn_dim=14336 --gpu h800 --gpus 64          # any shape, MoE too
-    python -m planning.plan_layout --validate [--markdown]   # the time model beside Megatron-LM's published runs
+    python -m planning.plan_layout --validate [--markdown]   # the planner beside published runs, error per row
 
 Arithmetic only, in three modules (``python -m bench.plan_layout`` runs the same command, and its ``--ac``
 measures what activation checkpointing keeps):
@@ -19,15 +19,24 @@ measures what activation checkpointing keeps):
    per schedule, recomputation under activation checkpointing; uneven pipeline stages (the layers split by
    FLOPs, planning/pipeline_split.py: split_layers) are timed by the slowest.
 3. **The check against published runs**, planning/published_runs.py: Megatron-LM's Table 1 (Narayanan et al.
-   2021), predicted beside published, with each row's error.
+   2021, which sets the one derived number), torchtitan's H100 benchmark and Llama 3's Table 4 (neither used to
+   tune anything), predicted beside published, with each row's error (``--validate``).
+
+For one set of degrees (``--layout``, and each candidate of the search) the planner chooses the rest
+(``choose``): every pipeline schedule torch ships that meshloom runs (mesh/pipeline.py: SCHEDULE_FAMILIES) with
+1, 2 (V-shaped) or 2 and 4 (looped) stages per rank, 1, 2 or 4 sequences per micro-batch, and no, selective or
+full activation checkpointing; it keeps the fastest variant that fits and says why (its time and memory beside
+the runner-up and the fastest that did not fit). A pipeline with fewer micro-batches than stages is estimated
+with a note (1F1B and DualPipeV as torch ships them refuse it; Llama 3 ran a modified schedule). ``--layout``
+may fix any of schedule, v, mb, ac. dp is the data-parallel degree dp_replicate x dp_shard, as everywhere.
 
 Search mode tries tp in {1, 2, 4, 8} (dividing heads, kv heads, FFN and vocabulary), cp in {1, 2, 4, 8}, every
-pp up to the layer count that divides the GPUs (uneven stages allowed), ep dividing the experts and dp, the
-1F1B and Interleaved1F1B schedules, and no, selective or full activation checkpointing; dp takes the rest.
-Each data-parallel rank runs m = B / dp micro-batches of one sequence, B = global batch tokens / seq_len
-(rounded down to a multiple of dp: the batch a layout can use). Layouts that fit are ranked by tokens per
-second per GPU; the best one's meshloom command closes the output. ``--json`` prints one object per layout:
-memory_gb, fits, step_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu and the breakdown in seconds.
+pp up to the layer count that divides the GPUs (uneven stages allowed), ep dividing the experts and dp, and
+dp_shard takes the rest; each gets its chosen schedule and checkpointing (one sequence per micro-batch: the
+time model gains nothing from more). Each data-parallel rank runs m = B / dp micro-batches, B = global batch
+tokens / seq_len (rounded down to a multiple of dp: the batch a layout can use). Layouts that fit are ranked by
+tokens per second per GPU; the best one's meshloom command closes the output. ``--json`` prints one object per
+layout: memory_gb, fits, step_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu, why, and the breakdown in seconds.
 """
 
 from __future__ import annotations
@@ -35,13 +44,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from mesh.pipeline import SCHEDULE_FAMILIES
 from models.flops import flops_per_token
 from models.llama import ModelArgs
 from models.moe import MoEArgs
 from planning.gpus import PLANNER_GPUS
-from planning.memory_estimate import rank_memory
+from planning.layout_rules import pipeline_errors
+from planning.memory_estimate import degrees, rank_memory
 from planning.presets import PRESETS
 from planning.step_time import (
     MESHLOOM,
@@ -59,7 +70,8 @@ GB = 1e9
 HEADROOM = 0.9  # of a GPU's memory the estimate may fill: the CUDA context, NCCL buffers and fragmentation
 TP_DEGREES = CP_DEGREES = (1, 2, 4, 8)
 AC_MODES = ("none", "selective", "full")
-SEARCH_SCHEDULES = ("1F1B", "Interleaved1F1B")
+MICRO_BATCHES = (1, 2, 4)  # sequences per micro-batch that --layout weighs
+SEARCH_MICRO_BATCHES = (1,)  # ... and the search over degrees (the time model gains nothing from more per micro-batch)
 _V = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, max_seq_len=8192)
 MODELS: dict[str, ModelArgs] = {
     **PRESETS,
@@ -91,19 +103,22 @@ def model_from_shape(text: str) -> ModelArgs:
     return args
 
 
-def parse_layout(text: str, args: ModelArgs, seq_len: int) -> Layout:
-    """``tp=..,cp=..,pp=..,dp=..,ep=..`` plus optional dp_replicate, schedule, v (stages per rank), mb (sequences
-    per micro-batch), ac and cp_attention. Uneven pipeline stages are split by FLOPs (mesh/pipeline.py)."""
+LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "dp_shard", "dp_replicate", "ep", "schedule", "v", "mb", "ac", "cp_attention")
+CHOICES = ("schedule", "v", "mb", "ac")  # what the planner chooses for a layout unless --layout fixes it
+
+
+def parse_layout(text: str, args: ModelArgs, seq_len: int) -> tuple[Layout, frozenset[str]]:
+    """``tp=..,cp=..,pp=..,dp=..,ep=..`` plus optional dp_replicate, dp_shard, schedule, v (stages per rank), mb
+    (sequences per micro-batch), ac and cp_attention: the layout, and which of ``CHOICES`` the text fixes (the
+    planner searches the others, ``choose``). ``dp`` is the data-parallel degree dp_replicate x dp_shard
+    (mesh/dims.py: ParallelDims.dp); give dp or dp_shard. Uneven pipeline stages are split by FLOPs."""
     fields = dict(kv.split("=") for kv in text.split(",") if kv)
-    ints = {k: int(fields.pop(k)) for k in ("tp", "cp", "pp", "dp", "ep", "dp_replicate", "v", "mb") if k in fields}
-    schedule = fields.pop("schedule", "1F1B")
-    ac = fields.pop("ac", "full")
-    cp_attention = fields.pop("cp_attention", "allgather")
-    if fields:
-        raise ValueError(
-            f"--layout: unknown keys {sorted(fields)}; use tp, cp, pp, dp, ep, dp_replicate, schedule, v, "
-            "mb, ac, cp_attention"
-        )
+    unknown = set(fields) - set(LAYOUT_KEYS)
+    if unknown:
+        raise ValueError(f"--layout: unknown keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
+    ints = {k: int(v) for k, v in fields.items() if k not in ("schedule", "ac", "cp_attention")}
+    schedule, ac = fields.get("schedule", "1F1B"), fields.get("ac", "full")
+    cp_attention = fields.get("cp_attention", "allgather")
     for key, value, allowed in (
         ("schedule", schedule, tuple(SCHEDULE_FAMILIES)),
         ("ac", ac, AC_MODES),
@@ -113,29 +128,39 @@ def parse_layout(text: str, args: ModelArgs, seq_len: int) -> Layout:
             raise ValueError(f"--layout {key}={value} is unknown; choose one of {', '.join(allowed)}")
     if any(value < 1 for value in ints.values()):
         raise ValueError(f"--layout: every degree must be >= 1, got {ints}")
-    v = ints.get("v", 2 if schedule not in ("GPipe", "1F1B") else 1)
+    replicate = ints.get("dp_replicate", 1)
+    shard = ints.get("dp_shard", ints.get("dp", replicate) // replicate)
+    if "dp" in ints and ints["dp"] != replicate * shard:
+        raise ValueError(
+            f"--layout dp={ints['dp']} is the data-parallel degree dp_replicate x dp_shard = {replicate} x "
+            f"{ints.get('dp_shard', ints['dp'] / replicate):g}; give dp a multiple of dp_replicate, or dp_shard alone"
+        )
+    pp = ints.get("pp", 1)
+    v = ints.get("v", SCHEDULE_FAMILIES[schedule].natural_stages_per_rank)
     layout = Layout(
-        tp=ints.get("tp", 1),
-        cp=ints.get("cp", 1),
-        pp=ints.get("pp", 1),
-        dp_shard=ints.get("dp", 1),
-        ep=ints.get("ep", 1),
-        dp_replicate=ints.get("dp_replicate", 1),
-        schedule=schedule if ints.get("pp", 1) > 1 else "1F1B",
-        stages_per_rank=v if ints.get("pp", 1) > 1 else 1,
+        dims=degrees(
+            tp=ints.get("tp", 1),
+            cp=ints.get("cp", 1),
+            pp=pp,
+            dp_shard=shard,
+            dp_replicate=replicate,
+            ep=ints.get("ep", 1),
+        ),
+        schedule=schedule if pp > 1 else "1F1B",
+        stages_per_rank=v if pp > 1 else 1,
         sequences_per_microbatch=ints.get("mb", 1),
         ac=ac,
         cp_attention=cp_attention,
     )
-    return with_split(args, layout, seq_len)
+    fixed = frozenset(k for k in CHOICES if k in fields) | (frozenset({"schedule", "v"}) if pp == 1 else frozenset())
+    return with_split(args, layout, seq_len), fixed
 
 
 def with_split(args: ModelArgs, layout: Layout, seq_len: int) -> Layout:
     """The layout with its stages' layers: meshloom's FLOPs-balanced split (any pp up to the layer count)."""
     if layout.pp == 1:
         return layout
-    split = flops_split(args, layout.n_stages, seq_len)
-    return Layout(**{**vars(layout), "stage_layers": split})
+    return replace(layout, stage_layers=flops_split(args, layout.n_stages, seq_len))
 
 
 _SPLITS: dict[tuple, tuple[tuple[int, ...], ...]] = {}
@@ -157,9 +182,8 @@ def flops_split(args: ModelArgs, n_stages: int, seq_len: int) -> tuple[tuple[int
 def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, tokens: float) -> dict:
     """Memory and time of one layout, as the ``--json`` object (see the module docstring)."""
     gpu = planner_gpu(gpu_name)
-    replicas = layout.dp_shard * layout.dp_replicate
-    m = int(tokens // seq_len) // (replicas * layout.sequences_per_microbatch)
-    batch = m * replicas * layout.sequences_per_microbatch
+    m = int(tokens // seq_len) // (layout.dp * layout.sequences_per_microbatch)
+    batch = m * layout.dp * layout.sequences_per_microbatch
     workload = LlamaWorkload(args, seq_len)
     mem_layout = memory_layout(layout, seq_len, m)
     stages = [list(s) for s in layout.stage_layers] if layout.stage_layers else [list(range(args.n_layers))]
@@ -169,11 +193,12 @@ def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, token
         "gpu": gpu_name,
         "gpus": layout.gpus,
         **{k: getattr(layout, k) for k in ("tp", "cp", "pp")},
-        "dp": layout.dp_shard,  # the command's name for dp_shard
-        **{k: getattr(layout, k) for k in ("ep", "dp_replicate")},
+        "dp": layout.dp,  # dp_replicate x dp_shard, as ParallelDims.dp
+        **{k: getattr(layout, k) for k in ("dp_shard", "dp_replicate", "ep")},
         "schedule": layout.schedule if layout.pp > 1 else None,
         "stages_per_rank": layout.stages_per_rank,
         "stage_layers": [len(s) for s in stages] if layout.pp > 1 else None,
+        "sequences_per_microbatch": layout.sequences_per_microbatch,
         "activation_checkpoint": layout.ac,
         "seq_len": seq_len,
         "global_batch": batch,
@@ -185,6 +210,12 @@ def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, token
     }
     if m < 1:
         return {**out, "fits": False, "why": f"the batch ({int(tokens // seq_len)} sequences) is smaller than dp"}
+    if layout.pp > 1 and short_pipeline(layout, m):
+        out["note"] = (
+            f"m={m} micro-batches < {layout.n_stages if layout.schedule == 'DualPipeV' else layout.pp} stages: "
+            f"{layout.schedule} as torch ships it needs at least one per stage; estimated as if a modified "
+            "schedule ran them (Llama 3's), which meshloom does not have"
+        )
     t = step_time(workload, layout, MESHLOOM, gpu, batch)
     tokens_per_s = batch * seq_len / t.step / layout.gpus
     tflops = flops_per_token(args, seq_len) * tokens_per_s / 1e12
@@ -210,11 +241,93 @@ def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, token
     }
 
 
+def short_pipeline(layout: Layout, m: int) -> bool:
+    """Fewer micro-batches than the schedule needs stages (planning/layout_rules.py: pipeline_errors' rules for
+    1F1B and DualPipeV): a schedule torch does not ship would have to run them."""
+    return (layout.schedule == "1F1B" and m < layout.pp) or (layout.schedule == "DualPipeV" and m < layout.n_stages)
+
+
+# ---- the choices for one layout: schedule, stages per rank, micro-batch size, activation checkpointing ----------
+
+
+def choices(args: ModelArgs, layout: Layout, fixed: frozenset[str], seq_len: int, tokens: float, mbs=MICRO_BATCHES):
+    """The variants of ``layout`` the planner weighs: every schedule torch ships that meshloom runs
+    (mesh/pipeline.py: SCHEDULE_FAMILIES) with its stages per rank (1; 2 for the V-shaped; 2 or 4 for the looped
+    ones), sequences per micro-batch ``mbs``, and the three checkpointing modes, except what ``fixed`` names.
+    Variants meshloom's pipeline rules refuse are left out, except for having fewer micro-batches than stages
+    (estimated, with a note: ``evaluate``)."""
+    batch = int(tokens // seq_len)
+    schedules = [layout.schedule] if "schedule" in fixed or layout.pp == 1 else list(SCHEDULE_FAMILIES)
+    for schedule in schedules:
+        family = SCHEDULE_FAMILIES[schedule]
+        if "v" in fixed or layout.pp == 1:
+            vs = [layout.stages_per_rank]
+        else:
+            vs = {"single": [1], "v": [2], "looped": [2, 4]}[family.placement]
+        for v in vs:
+            if layout.pp * v > args.n_layers:
+                continue
+            for mb in [layout.sequences_per_microbatch] if "mb" in fixed else mbs:
+                m = batch // (layout.dp * mb)
+                if m < 1:
+                    continue
+                if layout.pp > 1:
+                    errors = pipeline_errors(layout.pp, schedule, v, m, None, "flops", args.n_layers)
+                    short = short_pipeline(replace(layout, schedule=schedule, stages_per_rank=v), m)
+                    if len(errors) > int(short):
+                        continue
+                base = with_split(
+                    args, replace(layout, schedule=schedule, stages_per_rank=v, sequences_per_microbatch=mb), seq_len
+                )
+                for ac in [layout.ac] if "ac" in fixed else AC_MODES:
+                    yield replace(base, ac=ac)
+
+
+def choose(
+    args: ModelArgs,
+    layout: Layout,
+    fixed: frozenset[str],
+    gpu_name: str,
+    seq_len: int,
+    tokens: float,
+    mbs=MICRO_BATCHES,
+):
+    """(the chosen variant, every variant evaluated): the fastest that fits, else the one with the least memory.
+    The chosen one carries ``why``: its time and memory beside the runner-up and the fastest that did not fit."""
+    tried = [evaluate(args, v, gpu_name, seq_len, tokens) for v in choices(args, layout, fixed, seq_len, tokens, mbs)]
+    if not tried:  # nothing meshloom accepts: the layout as given, for its message
+        return evaluate(args, layout, gpu_name, seq_len, tokens), []
+    timed = [e for e in tried if "step_s" in e]
+    fits = sorted((e for e in timed if e["fits"]), key=lambda e: e["step_s"])
+    if not fits:
+        best = min(tried, key=lambda e: e["memory_gb"])
+        return {**best, "why": f"none of {len(tried)} variants fits; the least memory"}, tried
+    best = fits[0]
+    reasons = [f"fastest of {len(fits)} variants that fit ({len(tried)} tried): {variant(best)}"]
+    if len(fits) > 1:
+        runner = fits[1]
+        reasons.append(f"next {variant(runner)} +{runner['step_s'] / best['step_s'] - 1:.1%}")
+    faster = [e for e in timed if not e["fits"] and e["step_s"] < best["step_s"]]
+    if faster:
+        quick = min(faster, key=lambda e: e["step_s"])
+        reasons.append(f"faster but does not fit: {variant(quick)}")
+    return {**best, "why": "; ".join(reasons)}, tried
+
+
+def variant(e: dict) -> str:
+    """One variant in a few words: schedule and v, micro-batches, AC, step and memory."""
+    pipe = f"{e['schedule']} v={e['stages_per_rank']}, " if e["pp"] > 1 else ""
+    return (
+        f"{pipe}mb={e['sequences_per_microbatch']} (m={e['microbatches']}), ac={e['activation_checkpoint']}: "
+        f"{e['step_s']:.2f} s, {e['memory_gb']:.1f} GB"
+    )
+
+
 # ---- the search --------------------------------------------------------------------------------------------
 
 
 def candidates(args: ModelArgs, gpus: int, seq_len: int, batch: int):
-    """Every layout the search tries (module docstring), with its stages' layers."""
+    """Every set of degrees the search tries (module docstring); ``choose`` picks each one's schedule and the rest."""
     dividing = (
         args.n_heads,
         args.n_kv_heads,
@@ -230,31 +343,68 @@ def candidates(args: ModelArgs, gpus: int, seq_len: int, batch: int):
             for pp in range(1, args.n_layers + 1):
                 if gpus % (tp * cp * pp):
                     continue
-                dp = gpus // (tp * cp * pp)
-                m = batch // dp
-                if m < 1:
+                dp_shard = gpus // (tp * cp * pp)  # no HSDP in the search: dp = dp_shard
+                if batch // dp_shard < 1:
                     continue
-                for ep in [e for e in range(1, experts + 1) if experts % e == 0 and dp % e == 0]:
+                for ep in [e for e in range(1, experts + 1) if experts % e == 0 and dp_shard % e == 0]:
                     if ep > 1 and cp > 1:
                         continue
-                    for schedule in SEARCH_SCHEDULES if pp > 1 else ("1F1B",):
-                        v = 2 if schedule == "Interleaved1F1B" else 1
-                        if pp * v > args.n_layers or (pp > 1 and m < pp):
-                            continue
-                        if schedule == "Interleaved1F1B" and m % max(1, m // pp):
-                            continue
-                        base = Layout(tp=tp, cp=cp, pp=pp, dp_shard=dp, ep=ep, schedule=schedule, stages_per_rank=v)
-                        base = with_split(args, base, seq_len)
-                        for ac in AC_MODES:
-                            yield Layout(**{**vars(base), "ac": ac})
+                    yield Layout(dims=degrees(tp=tp, cp=cp, pp=pp, dp_shard=dp_shard, ep=ep))
 
 
 def search(args: ModelArgs, gpu_name: str, gpus: int, seq_len: int, tokens: float) -> list[dict]:
-    """Every candidate evaluated; those that fit first, fastest first, then the rest by memory."""
+    """Every set of degrees with its chosen schedule, micro-batches and checkpointing; those that fit first,
+    fastest first, then the rest by memory."""
     batch = int(tokens // seq_len)
-    found = [evaluate(args, layout, gpu_name, seq_len, tokens) for layout in candidates(args, gpus, seq_len, batch)]
+    found = [
+        choose(args, layout, frozenset(), gpu_name, seq_len, tokens, SEARCH_MICRO_BATCHES)[0]
+        for layout in candidates(args, gpus, seq_len, batch)
+    ]
     fits = sorted((e for e in found if e["fits"]), key=lambda e: -e["tokens_per_s_per_gpu"])
     return fits + sorted((e for e in found if not e["fits"]), key=lambda e: e["memory_gb"])
+
+
+# ---- the planner beside Llama 3's published layouts (planning/published_runs.py: LLAMA3_TABLE_4) --------------
+
+
+def llama3_rows() -> list[dict]:
+    """Each Llama 3 row: the published degrees, the schedule, micro-batches and checkpointing the planner chooses
+    for them (planning/plan_layout.py: choose), its TFLOP/s per GPU beside the published, and the error. Nothing
+    here was tuned on these runs: the H100's figures are its data sheet's and MAMF, sigma comes from Table 1."""
+    from planning.published_runs import LLAMA3_TABLE_4
+
+    args = PRESETS["llama3-405b"]
+    rows = []
+    for run in LLAMA3_TABLE_4:
+        assert run.gpus == run.tp * run.cp * run.pp * run.dp
+        layout = Layout(dims=degrees(tp=run.tp, cp=run.cp, pp=run.pp, dp_shard=run.dp))
+        tokens = run.dp * run.batch_per_dp * run.seq_len
+        e, _ = choose(args, layout, frozenset(), "h100", run.seq_len, tokens)
+        rows.append(
+            {
+                "run": run,
+                "planned": e,
+                "predicted": e["tflops_per_gpu"],
+                "error": e["tflops_per_gpu"] / run.published_tflops - 1,
+            }
+        )
+    return rows
+
+
+def llama3_markdown(rows: list[dict] | None = None) -> str:
+    rows = rows if rows is not None else llama3_rows()
+    lines = [
+        "| GPUs | tp | cp | pp | dp | seq | batch/dp | published TFLOP/s | planner's choice | memory GB | predicted | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        run, e = r["run"], r["planned"]
+        choice = f"{e['schedule']} v={e['stages_per_rank']}, mb={e['sequences_per_microbatch']}, {e['activation_checkpoint']} AC"
+        lines.append(
+            f"| {run.gpus:,} | {run.tp} | {run.cp} | {run.pp} | {run.dp} | {run.seq_len:,} | {run.batch_per_dp} "
+            f"| {run.published_tflops:.0f} | {choice} | {e['memory_gb']:.1f} | {r['predicted']:.0f} | {r['error']:+.1%} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 # ---- the meshloom command ------------------------------------------------------------------------------------
@@ -276,10 +426,10 @@ def overrides(args: ModelArgs, e: dict) -> list[tuple[str, str]]:
     if e["pp"] > 1:
         pipeline = [
             ("parallel.pp_schedule", e["schedule"]),
+            ("parallel.pp_stages_per_rank", e["stages_per_rank"]),
             ("parallel.pp_microbatches", e["microbatches"]),
             ("parallel.pp_split", "flops"),
         ]
-    per_microbatch = e["global_batch"] // (e["dp"] * e["dp_replicate"] * e["microbatches"])
     pairs = [
         ("model.dim", args.dim),
         ("model.n_layers", args.n_layers),
@@ -295,11 +445,11 @@ def overrides(args: ModelArgs, e: dict) -> list[tuple[str, str]]:
         ("parallel.pp", e["pp"]),
         ("parallel.ep", e["ep"]),
         *([("parallel.dp_replicate", e["dp_replicate"])] if e["dp_replicate"] > 1 else []),
-        ("parallel.dp_shard", -1),
+        ("parallel.dp_shard", -1),  # the rest of the world: e["dp_shard"]
         *pipeline,
         ("training.seq_len", e["seq_len"]),
         ("training.global_batch", e["global_batch"]),
-        ("training.micro_batch", 0 if e["pp"] > 1 else per_microbatch),
+        ("training.micro_batch", 0 if e["pp"] > 1 else e["sequences_per_microbatch"]),
         ("training.mixed_precision", "bf16"),
         ("training.activation_checkpoint", e["activation_checkpoint"]),
     ]
@@ -317,7 +467,7 @@ def command(args: ModelArgs, e: dict) -> str:
 # ---- printing ------------------------------------------------------------------------------------------------
 
 HEADER = (
-    f"{'tp':>2} {'cp':>2} {'pp':>3} {'dp':>5} {'ep':>2} {'schedule':<15} {'AC':<9} {'batch':>5} {'m':>4} {'mem GB':>6} "
+    f"{'tp':>2} {'cp':>2} {'pp':>3} {'dp':>5} {'ep':>2} {'schedule':<21} {'AC':<9} {'batch':>5} {'m':>4} {'mem GB':>6} "
     f"{'step s':>8} {'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>5}  compute mem-bd recomp     TP     CP     EP"
     f"     PP     DP bubble"
 )
@@ -327,12 +477,13 @@ def row(e: dict) -> str:
     if "step_s" not in e:
         return f"{e['tp']:>2} {e['cp']:>2} {e['pp']:>3} {e['dp']:>5} {e['ep']:>2}  {e.get('why', '')}"
     b = e["breakdown_s"]
-    schedule = e["schedule"] or "-"
+    schedule = f"{e['schedule']} v={e['stages_per_rank']}" if e["schedule"] else "-"
+    schedule += f" mb={e['sequences_per_microbatch']}" if e["sequences_per_microbatch"] > 1 else ""
     parts = " ".join(
         f"{b[k]:>6.2f}" for k in ("compute", "memory_bound", "recompute", "tp", "cp", "ep", "pp", "dp", "bubble")
     )
     return (
-        f"{e['tp']:>2} {e['cp']:>2} {e['pp']:>3} {e['dp']:>5} {e['ep']:>2} {schedule:<15} "
+        f"{e['tp']:>2} {e['cp']:>2} {e['pp']:>3} {e['dp']:>5} {e['ep']:>2} {schedule:<21} "
         f"{e['activation_checkpoint']:<9} {e['global_batch']:>5} {e['microbatches']:>4} {e['memory_gb']:>6.1f} {e['step_s']:>8.2f} "
         f"{e['tokens_per_s_per_gpu']:>9,.0f} {e['tflops_per_gpu']:>7.0f} {e['mfu']:>5.1%} {parts}"
     )
@@ -384,6 +535,7 @@ def main_plan(
         return
     best = fitting[0]
     print(f"\nbest: {best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {best['step_s']:.2f} s per step")
+    print(f"why this schedule and AC: {best['why']}")
     print(command(args, best))
 
 
@@ -402,9 +554,20 @@ def meshloom_refusal(args: ModelArgs, e: dict) -> str | None:
     return None
 
 
-def main_layout(args: ModelArgs, name: str, gpu_name: str, layout: Layout, seq_len: int, tokens: float, as_json: bool):
-    e = evaluate(args, layout, gpu_name, seq_len, tokens)
-    refusal = meshloom_refusal(args, e) if "step_s" in e else None
+def main_layout(
+    args: ModelArgs,
+    name: str,
+    gpu_name: str,
+    layout: Layout,
+    fixed: frozenset[str],
+    seq_len: int,
+    tokens: float,
+    as_json: bool,
+):
+    """One layout: the planner chooses what ``fixed`` leaves open (schedule, v, mb, ac) and says why."""
+    e, tried = choose(args, layout, fixed, gpu_name, seq_len, tokens)
+    # a pipeline with fewer micro-batches than stages is estimated, not refused (its note says what it needs)
+    refusal = meshloom_refusal(args, e) if "step_s" in e and "note" not in e else None
     if refusal:  # exit 2, meshloom's status for bad input
         print(f"meshloom would refuse this layout: {refusal}", file=sys.stderr)
         raise SystemExit(2)
@@ -412,9 +575,11 @@ def main_layout(args: ModelArgs, name: str, gpu_name: str, layout: Layout, seq_l
         print(json.dumps(e, indent=1))
         return
     print(describe(args, name, gpu_name, seq_len, tokens))
+    given = ", ".join(sorted(fixed - ({"schedule", "v"} if layout.pp == 1 else set()))) or "nothing"
     print(
         f"layout {layout.describe()} on {layout.gpus:,} GPUs"
-        + (f", stages {e['stage_layers']}" if e["stage_layers"] else "")
+        + (f", stages {stages_text(e['stage_layers'])}" if e["stage_layers"] else "")
+        + f"; given {given}, chosen the rest"
     )
     print(HEADER)
     print(row(e))
@@ -424,8 +589,17 @@ def main_layout(args: ModelArgs, name: str, gpu_name: str, layout: Layout, seq_l
         f"+ activations {mem['activations']:.1f} + logits {mem['logits']:.1f} = {e['memory_gb']:.1f} GB "
         f"({'fits' if e['fits'] else 'does not fit'})"
     )
+    if tried:
+        print(f"why: {e['why']}")
+    if "note" in e:
+        print(f"note: {e['note']}")
     if "step_s" in e:
         print(command(args, e))
+
+
+def stages_text(sizes: list[int]) -> str:
+    """A stage split as printed: every stage's layer count, or for many stages their range."""
+    return str(sizes) if len(sizes) <= 16 else f"{len(sizes)} of {min(sizes)}-{max(sizes)} layers"
 
 
 def main_validate(markdown: bool) -> None:
@@ -439,7 +613,7 @@ def main_validate(markdown: bool) -> None:
 
     rows = validation_rows()
     if markdown:
-        print(markdown_table(rows) + "\n" + torchtitan_markdown(), end="")
+        print(markdown_table(rows) + "\n" + torchtitan_markdown() + "\n" + llama3_markdown(), end="")
         return
     print("Megatron-LM, Narayanan et al. 2021, Table 1 (A100 80GB, GPT, seq 2048, full recomputation)")
     print(
@@ -457,6 +631,16 @@ def main_validate(markdown: bool) -> None:
         print(
             f"{r['run'].name:<30} published {r['run'].published_tokens_per_s:>6,} predicted {r['predicted']:>6,.0f} {r['error']:>+7.1%}"
         )
+    print(
+        "\nLlama 3 405B, Llama Team 2024 (arXiv 2407.21783), Table 4 (H100 80GB, bf16): the planner chooses schedule, "
+        "v, micro-batches and AC for each published layout"
+    )
+    for r in llama3_rows():
+        run, e = r["run"], r["planned"]
+        print(
+            f"{run.gpus:>6,} GPUs tp {run.tp} cp {run.cp:>2} pp {run.pp} dp {run.dp:>3} seq {run.seq_len:>7,}: published "
+            f"{run.published_tflops:.0f} predicted {r['predicted']:.0f} TFLOP/s {r['error']:>+7.1%}  ({e['why']})"
+        )
 
 
 def main() -> None:
@@ -469,7 +653,11 @@ def main() -> None:
     p.add_argument("--gpus", type=int, help="GPUs to search over (with --layout: checked against the layout)")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--global-batch-tokens", type=float, default=4e6, help="tokens per step, a cap set by convergence")
-    p.add_argument("--layout", help="evaluate one layout: tp=..,cp=..,pp=..,dp=..,ep=..[,schedule=..,v=..,mb=..,ac=..]")
+    p.add_argument(
+        "--layout",
+        help="one layout: tp=..,cp=..,pp=..,dp=..,ep=..[,dp_replicate=..,schedule=..,v=..,mb=..,ac=..]; dp = "
+        "dp_replicate x dp_shard; the planner chooses schedule, v, mb and ac unless given",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per layout")
     p.add_argument("--top", type=int, default=10, help="search: how many layouts to print")
     p.add_argument("--validate", action="store_true", help="the time model beside Megatron-LM's Table 1")
@@ -482,10 +670,10 @@ def main() -> None:
         args = model_from_shape(a.model_shape) if a.model_shape else MODELS[a.model]
         name = "--model-shape" if a.model_shape else a.model
         if a.layout:
-            layout = parse_layout(a.layout, args, a.seq_len)
+            layout, fixed = parse_layout(a.layout, args, a.seq_len)
             if a.gpus and a.gpus != layout.gpus:
                 p.error(f"--layout {a.layout} uses {layout.gpus} GPUs, not --gpus {a.gpus}")
-            main_layout(args, name, a.gpu, layout, a.seq_len, a.global_batch_tokens, a.json)
+            main_layout(args, name, a.gpu, layout, fixed, a.seq_len, a.global_batch_tokens, a.json)
             return
     except ValueError as err:
         p.error(str(err))

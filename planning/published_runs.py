@@ -1,4 +1,5 @@
-"""The time model (planning/step_time.py) beside training runs that really happened: Megatron-LM's Table 1.
+"""The planner beside training runs that really happened: Megatron-LM's Table 1, torchtitan's H100 runs and
+Llama 3's Table 4, each row's error printed by one command.
 
     python -m planning.plan_layout --validate [--markdown]
 
@@ -41,12 +42,19 @@ checkpointing, local batch 2 of 8,192 tokens (train_configs/llama3_8b.toml), on 
 limit whose peak FLOP/s, its authors write, they do not know. The planner (meshloom's model and stack,
 the H100 SXM's peak and MAMF, torchtitan's memory bandwidth) predicts more than they measured; ``torchtitan_rows``
 prints how much. It is the only check of an H100 figure here, and it is not a tight one.
+
+**A third check, not tuned on either: Llama 3 405B.** Table 4 of "The Llama 3 Herd of Models" (Llama Team,
+AI @ Meta, 2024, arXiv 2407.21783) lists three layouts of the 405B pre-training on 8,192 and 16,384 H100s (tp,
+cp, pp, dp, sequence length, sequences per dp rank, 16M tokens a step) and the TFLOP/s per GPU each reached.
+planning/plan_layout.py's ``llama3_rows`` gives the planner the degrees only: its ``choose`` picks the schedule,
+stages per rank, micro-batch size and checkpointing, and the chosen variant's TFLOP/s stand beside Meta's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from planning.memory_estimate import degrees
 from planning.presets import PRESETS
 from planning.step_time import MESHLOOM, Layout, LlamaWorkload, Stack, matmul_efficiency, planner_gpu, step_time
 
@@ -175,9 +183,7 @@ class MegatronRun:
     def layout(self) -> Layout:
         v = self.layers // self.pp // self.layers_per_virtual_stage if self.layers_per_virtual_stage else 1
         return Layout(
-            tp=self.tp,
-            pp=self.pp,
-            dp_shard=self.gpus // (self.tp * self.pp),
+            dims=degrees(tp=self.tp, pp=self.pp, dp_shard=self.gpus // (self.tp * self.pp)),
             schedule="Interleaved1F1B" if v > 1 else "1F1B",
             stages_per_rank=v,
             sequences_per_microbatch=self.micro_batch,
@@ -226,7 +232,7 @@ def validation_rows() -> list[dict]:
     for run in MEGATRON_TABLE_1:
         predicted, parts = predicted_tflops(run)
         step = parts["step"]
-        m = run.batch // (run.layout.dp_shard * run.micro_batch)
+        m = run.batch // (run.layout.dp * run.micro_batch)
         rows.append(
             {
                 "run": run,
@@ -288,7 +294,7 @@ def torchtitan_rows() -> list[dict]:
     """Each torchtitan row: published and predicted tokens/s per GPU, and the error."""
     rows = []
     for run in TORCHTITAN_RUNS:
-        layout = Layout(dp_shard=run.gpus, sequences_per_microbatch=run.local_batch, ac="selective")
+        layout = Layout(dims=degrees(dp_shard=run.gpus), sequences_per_microbatch=run.local_batch, ac="selective")
         t = step_time(LlamaWorkload(PRESETS["llama3-8b"], 8192), layout, MESHLOOM, TORCHTITAN_H100, run.gpus * 2)
         predicted = run.local_batch * 8192 / t.step
         rows.append({"run": run, "predicted": predicted, "error": predicted / run.published_tokens_per_s - 1})
@@ -306,3 +312,32 @@ def torchtitan_markdown(rows: list[dict] | None = None) -> str:
         ),
     ]
     return "\n".join(lines) + "\n"
+
+
+# ---- Llama 3 405B on up to 16,384 H100s ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Llama3Run:
+    """One row of Table 4 of "The Llama 3 Herd of Models" (Llama Team, AI @ Meta, 2024, arXiv 2407.21783,
+    section 3.3.2, "Scaling configurations and MFU for each stage of Llama 3 405B pre-training"): Llama 3 405B
+    in bf16 on H100 SXM 80GB GPUs (700 W), tokens per batch and TFLOP/s per GPU as published. Transcribed from
+    the table as quoted at stevengong.co/notes/Model-FLOPs-Utilization, and the same figures (GPUs, TP, CP, PP,
+    tokens per batch, TFLOP/s) from the SC'24 slide quoted at glennklockwood.com/garden/llama-3.1."""
+
+    gpus: int
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    seq_len: int
+    batch_per_dp: int  # sequences per data-parallel rank and step
+    published_tflops: float  # per GPU
+    published_mfu: float
+
+
+LLAMA3_TABLE_4: tuple[Llama3Run, ...] = (
+    Llama3Run(8192, 8, 1, 16, 64, 8192, 32, 430, 0.43),
+    Llama3Run(16384, 8, 1, 16, 128, 8192, 16, 400, 0.41),
+    Llama3Run(16384, 8, 16, 16, 8, 131072, 16, 380, 0.38),
+)

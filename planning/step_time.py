@@ -44,15 +44,16 @@ between dimensions that share the same links, and anything torch.compile fuses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from mesh.pipeline import stage_ids_of_rank
 from models.flops import head_flops_per_token, layer_flops_per_token
 from planning.gpus import GPU, GPUS, PLANNER_GPUS
-from planning.memory_estimate import MemoryLayout, block_parameters, even_stage_layers
+from planning.memory_estimate import DegreesOf, MemoryLayout, block_parameters, degrees, even_stage_layers
 
 if TYPE_CHECKING:
+    from mesh.dims import ParallelDims
     from models.llama import ModelArgs
 
 GPUS_PER_NODE = 8
@@ -97,17 +98,13 @@ class Stack:
 MESHLOOM = Stack("meshloom", True, "fsdp", 4, False, 0.75)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Degrees and schedule of one plan, named as ParallelDims names them (mesh/dims.py): ``dp_shard`` is the FSDP
-    shard degree, ``dp_replicate`` HSDP's (the planner's ``--layout`` and its output call dp_shard ``dp``)."""
+@dataclass(frozen=True, kw_only=True)
+class Layout(DegreesOf):
+    """The degrees of one plan (``dims``: mesh/dims.py's ParallelDims; ``layout.dp`` is dp_replicate x dp_shard,
+    as everywhere) and how the step runs on them: the pipeline schedule, stages per rank, sequences per
+    micro-batch, activation checkpointing, CP's attention."""
 
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    dp_shard: int = 1
-    ep: int = 1
-    dp_replicate: int = 1
+    dims: ParallelDims = field(default_factory=degrees)
     schedule: str = "1F1B"
     stages_per_rank: int = 1
     sequences_per_microbatch: int = 1
@@ -117,7 +114,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp_shard * self.dp_replicate
+        return self.dims.world_size
 
     @property
     def n_stages(self) -> int:
@@ -125,7 +122,7 @@ class Layout:
 
     def describe(self) -> str:
         extra = f", dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else ""
-        return f"tp={self.tp}, cp={self.cp}, pp={self.pp}, dp={self.dp_shard}, ep={self.ep}{extra}"
+        return f"tp={self.tp}, cp={self.cp}, pp={self.pp}, dp_shard={self.dp_shard}, ep={self.ep}{extra}"
 
 
 # ---- the model, as the time model sees it -------------------------------------------------------------------
@@ -336,8 +333,7 @@ def step_time(
     """Items 1-8 of the module docstring for one step of ``global_batch`` sequences (``efficiency``: the matmul
     efficiency, ``matmul_efficiency(gpu)`` unless given)."""
     efficiency = matmul_efficiency(gpu) if efficiency is None else efficiency
-    replicas = layout.dp_shard * layout.dp_replicate
-    m = global_batch // (replicas * layout.sequences_per_microbatch)  # micro-batches per replica and step
+    m = global_batch // (layout.dp * layout.sequences_per_microbatch)  # micro-batches per replica and step
     stages = stage_layers_of(workload, layout)
     v, p = layout.stages_per_rank, layout.pp
     hbm = gpu.hbm_tb_s * 1e12
@@ -381,7 +377,7 @@ def dp_seconds(layout: Layout, stack: Stack, gpu: GPU, params: dict[str, float],
         per_microbatch = ring((2 * w + stack.grad_bytes) * gathered, shards) / within
         compute = mb.matmul + mb.recompute + mb.memory_bound
         return m * max(0.0, per_microbatch - compute) + across
-    allreduce = 2 * ring(stack.grad_bytes * gathered, layout.dp_shard) / link(gpu, layout.tp * layout.dp_shard)
+    allreduce = 2 * ring(stack.grad_bytes * gathered, layout.dp) / link(gpu, layout.tp * layout.dp)
     if stack.data_parallel == "ddp_overlapped":  # during the last micro-batch's backward (and its recompute)
         backward = (2 * mb.matmul + 2 * mb.memory_bound) / 3 + mb.recompute + mb.tp
         return max(0.0, allreduce - backward)
@@ -394,12 +390,7 @@ def dp_seconds(layout: Layout, stack: Stack, gpu: GPU, params: dict[str, float],
 def memory_layout(layout: Layout, seq_len: int, microbatches: int, mixed_precision: str = "bf16") -> MemoryLayout:
     """The planning/memory_estimate.py view of a ``Layout`` trained by meshloom."""
     return MemoryLayout(
-        tp=layout.tp,
-        pp=layout.pp,
-        dp_replicate=layout.dp_replicate,
-        dp_shard=layout.dp_shard,
-        cp=layout.cp,
-        ep=layout.ep,
+        dims=layout.dims,
         seq_len=seq_len,
         sequences_per_microbatch=layout.sequences_per_microbatch,
         pp_schedule=layout.schedule,
