@@ -74,7 +74,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
         *(f"  {name:<13} size {getattr(d, name):>3}" for name in MESH_DIMS),
     ]
     if d.ep > 1:
-        lines.append(f"  {'ep':<13} size {d.ep:>3}   (carved from dp_shard: the MoE experts' ranks)")
+        lines.append(f"  {'ep':<13} size {d.ep:>3}   (borrowed from dp_shard x cp x tp: the MoE experts' ranks)")
     lines.append(f"  parameters    {m.num_params():,} total")
     layout = MemoryLayout.of_plan(plan, cfg)
     for pp_rank in range(d.pp):

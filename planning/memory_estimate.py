@@ -13,7 +13,8 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    sharded weights and their gradients in fp32 and computes with bf16 copies (item 2). A block's attention and
    dense FFN are split over tp, its norms are not; an MoE layer's router, experts and shared expert stay
    whole on every tp rank (mesh/tensor_parallel.py: TokenSplitMoE) and the experts are split over ep. FSDP
-   then shards everything over dp_shard x cp (mesh/dims.py), experts over the same ranks as efsdp x ep;
+   then shards everything over dp_shard x cp (mesh/dims.py); with ep > 1 the experts over efsdp x ep =
+   dp_shard x cp x tp (ep borrows tp ranks too, so no expert is copied over tp);
    dp_replicate (HSDP) holds copies. ``fsdp_cpu_offload`` moves the states to the host: 0 here.
 2. **Gathered weights** (``gathered_bytes``), only under FSDP, in the compute dtype (2 bytes in bf16, 4 in fp32):
    without pipelining the final norm and head (one unit, mesh/data_parallel.py: vocabulary_units) stay
@@ -105,7 +106,7 @@ def degrees(
     *, tp: int = 1, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int = 1, ep: int = 1
 ) -> ParallelDims:
     """The ``ParallelDims`` (mesh/dims.py) of a layout given degree by degree: the world is their product (ep is
-    carved from the others, so it does not multiply)."""
+    borrowed from the others, so it does not multiply)."""
     world = tp * pp * dp_replicate * dp_shard * cp
     return ParallelDims(tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, world_size=world)
 
@@ -242,7 +243,10 @@ def stage_parameters(args: ModelArgs, layers, first: bool, last: bool) -> dict[s
 def rank_parameters(args: ModelArgs, layout: MemoryLayout, params: dict[str, int]) -> float:
     """How many of ``params`` one rank owns after TP, EP and FSDP (item 1 of the module docstring)."""
     shards = layout.dp_shard * layout.cp if layout.fsdp else 1
-    experts = params["experts"] / (layout.dp_shard * layout.cp if layout.fsdp else layout.ep)
+    # experts: ep ranks borrowed from dp_shard x cp x tp (mesh/dims.py), FSDP over the rest (efsdp), so under FSDP
+    # they are split over all of dp_shard x cp x tp; without ep they stay whole on every tp rank
+    expert_shards = layout.dp_shard * layout.cp * (layout.tp if layout.ep > 1 else 1)
+    experts = params["experts"] / (expert_shards if layout.fsdp else layout.ep)
     return params["tp"] / (layout.tp * shards) + params["whole"] / shards + experts
 
 
