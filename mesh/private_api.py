@@ -21,7 +21,7 @@ to the older one, with a comment naming the releases; no code reads a version st
 
 Prefer public APIs everywhere else. When torch renames or removes one of these, ``tests/test_private_api.py``
 fails here, loudly, instead of a training run failing somewhere deep inside a collective. (The docs tooling
-has its own such place, bench/schedule_ir.py, for the pipeline schedules' action lists that the pictures draw;
+has its own such place, measure/schedule_ir.py, for the pipeline schedules' action lists that the pictures draw;
 selective activation checkpointing names ops of torch's ``_c10d_functional`` namespace, which are op
 identifiers, not Python APIs.)
 

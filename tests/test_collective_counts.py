@@ -122,8 +122,8 @@ def accumulate_counting_reductions(
     """K micro-batches through meshloom's FSDP (or PowerSGD's replicated model), each inside reduction_window
     (``forward_outside``: only the backward inside, the common mistake); returns the gradient reductions by
     (collective, group) and the full gradients."""
-    from bench.grad_traffic import GradientTraffic
     from extras.comm_memory_savers import apply_powersgd, reduction_window
+    from measure.grad_traffic import GradientTraffic
 
     meshes = api_meshes(dp_replicate, dp_shard)
     if powersgd:

@@ -141,7 +141,7 @@ def attention_parity(cp: int) -> dict:
         result["model"][name] = worst
 
     # bench/context_parallel.py's measurements at a small size: saved bytes of one block, bytes sent per layer
-    from bench.context_parallel import measure_block, measure_comm
+    from measure.context_parallel import measure_block, measure_comm
 
     result["saved"] = {name: measure_block(TINY, 2, 8 * cp, name)["bytes"] for name in ("allgather", "ring")}
     result["sent"] = {name: measure_comm(TINY, 2, 8 * cp, name)["bytes"] for name in ("allgather", "ring")}
@@ -192,7 +192,7 @@ def test_the_ring_never_holds_more_than_s_over_cp_keys(parity):
 
 
 def test_the_bench_formulas_hold_to_the_byte(parity):
-    from bench.context_parallel import formula_bytes, formula_comm, measure_block
+    from measure.context_parallel import formula_bytes, formula_comm, measure_block
 
     cp, ranks = parity
     one = measure_block(TINY, 2, 8 * cp, "none")["bytes"]  # this process: no group, cp = 1

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import CHECKS, TOTAL_S, Check, main, run_checks
 from launch.local_runs import ROOT
+from measure.gpu_check import CHECKS, TOTAL_S, Check, main, run_checks
 
 
 @pytest.mark.compat
@@ -220,7 +220,7 @@ def test_the_whole_run_stops_at_its_total_budget(tmp_path):
 @pytest.mark.compat
 def test_the_kernel_checks_run_at_a_small_size_on_the_cpu():
     # the code path of two GPU checks, at a size and on a device where they run here (no figure is kept)
-    from bench.gpu_check import moe_experts, ring_attention_16k
+    from measure.gpu_check import moe_experts, ring_attention_16k
 
     ring = ring_attention_16k(seq=256, device_name="cpu")
     assert ring["rows"][0]["n"] == 256 and ring["rows"][0]["ring_s"] > 0 and "256 tokens" in ring["summary"]

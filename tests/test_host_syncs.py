@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.host_syncs import (
+from measure.host_syncs import (
     CAPACITY,
     EMBEDDING_MASK,
     EP_SPLITS,

@@ -6,9 +6,8 @@ bench/activation_memory.py's formula_bytes is this module's count).
 
 import pytest
 
-from bench.activation_memory import SavedBytes, storage_ptr
-from bench.plan_layout import kept_bytes
-from bench.schedule_ir import activations_in_flight, schedule_actions
+from measure.saved_bytes import SavedBytes, kept_bytes, storage_ptr
+from measure.schedule_ir import activations_in_flight, schedule_actions
 from mesh.pipeline import SCHEDULE_FAMILIES, stage_ids_of_rank
 from models.llama import ModelArgs
 from models.moe import MoEArgs
