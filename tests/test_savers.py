@@ -1,4 +1,5 @@
-"""Communication and memory savers (extras/comm_memory_savers.py, docs/dp_savers.md sections 2-4).
+"""Communication and memory savers (extras/reduce_once_per_step.py, bf16_reduction.py, powersgd.py, cpu_offload.py;
+docs/dp_savers.md sections 2-4).
 
 - ``parallel.grad_sync=step``: parity with one process, and train.py's loop issuing k-1 fewer gradient
   reductions per step for k micro-batches (counted on the real loop with measure/grad_traffic.py; the per-unit
