@@ -1,11 +1,16 @@
 """Activation memory of one TransformerBlock per rank, under TP and SP, next to the formula derived from the code.
 
-    .venv/bin/python -m bench.activation_memory        # from the repository root
+    .venv/bin/python -m bench.activation_memory        # from the repository root: TP and SP layouts
+    .venv/bin/python -m bench.activation_memory --ac   # one process, each training.activation_checkpoint mode
 
-The measurement, and what it counts and why: measure/activation_memory.py. This file prints it.
+The measurements, and what they count and why: measure/activation_memory.py (what autograd saves, by layout)
+and measure/saved_bytes.py: ``kept_bytes`` (what a block keeps alive under activation checkpointing, where
+selective checkpointing keeps outputs in its own cache, out of autograd's hooks). This file prints them.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -18,9 +23,29 @@ from measure.activation_memory import (
     measure_block,
     table,
 )
+from measure.saved_bytes import kept_bytes
+
+
+def main_ac() -> None:
+    """``--ac``: the bytes one block keeps from forward for backward under each activation checkpointing mode."""
+    a = BENCH_ARGS
+    bsh = 4 * BATCH * SEQ * a.dim
+    print(
+        f"one TransformerBlock, fp32, CPU: b={BATCH} s={SEQ} h={a.dim} H={a.hidden_dim} heads={a.n_heads}; "
+        f"4·bsh = {bsh:,} bytes"
+    )
+    print(f"{'training.activation_checkpoint':<31} {'bytes kept':>11} {'/ 4·bsh':>8} {'/ none':>7}")
+    none = None
+    for mode in ("none", "selective", "full"):
+        kept = kept_bytes(a, BATCH, SEQ, mode)
+        none = none or kept
+        print(f"{mode:<31} {kept:>11,} {kept / bsh:>8.2f} {kept / none:>7.3f}")
 
 
 def main() -> None:
+    if "--ac" in sys.argv[1:]:
+        main_ac()
+        return
     args = BENCH_ARGS
     b, s, h, hidden, a = BATCH, SEQ, args.dim, args.hidden_dim, args.n_heads
     rows = table()
