@@ -132,21 +132,6 @@ def throughput_1b() -> dict:
     return result
 
 
-def peak_tracker(device):
-    """(reset, peak): the allocator's peak bytes since ``reset`` on a GPU; on a CPU (the smoke test) 0."""
-    import torch
-
-    if device.type != "cuda":
-        return (lambda: 0), (lambda: 0)
-
-    def reset() -> int:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-
-    return reset, lambda: torch.cuda.max_memory_allocated(device)
-
-
 def ring_attention_16k(seq: int = 16384, device_name: str = "cuda") -> dict:
     """measure/ring_attention.py on one GPU: a one-rank ring (one causal block through the fused kernel, no
     messages) against plain SDPA on ``seq`` local tokens, bf16, forward and backward: time and peak memory."""
@@ -414,9 +399,9 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None, checks: list[Check] | None = None, find_gpu: Callable | None = None) -> int:
-    """The command line (``checks`` and ``find_gpu`` stand in for ``CHECKS`` and the GPU in the tests)."""
-    checks = CHECKS if checks is None else checks
+def main(argv: list[str] | None = None) -> int:
+    """The command line: ``CHECKS`` on the GPU ``gpu_description`` finds (the tests patch both)."""
+    checks = CHECKS
     parser = argparse.ArgumentParser(prog="python3 -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--out",
@@ -449,7 +434,7 @@ def main(argv: list[str] | None = None, checks: list[Check] | None = None, find_
     if unknown:
         parser.error(f"unknown checks {unknown}; choose from {', '.join(c.name for c in checks)}")
     selected = [c for c in checks if not names or c.name in names]
-    gpu = (find_gpu or gpu_description)()
+    gpu = gpu_description()
     if gpu is None:
         print("gpu_check: no GPU visible (torch.cuda.is_available() is False): nothing run", flush=True)
     out = Path(args.out)

@@ -128,13 +128,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None) -> No
     gather(output, input, group=group)
 
 
-def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """The sum of every rank's ``input``; rank r keeps chunk r of dim 0 in ``output`` (c10d, in place)."""
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, input, group=group)
-
-
-# The name FSDP2 and these wrappers call (benches that count gradient reductions wrap it).
+# The reduce-scatter FSDP2 calls, under the name this torch has (measure/grad_traffic.py wraps it to count it).
 REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
