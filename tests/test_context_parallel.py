@@ -18,13 +18,18 @@ import torch.nn.functional as F
 
 from launch.local_runs import DEBUG_CONFIG, ROOT, train_on
 from launch.spawn import run_on_ranks
-from mesh.context_parallel import chunk_ids, load_balanced_positions, split_sequence
+from mesh.context_parallel import chunk_ids, load_balanced_positions
 from models.llama import ModelArgs
 from runtime.config import ConfigError, load_config
 from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 from train import check_config
 
 # ---- 1. the split ------------------------------------------------------------------------------------------
+
+
+def split_sequence(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This rank's part of ``x`` along ``dim`` (a full sequence): its two chunks, concatenated."""
+    return x.index_select(dim, load_balanced_positions(x.shape[dim], cp_rank, cp).to(x.device))
 
 
 def test_each_rank_holds_chunk_r_and_its_mirror():
