@@ -7,7 +7,7 @@ key/value heads), forward and backward, fp32, one process. The two paths are the
 ``sdpa_reads_grouped_kv`` decides, and the "repeat" rows force its answer to False, which is what meshloom did
 before (``repeat_interleave`` of k and v, then SDPA on n_heads). Timings alternate between the two paths,
 ``--rounds`` times, and the bench prints the median of each and their ratio, with the bytes autograd saves
-(bench/activation_memory.SavedBytes) and the largest difference between the two paths' outputs and gradients.
+(measure/saved_bytes.SavedBytes) and the largest difference between the two paths' outputs and gradients.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 
-from bench.activation_memory import SavedBytes, storage_ptr
+from measure.saved_bytes import SavedBytes, storage_ptr
 from models import llama
 from models.llama import ModelArgs
 

@@ -2,71 +2,12 @@
 
     python -m bench.ep_layer        # docs/expert_parallel.md, Appendix G (about 15 s)
 
-Runs the layer comparison that tests/test_expert_parallel.py bounds (8 experts, top-2, a shared expert; each rank routes its
-own 12 tokens) on ep = 2 and 4 gloo ranks, with routing spread out and with every token forced onto rank 0's
-experts, and prints what the test only bounds: how many rows each rank's experts received, and the largest
-absolute differences from one device processing every rank's tokens.
+The measurement, and what it counts and why: measure/ep_layer.py. This file prints it.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-
-from mesh.expert_parallel import ExpertParallel
-from models.moe import MoE, MoEArgs
-
-DIM = 32
-
-
-def make_moe(args: MoEArgs) -> MoE:
-    torch.manual_seed(0)  # the same weights on every rank and in the reference
-    moe = MoE(DIM, args, shared_hidden_dim=48)
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    return moe
-
-
-def ep_layer_vs_single_device(ep: int, starve_other_ranks: bool) -> dict:
-    """Each rank routes its own tokens through the EP block; compare with one device on all ranks' tokens."""
-    rank = dist.get_rank()
-    args = MoEArgs(n_experts=8, top_k=2, hidden_dim=24, n_shared_experts=1)
-    reference, sharded = make_moe(args), make_moe(args)
-    if starve_other_ranks:  # every token picks rank 0's experts: the other ranks receive no tokens at all
-        for moe in (reference, sharded):
-            moe.expert_bias[: 8 // ep] = 100.0
-    ExpertParallel()._apply(sharded.experts, init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",)))
-    processed = []  # tokens this rank's experts actually received, recorded inside the dispatch/combine
-    plain_forward = sharded.experts.forward
-    sharded.experts.forward = lambda x, counts: processed.append(x.shape[0]) or plain_forward(x, counts)
-
-    gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(2, 6, DIM, generator=gen) for _ in range(ep)]  # rank r's tokens are xs[r]
-    weights = [torch.randn(2, 6, DIM, generator=gen) for _ in range(ep)]
-
-    x_ref = torch.cat(xs).requires_grad_()
-    (reference(x_ref) * torch.cat(weights)).sum().backward()
-    x = xs[rank].clone().requires_grad_()
-    out = sharded(x)
-    (out * weights[rank]).sum().backward()
-
-    with torch.no_grad():
-        out_ref = reference(torch.cat(xs)).chunk(ep)[rank]
-    router_grad = sharded.router.gate.weight.grad.clone()
-    dist.all_reduce(router_grad)  # the router saw only this rank's tokens: sum over data-parallel ranks
-    local = slice(rank * 8 // ep, (rank + 1) * 8 // ep)
-    return {
-        "received": processed[0],
-        "out": (out - out_ref).abs().max().item(),
-        "input_grad": (x.grad - x_ref.grad.chunk(ep)[rank]).abs().max().item(),
-        "router_grad": (router_grad - reference.router.gate.weight.grad).abs().max().item(),
-        "expert_grad": max(
-            (getattr(sharded.experts, w).grad.to_local() - getattr(reference.experts, w).grad[local]).abs().max().item()
-            for w in ("w1", "w2", "w3")
-        ),
-        "expert_grad_scale": reference.experts.w1.grad.abs().max().item(),
-    }
+from measure.ep_layer import ep_layer_vs_single_device
 
 
 def main() -> None:

@@ -2,100 +2,12 @@
 
     .venv/bin/python -m bench.fsdp_memory        # from the repository root
 
-For N = 1, 2, 4 gloo ranks, shard the debug model over dp_shard = N exactly as train.py does, take one
-AdamW step, then count the bytes of local storage on each rank:
-
-- parameters:       ``p.to_local()`` for a DTensor (this rank's shard), else the tensor itself
-- gradients:        ``p.grad.to_local()`` likewise (kept: no zero_grad after the step)
-- optimizer state:  every tensor in ``optimizer.state`` (AdamW's exp_avg and exp_avg_sq, local shards)
-
-fp32 training holds 4 bytes (weights) + 4 (gradients) + 8 (Adam m and v) per parameter, so ZeRO-3 / FSDP
-predicts (4Ψ + 4Ψ + 8Ψ) / N per rank. AdamW's per-tensor ``step`` counters (one fp32 scalar per parameter
-tensor, not sharded) are counted apart: they are not per-parameter state and the formula ignores them.
-
-Padding: FSDP2 splits each parameter along dim 0 like ``torch.chunk``, so when dim 0 is not a multiple of N
-the first ranks get ceil(dim0 / N) rows and the last ones fewer (the storage behind every shard is padded
-to ceil(dim0 / N) rows, so all-gathers have equal sizes). The ranks holding full-size shards then hold a
-little more than 1/N, and the measured/formula ratio reported below (the largest rank's) can be slightly
-above 1. The debug model's dim-0 sizes (256, 128, 64, 384) are multiples of 4, so here it is exactly 1.
+The measurement, and what it counts and why: measure/fsdp_memory.py. This file prints it.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-
-WORLD_SIZES = (1, 2, 4)
-CONFIG = "configs/debug.toml"
-
-
-def local_bytes(t: torch.Tensor) -> int:
-    """Bytes of this rank's storage for ``t``: its local shard if it is a DTensor."""
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    return t.numel() * t.element_size()
-
-
-def measure(config: str = CONFIG) -> dict[str, int]:
-    """Rank body: build the FSDP2 model over dp_shard = world, take one AdamW step, count local bytes."""
-    from mesh.dims import build_mesh
-    from planning.options import model_parts
-    from planning.plan import LayoutPlan
-    from runtime.config import load_config
-    from training.optimizer import Optimizers
-
-    world = dist.get_world_size()
-    cfg = load_config(path=config, overrides={"parallel.dp_shard": world})
-    plan = LayoutPlan.resolve(cfg, world, dist.get_rank())
-    dims, args = plan.dims, plan.model
-    meshes = build_mesh(dims, torch.device("cpu"), timeout_s=60)
-    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
-    optimizers = Optimizers([model], cfg)
-    optimizer = optimizers.optimizers[0]
-
-    # One step on a small batch; each rank takes its rows, the loss is scaled by the global token count.
-    tokens = torch.randint(0, args.vocab_size, (2 * world, 33), generator=torch.Generator().manual_seed(0))
-    rows = tokens.chunk(dims.dp)[meshes.dp.get_local_rank()]
-    loss = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten(), reduction="sum")
-    (loss / tokens[:, 1:].numel()).backward()
-    optimizer.step()
-
-    params = list(model.parameters())
-    optim, steps = 0, 0
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                if key == "step":
-                    steps += local_bytes(value)
-                else:
-                    optim += local_bytes(value)
-    return {
-        "psi": args.num_params(),
-        "params": sum(local_bytes(p) for p in params),
-        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-        "optim": optim,
-        "step_counters": steps,
-    }
-
-
-def formula_bytes(psi: int, n: int) -> float:
-    """ZeRO-3 / FSDP per-rank bytes for fp32 training with Adam: (4Ψ + 4Ψ + 8Ψ) / N."""
-    return (4 * psi + 4 * psi + 8 * psi) / n
-
-
-def table(world_sizes=WORLD_SIZES) -> list[dict]:
-    """Measure on each world size; one row per N with the largest rank's bytes and the formula."""
-    from launch.spawn import run_on_ranks
-
-    rows = []
-    for n in world_sizes:
-        per_rank = run_on_ranks(measure, n, timeout=300)
-        biggest = max(per_rank, key=lambda r: r["params"] + r["grads"] + r["optim"])
-        total = biggest["params"] + biggest["grads"] + biggest["optim"]
-        formula = formula_bytes(biggest["psi"], n)
-        rows.append({"n": n, **biggest, "total": total, "formula": formula, "ratio": total / formula})
-    return rows
+from measure.fsdp_memory import table
 
 
 def main() -> None:
@@ -114,8 +26,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # Run as `python -m bench.fsdp_memory`: hand the ranks the function under its importable name, since a
-    # forkserver child cannot look anything up in this `__main__`.
-    from bench import fsdp_memory
-
-    fsdp_memory.main()
+    main()

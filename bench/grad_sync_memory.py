@@ -2,88 +2,12 @@
 
     .venv/bin/python -m bench.grad_sync_memory        # from the repository root, about a minute
 
-The debug model (Ψ = 853,120, fp32) built as train.py builds it, on 2 or 4 gloo ranks. One micro-batch's
-forward and backward runs inside ``extras.comm_memory_savers.reduction_window`` with the reduction on (``microbatch``) or
-off (``step``, a non-final micro-batch); then the bytes of every live tensor storage of the process are added
-up (``gc``, each storage once) and compared with the count before the forward. Activations are freed by then,
-so the difference is the gradient state the rank carries into the next micro-batch:
-
-- ``microbatch``: the reduced gradient shards, 4Ψ / (dp_shard) bytes;
-- ``step`` on FSDP: every unit's *unsharded* gradient, 4Ψ (the memory sharding the gradients saved);
-- ``step`` on HSDP: the reduce-scattered shards, summed locally until the all-reduce, 4Ψ / dp_shard;
-- ``step`` on the DDP layout (dp_replicate only): the full gradient, 4Ψ, as it holds anyway.
+The measurement, and what it counts and why: measure/grad_sync_memory.py. This file prints it.
 """
 
 from __future__ import annotations
 
-import gc
-
-import torch
-import torch.distributed as dist
-
-LAYOUTS = {
-    "fsdp 2": {"parallel.dp_shard": 2},
-    "fsdp 4": {"parallel.dp_shard": 4},
-    "hsdp 2x2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2},
-    "replicate 2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 1},
-}
-
-
-def live_tensor_bytes() -> int:
-    """Bytes of every tensor storage reachable in this process (each storage counted once)."""
-    gc.collect()
-    seen: dict[int, int] = {}
-    is_tensor_type: dict[type, bool] = {}  # one issubclass per type: isinstance on every object is slow
-    objects = []
-    for obj in gc.get_objects():
-        kind = type(obj)
-        if kind not in is_tensor_type:
-            is_tensor_type[kind] = issubclass(kind, torch.Tensor)
-        if is_tensor_type[kind]:
-            objects.append(obj)
-    for obj in objects:
-        if obj.device.type != "meta":
-            local = obj.to_local() if hasattr(obj, "to_local") else obj
-            storage = local.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def held_after_backward(overrides: dict, reduce: bool) -> dict:
-    """Rank body: bytes of gradient state held after one micro-batch with the reduction on or off."""
-    from extras.comm_memory_savers import reduction_window
-    from mesh.dims import build_mesh
-    from planning.options import model_parts
-    from planning.plan import LayoutPlan
-    from runtime.config import load_config
-    from training.loss import token_loss_sum
-
-    cfg = load_config(path="configs/debug.toml", overrides=overrides)
-    plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
-    meshes = build_mesh(plan.dims, torch.device("cpu"), timeout_s=120)
-    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
-    tokens = torch.randint(0, plan.model.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
-    before = live_tensor_bytes()
-    with reduction_window([model], reduce=reduce, hsdp=plan.dims.dp_replicate > 1):
-        loss = token_loss_sum(model(tokens[:, :-1]), tokens[:, 1:]) / (2 * dist.get_world_size() * 64)
-        loss.backward()
-    del loss
-    return {"psi": plan.model.num_params(), "held": live_tensor_bytes() - before}
-
-
-def table() -> list[dict]:
-    from launch.spawn import run_on_ranks
-
-    rows = []
-    for name, layout in LAYOUTS.items():
-        world = layout.get("parallel.dp_replicate", 1) * layout["parallel.dp_shard"]
-        row = {"layout": name, "dp_shard": layout["parallel.dp_shard"]}
-        for mode, reduce in (("microbatch", True), ("step", False)):
-            per_rank = run_on_ranks(held_after_backward, world, layout, reduce, timeout=300)
-            row[mode] = max(r["held"] for r in per_rank)
-            row["psi"] = per_rank[0]["psi"]
-        rows.append(row)
-    return rows
+from measure.grad_sync_memory import table
 
 
 def main() -> None:
@@ -99,6 +23,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from bench import grad_sync_memory
-
-    grad_sync_memory.main()
+    main()

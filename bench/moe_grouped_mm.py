@@ -3,96 +3,17 @@
     python -m bench.moe_grouped_mm                     # CPU, fp32 and bf16 (~30 s on one core)
     python -m bench.moe_grouped_mm --device cuda --dtypes bf16 --tokens 65536 --dim 2048 --hidden 1408
 
-``models/moe.py: GroupedExperts`` has two ways to run its experts on rows sorted by expert: ``grouped`` (three
-``torch._grouped_mm`` calls over all experts, models/kernels.py) and ``looped`` (one small matmul per expert,
-the fallback). Both run here on the same rows and weights, forward and backward, alternating, ``--rounds``
-times; the bench prints the median time of each, the rows per second, their ratio, the largest difference
-between the two paths' outputs and gradients, and how many host syncs each made (``HostSyncCounter``: the
-loop reads every expert's row count on the host first). Rows are routed with a skewed load (expert e gets
-a share proportional to e + 1), as a router early in training would.
-
-On CPU torch 2.13 runs ``_grouped_mm`` as one matmul per group itself (the profiler shows its ``aten::mm``
-calls), so a difference there is the loop's own Python, splits and concatenation, not a faster kernel; on a
-GPU the grouped call is one kernel for all experts, and no host sync. The printed ratio is whatever this
-machine measures. ``main(argv)`` returns the table as a dict (``python -m bench.gpu_check`` calls it on a GPU).
+The measurement, and what it counts and why: measure/moe_grouped_mm.py. This file prints it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def routed_counts(tokens: int, experts: int) -> torch.Tensor:
-    """Rows per expert summing to ``tokens``, expert e's share proportional to e + 1."""
-    share = torch.arange(1, experts + 1, dtype=torch.float64)
-    counts = (share / share.sum() * tokens).floor().long()
-    counts[-1] += tokens - counts.sum()
-    return counts
-
-
-def run_path(path, x, counts, weights, grad) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One forward and backward of ``path`` (GroupedExperts.grouped or .looped); returns output and gradients."""
-    for t in (x, *weights):
-        t.grad = None
-    out = path(x, counts, *weights)
-    out.backward(grad)
-    return out.detach(), [x.grad, *(w.grad for w in weights)]
-
-
-def measure(device: torch.device, dtype: torch.dtype, tokens: int, experts: int, dim: int, hidden: int, rounds: int):
-    from bench.host_syncs import HostSyncCounter
-    from models.kernels import grouped_mm_works
-    from models.moe import GroupedExperts
-
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(tokens, dim, device=device, dtype=dtype, generator=gen, requires_grad=True)
-    w1, w3 = (
-        (torch.randn(experts, dim, hidden, device=device, generator=gen) / dim**0.5).to(dtype).requires_grad_()
-        for _ in "13"
-    )
-    w2 = (torch.randn(experts, hidden, dim, device=device, generator=gen) / hidden**0.5).to(dtype).requires_grad_()
-    grad = torch.randn(tokens, dim, device=device, dtype=dtype, generator=gen)
-    counts = routed_counts(tokens, experts).to(device)
-    weights = (w1, w2, w3)
-    paths = {"looped": GroupedExperts.looped}
-    if grouped_mm_works(device, dtype, ((dim, hidden), (hidden, dim))):
-        paths["grouped"] = GroupedExperts.grouped
-    results, syncs, times = {}, {}, {name: [] for name in paths}
-    for name, path in paths.items():
-        with HostSyncCounter() as counter:
-            results[name] = run_path(path, x, counts, weights, grad)
-        syncs[name] = counter.total()
-    for _ in range(rounds):
-        for name, path in paths.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            run_path(path, x, counts, weights, grad)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    row = {
-        "dtype": str(dtype).removeprefix("torch."),
-        "grouped_mm_runs": "grouped" in paths,
-        **{f"{name}_s": statistics.median(t) for name, t in times.items()},
-        **{f"{name}_rows_per_s": tokens / statistics.median(t) for name, t in times.items()},
-        **{f"{name}_host_syncs": n for name, n in syncs.items()},
-    }
-    if "grouped" in paths:
-        row["grouped_speedup"] = row["looped_s"] / row["grouped_s"]
-        (out_g, grads_g), (out_l, grads_l) = results["grouped"], results["looped"]
-        row["max_rel_diff"] = max(
-            ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-            for a, b in zip([out_g, *grads_g], [out_l, *grads_l], strict=True)
-        )
-    return row
+from measure.moe_grouped_mm import DTYPES, measure
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "docs" / "img"))
     parser.add_argument("--details", action="store_true", help="per-rank F/B/I/W/idle seconds of the last step")
     args = parser.parse_args()
-    from bench.schedule_ir import pipeline_ideal
+    from measure.schedule_ir import pipeline_ideal
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bench.grad_sync_memory import live_tensor_bytes
+from measure.grad_sync_memory import live_tensor_bytes
 
 CONFIG = "configs/debug.toml"
 LAYOUT = {

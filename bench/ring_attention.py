@@ -3,121 +3,15 @@
     python -m bench.ring_attention                  # CPU: 2 gloo ranks, local lengths 512 .. 4096 (~1 min)
     python -m bench.ring_attention --device cuda --dtype bf16 --cp 1 --lengths 16384     # one GPU
 
-For each local length n (tokens per rank), every rank runs ``mesh/context_parallel.py: ring_attention``
-forward and backward on its n queries (cp − 1 blocks arrive from the other ranks, each through the fused
-kernel) and records the peak bytes of the tensors alive while it ran, its inputs (q, k, v and the output's
-gradient) included: on CPU from the profiler's memory timeline (every allocation, the kernels' own scratch
-included), on CUDA from the allocator's peak (nothing else is allocated in this process). Beside it, on the
-same rank and the same n tokens, plain SDPA (``models/llama.py: causal_attention``, the one-device path), and
-for scale the bytes of the one fp32 score tensor b·heads·n² that an unfused block would create (arithmetic).
-
-Linear memory: bytes / n stays flat when n doubles (the "x prev" column near 2), while a score tensor grows
-4x. Times are the median of ``--repeats`` runs after one warm-up (CPU: one thread per rank; the ranks share
-this machine's cores, so read them as relative).
-
-``main(argv)`` prints the table and returns it as a dict (``python -m bench.gpu_check`` calls it on a GPU;
-with ``--cp 1`` the ring has one block and no messages, and the process group is a one-rank group made here).
+The measurement, and what it counts and why: measure/ring_attention.py. This file prints it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import tempfile
-import time
-import warnings
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-BATCH, HEADS, KV_HEADS, HEAD_DIM = 1, 8, 2, 64
-
-
-def peak_bytes(fn, device: torch.device) -> int:
-    """Peak bytes of the tensors alive while ``fn()`` runs, those it reads included."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    from torch.profiler import ProfilerActivity, profile
-
-    from training.profiling import summarize_memory_timeline
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # deprecated for CUDA (allocator history); CPU's only view
-        path = Path(tmp) / "timeline.json"
-        prof.export_memory_timeline(str(path), device="cpu")
-        return summarize_memory_timeline(path).get("total", 0)
-
-
-def seconds(fn, device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs, after one warm-up (synchronised on CUDA)."""
-    times = []
-    for i in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure_length(n: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
-    """Peak bytes and time of ring attention and of plain SDPA on this rank's n tokens, forward + backward."""
-    from mesh.context_parallel import ring_attention
-    from models.llama import causal_attention
-
-    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
-    q, k, v = (
-        torch.randn(BATCH, n, heads, HEAD_DIM, generator=gen, device=device, dtype=dtype, requires_grad=True)
-        for heads in (HEADS, KV_HEADS, KV_HEADS)
-    )
-    grad = torch.randn(BATCH, n, HEADS, HEAD_DIM, generator=gen, device=device, dtype=dtype)
-
-    def ring():
-        q.grad = k.grad = v.grad = None  # every call allocates its gradients: all calls alike
-        ring_attention(q, k, v, group=dist.group.WORLD).backward(grad)
-
-    def sdpa():
-        q.grad = k.grad = v.grad = None
-        causal_attention(q, k, v).backward(grad)
-
-    return {
-        "n": n,
-        "ring_bytes": peak_bytes(ring, device),
-        "sdpa_bytes": peak_bytes(sdpa, device),
-        "ring_s": seconds(ring, device, repeats),
-        "sdpa_s": seconds(sdpa, device, repeats),
-        "score_bytes": 4 * BATCH * HEADS * n * n,
-    }
-
-
-def measure_rank(lengths: list[int], device_name: str, dtype_name: str, repeats: int) -> list[dict]:
-    """Rank body: ``measure_length`` for each local length, in order."""
-    return [measure_length(n, torch.device(device_name), DTYPES[dtype_name], repeats) for n in lengths]
-
-
-def measure_one_rank(lengths: list[int], device_name: str, dtype_name: str, repeats: int) -> list[dict]:
-    """``--cp 1``: the ring has a single block and sends nothing; a one-rank group made here, and removed."""
-    made = not dist.is_initialized()
-    if made:
-        backend = "nccl" if device_name == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        return measure_rank(lengths, device_name, dtype_name, repeats)
-    finally:
-        if made:
-            dist.destroy_process_group()
+from measure.ring_attention import BATCH, DTYPES, HEAD_DIM, HEADS, KV_HEADS, measure
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -130,29 +24,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
-    if args.cp == 1:
-        ranks = [measure_one_rank(lengths, args.device, args.dtype, args.repeats)]
-    elif args.device == "cpu":
-        from launch.spawn import run_on_ranks
-
-        ranks = run_on_ranks(measure_rank, args.cp, lengths, "cpu", args.dtype, args.repeats, timeout=1800)
-    else:
-        raise SystemExit("--device cuda runs one rank in this process: pass --cp 1")
-    # the busiest rank at each length (every rank holds n queries and two blocks of n keys at a time)
-    rows = [max((r[i] for r in ranks), key=lambda row: row["ring_bytes"]) for i in range(len(lengths))]
-    for prev, row in zip([None, *rows], rows, strict=False):
-        row["ring_bytes_per_token"] = row["ring_bytes"] / row["n"]
-        row["ring_vs_prev"] = row["ring_bytes"] / prev["ring_bytes"] if prev else None
-        row["ring_vs_sdpa"] = row["ring_bytes"] / row["sdpa_bytes"]
-    result = {
-        "device": args.device,
-        "dtype": args.dtype,
-        "cp": args.cp,
-        "shape": {"batch": BATCH, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM},
-        "rows": rows,
-    }
+    result = measure(lengths, args.device, args.dtype, args.cp, args.repeats)
+    rows = result["rows"]
     if args.json:
         print(json.dumps(result, indent=1))
         return result
@@ -181,7 +54,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    # Run as `python -m bench.ring_attention`: hand the ranks the function under its importable name.
-    from bench import ring_attention
-
-    ring_attention.main()
+    main()

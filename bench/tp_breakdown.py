@@ -29,7 +29,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from bench.throughput import DEBUG, SHAPE
+from measure.throughput import DEBUG, SHAPE
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm")
 DISPATCH = (

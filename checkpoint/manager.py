@@ -86,10 +86,6 @@ from data.dataset import stream_identity
 from runtime.config import Config, ConfigError
 from runtime.process import ControlPlane, all_gather_objects, new_cpu_group, synchronize
 
-# Test hook: "STEP:SECONDS" makes rank 0 sleep after step STEP is fully written, before it is published,
-# so a test can kill or signal the run in the middle of a save (tests/test_checkpoint.py, tests/test_faults.py).
-PAUSE_ENV = "MESHLOOM_CHECKPOINT_PAUSE_BEFORE_PUBLISH"
-
 
 class CheckpointSaveError(RuntimeError):
     """A save failed on some rank (disk full, folder gone); its ``.tmp`` was removed. Raised on every rank."""
@@ -414,10 +410,6 @@ class CheckpointManager:
             os.fsync(f.fileno())
         os.replace(part, tmp / META_FILE)
         _fsync_dir(tmp)
-        step, _, seconds = os.environ.get(PAUSE_ENV, "").partition(":")
-        if step == str(meta["step"]):
-            print(f"checkpoint: {tmp} written, pausing {seconds} s before publishing ({PAUSE_ENV})", flush=True)
-            time.sleep(float(seconds))
         # rename() of a folder onto a non-empty folder fails (ENOTEMPTY): it cannot clobber a checkpoint.
         os.rename(tmp, final)
         _fsync_dir(self.folder)

@@ -117,7 +117,14 @@ class TorchrunLaunch:
     """``torchrun ... train.py ARGS`` in the background, its output in a file we can watch."""
 
     def __init__(
-        self, tmp_path: Path, nproc: int, *args: str, restarts: int = 0, env: dict | None = None, gpus: bool = False
+        self,
+        tmp_path: Path,
+        nproc: int,
+        *args: str,
+        restarts: int = 0,
+        env: dict | None = None,
+        gpus: bool = False,
+        script: str = "train.py",  # or a test's wrapper that patches something, then runs train.py
     ):
         self.log = tmp_path / f"launch-{time.monotonic_ns()}.log"
         cmd = [
@@ -127,7 +134,7 @@ class TorchrunLaunch:
             "--standalone",
             f"--nproc-per-node={nproc}",
             f"--max-restarts={restarts}",
-            "train.py",
+            script,
             "--config",
             DEBUG_CONFIG,
             "--run.tensorboard",

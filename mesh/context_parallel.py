@@ -89,11 +89,6 @@ def load_balanced_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunk_ids(cp_rank, cp)])
 
 
-def split_sequence(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
-    """This rank's part of ``x`` along ``dim`` (a full sequence): its two chunks, concatenated."""
-    return x.index_select(dim, load_balanced_positions(x.shape[dim], cp_rank, cp).to(x.device))
-
-
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str, seq_len: int) -> nn.Module:
     """Make ``model`` (a whole model or a pipeline stage, already materialised) run on this rank's chunks.
 

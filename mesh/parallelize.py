@@ -14,7 +14,7 @@ in the order is written beside it:
 4. **compile** each block, after AC: the compiled region then contains the checkpointed block.
 5. **Data parallelism** last among the wrappers: FSDP2 (mesh/data_parallel.py) makes its units of the blocks as
    they now are, and shards TP's DTensors further over the data-parallel dims (2-D). An extra may supply a
-   replicated model in FSDP's place (``options.dp.replicate``: PowerSGD's DDP, extras/comm_memory_savers.py), and a
+   replicated model in FSDP's place (``options.dp.replicate``: PowerSGD's DDP, extras/powersgd.py), and a
    layout with neither keeps plain tensors (``options.dp.fsdp`` false: one process, or 1-bit Adam's replicas).
 6. **Weights** (mesh/materialize.py): storage is allocated only now, under the final sharding, and filled with
    the layout-independent initial weights (a function of seed and name), so every layout starts alike. Under

@@ -21,7 +21,7 @@ to the older one, with a comment naming the releases; no code reads a version st
 
 Prefer public APIs everywhere else. When torch renames or removes one of these, ``tests/test_private_api.py``
 fails here, loudly, instead of a training run failing somewhere deep inside a collective. (The docs tooling
-has its own such place, bench/schedule_ir.py, for the pipeline schedules' action lists that the pictures draw;
+has its own such place, measure/schedule_ir.py, for the pipeline schedules' action lists that the pictures draw;
 selective activation checkpointing names ops of torch's ``_c10d_functional`` namespace, which are op
 identifiers, not Python APIs.)
 
@@ -128,13 +128,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None) -> No
     gather(output, input, group=group)
 
 
-def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """The sum of every rank's ``input``; rank r keeps chunk r of dim 0 in ``output`` (c10d, in place)."""
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, input, group=group)
-
-
-# The name FSDP2 and these wrappers call (benches that count gradient reductions wrap it).
+# The reduce-scatter FSDP2 calls, under the name this torch has (measure/grad_traffic.py wraps it to count it).
 REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 

@@ -53,11 +53,6 @@ def head_flops_per_token(args: ModelArgs) -> int:
     return 6 * args.dim * args.vocab_size
 
 
-def matmul_params_per_token(args: ModelArgs) -> int:
-    """Weights of the matmuls one token goes through: every block's, and the output head."""
-    return args.dim * args.vocab_size + sum(layer_matmul_params(args, i) for i in range(args.n_layers))
-
-
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Model FLOPs of one training token (forward + backward)."""
     return head_flops_per_token(args) + sum(layer_flops_per_token(args, i, seq_len) for i in range(args.n_layers))

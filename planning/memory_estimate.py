@@ -30,7 +30,7 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
 3. **Activations** (``layer_activation_bytes``): what one block keeps from its forward for its backward,
    for one micro-batch of n = sequences x seq_len / cp tokens on this rank. For models/llama.py's block
    (h = dim, g = n_kv_heads x head_dim, H = the FFN's hidden size, a = n_heads, w = bytes of the compute
-   dtype, t = tp), counted from the ops that save tensors, the same list as bench/activation_memory.py:
+   dtype, t = tp), counted from the ops that save tensors, the same list as measure/activation_memory.py:
 
    - each RMSNorm: its input in the compute dtype and the fp32 rsqrt per token (models/llama.py's
      ``_RMSNormFunction`` recomputes the normalised activation in backward): n·h·w + 4n, twice;

@@ -14,7 +14,9 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
-from extras.comm_memory_savers import apply_powersgd, offload_policy, reduce_dtype
+from extras.bf16_reduction import reduce_dtype
+from extras.cpu_offload import offload_policy
+from extras.powersgd import apply_powersgd
 from mesh.parallelize import (
     ContextParallelOptions,
     DataParallelOptions,

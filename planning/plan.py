@@ -130,7 +130,7 @@ def uses_fsdp(dims: ParallelDims, cfg: Config) -> bool:
     """FSDP whenever there is data or context parallelism (both need their gradients summed), and also for bf16
     or CPU offload on one rank: its policies are where bf16 compute with fp32 master weights and fp32 gradient
     reduction, and offloading, live. Not with PowerSGD, whose layouts are replicated with DDP
-    (extras/comm_memory_savers.py), nor with 1-bit Adam, whose optimizer exchanges the replicas' momentum itself
+    (extras/powersgd.py), nor with 1-bit Adam, whose optimizer exchanges the replicas' momentum itself
     (extras/onebit_adam.py)."""
     p = cfg.parallel
     if p.grad_compression in ("powersgd", "onebit_adam"):  # a replicated model: DDP's, or a plain one

@@ -1,7 +1,7 @@
 """Activation memory under TP and SP: what autograd saves per rank matches the formula in docs/tensor_parallel.md."""
 
-from bench.activation_memory import formula_bytes, measure_block
 from launch.spawn import run_on_ranks
+from measure.activation_memory import formula_bytes, measure_block
 from models.llama import ModelArgs
 
 SMALL = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)

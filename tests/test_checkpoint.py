@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 from checkpoint.folder import published
 from checkpoint.hf import expected_hf_shapes, hf_name
-from checkpoint.manager import PAUSE_ENV
 from checkpoint.resume import Resume, find_resume
 from launch.local_runs import DEBUG_CONFIG, ROOT, read_metrics, run_train_cli, train_on
 from runtime.config import ConfigError, load_config, model_args
@@ -135,7 +134,7 @@ def test_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(reference
     run_dir, folder = tmp_path / "run", tmp_path / "run" / "checkpoints"
     cmd = [
         sys.executable,
-        "train.py",
+        "tests/pause_before_publish.py",  # train.py, pausing rank 0 just before it publishes a checkpoint
         "--config",
         DEBUG_CONFIG,
         "--run.tensorboard",
@@ -147,8 +146,8 @@ def test_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(reference
         "--checkpoint.interval",
         str(N),
     ]
-    # The hook pauses rank 0 after step 2N is fully written into step-6.tmp, just before the rename.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", PAUSE_ENV: f"{2 * N}:300"}
+    # The wrapper pauses rank 0 after step 2N is fully written into step-6.tmp, just before the rename.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PAUSE_BEFORE_PUBLISH": f"{2 * N}:300"}
     log = tmp_path / "log.txt"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -18,13 +18,18 @@ import torch.nn.functional as F
 
 from launch.local_runs import DEBUG_CONFIG, ROOT, train_on
 from launch.spawn import run_on_ranks
-from mesh.context_parallel import chunk_ids, load_balanced_positions, split_sequence
+from mesh.context_parallel import chunk_ids, load_balanced_positions
 from models.llama import ModelArgs
 from runtime.config import ConfigError, load_config
 from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 from train import check_config
 
 # ---- 1. the split ------------------------------------------------------------------------------------------
+
+
+def split_sequence(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This rank's part of ``x`` along ``dim`` (a full sequence): its two chunks, concatenated."""
+    return x.index_select(dim, load_balanced_positions(x.shape[dim], cp_rank, cp).to(x.device))
 
 
 def test_each_rank_holds_chunk_r_and_its_mirror():
@@ -141,7 +146,7 @@ def attention_parity(cp: int) -> dict:
         result["model"][name] = worst
 
     # bench/context_parallel.py's measurements at a small size: saved bytes of one block, bytes sent per layer
-    from bench.context_parallel import measure_block, measure_comm
+    from measure.context_parallel import measure_block, measure_comm
 
     result["saved"] = {name: measure_block(TINY, 2, 8 * cp, name)["bytes"] for name in ("allgather", "ring")}
     result["sent"] = {name: measure_comm(TINY, 2, 8 * cp, name)["bytes"] for name in ("allgather", "ring")}
@@ -192,7 +197,7 @@ def test_the_ring_never_holds_more_than_s_over_cp_keys(parity):
 
 
 def test_the_bench_formulas_hold_to_the_byte(parity):
-    from bench.context_parallel import formula_bytes, formula_comm, measure_block
+    from measure.context_parallel import formula_bytes, formula_comm, measure_block
 
     cp, ranks = parity
     one = measure_block(TINY, 2, 8 * cp, "none")["bytes"]  # this process: no group, cp = 1

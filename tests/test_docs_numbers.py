@@ -84,7 +84,7 @@ def layer_params(name: str) -> float:
 
 
 def stages(schedule: str) -> int:
-    from bench.schedule_ir import SCHEDULE_STAGES
+    from measure.schedule_ir import SCHEDULE_STAGES
 
     return SCHEDULE_STAGES[schedule]
 
@@ -105,8 +105,8 @@ def empty_bubble(schedule: str, p: int, m: int) -> float:
 
 @cache
 def idle(schedule: str, p: int, m: int) -> float:
-    """torch's action list run with unit times: the idealized idle fraction (bench/schedule_ir.py)."""
-    from bench.schedule_ir import pipeline_ideal
+    """torch's action list run with unit times: the idealized idle fraction (measure/schedule_ir.py)."""
+    from measure.schedule_ir import pipeline_ideal
 
     return pipeline_ideal(schedule, p, m)["idle"]
 
@@ -125,20 +125,20 @@ def allreduce_share(n: int) -> float:
 
 def state_bytes(p: int, n: int = 1) -> dict[str, float]:
     """bench/memory_table.py: bytes per rank of the full state and the ZeRO stages (bf16 + Adam, k = 12)."""
-    from bench.memory_table import bytes_per_rank
+    from measure.memory_table import bytes_per_rank
 
     return bytes_per_rank(p, n)
 
 
 def fsdp_bytes(p: int, n: int) -> float:
-    from bench.fsdp_memory import formula_bytes
+    from measure.fsdp_memory import formula_bytes
 
     return formula_bytes(p, n)
 
 
 def cp_bytes(cp: int, algorithm: str) -> int:
     """Bytes sent per layer and rank by context parallelism at the bench's size (bench/context_parallel.py)."""
-    from bench.context_parallel import BATCH, BENCH_ARGS, SEQ, formula_comm
+    from measure.context_parallel import BATCH, BENCH_ARGS, SEQ, formula_comm
 
     return formula_comm(BENCH_ARGS, BATCH, SEQ, cp, algorithm)
 

@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from bench.ep_layer import DIM, ep_layer_vs_single_device, make_moe
 from launch.local_runs import ROOT, train_on
 from launch.spawn import run_on_ranks
+from measure.ep_layer import DIM, ep_layer_vs_single_device, make_moe
 from models.moe import MoEArgs
 from runtime.config import ConfigError, load_config
 from tests.training_runs import CHECK_REPLICAS, assert_same_curve

@@ -87,8 +87,6 @@ def test_a_stalled_rank_ends_a_dp2_x_tp2_job_within_the_timeout(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_stalled_mid_save_ends_the_job_within_the_timeout(tmp_path):
-    from checkpoint.manager import PAUSE_ENV
-
     run = TorchrunLaunch(
         tmp_path,
         2,
@@ -102,7 +100,8 @@ def test_a_rank_stalled_mid_save_ends_the_job_within_the_timeout(tmp_path):
         str(TIMEOUT_S),
         "--run.dir",
         str(tmp_path / "run"),
-        env={PAUSE_ENV: "4:3"},
+        env={"PAUSE_BEFORE_PUBLISH": "4:3"},
+        script="tests/pause_before_publish.py",  # train.py, pausing rank 0 just before it publishes step 4
     )
     run.wait_for("pausing 3 s before publishing")  # rank 0 is inside the save of step 4
     start = time.monotonic()
@@ -137,10 +136,10 @@ def interrupted_then_resumed(
     space in its name, and the first launch names an explicit ``--checkpoint.resume none``)."""
     run_dir = tmp_path / ("a run" if run_printed else "run")
     common = ["--parallel.dp_shard", "2", "--training.steps", "12", "--run.dir", str(run_dir)]
-    from checkpoint.manager import PAUSE_ENV
-
     first = ["--checkpoint.resume", "none"] if run_printed else []
-    run = TorchrunLaunch(tmp_path, 2, *common, *saving, *first, env={PAUSE_ENV: pause} if pause else {})
+    # with a pause: train.py through a wrapper that pauses rank 0 just before it publishes that step's checkpoint
+    paused = {"env": {"PAUSE_BEFORE_PUBLISH": pause}, "script": "tests/pause_before_publish.py"} if pause else {}
+    run = TorchrunLaunch(tmp_path, 2, *common, *saving, *first, **paused)
     run.wait_for(wait_pattern)
     sent = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)

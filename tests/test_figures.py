@@ -14,17 +14,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.schedule_ir import (
+from docs import figures
+from examples import collectives, moe_from_scratch
+from launch.local_runs import ROOT
+from launch.spawn import run_on_ranks
+from measure.schedule_ir import (
     activations_in_flight,
     idle_fraction,
     raw_pipeline_order,
     schedule_actions,
     simulate,
 )
-from docs import figures
-from examples import collectives, moe_from_scratch
-from launch.local_runs import ROOT
-from launch.spawn import run_on_ranks
 from tests.api_path import api_fsdp, api_meshes, api_pipeline_stages, api_stage, api_stage_ids, api_tensor_parallel
 
 DOCS = [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
@@ -122,7 +122,7 @@ def test_torch_schedule_action_lists_still_look_as_read(pp, m):
 
 
 def test_torch_1f1b_action_list_still_misnumbers_the_last_rank():
-    # bench/schedule_ir.py renumbers these forwards; when torch fixes its list, this fails: drop the repair.
+    # measure/schedule_ir.py renumbers these forwards; when torch fixes its list, this fails: drop the repair.
     last = [a for a in raw_pipeline_order("1F1B", 2, 4, 1)[1] if a is not None and a.computation_type.value == "F"]
     assert [a.microbatch_index for a in last] == [1, 2, 3, 4]
 
@@ -207,7 +207,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("sizes, ep", LAYOUTS)
 def test_mesh_figure_groups_are_meshloom_process_groups(sizes, ep):
-    from bench.schedule_ir import fake_world
+    from measure.schedule_ir import fake_world
 
     drawn = figures.layout_groups(sizes, ep)
     world = sizes["pp"] * sizes["dp_replicate"] * sizes["dp_shard"] * sizes.get("cp", 1) * sizes["tp"]

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import CHECKS, TOTAL_S, Check, main, run_checks
 from launch.local_runs import ROOT
+from measure import gpu_check
+from measure.gpu_check import CHECKS, TOTAL_S, Check, main, run_checks
 
 
 @pytest.mark.compat
@@ -73,11 +74,12 @@ def test_at_module_level_it_imports_only_the_standard_library():
 
 def test_out_is_required_unless_the_environment_names_it(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(gpu_check, "gpu_description", lambda: None)
     with pytest.raises(SystemExit) as exit_:
-        main([], find_gpu=lambda: None)
+        main([])
     assert exit_.value.code == 2 and "pass --out DIR" in capsys.readouterr().err
     monkeypatch.setenv("OUT", str(tmp_path))
-    assert main([], find_gpu=lambda: None) == 0
+    assert main([]) == 0
     assert json.loads((tmp_path / "gpu_check" / "report.json").read_text())["ran"] is False
 
 
@@ -188,7 +190,9 @@ def test_a_second_call_with_only_reruns_those_checks_into_the_same_report(tmp_pa
     out = str(tmp_path / "out")
     checks = [Check("passes", passes, 60, "returns a figure"), Check("flaky", fixed_on_the_rerun, 60, "fixed later")]
     monkeypatch.delenv("GPU_CHECK_TEST_FIXED", raising=False)
-    assert main(["--out", out], checks=checks, find_gpu=lambda: "stand-in") == 1
+    monkeypatch.setattr(gpu_check, "CHECKS", checks)
+    monkeypatch.setattr(gpu_check, "gpu_description", lambda: "stand-in")
+    assert main(["--out", out]) == 1
     first = json.loads(Path(out, "report.json").read_text())
     assert [(c["name"], c["status"], c["run"]) for c in first["checks"]] == [
         ("passes", "passed", 1),
@@ -197,7 +201,7 @@ def test_a_second_call_with_only_reruns_those_checks_into_the_same_report(tmp_pa
     assert f"--out {out} --only flaky --budget SECONDS" in capsys.readouterr().out
 
     monkeypatch.setenv("GPU_CHECK_TEST_FIXED", "1")
-    assert main(["--out", out, "--only", "flaky", "--budget", "60"], checks=checks, find_gpu=lambda: "stand-in") == 0
+    assert main(["--out", out, "--only", "flaky", "--budget", "60"]) == 0
     second = json.loads(Path(out, "report.json").read_text())
     assert second["checks"][0] == first["checks"][0]  # kept as the first call measured it
     assert second["checks"][1]["status"] == "passed" and second["checks"][1]["run"] == 2
@@ -220,7 +224,7 @@ def test_the_whole_run_stops_at_its_total_budget(tmp_path):
 @pytest.mark.compat
 def test_the_kernel_checks_run_at_a_small_size_on_the_cpu():
     # the code path of two GPU checks, at a size and on a device where they run here (no figure is kept)
-    from bench.gpu_check import moe_experts, ring_attention_16k
+    from measure.gpu_check import moe_experts, ring_attention_16k
 
     ring = ring_attention_16k(seq=256, device_name="cpu")
     assert ring["rows"][0]["n"] == 256 and ring["rows"][0]["ring_s"] > 0 and "256 tokens" in ring["summary"]

@@ -90,10 +90,8 @@ def test_cuda_grouped_experts_equal_the_loop():
 
 def test_ring_attention_memory_grows_linearly_on_one_gpu():
     """bench/ring_attention.py on one GPU: doubling the sequence doubles the peak bytes (no n x n tensor)."""
-    from bench.ring_attention import main
+    from measure.ring_attention import measure
 
-    rows = main(["--device", "cuda", "--dtype", "bf16", "--cp", "1", "--lengths", "4096,8192", "--repeats", "1"])[
-        "rows"
-    ]
+    rows = measure([4096, 8192], "cuda", "bf16", cp=1, repeats=1)["rows"]
     # linear: 2x per doubling, plus constants (kernel workspace); a score tensor would make it 4x
     assert rows[1]["ring_bytes"] / rows[0]["ring_bytes"] < 2.5, rows

@@ -1,6 +1,6 @@
 """Host syncs per training step, per layout, counted and pinned: the test fails if one is added anywhere.
 
-bench/host_syncs.py trains each layout for 2 and for 3 steps under bench/host_syncs.HostSyncCounter and
+measure/host_syncs.py trains each layout for 2 and for 3 steps under measure/host_syncs.HostSyncCounter and
 takes the difference: one step's syncs, by the meshloom line they come from. ``PER_STEP`` below is today's
 count on every rank; ``bench.host_syncs.REASONS`` says why each one is there (docs/profiling.md prints the
 table). A new sync, or one more of an old kind, fails here; so does one fewer (then lower the number here
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.host_syncs import (
+from measure.host_syncs import (
     CAPACITY,
     EMBEDDING_MASK,
     EP_SPLITS,

@@ -3,7 +3,7 @@ device, or in host memory for parameters under FSDP's CPU offload (mesh/material
 
 On a CPU machine the host *is* the compute device, so a tensor left in host memory cannot be told apart.
 Here the meta device stands in for the GPU: every layout is built by train.py's own ``model_parts`` (planning/options.py)
-with ``device = meta``, on a one-process fake group of the layout's world size (bench/schedule_ir.py:
+with ``device = meta``, on a one-process fake group of the layout's world size (measure/schedule_ir.py:
 ``fake_world``; building communicates nothing), and anything that lands on the CPU instead is named.
 """
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from bench.schedule_ir import fake_world
 from launch.local_runs import DEBUG_CONFIG, ROOT
+from measure.schedule_ir import fake_world
 from mesh.dims import build_mesh
 from mesh.materialize import check_placement, misplaced_tensors
 from planning.plan import LayoutPlan

@@ -1,8 +1,8 @@
 """FSDP2 holds 1/N of the fp32 training state per rank: measured bytes vs (4Ψ + 4Ψ + 8Ψ) / N."""
 
-from bench.fsdp_memory import formula_bytes, measure
 from launch.local_runs import DEBUG_CONFIG
 from launch.spawn import run_on_ranks
+from measure.fsdp_memory import formula_bytes, measure
 
 
 def test_fsdp2_per_rank_state_matches_the_zero3_formula():

@@ -1,14 +1,13 @@
 """planning/memory_estimate.py: hand-worked examples, bytes autograd really saves, and torch's own schedule orders.
 
 The per-layer count is also checked on 2 ranks under TP, with and without SP (tests/test_activation_memory.py:
-bench/activation_memory.py's formula_bytes is this module's count).
+measure/activation_memory.py's formula_bytes is this module's count).
 """
 
 import pytest
 
-from bench.activation_memory import SavedBytes, storage_ptr
-from bench.plan_layout import kept_bytes
-from bench.schedule_ir import activations_in_flight, schedule_actions
+from measure.saved_bytes import SavedBytes, kept_bytes, storage_ptr
+from measure.schedule_ir import activations_in_flight, schedule_actions
 from mesh.pipeline import SCHEDULE_FAMILIES, stage_ids_of_rank
 from models.llama import ModelArgs
 from models.moe import MoEArgs
@@ -91,7 +90,7 @@ def test_mixtral_states_with_ep_borrowing_tp():
 
 
 def measured_block_bytes(args: ModelArgs, batch: int, seq: int, dtype) -> int:
-    """What autograd saves in one block's forward on CPU (bench/activation_memory.py's SavedBytes), in ``dtype``."""
+    """What autograd saves in one block's forward on CPU (measure/saved_bytes.py's SavedBytes), in ``dtype``."""
     import torch
 
     from mesh.materialize import materialize_weights
@@ -118,7 +117,7 @@ MOE = ModelArgs(
 @pytest.mark.parametrize("args", [DENSE, MOE], ids=["dense", "moe"])
 def test_layer_bytes_equal_what_autograd_saves(args):
     """Measured on CPU: fp32 and bf16 (fp32 norm statistics and copies included) without checkpointing; selective
-    and full checkpointing by the storages alive after forward (bench/plan_layout.py: kept_bytes, fp32)."""
+    and full checkpointing by the storages alive after forward (measure/saved_bytes.py: kept_bytes, fp32)."""
     import torch
 
     batch, seq = 2, 32
@@ -136,7 +135,7 @@ def test_layer_bytes_equal_what_autograd_saves(args):
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])
 def test_chunks_in_flight_follow_torchs_own_schedule_orders(pp):
-    """Every formula against the action lists torch builds (bench/schedule_ir.py), for several m and v."""
+    """Every formula against the action lists torch builds (measure/schedule_ir.py), for several m and v."""
     known = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
     assert set(SCHEDULE_FAMILIES) == set(known)  # a new schedule needs its formula in chunks_in_flight
     checked = 0
@@ -196,7 +195,7 @@ def test_the_layout_of_a_resolved_plan(tmp_path):
 
 def kept_bytes_on_rank(args: ModelArgs, batch: int, seq: int, mode: str, sp: bool, regather: bool) -> int:
     """Bytes one block keeps alive from its forward for its backward on this tp rank (fp32, CPU), under AC
-    ``mode``: bench/plan_layout.py's kept_bytes with the block parallelized over the world (mesh/tensor_parallel.py)
+    ``mode``: measure/saved_bytes.py's kept_bytes with the block parallelized over the world (mesh/tensor_parallel.py)
     and DTensors counted by their local storage. The block's input is made inside the recording (a scalar
     product, which saves nothing) and dropped after forward, so it counts exactly when the block keeps it."""
     import gc

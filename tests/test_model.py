@@ -1,9 +1,14 @@
 import torch
 import torch.nn.functional as F
 
-from models.flops import matmul_params_per_token
+from models.flops import layer_matmul_params
 from models.llama import ModelArgs, Transformer
 from planning.presets import PRESETS
+
+
+def matmul_params_per_token(args: ModelArgs) -> int:
+    """Weights of the matmuls one token goes through: every block's, and the output head."""
+    return args.dim * args.vocab_size + sum(layer_matmul_params(args, i) for i in range(args.n_layers))
 
 
 def tiny(**kw) -> ModelArgs:

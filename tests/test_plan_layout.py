@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from bench.activation_memory import formula_bytes
-from bench.plan_layout import kept_bytes
 from launch.local_runs import ROOT
+from measure.activation_memory import formula_bytes
+from measure.saved_bytes import kept_bytes
 from models.llama import ModelArgs
 from planning.gpus import PLANNER_GPUS
 from planning.plan_layout import (

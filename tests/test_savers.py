@@ -1,7 +1,8 @@
-"""Communication and memory savers (extras/comm_memory_savers.py, docs/dp_savers.md sections 2-4).
+"""Communication and memory savers (extras/reduce_once_per_step.py, bf16_reduction.py, powersgd.py, cpu_offload.py;
+docs/dp_savers.md sections 2-4).
 
 - ``parallel.grad_sync=step``: parity with one process, and train.py's loop issuing k-1 fewer gradient
-  reductions per step for k micro-batches (counted on the real loop with bench/grad_traffic.py; the per-unit
+  reductions per step for k micro-batches (counted on the real loop with measure/grad_traffic.py; the per-unit
   counts on the API path are in tests/test_collective_counts.py);
 - ``parallel.grad_compression``: not parity; fewer bytes and a loss gap inside a loose, justified bound;
 - ``parallel.fsdp_cpu_offload``: parity with one process on one process, FSDP and HSDP;
@@ -16,10 +17,10 @@ import shutil
 import pytest
 import torch.distributed as dist
 
-from bench.grad_compression import VARIANTS, run_variants, summarize
-from bench.grad_traffic import GradientTraffic
 from launch.local_runs import DEBUG_CONFIG, PARITY_STEPS, run_training, train_on
 from launch.spawn import run_on_ranks
+from measure.grad_compression import VARIANTS, run_variants, summarize
+from measure.grad_traffic import GradientTraffic
 from runtime.config import ConfigError, help_text, load_config
 from tests.training_runs import CHECK_REPLICAS, assert_same_curve
 from train import check_config
@@ -155,7 +156,7 @@ def test_step_sync_on_hsdp_all_reduces_across_replicas_once_per_step_at_parity(o
 
 @pytest.mark.slow  # ~10 s: two scans of every live object per rank; the bench prints the same numbers
 def test_step_sync_holds_the_unsharded_gradient_between_micro_batches():
-    from bench.grad_sync_memory import held_after_backward
+    from measure.grad_sync_memory import held_after_backward
 
     layout = {"parallel.dp_shard": 2}
     # Live tensor bytes after one micro-batch's backward (bench/grad_sync_memory.py): reduced, the rank keeps
@@ -258,7 +259,7 @@ def test_cpu_offload_trains_at_parity(layout, one_process, tmp_path):
 def offload_bench_on_cpu() -> dict:
     import torch
 
-    from bench.offload_memory import measure
+    from measure.offload_memory import measure
 
     tiny = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.multiple_of": 32}
     return measure(True, 2, 16, 2, torch.device("cpu"), tiny)  # 2 steps: Adam state exists at the second

@@ -155,8 +155,8 @@ def test_pipeline_copies_have_the_same_placements_at_the_same_coordinate():
 
 
 def test_embedding_groups_pair_the_first_and_last_pp_rank_of_each_coordinate():
-    from bench.schedule_ir import fake_world
     from docs.figures.tied_embeddings import TIED_EXAMPLE, tied_groups
+    from measure.schedule_ir import fake_world
     from mesh.dims import ParallelDims, build_mesh
 
     world = torch.arange(4 * 2 * 2).reshape(4, 1, 2, 1, 2)  # (pp, dp_replicate, dp_shard, cp, tp) = 4 x 2 x 2

@@ -5,7 +5,7 @@
 2. Forward and backward of each micro-batch (``forward_backward``); the loss that is backpropagated is the
    token-loss sum divided by the *global* token count (training/loss.py), so data-parallel ranks sum their
    gradients and the scale is applied once. With ``grad_sync = step`` only the last micro-batch's backward
-   reduces (extras/comm_memory_savers.py: ``reduction_window``; forward and backward inside the window).
+   reduces (extras/reduce_once_per_step.py: ``reduction_window``; forward and backward inside the window).
 3. The gradients TP leaves partial are summed (norm weights under sequence parallelism, MoE blocks whose tp
    ranks computed from their own tokens), and a tied embedding's two pipeline copies get the sum of theirs.
 4. The step's global numbers, before anything changes: the loss is the global mean (sum the token-loss sums
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from extras.comm_memory_savers import reduction_window
+from extras.reduce_once_per_step import reduction_window
 from mesh.expert_parallel import load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
 from mesh.pipeline import build_pipeline_schedule, run_schedule

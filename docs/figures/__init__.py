@@ -6,11 +6,11 @@
 
 Each figure takes its facts from the code it illustrates wherever the code can say them: the collectives'
 results from a symbolic model that tests/test_figures.py checks against real gloo collectives; ZeRO's bytes
-from bench/memory_table.py; the TP and SP layouts from mesh/tensor_parallel.py's plans; the rank grid from
+from measure/memory_table.py; the TP and SP layouts from mesh/tensor_parallel.py's plans; the rank grid from
 the same row-major rule as ``init_device_mesh`` (the test compares it with meshloom's real meshes); the EP
 example from examples/moe_from_scratch.py; where each expert lives from the same row-major rule as mesh/dims.py; the DCP chunks from the placements meshloom gives a weight (the
 test reads them off a real 2 x 2 run); the RoPE wavelengths from models/rope.py; the pipeline schedules from torch's own action lists
-(bench/schedule_ir.py); the memory per pipeline rank under three layer splits from planning/memory_estimate.py and
+(measure/schedule_ir.py); the memory per pipeline rank under three layer splits from planning/memory_estimate.py and
 mesh/pipeline.py's splits. Plain SVG strings (docs/figures/svg.py), no dependencies; one module per picture family, named for its chapter.
 
 The *measured* pictures in docs/img come from runs, not from this file: the pipeline timelines

@@ -1,9 +1,9 @@
-"""Section 7: pipeline schedules, idealized (torch's own action lists, read by bench/schedule_ir.py)."""
+"""Section 7: pipeline schedules, idealized (torch's own action lists, read by measure/schedule_ir.py)."""
 
 from __future__ import annotations
 
-from bench.schedule_ir import SCHEDULE_STAGES, pipeline_ideal
 from docs.figures.svg import CHAR_WIDTH, LIGHT, Svg
+from measure.schedule_ir import SCHEDULE_STAGES, pipeline_ideal
 
 PIPELINE_FIGURES = ((2, 4), (4, 8))
 LABEL_SIZE = 12

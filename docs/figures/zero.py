@@ -1,4 +1,4 @@
-"""Section 2: what each ZeRO stage keeps on a data-parallel rank (bytes from bench/memory_table.py)."""
+"""Section 2: what each ZeRO stage keeps on a data-parallel rank (bytes from measure/memory_table.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from docs.figures.svg import LIGHT, Svg, colour
 
 def zero_svg(n: int = 4) -> str:
     """What each of n data-parallel ranks holds, per parameter: bf16 weights 2, grads 2, fp32 optimizer 12."""
-    from bench.memory_table import bytes_per_rank
+    from measure.memory_table import bytes_per_rank
 
     per_param = bytes_per_rank(1, n)
     rows = [
