@@ -229,7 +229,7 @@ def test_mesh_figure_groups_are_meshloom_process_groups(sizes, ep):
 @pytest.mark.parametrize("title, ep, within", figures.PLACEMENT_LAYOUTS, ids=["ep4", "ep2", "ep2-within-dp_shard"])
 def test_expert_placement_figure_holds_what_meshloom_places(title, ep, within):
     """The picture's experts per rank, against the ep coordinate and efsdp size of meshloom's meshes."""
-    from bench.schedule_ir import fake_world
+    from measure.schedule_ir import fake_world
     from mesh.dims import ParallelDims, build_mesh
 
     sizes, n_experts = figures.PLACEMENT_SIZES, 4
