@@ -1,6 +1,6 @@
 """One expert-parallel MoE block against the single-device block: rows per rank and the differences.
 
-    python -m bench.ep_layer        # docs/expert_parallel.md, section 12 (about 15 s)
+    python -m bench.ep_layer        # docs/expert_parallel.md, Appendix G (about 15 s)
 
 Runs the layer comparison that tests/test_expert_parallel.py bounds (8 experts, top-2, a shared expert; each rank routes its
 own 12 tokens) on ep = 2 and 4 gloo ranks, with routing spread out and with every token forced onto rank 0's

@@ -4,7 +4,7 @@
 
 A GPU runs ahead of Python: the host queues kernels and moves on, and the GPU works through the queue. An
 operation whose *result the host needs* (a number to print or branch on, a size to allocate) stops the host
-until the queue has drained; the GPU then idles while the host catches up. docs/profiling.md section 8.7.
+until the queue has drained; the GPU then idles while the host catches up. docs/profiling.md Appendix A.7.
 
 1. **The counter** (``HostSyncCounter``) sees three kinds of sync:
 
