@@ -5,7 +5,7 @@ Each step is the previous file plus one mechanism, so each gets two checks:
 1. with its new degree at 1 it computes exactly what the previous step computes (bit for bit): the new code
    path changes nothing it should not;
 2. with its new degree at 2 it gives the previous step's losses: exactly where the arithmetic is the same
-   (the sharded optimizer updates slices element by element; the pipeline adds the micro-batches' gradients
+   (the sharded state updates slices element by element; the pipeline adds the micro-batches' gradients
    in the same order and its sends copy values), and within fp32 round-off where a sum is taken in another
    order (data parallel: each rank sums its own micro-batches, then the ranks' sums are added; tensor
    parallel: w2's sum over the hidden features is split in two and added by the all-reduce).
@@ -26,7 +26,7 @@ import pytest
 from examples.trainer import (
     step1_single_process,
     step2_data_parallel,
-    step3_sharded_optimizer,
+    step3_sharded_state,
     step4_tensor_parallel,
     step5_pipeline_1f1b,
 )
@@ -45,7 +45,7 @@ def every_step(**degrees) -> dict[str, list[float]]:
     return {
         "step1": step1_single_process.run()["losses"],
         "step2": step2_data_parallel.run()["losses"],
-        "step3": step3_sharded_optimizer.run()["losses"],
+        "step3": step3_sharded_state.run()["losses"],
         "step4": step4_tensor_parallel.run(tp=degrees.get("tp", 1))["losses"],
         "step5": step5_pipeline_1f1b.run(tp=degrees.get("tp", 1), pp=degrees.get("pp", 1))["losses"],
     }
@@ -55,7 +55,7 @@ def on_two_ranks() -> dict[str, list[float]]:
     """On 2 ranks: steps 2 and 3 with dp 2; step 4 with tp 2 and with tp 1 (dp 2); step 5 with pp 2."""
     return {
         "step2 dp2": step2_data_parallel.run()["losses"],
-        "step3 dp2": step3_sharded_optimizer.run()["losses"],
+        "step3 dp2": step3_sharded_state.run()["losses"],
         "step4 tp1 dp2": step4_tensor_parallel.run(tp=1)["losses"],
         "step4 tp2": step4_tensor_parallel.run(tp=2)["losses"],
         "step5 pp2": step5_pipeline_1f1b.run(pp=2)["losses"],
@@ -71,7 +71,7 @@ def test_every_step_is_tested_here():
     assert [p.stem for p in STEPS] == [
         "step1_single_process",
         "step2_data_parallel",
-        "step3_sharded_optimizer",
+        "step3_sharded_state",
         "step4_tensor_parallel",
         "step5_pipeline_1f1b",
     ]

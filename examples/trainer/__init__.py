@@ -2,11 +2,11 @@
 
     step1_single_process.py   one process: model, data, gradient accumulation, AdamW by hand
     step2_data_parallel.py    + a rank grid (dp) and an all-reduce of the gradients
-    step3_sharded_optimizer.py + parameters and AdamW moments sharded over dp (reduce-scatter, all-gather)
+    step3_sharded_state.py    + parameters and AdamW moments sharded over dp (reduce-scatter, all-gather)
     step4_tensor_parallel.py  + a tp dim: column- and row-parallel blocks with Megatron's f and g
     step5_pipeline_1f1b.py    + a pp dim: stages and a 1F1B schedule over send/recv
 
-Each file is the previous one plus its mechanism (``diff step2_data_parallel.py step3_sharded_optimizer.py``)
+Each file is the previous one plus its mechanism (``diff step2_data_parallel.py step3_sharded_state.py``)
 and imports nothing but torch. tests/test_trainer_steps.py checks that every step trains exactly the model the
 step before it trains; docs/00_foundations.md, section 8, walks through them.
 """
