@@ -29,6 +29,7 @@ from examples.trainer import (
     step3_sharded_state,
     step4_tensor_parallel,
     step5_pipeline_1f1b,
+    step6_per_block_sharding,
 )
 from launch.local_runs import ROOT
 from launch.spawn import run_on_ranks
@@ -36,7 +37,7 @@ from launch.spawn import run_on_ranks
 # Run on the oldest and the newest supported torch too (.ci/compat).
 pytestmark = pytest.mark.compat
 
-STEPS = sorted((ROOT / "examples" / "trainer").glob("step*.py"))
+STEPS = sorted((ROOT / "examples" / "trainer").glob("step*.py"), key=lambda p: int(p.stem.split("_")[0][4:]))
 RTOL = 1e-5
 
 
@@ -48,11 +49,13 @@ def every_step(**degrees) -> dict[str, list[float]]:
         "step3": step3_sharded_state.run()["losses"],
         "step4": step4_tensor_parallel.run(tp=degrees.get("tp", 1))["losses"],
         "step5": step5_pipeline_1f1b.run(tp=degrees.get("tp", 1), pp=degrees.get("pp", 1))["losses"],
+        "step6": step6_per_block_sharding.run()["losses"],
     }
 
 
 def on_two_ranks() -> dict[str, list[float]]:
-    """On 2 ranks: steps 2 and 3 with dp 2; step 4 with tp 2 and with tp 1 (dp 2); step 5 with pp 2."""
+    """On 2 ranks: steps 2 and 3 with dp 2; step 4 with tp 2 and with tp 1 (dp 2); step 5 with pp 2, tp 2 and dp 2;
+    step 6 with dp 2 and pp 2."""
     return {
         "step2 dp2": step2_data_parallel.run()["losses"],
         "step3 dp2": step3_sharded_state.run()["losses"],
@@ -60,6 +63,9 @@ def on_two_ranks() -> dict[str, list[float]]:
         "step4 tp2": step4_tensor_parallel.run(tp=2)["losses"],
         "step5 pp2": step5_pipeline_1f1b.run(pp=2)["losses"],
         "step5 pp1 tp2": step5_pipeline_1f1b.run(tp=2)["losses"],
+        "step5 dp2": step5_pipeline_1f1b.run()["losses"],
+        "step6 dp2": step6_per_block_sharding.run()["losses"],
+        "step6 pp2": step6_per_block_sharding.run(pp=2)["losses"],
     }
 
 
@@ -74,6 +80,7 @@ def test_every_step_is_tested_here():
         "step3_sharded_state",
         "step4_tensor_parallel",
         "step5_pipeline_1f1b",
+        "step6_per_block_sharding",
     ]
 
 
@@ -81,7 +88,7 @@ def test_with_its_new_degree_at_1_each_step_computes_exactly_the_previous_one():
     alone = run_on_ranks(every_step, 1)[0]
     losses = alone["step1"]
     assert losses[-1] < 0.7 * losses[0], "the model learns"
-    for step in ("step2", "step3", "step4", "step5"):
+    for step in ("step2", "step3", "step4", "step5", "step6"):
         assert alone[step] == losses, f"{step} on one rank differs from step 1"
 
 
@@ -97,6 +104,9 @@ def test_each_step_equals_the_previous_one_on_two_ranks():
     assert close(r["step4 tp2"], r["step3 dp2"])  # tensor parallel: round-off
     assert r["step5 pp2"] == step4_alone  # the pipeline: step 4 on one rank, bit for bit
     assert r["step5 pp1 tp2"] == r["step4 tp2"]  # pp 1: step 4 exactly
+    assert r["step5 dp2"] == r["step3 dp2"]  # pp 1, tp 1: step 3 exactly
+    assert r["step6 dp2"] == r["step5 dp2"]  # per-block shards: the same sums and slices, bit for bit
+    assert r["step6 pp2"] == r["step5 pp2"]  # each stage's units gathered on their own: step 5 with pp 2
 
 
 def test_the_steps_compose_pipeline_and_tensor_parallel_on_four_ranks():
@@ -126,7 +136,13 @@ def test_each_step_is_a_small_diff_from_the_previous_one():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "step, args",
-    [(STEPS[0], []), *[(s, []) for s in STEPS[1:3]], (STEPS[3], ["--tp", "2"]), (STEPS[4], ["--pp", "2"])],
+    [
+        (STEPS[0], []),
+        *[(s, []) for s in STEPS[1:3]],
+        (STEPS[3], ["--tp", "2"]),
+        (STEPS[4], ["--pp", "2"]),
+        (STEPS[5], []),
+    ],
     ids=lambda x: getattr(x, "stem", None),
 )
 def test_every_step_runs_under_torchrun(step, args):
