@@ -30,6 +30,7 @@ from examples.trainer import (
     step4_tensor_parallel,
     step5_pipeline_1f1b,
     step6_per_block_sharding,
+    step7_sequence_parallel,
 )
 from launch.local_runs import ROOT
 from launch.spawn import run_on_ranks
@@ -50,12 +51,13 @@ def every_step(**degrees) -> dict[str, list[float]]:
         "step4": step4_tensor_parallel.run(tp=degrees.get("tp", 1))["losses"],
         "step5": step5_pipeline_1f1b.run(tp=degrees.get("tp", 1), pp=degrees.get("pp", 1))["losses"],
         "step6": step6_per_block_sharding.run()["losses"],
+        "step7": step7_sequence_parallel.run()["losses"],
     }
 
 
 def on_two_ranks() -> dict[str, list[float]]:
     """On 2 ranks: steps 2 and 3 with dp 2; step 4 with tp 2 and with tp 1 (dp 2); step 5 with pp 2, tp 2 and dp 2;
-    step 6 with dp 2 and pp 2."""
+    step 6 with dp 2, pp 2 and tp 2; step 7 with dp 2 and tp 2."""
     return {
         "step2 dp2": step2_data_parallel.run()["losses"],
         "step3 dp2": step3_sharded_state.run()["losses"],
@@ -66,6 +68,9 @@ def on_two_ranks() -> dict[str, list[float]]:
         "step5 dp2": step5_pipeline_1f1b.run()["losses"],
         "step6 dp2": step6_per_block_sharding.run()["losses"],
         "step6 pp2": step6_per_block_sharding.run(pp=2)["losses"],
+        "step6 tp2": step6_per_block_sharding.run(tp=2)["losses"],
+        "step7 dp2": step7_sequence_parallel.run()["losses"],
+        "step7 tp2": step7_sequence_parallel.run(tp=2)["losses"],
     }
 
 
@@ -81,6 +86,7 @@ def test_every_step_is_tested_here():
         "step4_tensor_parallel",
         "step5_pipeline_1f1b",
         "step6_per_block_sharding",
+        "step7_sequence_parallel",
     ]
 
 
@@ -88,7 +94,7 @@ def test_with_its_new_degree_at_1_each_step_computes_exactly_the_previous_one():
     alone = run_on_ranks(every_step, 1)[0]
     losses = alone["step1"]
     assert losses[-1] < 0.7 * losses[0], "the model learns"
-    for step in ("step2", "step3", "step4", "step5", "step6"):
+    for step in ("step2", "step3", "step4", "step5", "step6", "step7"):
         assert alone[step] == losses, f"{step} on one rank differs from step 1"
 
 
@@ -107,12 +113,18 @@ def test_each_step_equals_the_previous_one_on_two_ranks():
     assert r["step5 dp2"] == r["step3 dp2"]  # pp 1, tp 1: step 3 exactly
     assert r["step6 dp2"] == r["step5 dp2"]  # per-block shards: the same sums and slices, bit for bit
     assert r["step6 pp2"] == r["step5 pp2"]  # each stage's units gathered on their own: step 5 with pp 2
+    assert r["step6 tp2"] == r["step5 pp1 tp2"]  # and with tp 2
+    assert r["step7 dp2"] == r["step6 dp2"]  # tp 1: step 6 exactly
+    # sequence parallel: each reduce-scatter element adds the two partial values g's all-reduce adds
+    assert r["step7 tp2"] == r["step6 tp2"]
 
 
 def test_the_steps_compose_pipeline_and_tensor_parallel_on_four_ranks():
     step4_tp2 = run_on_ranks(step4_tensor_parallel.run, 2, tp=2)[0]["losses"]
     runs = run_on_ranks(step5_pipeline_1f1b.run, 4, tp=2, pp=2)
     assert all(r["losses"] == step4_tp2 for r in runs)  # pp 2 x tp 2: step 4's tp 2, bit for bit
+    runs = run_on_ranks(step7_sequence_parallel.run, 4, tp=2, pp=2)  # the stages send sequence slices
+    assert all(r["losses"] == step4_tp2 for r in runs)
 
 
 def code_lines(path) -> list[str]:
@@ -142,6 +154,7 @@ def test_each_step_is_a_small_diff_from_the_previous_one():
         (STEPS[3], ["--tp", "2"]),
         (STEPS[4], ["--pp", "2"]),
         (STEPS[5], []),
+        (STEPS[6], ["--tp", "2"]),
     ],
     ids=lambda x: getattr(x, "stem", None),
 )
