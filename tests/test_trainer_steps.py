@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from examples.trainer import (
     step1_single_process,
@@ -31,6 +32,7 @@ from examples.trainer import (
     step5_pipeline_1f1b,
     step6_per_block_sharding,
     step7_sequence_parallel,
+    step8_activation_checkpointing,
 )
 from launch.local_runs import ROOT
 from launch.spawn import run_on_ranks
@@ -52,12 +54,13 @@ def every_step(**degrees) -> dict[str, list[float]]:
         "step5": step5_pipeline_1f1b.run(tp=degrees.get("tp", 1), pp=degrees.get("pp", 1))["losses"],
         "step6": step6_per_block_sharding.run()["losses"],
         "step7": step7_sequence_parallel.run()["losses"],
+        "step8": step8_activation_checkpointing.run()["losses"],
     }
 
 
 def on_two_ranks() -> dict[str, list[float]]:
     """On 2 ranks: steps 2 and 3 with dp 2; step 4 with tp 2 and with tp 1 (dp 2); step 5 with pp 2, tp 2 and dp 2;
-    step 6 with dp 2, pp 2 and tp 2; step 7 with dp 2 and tp 2."""
+    step 6 with dp 2, pp 2 and tp 2; steps 7 and 8 with dp 2 and tp 2."""
     return {
         "step2 dp2": step2_data_parallel.run()["losses"],
         "step3 dp2": step3_sharded_state.run()["losses"],
@@ -71,6 +74,8 @@ def on_two_ranks() -> dict[str, list[float]]:
         "step6 tp2": step6_per_block_sharding.run(tp=2)["losses"],
         "step7 dp2": step7_sequence_parallel.run()["losses"],
         "step7 tp2": step7_sequence_parallel.run(tp=2)["losses"],
+        "step8 dp2": step8_activation_checkpointing.run()["losses"],
+        "step8 tp2": step8_activation_checkpointing.run(tp=2)["losses"],
     }
 
 
@@ -87,6 +92,7 @@ def test_every_step_is_tested_here():
         "step5_pipeline_1f1b",
         "step6_per_block_sharding",
         "step7_sequence_parallel",
+        "step8_activation_checkpointing",
     ]
 
 
@@ -94,7 +100,7 @@ def test_with_its_new_degree_at_1_each_step_computes_exactly_the_previous_one():
     alone = run_on_ranks(every_step, 1)[0]
     losses = alone["step1"]
     assert losses[-1] < 0.7 * losses[0], "the model learns"
-    for step in ("step2", "step3", "step4", "step5", "step6", "step7"):
+    for step in ("step2", "step3", "step4", "step5", "step6", "step7", "step8"):
         assert alone[step] == losses, f"{step} on one rank differs from step 1"
 
 
@@ -117,6 +123,31 @@ def test_each_step_equals_the_previous_one_on_two_ranks():
     assert r["step7 dp2"] == r["step6 dp2"]  # tp 1: step 6 exactly
     # sequence parallel: each reduce-scatter element adds the two partial values g's all-reduce adds
     assert r["step7 tp2"] == r["step6 tp2"]
+    assert r["step8 dp2"] == r["step7 dp2"]  # recomputation: the same operations on the same inputs
+    assert r["step8 tp2"] == r["step7 tp2"]  # and the recomputed sequence all-gathers give the same tensors
+
+
+def saved_for_backward() -> dict[str, int]:
+    """Elements autograd keeps for backward in one micro-batch's forward, steps 7 and 8 (one rank, tp 1)."""
+    saved = {}
+    for name, step in (("step7", step7_sequence_parallel), ("step8", step8_activation_checkpointing)):
+        torch.manual_seed(0)
+        model, count = step.Model(), []
+        step.shard_for_tensor_parallel(model, *step.rank_grid({"tp": 1})["tp"])
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, count=count: count.append(t.numel()) or t, lambda t: t):
+            model(step.token_stream()[0][:MICRO, :-1])  # checkpoint's own saves inside a block are not seen here
+        saved[name] = sum(count)
+    return saved
+
+
+MICRO = step1_single_process.GLOBAL_BATCH // step1_single_process.MICRO_BATCHES
+
+
+def test_activation_checkpointing_keeps_no_block_activations():
+    saved = run_on_ranks(saved_for_backward, 1)[0]
+    # step 7 keeps at least each block's ReLU output (MICRO x SEQ x HIDDEN); step 8 keeps none of it
+    hidden = step1_single_process.LAYERS * MICRO * step1_single_process.SEQ * step1_single_process.HIDDEN
+    assert saved["step8"] <= saved["step7"] - hidden, saved
 
 
 def test_the_steps_compose_pipeline_and_tensor_parallel_on_four_ranks():
@@ -155,6 +186,7 @@ def test_each_step_is_a_small_diff_from_the_previous_one():
         (STEPS[4], ["--pp", "2"]),
         (STEPS[5], []),
         (STEPS[6], ["--tp", "2"]),
+        (STEPS[7], []),
     ],
     ids=lambda x: getattr(x, "stem", None),
 )
