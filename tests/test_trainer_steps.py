@@ -33,6 +33,7 @@ from examples.trainer import (
     step6_per_block_sharding,
     step7_sequence_parallel,
     step8_activation_checkpointing,
+    step9_grad_clipping,
 )
 from launch.local_runs import ROOT
 from launch.spawn import run_on_ranks
@@ -55,12 +56,13 @@ def every_step(**degrees) -> dict[str, list[float]]:
         "step6": step6_per_block_sharding.run()["losses"],
         "step7": step7_sequence_parallel.run()["losses"],
         "step8": step8_activation_checkpointing.run()["losses"],
+        "step9": step9_grad_clipping.run()["losses"],
     }
 
 
 def on_two_ranks() -> dict[str, list[float]]:
     """On 2 ranks: steps 2 and 3 with dp 2; step 4 with tp 2 and with tp 1 (dp 2); step 5 with pp 2, tp 2 and dp 2;
-    step 6 with dp 2, pp 2 and tp 2; steps 7 and 8 with dp 2 and tp 2."""
+    step 6 with dp 2, pp 2 and tp 2; steps 7, 8 and 9 with dp 2 and tp 2."""
     return {
         "step2 dp2": step2_data_parallel.run()["losses"],
         "step3 dp2": step3_sharded_state.run()["losses"],
@@ -76,6 +78,8 @@ def on_two_ranks() -> dict[str, list[float]]:
         "step7 tp2": step7_sequence_parallel.run(tp=2)["losses"],
         "step8 dp2": step8_activation_checkpointing.run()["losses"],
         "step8 tp2": step8_activation_checkpointing.run(tp=2)["losses"],
+        "step9 dp2": step9_grad_clipping.run()["losses"],
+        "step9 tp2": step9_grad_clipping.run(tp=2)["losses"],
     }
 
 
@@ -93,6 +97,7 @@ def test_every_step_is_tested_here():
         "step6_per_block_sharding",
         "step7_sequence_parallel",
         "step8_activation_checkpointing",
+        "step9_grad_clipping",
     ]
 
 
@@ -100,7 +105,7 @@ def test_with_its_new_degree_at_1_each_step_computes_exactly_the_previous_one():
     alone = run_on_ranks(every_step, 1)[0]
     losses = alone["step1"]
     assert losses[-1] < 0.7 * losses[0], "the model learns"
-    for step in ("step2", "step3", "step4", "step5", "step6", "step7", "step8"):
+    for step in ("step2", "step3", "step4", "step5", "step6", "step7", "step8", "step9"):
         assert alone[step] == losses, f"{step} on one rank differs from step 1"
 
 
@@ -125,6 +130,29 @@ def test_each_step_equals_the_previous_one_on_two_ranks():
     assert r["step7 tp2"] == r["step6 tp2"]
     assert r["step8 dp2"] == r["step7 dp2"]  # recomputation: the same operations on the same inputs
     assert r["step8 tp2"] == r["step7 tp2"]  # and the recomputed sequence all-gathers give the same tensors
+    assert r["step9 dp2"] == r["step8 dp2"]  # no limit: the factor is 1.0, the gradients unchanged
+    assert r["step9 tp2"] == r["step8 tp2"]
+
+
+MAX_NORM = 0.5  # the unclipped gradient norms of the 6 steps are 0.85-1.1: every step is clipped
+
+
+def clipped_on_two_ranks() -> dict[str, dict]:
+    return {
+        layout: step9_grad_clipping.run(max_norm=MAX_NORM, **degrees)
+        for layout, degrees in (("dp2", {}), ("tp2", {"tp": 2}), ("pp2", {"pp": 2}))
+    }
+
+
+def test_clipping_by_the_global_norm_is_the_same_on_every_layout():
+    one = run_on_ranks(step9_grad_clipping.run, 1, max_norm=MAX_NORM)[0]
+    assert not close(one["losses"], run_on_ranks(step9_grad_clipping.run, 1)[0]["losses"]), "the limit clips"
+    runs = run_on_ranks(clipped_on_two_ranks, 2)
+    assert runs[0] == runs[1], "every rank logs the same losses and norms"
+    for layout, run in runs[0].items():
+        # the squares are summed in another order (shards, then groups): fp32 round-off, as for the losses
+        assert close(run["grad_norms"], one["grad_norms"]), layout
+        assert close(run["losses"], one["losses"]), layout
 
 
 def saved_for_backward() -> dict[str, int]:
@@ -187,6 +215,7 @@ def test_each_step_is_a_small_diff_from_the_previous_one():
         (STEPS[5], []),
         (STEPS[6], ["--tp", "2"]),
         (STEPS[7], []),
+        (STEPS[8], ["--max-norm", "0.5"]),
     ],
     ids=lambda x: getattr(x, "stem", None),
 )
