@@ -5,6 +5,10 @@
     step3_sharded_state.py    + parameters and AdamW moments sharded over dp (reduce-scatter, all-gather)
     step4_tensor_parallel.py  + a tp dim: column- and row-parallel blocks with Megatron's f and g
     step5_pipeline_1f1b.py    + a pp dim: stages and a 1F1B schedule over send/recv
+    step6_per_block_sharding.py + the state sharded per block, gathered just in time with prefetch (FSDP by hand)
+    step7_sequence_parallel.py + sequence parallelism on tp (all-gather before w1, reduce-scatter after w2)
+    step8_activation_checkpointing.py + each block's forward recomputed in its backward
+    step9_grad_clipping.py    + clipping by the global norm, summed over the shards and the tp, dp and pp groups
 
 Each file is the previous one plus its mechanism (``diff step2_data_parallel.py step3_sharded_state.py``)
 and imports nothing but torch. tests/test_trainer_steps.py checks that every step trains exactly the model the

@@ -5,7 +5,7 @@
 
 Step 3 gathers the whole model before the step's first forward and keeps it until the optimizer step. Here
 every *unit* (the embedding, each block, the head) has its own ``ShardedState``, and hooks gather a unit's
-parameters only while it runs, the way FSDP does (docs/data_parallel.md, section 4):
+parameters only while it runs, the way FSDP does (docs/data_parallel.md, sections 4 and 9):
 
 1. before a unit's forward, wait for its all-gather, and issue the *next* unit's all-gather (``async_op=True``)
    so that it travels while this unit computes (the prefetch); after its forward, free its parameters;

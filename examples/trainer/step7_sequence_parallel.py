@@ -5,7 +5,7 @@
 
 In step 4 every tp rank holds the whole sequence between the blocks: the residual stream (and, in a real
 model, the norms and dropout on it) is computed tp times over. Here each tp rank keeps SEQ/tp positions of it
-(docs/tensor_parallel.md, section 6); f and g become an all-gather and a reduce-scatter along the sequence:
+(docs/tensor_parallel.md, section 5); f and g become an all-gather and a reduce-scatter along the sequence:
 
 1. after the embedding, each tp rank keeps its slice of the sequence (backward: all-gather the slices'
    gradients, since the embedding ran on the whole sequence);

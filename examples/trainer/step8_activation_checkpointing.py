@@ -5,8 +5,7 @@
 
 Until step 7 a block's forward keeps, for its backward, everything autograd saves inside it: the gathered
 sequence w1 reads, w1's output and the ReLU's mask (and in 1F1B, up to p - s micro-batches of them). Here
-each block runs under ``torch.utils.checkpoint`` (non-reentrant; docs/mixed_precision.md on activation
-memory):
+each block runs under ``torch.utils.checkpoint`` (non-reentrant; docs/mixed_precision.md, section 7):
 
 1. the forward runs the block without keeping any of its inner tensors; only its input is kept;
 2. when the gradient of the block's output arrives, step 6's hook gathers the block's parameters, then

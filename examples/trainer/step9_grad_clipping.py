@@ -5,7 +5,7 @@
 
 Clipping scales the whole gradient by min(1, max_norm / ||g||), with ||g|| the norm of the *whole model's*
 gradient; no rank holds it. After the reduce-scatters a rank holds its dp shard of its tp slice of its
-stage's units, so the norm's square is summed group by group (docs/data_parallel.md, clipping):
+stage's units, so the norm's square is summed group by group (docs/data_parallel.md, section 12):
 
 1. sum the squares of this rank's shards of the blocks' gradients, and all-reduce that over tp: the tp ranks
    hold different slices of w1 and w2;
