@@ -23,6 +23,8 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from examples.trainer import (
     step1_single_process,
@@ -34,6 +36,7 @@ from examples.trainer import (
     step7_sequence_parallel,
     step8_activation_checkpointing,
     step9_grad_clipping,
+    step10_ring_attention,
 )
 from launch.local_runs import ROOT
 from launch.spawn import run_on_ranks
@@ -98,6 +101,7 @@ def test_every_step_is_tested_here():
         "step7_sequence_parallel",
         "step8_activation_checkpointing",
         "step9_grad_clipping",
+        "step10_ring_attention",
     ]
 
 
@@ -178,12 +182,52 @@ def test_activation_checkpointing_keeps_no_block_activations():
     assert saved["step8"] <= saved["step7"] - hidden, saved
 
 
+def ring_attention_against_sdpa() -> float:
+    """Step 10's ring attention on this rank's chunk against torch's causal attention over the whole sequence."""
+    group = step10_ring_attention.rank_grid({"cp": dist.get_world_size()})["cp"][0]
+    h = torch.randn(3, step1_single_process.SEQ, step1_single_process.DIM, generator=torch.Generator().manual_seed(2))
+    whole = F.scaled_dot_product_attention(h, h, h, is_causal=True)
+    mine = h.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]
+    return (
+        (step10_ring_attention.ring_attention(mine, group) - whole.chunk(dist.get_world_size(), dim=1)[dist.get_rank()])
+        .abs()
+        .max()
+        .item()
+    )
+
+
+def cp_on_two_ranks() -> dict[str, list[float]]:
+    return {
+        "cp2": step10_ring_attention.run(cp=2)["losses"],
+        "dp2": step10_ring_attention.run()["losses"],
+        "cp2 clipped": step10_ring_attention.run(cp=2, max_norm=MAX_NORM)["losses"],
+    }
+
+
+def test_ring_attention_is_causal_attention_and_cp_2_trains_as_cp_1():
+    # Outputs of size 1-3 (an ulp: 1.2e-7 to 2.4e-7); the merge's rescaling by exp(lse_b - lse) and another
+    # summation order cost a few ulp (measured: 1.2e-6 at most); a missing block or a wrong mask moves them by 0.1.
+    assert run_on_ranks(ring_attention_against_sdpa, 1)[0] < 1e-5  # cp 1: the diagonal block alone
+    assert max(run_on_ranks(ring_attention_against_sdpa, 2)) < 1e-5  # cp 2: two blocks merged
+    one = run_on_ranks(step10_ring_attention.run, 1)[0]["losses"]
+    one_clipped = run_on_ranks(step10_ring_attention.run, 1, max_norm=MAX_NORM)[0]["losses"]
+    assert not close(one, run_on_ranks(step9_grad_clipping.run, 1)[0]["losses"]), "attention changes the model"
+    runs = run_on_ranks(cp_on_two_ranks, 2)
+    assert runs[0] == runs[1], "every rank logs the same losses"
+    # the merge rescales the blocks' outputs, and the gradients add over cp: fp32 round-off, as for dp
+    assert close(runs[0]["cp2"], one) and close(runs[0]["dp2"], one)
+    assert close(runs[0]["cp2 clipped"], one_clipped)
+
+
 def test_the_steps_compose_pipeline_and_tensor_parallel_on_four_ranks():
     step4_tp2 = run_on_ranks(step4_tensor_parallel.run, 2, tp=2)[0]["losses"]
     runs = run_on_ranks(step5_pipeline_1f1b.run, 4, tp=2, pp=2)
     assert all(r["losses"] == step4_tp2 for r in runs)  # pp 2 x tp 2: step 4's tp 2, bit for bit
     runs = run_on_ranks(step7_sequence_parallel.run, 4, tp=2, pp=2)  # the stages send sequence slices
     assert all(r["losses"] == step4_tp2 for r in runs)
+    cp2 = run_on_ranks(step10_ring_attention.run, 2, cp=2)[0]["losses"]
+    runs = run_on_ranks(step10_ring_attention.run, 4, cp=2, tp=2)  # sequence parallel inside each cp chunk
+    assert all(close(r["losses"], cp2) for r in runs)
 
 
 def code_lines(path) -> list[str]:
@@ -216,6 +260,7 @@ def test_each_step_is_a_small_diff_from_the_previous_one():
         (STEPS[6], ["--tp", "2"]),
         (STEPS[7], []),
         (STEPS[8], ["--max-norm", "0.5"]),
+        (STEPS[9], ["--cp", "2"]),
     ],
     ids=lambda x: getattr(x, "stem", None),
 )
