@@ -10,6 +10,7 @@
     step8_activation_checkpointing.py + each block's forward recomputed in its backward
     step9_grad_clipping.py    + clipping by the global norm, summed over the shards and the tp, dp and pp groups
     step10_ring_attention.py  + attention in each block, and a cp dim: K/V round the ring, log-sum-exp merge
+    step11_expert_all_to_all.py + a mixture of experts in each block, split over tp, with all-to-all dispatch
 
 Each file is the previous one plus its mechanism (``diff step2_data_parallel.py step3_sharded_state.py``)
 and imports nothing but torch. tests/test_trainer_steps.py checks that every step trains exactly the model the
