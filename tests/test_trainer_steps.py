@@ -10,6 +10,10 @@ Each step is the previous file plus one mechanism, so each gets two checks:
    order (data parallel: each rank sums its own micro-batches, then the ranks' sums are added; tensor
    parallel: w2's sum over the hidden features is split in two and added by the all-reduce).
 
+Steps 10 and 11 change the model (attention, then experts): their reference is the step itself at degree 1,
+whose attention and experts are checked against torch's causal attention and a token-by-token loop. Step 12
+resumed on the layout it saved on is step 11 bit for bit, on another layout within round-off.
+
 Round-off tolerance: each such sum differs by ~1e-7 relative; six AdamW steps on this tiny model keep the loss
 within ~1e-6 (measured: at most 1.6e-7, data parallel). 1e-5 fails on any real mistake (a gradient scaled by 1/dp, a wrong data
 slice, a missing reduction), which moves the loss by 1e-3 or more.
@@ -38,6 +42,7 @@ from examples.trainer import (
     step9_grad_clipping,
     step10_ring_attention,
     step11_expert_all_to_all,
+    step12_resharded_checkpoint,
 )
 from launch.local_runs import ROOT
 from launch.spawn import run_on_ranks
@@ -104,6 +109,7 @@ def test_every_step_is_tested_here():
         "step9_grad_clipping",
         "step10_ring_attention",
         "step11_expert_all_to_all",
+        "step12_resharded_checkpoint",
     ]
 
 
@@ -250,6 +256,26 @@ def test_the_expert_all_to_all_routes_every_token_to_its_expert_and_tp_2_trains_
     assert close(runs[0]["losses"], one)
 
 
+def resumed_on_two_ranks(directory: str) -> dict[str, list[float]]:
+    """Step 11 and step 12 on dp 2, and step 12 saved after 3 steps on one layout, resumed on another."""
+    runs = {"step11": step11_expert_all_to_all.run()["losses"], "step12": step12_resharded_checkpoint.run()["losses"]}
+    for i, (saved_on, loaded_on) in enumerate((({}, {}), ({}, {"pp": 2}), ({"tp": 2}, {"cp": 2}))):
+        where = f"{directory}/{i}"
+        first = step12_resharded_checkpoint.run(steps=3, save=where, **saved_on)["losses"]
+        runs[f"{saved_on} -> {loaded_on}"] = first + step12_resharded_checkpoint.run(load=where, **loaded_on)["losses"]
+    return runs
+
+
+def test_a_checkpoint_saved_on_one_layout_resumes_on_another(tmp_path):
+    runs = run_on_ranks(resumed_on_two_ranks, 2, directory=str(tmp_path))
+    assert runs[0] == runs[1], "every rank logs the same losses"
+    r = runs[0]
+    assert r["step12"] == r["step11"]  # no checkpoint: step 11 exactly
+    assert r["{} -> {}"] == r["step11"]  # the same layout: the same state and the same arithmetic, bit for bit
+    # another layout: step 11's dp 2 run within fp32 round-off (the layouts' arithmetic differs from step 4 on)
+    assert close(r["{} -> {'pp': 2}"], r["step11"]) and close(r["{'tp': 2} -> {'cp': 2}"], r["step11"])
+
+
 def test_the_steps_compose_pipeline_and_tensor_parallel_on_four_ranks():
     step4_tp2 = run_on_ranks(step4_tensor_parallel.run, 2, tp=2)[0]["losses"]
     runs = run_on_ranks(step5_pipeline_1f1b.run, 4, tp=2, pp=2)
@@ -269,7 +295,7 @@ def code_lines(path) -> list[str]:
 
 def test_each_step_is_a_small_diff_from_the_previous_one():
     # A reader runs `diff stepN stepN+1`: the code outside the docstring must be mostly shared. The largest
-    # step (the 1F1B schedule) adds about 60 lines to about 190.
+    # steps (per-block sharding, the 1F1B schedule, the checkpoint) change 77-90 lines of 250-500.
     for before, after in zip(STEPS, STEPS[1:], strict=False):
         diff = [
             line
@@ -293,6 +319,7 @@ def test_each_step_is_a_small_diff_from_the_previous_one():
         (STEPS[8], ["--max-norm", "0.5"]),
         (STEPS[9], ["--cp", "2"]),
         (STEPS[10], ["--tp", "2"]),
+        (STEPS[11], []),
     ],
     ids=lambda x: getattr(x, "stem", None),
 )
