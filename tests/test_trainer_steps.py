@@ -22,6 +22,7 @@ slice, a missing reduction), which moves the loss by 1e-3 or more.
 from __future__ import annotations
 
 import difflib
+import re
 import subprocess
 import sys
 
@@ -293,16 +294,30 @@ def code_lines(path) -> list[str]:
     return text[text.index('"""', 3) + 3 :].splitlines()
 
 
+def changed_lines(before, after) -> int:
+    diff = difflib.unified_diff(code_lines(before), code_lines(after), lineterm="", n=0)
+    return sum(1 for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
+def test_chapter_0_quotes_each_steps_diff_length():
+    # docs/00_foundations.md, section 8: | `stepN_....py` | adds | new degree | code lines changed | taught in |
+    rows = re.findall(
+        r"^\| `(step\d+_\w+\.py)` \|[^|]*\|[^|]*\|\s*(\d*)\s*\|",
+        (ROOT / "docs" / "00_foundations.md").read_text(),
+        re.M,
+    )
+    quoted = dict(rows)
+    assert list(quoted) == [p.name for p in STEPS]
+    for before, after in zip(STEPS, STEPS[1:], strict=False):
+        assert quoted[after.name] == str(changed_lines(before, after)), after.name
+
+
 def test_each_step_is_a_small_diff_from_the_previous_one():
     # A reader runs `diff stepN stepN+1`: the code outside the docstring must be mostly shared. The largest
     # steps (per-block sharding, the 1F1B schedule, the checkpoint) change 77-90 lines of 250-500.
     for before, after in zip(STEPS, STEPS[1:], strict=False):
-        diff = [
-            line
-            for line in difflib.unified_diff(code_lines(before), code_lines(after), lineterm="", n=0)
-            if line[:1] in "+-" and not line.startswith(("+++", "---"))
-        ]
-        assert len(diff) <= 90, f"{after.name}: {len(diff)} changed lines against {before.name}"
+        changed = changed_lines(before, after)
+        assert changed <= 90, f"{after.name}: {changed} changed lines against {before.name}"
 
 
 @pytest.mark.slow
