@@ -168,6 +168,29 @@ def test_clipping_by_the_global_norm_is_the_same_on_every_layout():
         assert close(run["losses"], one["losses"]), layout
 
 
+def whole_units_during_forward() -> list[list[int]]:
+    """Step 6 on this rank: at each unit's forward, the units whole or on their way (gathered or gathering)."""
+    step = step6_per_block_sharding
+    torch.manual_seed(0)
+    model = step.Model()
+    states = step.shard_per_unit(model, *step.rank_grid({"dp": dist.get_world_size()})["dp"])
+    seen = []
+    for unit in (model.embed, *model.blocks, model.head):  # registered after step 6's hooks: they run after them
+        unit.register_forward_pre_hook(
+            lambda module, args: seen.append([i for i, s in enumerate(states) if s.gathered or s.gathering])
+        )
+    micro = step.token_stream()[0][:MICRO]
+    step.loss_share(model(micro[:, :-1]), micro[:, 1:], step.GLOBAL_BATCH * step.SEQ).backward()
+    assert all(p.numel() == 0 for p in model.parameters()), "every unit freed after its backward"
+    return seen
+
+
+def test_per_block_sharding_keeps_a_unit_and_the_next_ones_all_gather_in_flight():
+    units = step1_single_process.LAYERS + 2  # the embedding, the blocks, the head
+    expected = [[i, i + 1] if i + 1 < units else [i] for i in range(units)]
+    assert run_on_ranks(whole_units_during_forward, 2) == [expected, expected]
+
+
 def saved_for_backward() -> dict[str, int]:
     """Elements autograd keeps for backward in one micro-batch's forward, steps 7 and 8 (one rank, tp 1)."""
     saved = {}
