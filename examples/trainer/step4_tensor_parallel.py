@@ -1,7 +1,7 @@
 """The growing trainer, step 4: tensor parallelism (Megatron's column- and row-parallel MLP, f and g).
 
     torchrun --standalone --nproc-per-node 2 examples/trainer/step4_tensor_parallel.py --tp 2
-    diff examples/trainer/step3_sharded_optimizer.py examples/trainer/step4_tensor_parallel.py
+    diff examples/trainer/step3_sharded_state.py examples/trainer/step4_tensor_parallel.py
 
 The grid gains a second dim, tp, innermost (consecutive ranks: one node on a GPU cluster). The tp ranks of a
 dp rank read the same sequences; each holds a slice of every block:
@@ -13,7 +13,7 @@ dp rank read the same sequences; each holds a slice of every block:
    backward. One all-reduce each way per block (docs/tensor_parallel.md, section 4);
 3. the embedding and the head stay whole on every tp rank; they see the same activations and gradients on
    every tp rank, so their gradients need no reduction over tp;
-4. the sharded optimizer of step 3 runs over dp as before, on whatever this rank's model holds.
+4. the sharded state of step 3 runs over dp as before, on whatever this rank's model holds.
 
 With --tp 1 this is step 3 exactly; with --tp 2 the losses equal step 3's up to fp32 round-off (w2's sum
 over the hidden features is split in two and added by the all-reduce; tests/test_trainer_steps.py).

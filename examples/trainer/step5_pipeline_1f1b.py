@@ -16,7 +16,7 @@ stages (``one_f_one_b``, docs/pipeline_parallel.md, sections 2 and 6):
    then the remaining backwards; so stage s never holds more than p - s micro-batches' activations.
 
 Only the last stage has a loss: the logged total is summed over pp as well (the other stages add 0). Each
-stage's sharded optimizer (step 3) and tensor-parallel blocks (step 4) work as before on what it holds. A
+stage's sharded state (step 3) and tensor-parallel blocks (step 4) work as before on what it holds. A
 stage's gradients add up the micro-batches in the same order as step 4's loop, and every send and receive
 copies values exactly, so with --pp 2 the losses equal step 4's bit for bit (tests/test_trainer_steps.py).
 """

@@ -1,7 +1,7 @@
-"""The growing trainer, step 3: sharded optimizer states and parameters (ZeRO, by hand).
+"""The growing trainer, step 3: the sharded state, parameters and AdamW moments over dp (ZeRO-3, by hand).
 
-    torchrun --standalone --nproc-per-node 2 examples/trainer/step3_sharded_optimizer.py
-    diff examples/trainer/step2_data_parallel.py examples/trainer/step3_sharded_optimizer.py
+    torchrun --standalone --nproc-per-node 2 examples/trainer/step3_sharded_state.py
+    diff examples/trainer/step2_data_parallel.py examples/trainer/step3_sharded_state.py
 
 Step 2 keeps the whole model, its gradients and both AdamW moments on every rank. Here each data-parallel
 rank keeps only 1/dp of them between steps (``ShardedState``):

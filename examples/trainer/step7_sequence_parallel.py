@@ -1,0 +1,342 @@
+"""The growing trainer, step 7: sequence parallelism on the tp dim (the activations between blocks split too).
+
+    torchrun --standalone --nproc-per-node 2 examples/trainer/step7_sequence_parallel.py --tp 2
+    diff examples/trainer/step6_per_block_sharding.py examples/trainer/step7_sequence_parallel.py
+
+In step 4 every tp rank holds the whole sequence between the blocks: the residual stream (and, in a real
+model, the norms and dropout on it) is computed tp times over. Here each tp rank keeps SEQ/tp positions of it
+(docs/tensor_parallel.md, section 5); f and g become an all-gather and a reduce-scatter along the sequence:
+
+1. after the embedding, each tp rank keeps its slice of the sequence (backward: all-gather the slices'
+   gradients, since the embedding ran on the whole sequence);
+2. before w1, all-gather the slices into the whole sequence (backward: reduce-scatter, since each rank's w1
+   gives a partial gradient of every position); after w2, reduce-scatter the partial sums (backward:
+   all-gather), so the residual add runs on this rank's slice only;
+3. before the head, all-gather the sequence (backward: keep my slice of the gradient, which every tp rank
+   computed whole and alike from the same logits); the pipeline sends slices between stages.
+
+An all-gather plus a reduce-scatter moves what g's all-reduce moves, and the sums are the same: each element
+of a reduce-scatter adds the same two partial values the all-reduce adds, and the residual adds and the
+embedding's and the head's gradients see the same numbers. So the losses equal step 6's bit for bit with
+--tp 2 on 2 ranks, as with --tp 1 (tests/test_trainer_steps.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, HIDDEN, LAYERS, SEQ = 64, 32, 64, 4, 16
+GLOBAL_BATCH, MICRO_BATCHES, STEPS = 8, 2, 6  # sequences per optimizer step; micro-batches per step
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.1
+
+
+def token_stream() -> torch.Tensor:
+    """STEPS x GLOBAL_BATCH windows of SEQ + 1 tokens: mostly next = (5 token + 3) mod VOCAB, 20% random."""
+    gen = torch.Generator().manual_seed(1)
+    n = STEPS * GLOBAL_BATCH * (SEQ + 1)
+    noise, keep = torch.randint(VOCAB, (n,), generator=gen), torch.rand(n, generator=gen) < 0.8
+    tokens = [0]
+    for i in range(1, n):
+        tokens.append((5 * tokens[-1] + 3) % VOCAB if keep[i] else int(noise[i]))
+    return torch.tensor(tokens).view(STEPS, GLOBAL_BATCH, SEQ + 1)
+
+
+def slices(x: torch.Tensor, group) -> list[torch.Tensor]:
+    return [s.contiguous() for s in x.chunk(dist.get_world_size(group), dim=1)]  # dim 1: the sequence
+
+
+def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    parts = slices(x, group)
+    mine = torch.empty_like(parts[0])
+    dist.reduce_scatter(mine, parts, group=group)  # my slice, summed over the tp ranks
+    return mine
+
+
+class GatherSequence(torch.autograd.Function):  # before w1 (reduce) and before the head (no reduce)
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, reduce: bool) -> torch.Tensor:
+        ctx.group, ctx.reduce = group, reduce
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.reduce:  # every rank used the whole sequence and holds a partial gradient of it: sum my slice
+            return reduce_scatter_sequence(grad, ctx.group), None, None
+        return slices(grad, ctx.group)[dist.get_rank(ctx.group)], None, None  # the same on every rank: my slice
+
+
+class ScatterSequence(torch.autograd.Function):  # after w2 (reduce) and after the embedding (no reduce)
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, reduce: bool) -> torch.Tensor:
+        ctx.group = group
+        if reduce:  # the ranks' outputs are partial sums: sum my slice of them
+            return reduce_scatter_sequence(x, group)
+        return slices(x, group)[dist.get_rank(group)]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_sequence(grad, ctx.group), None, None  # the whole sequence's gradient
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)  # weight (HIDDEN, DIM)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)  # weight (DIM, HIDDEN)
+        self.tp_group = None  # set by shard_for_tensor_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.w1(GatherSequence.apply(x, self.tp_group, True)))
+        return x + ScatterSequence.apply(self.w2(hidden), self.tp_group, True)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.tp_group = None  # set by shard_for_tensor_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:  # first stage: tokens in
+            x = ScatterSequence.apply(self.embed(x), self.tp_group, False)  # keep my slice of the sequence
+        for block in self.blocks:
+            x = block(x)
+        if self.head is None:
+            return x
+        return self.head(GatherSequence.apply(x, self.tp_group, False))  # last stage: the whole sequence's logits
+
+
+def loss_share(logits: torch.Tensor, targets: torch.Tensor, step_tokens: int) -> torch.Tensor:
+    """This micro-batch's share of the step's mean loss: its token-loss sum over the step's token count."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / step_tokens
+
+
+def adamw_step(params: list, grads: list, moments: list, step: int) -> None:
+    """AdamW, element by element (decoupled weight decay, bias-corrected moments), in place."""
+    (b1, b2), lr = BETAS, LR
+    for p, g, (m, v) in zip(params, grads, moments, strict=True):
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        update = (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + EPS)
+        p.mul_(1 - lr * WEIGHT_DECAY).sub_(lr * update)
+
+
+def rank_grid(dims: dict[str, int]) -> dict[str, tuple]:
+    """This rank's (group, ranks) along each dim of a row-major grid of the world (last dim innermost).
+
+    Every rank creates every group, in the same order: ``new_group`` is itself a collective call."""
+    names, shape = list(dims), list(dims.values())
+    grid = torch.arange(dist.get_world_size()).view(shape)
+    mine = {}
+    for i, name in enumerate(names):
+        for ranks in grid.movedim(i, -1).reshape(-1, shape[i]).tolist():
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine[name] = (group, ranks)
+    return mine
+
+
+def keep_my_stage(model: Model, group, ranks: list[int]) -> None:
+    """Keep this pipeline rank's LAYERS/pp consecutive blocks; the embedding on the first, the head on the last."""
+    pp, s = len(ranks), ranks.index(dist.get_rank())
+    per_stage = LAYERS // pp
+    model.blocks = nn.ModuleList(list(model.blocks)[s * per_stage : (s + 1) * per_stage])
+    if s > 0:
+        model.embed = None
+    if s < pp - 1:
+        model.head = None
+
+
+def one_f_one_b(model: Model, micro_batches: tuple, step_tokens: int, group, ranks: list[int]) -> torch.Tensor:
+    """One 1F1B step of this rank's stage: the sum of the micro-batch loss shares (last stage; 0 elsewhere)."""
+    s, p, m = ranks.index(dist.get_rank()), len(ranks), len(micro_batches)
+    first, last = s == 0, s == p - 1
+    saved, sends, total = {}, [], torch.zeros(())
+
+    def forward(i: int) -> None:
+        micro = micro_batches[i]
+        if first:
+            x = micro[:, :-1]
+        else:
+            x = torch.empty(len(micro), SEQ // dist.get_world_size(model.tp_group), DIM)  # my slice
+            dist.recv(x, ranks[s - 1])  # the previous stage's output
+            x.requires_grad_()
+        y = model(x)
+        if last:
+            y = loss_share(y, micro[:, 1:], step_tokens)
+            total.add_(y.detach())
+        else:
+            sends.append(dist.isend(y.detach(), ranks[s + 1]))
+        saved[i] = (x, y)
+
+    def backward(i: int) -> None:
+        x, y = saved.pop(i)  # this micro-batch's activations are freed after its backward
+        if last:
+            y.backward()
+        else:
+            grad = torch.empty_like(y)
+            dist.recv(grad, ranks[s + 1])  # the gradient of my output, from the next stage
+            y.backward(grad)
+        if not first:
+            sends.append(dist.isend(x.grad, ranks[s - 1]))
+
+    warmup = min(p - 1 - s, m)
+    for i in range(warmup):
+        forward(i)
+    for i in range(m - warmup):
+        forward(warmup + i)
+        backward(i)
+    for i in range(m - warmup, m):
+        backward(i)
+    for request in sends:
+        request.wait()
+    return total
+
+
+def shard_for_tensor_parallel(model: Model, group, ranks: list[int]) -> None:
+    """Keep this tp rank's rows of every w1 and the matching columns of every w2."""
+    tp, t = len(ranks), ranks.index(dist.get_rank())
+    for block in model.blocks:
+        block.w1.weight = nn.Parameter(block.w1.weight.detach().chunk(tp, dim=0)[t].clone())
+        block.w2.weight = nn.Parameter(block.w2.weight.detach().chunk(tp, dim=1)[t].clone())
+        block.tp_group = group
+    model.tp_group = group
+
+
+class ShardedState:
+    """One unit's slice of its flat parameters (the master copy), its AdamW moments and its flat gradient."""
+
+    def __init__(self, params: list, group, ranks: list[int]):
+        self.params, self.group = params, group
+        self.shapes = [p.shape for p in params]
+        self.numel = sum(p.numel() for p in params)
+        self.dp, r = len(ranks), ranks.index(dist.get_rank())
+        self.size = -(-self.numel // self.dp)  # elements per shard: ceil(numel / dp), the last one padded
+        flat = torch.zeros(self.size * self.dp)
+        flat[: self.numel] = torch.cat([p.detach().flatten() for p in params])
+        self.shard = flat[r * self.size : (r + 1) * self.size].clone()
+        self.moments = [(torch.zeros_like(self.shard), torch.zeros_like(self.shard))]
+        self.gathered, self.gathering, self.reducing = False, None, None
+        self.grad, self.pending, self.backwards = torch.zeros(self.size * self.dp), len(params), 0
+        self.free_parameters()
+
+    def gather_parameters(self) -> None:  # issue the all-gather; wait_parameters installs it
+        if not self.gathered and self.gathering is None:
+            self.full = torch.empty(self.size * self.dp)
+            self.gathering = dist.all_gather_into_tensor(self.full, self.shard, group=self.group, async_op=True)
+
+    def wait_parameters(self) -> None:
+        self.gather_parameters()  # nobody prefetched it: issue it now
+        if self.gathering is not None:
+            self.gathering.wait()
+            self.gathering, self.gathered, offset = None, True, 0
+            for p, shape in zip(self.params, self.shapes, strict=True):
+                p.data = self.full[offset : offset + shape.numel()].view(shape)  # views of the gathered buffer
+                offset += shape.numel()
+
+    def add_gradient(self, p: torch.Tensor) -> None:  # a post-accumulate-grad hook of each of my parameters
+        i = next(i for i, q in enumerate(self.params) if q is p)
+        offset = sum(shape.numel() for shape in self.shapes[:i])
+        self.grad[offset : offset + p.numel()] += p.grad.flatten()  # the micro-batches add up in step 5's order
+        p.grad, self.pending = None, self.pending - 1
+        if self.pending == 0:  # the unit's backward is done
+            self.free_parameters()
+            self.pending, self.backwards = len(self.params), self.backwards + 1
+            if self.backwards == MICRO_BATCHES:  # the step's last micro-batch: sum over dp while backward goes on
+                self.grad_shard = torch.empty(self.size)
+                self.reducing = dist.reduce_scatter_tensor(self.grad_shard, self.grad, group=self.group, async_op=True)
+                self.grad, self.backwards = torch.zeros(self.size * self.dp), 0  # the next step's (the old one is sent)
+
+    def wait_gradient(self) -> torch.Tensor:
+        self.reducing.wait()
+        return self.grad_shard
+
+    def free_parameters(self) -> None:
+        for p in self.params:  # outside its forward and backward only the shard exists
+            p.data = torch.empty(0)
+        self.gathered = False
+
+
+def shard_per_unit(model: Model, group, ranks: list[int]) -> list[ShardedState]:
+    """One ShardedState per unit, and the hooks that gather each unit only while it runs."""
+    units = [u for u in (model.embed, *model.blocks, model.head) if u is not None]
+    states = [ShardedState(list(u.parameters()), group, ranks) for u in units]
+
+    def before_forward(i: int) -> None:
+        states[i].wait_parameters()
+        if i + 1 < len(states):
+            states[i + 1].gather_parameters()  # prefetch: the next unit's all-gather runs while this one computes
+
+    def after_forward(i: int, output: torch.Tensor) -> None:
+        states[i].free_parameters()
+        if output.requires_grad:
+            output.register_hook(lambda grad: before_backward(i))
+
+    def before_backward(i: int) -> None:
+        states[i].wait_parameters()
+        if i > 0:
+            states[i - 1].gather_parameters()  # prefetch: backward reaches the unit before next
+
+    for i, (unit, state) in enumerate(zip(units, states, strict=True)):
+        unit.register_forward_pre_hook(lambda module, args, i=i: before_forward(i))
+        unit.register_forward_hook(lambda module, args, output, i=i: after_forward(i, output))
+        for p in unit.parameters():
+            p.register_post_accumulate_grad_hook(state.add_gradient)
+    return states
+
+
+def train(model: Model, groups: dict, steps: int) -> list[float]:
+    dp_group, dp_ranks = groups["dp"]
+    dp, dp_rank = len(dp_ranks), dp_ranks.index(dist.get_rank())
+    states = shard_per_unit(model, dp_group, dp_ranks)
+    data, losses = token_stream(), []
+    for step in range(1, steps + 1):
+        batch = data[step - 1].chunk(dp)[dp_rank]  # this data-parallel rank's sequences
+        step_tokens = GLOBAL_BATCH * SEQ
+        total = torch.zeros(())
+        total += one_f_one_b(model, batch.chunk(MICRO_BATCHES), step_tokens, *groups["pp"])
+        grad_shards = [state.wait_gradient() for state in states]  # reduce-scattered during the backward
+        with torch.no_grad():
+            adamw_step([s.shard for s in states], grad_shards, [m for s in states for m in s.moments], step)
+        dist.all_reduce(total, group=dp_group)
+        dist.all_reduce(total, group=groups["pp"][0])  # only the last stage has a loss; the others add 0
+        losses.append(total.item())
+    return losses
+
+
+def run(steps: int = STEPS, tp: int = 1, pp: int = 1) -> dict:
+    torch.manual_seed(0)  # the initial weights: the same on every rank
+    dims = {"pp": pp, "dp": dist.get_world_size() // (pp * tp), "tp": tp}
+    groups = rank_grid(dims)
+    model = Model()
+    keep_my_stage(model, *groups["pp"])
+    shard_for_tensor_parallel(model, *groups["tp"])
+    return {"layout": dims, "losses": train(model, groups, steps)}
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from torchrun
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    args = parser.parse_args()
+    result = run(tp=args.tp, pp=args.pp)
+    if dist.get_rank() == 0:
+        print(result["layout"])
+        for step, loss in enumerate(result["losses"], 1):
+            print(f"step {step}: loss {loss:.6f}")
+    dist.destroy_process_group()
