@@ -10,9 +10,12 @@ Each step is the previous file plus one mechanism, so each gets two checks:
    order (data parallel: each rank sums its own micro-batches, then the ranks' sums are added; tensor
    parallel: w2's sum over the hidden features is split in two and added by the all-reduce).
 
-Steps 10 and 11 change the model (attention, then experts): their reference is the step itself at degree 1,
-whose attention and experts are checked against torch's causal attention and a token-by-token loop. Step 12
-resumed on the layout it saved on is step 11 bit for bit, on another layout within round-off.
+Steps 10 and 11 change the model (attention, then experts). Each can leave its new sublayer out (step 10's
+attention=False, step 11's experts=0): it is then the previous step's model, drawn from the generator in the
+same order, so both checks hold against the previous step, bit for bit. With the sublayer in, the attention and
+the experts are checked against torch's causal attention and a token-by-token loop, and cp 2 and tp 2 against the
+step on one rank. Step 12 resumed on the layout it saved on is step 11 bit for bit, on another layout within
+round-off.
 
 Round-off tolerance: each such sum differs by ~1e-7 relative; six AdamW steps on this tiny model keep the loss
 within ~1e-6 (measured: at most 1.6e-7, data parallel). 1e-5 fails on any real mistake (a gradient scaled by 1/dp, a wrong data
@@ -46,7 +49,7 @@ from examples.trainer import (
     step12_resharded_checkpoint,
 )
 from launch.local_runs import ROOT
-from launch.spawn import run_on_ranks
+from launch.spawn import RankFailure, run_on_ranks
 
 # Run on the oldest and the newest supported torch too (.ci/compat).
 pytestmark = pytest.mark.compat
@@ -67,12 +70,16 @@ def every_step(**degrees) -> dict[str, list[float]]:
         "step7": step7_sequence_parallel.run()["losses"],
         "step8": step8_activation_checkpointing.run()["losses"],
         "step9": step9_grad_clipping.run()["losses"],
+        "step10": step10_ring_attention.run(attention=False)["losses"],
+        "step10 attention": step10_ring_attention.run()["losses"],
+        "step11": step11_expert_all_to_all.run(experts=0)["losses"],
     }
 
 
 def on_two_ranks() -> dict[str, list[float]]:
     """On 2 ranks: steps 2 and 3 with dp 2; step 4 with tp 2 and with tp 1 (dp 2); step 5 with pp 2, tp 2 and dp 2;
-    step 6 with dp 2, pp 2 and tp 2; steps 7, 8 and 9 with dp 2 and tp 2."""
+    step 6 with dp 2, pp 2 and tp 2; steps 7 to 11 with dp 2 and tp 2 (step 10 without and with its attention,
+    step 11 without its experts); step 10 without attention with cp 2."""
     return {
         "step2 dp2": step2_data_parallel.run()["losses"],
         "step3 dp2": step3_sharded_state.run()["losses"],
@@ -90,6 +97,13 @@ def on_two_ranks() -> dict[str, list[float]]:
         "step8 tp2": step8_activation_checkpointing.run(tp=2)["losses"],
         "step9 dp2": step9_grad_clipping.run()["losses"],
         "step9 tp2": step9_grad_clipping.run(tp=2)["losses"],
+        "step10 dp2": step10_ring_attention.run(attention=False)["losses"],
+        "step10 tp2": step10_ring_attention.run(tp=2, attention=False)["losses"],
+        "step10 cp2": step10_ring_attention.run(cp=2, attention=False)["losses"],
+        "step10 attention dp2": step10_ring_attention.run()["losses"],
+        "step10 attention tp2": step10_ring_attention.run(tp=2)["losses"],
+        "step11 dp2": step11_expert_all_to_all.run(experts=0)["losses"],
+        "step11 tp2": step11_expert_all_to_all.run(tp=2, experts=0)["losses"],
     }
 
 
@@ -118,8 +132,10 @@ def test_with_its_new_degree_at_1_each_step_computes_exactly_the_previous_one():
     alone = run_on_ranks(every_step, 1)[0]
     losses = alone["step1"]
     assert losses[-1] < 0.7 * losses[0], "the model learns"
-    for step in ("step2", "step3", "step4", "step5", "step6", "step7", "step8", "step9"):
+    for step in ("step2", "step3", "step4", "step5", "step6", "step7", "step8", "step9", "step10"):
         assert alone[step] == losses, f"{step} on one rank differs from step 1"
+    # no experts: step 10's block, and step 10's weights (no expert drawn from the generator between blocks)
+    assert alone["step11"] == alone["step10 attention"] and alone["step10 attention"] != losses
 
 
 def test_each_step_equals_the_previous_one_on_two_ranks():
@@ -145,6 +161,13 @@ def test_each_step_equals_the_previous_one_on_two_ranks():
     assert r["step8 tp2"] == r["step7 tp2"]  # and the recomputed sequence all-gathers give the same tensors
     assert r["step9 dp2"] == r["step8 dp2"]  # no limit: the factor is 1.0, the gradients unchanged
     assert r["step9 tp2"] == r["step8 tp2"]
+    assert r["step10 dp2"] == r["step9 dp2"]  # no attention: step 9's block, the same weights and data
+    assert r["step10 tp2"] == r["step9 tp2"]  # (with cp 1 each rank's positions are the whole sequence)
+    # cp 2: each rank takes half the positions of all the sequences, not half the sequences; the tokens'
+    # gradients are added in another order: round-off, as for dp (measured 1.6e-7)
+    assert close(r["step10 cp2"], r["step9 dp2"])
+    assert r["step11 dp2"] == r["step10 attention dp2"]  # no experts: step 10's block and weights
+    assert r["step11 tp2"] == r["step10 attention tp2"]
 
 
 MAX_NORM = 0.5  # the unclipped gradient norms of the 6 steps are 0.85-1.1: every step is clipped
@@ -278,6 +301,12 @@ def test_the_expert_all_to_all_routes_every_token_to_its_expert_and_tp_2_trains_
     assert runs[0]["losses"] == runs[1]["losses"], "every rank logs the same losses"
     # an expert's weight gradient adds both ranks' tokens in another order: fp32 round-off (measured 1.7e-7)
     assert close(runs[0]["losses"], one)
+
+
+def test_an_expert_count_the_tp_ranks_cannot_share_is_refused_on_every_rank():
+    with pytest.raises(RankFailure) as err:  # before any collective: no rank waits for the other (no timeout)
+        run_on_ranks(step11_expert_all_to_all.run, 2, tp=2, experts=3, timeout=60)
+    assert str(err.value).count("ValueError: experts=3: give a multiple of tp=2 no larger than DIM=32") == 2
 
 
 def resumed_on_two_ranks(directory: str) -> dict[str, list[float]]:

@@ -18,10 +18,12 @@ grid dim cp that splits each sequence into cp consecutive chunks (docs/context_p
 4. every parameter sees only this rank's positions: its gradient is partial over cp as over dp, so the
    sharded state (steps 3 and 6), the clipping (step 9) and the logged loss reduce over dp x cp.
 
-The model changed, so step 9's losses are not the reference any more: with --cp 1 the attention is one
-diagonal block, plain causal softmax attention (the test checks it against
-``F.scaled_dot_product_attention``), and with --cp 2 the losses equal --cp 1's within fp32 round-off (the
-merge rescales the partial outputs; tests/test_trainer_steps.py).
+With --attention off a block is step 9's block again (the attention has no weights, so the generator draws
+the same weights): the losses are step 9's bit for bit on every dp, tp and pp layout, and within fp32
+round-off with --cp 2 (the tokens' gradients are added in another order). With the attention the model
+changes: with --cp 1 the attention is one diagonal block, plain causal softmax attention (the test checks it
+against ``F.scaled_dot_product_attention``), and with --cp 2 the losses equal --cp 1's within fp32 round-off
+(the merge rescales the partial outputs; tests/test_trainer_steps.py).
 """
 
 from __future__ import annotations
@@ -143,14 +145,16 @@ class Block(nn.Module):
         super().__init__()
         self.w1 = nn.Linear(DIM, HIDDEN, bias=False)  # weight (HIDDEN, DIM)
         self.w2 = nn.Linear(HIDDEN, DIM, bias=False)  # weight (DIM, HIDDEN)
-        self.tp_group, self.cp_group = None, None  # set by shard_for_tensor_parallel and run
+        self.tp_group, self.cp_group, self.attention = None, None, True  # set by shard_for_tensor_parallel and run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return checkpoint(self.compute, x, use_reentrant=False)  # keep x only; compute again in backward
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         h = GatherSequence.apply(x, self.tp_group, True)  # this cp rank's positions, whole over tp
-        hidden = torch.relu(self.w1(h + ring_attention(h, self.cp_group)))
+        if self.attention:
+            h = h + ring_attention(h, self.cp_group)
+        hidden = torch.relu(self.w1(h))
         return x + ScatterSequence.apply(self.w2(hidden), self.tp_group, True)
 
 
@@ -390,7 +394,9 @@ def train(model: Model, groups: dict, steps: int, max_norm: float) -> tuple[list
     return losses, norms
 
 
-def run(steps: int = STEPS, tp: int = 1, pp: int = 1, max_norm: float = float("inf"), cp: int = 1) -> dict:
+def run(
+    steps: int = STEPS, tp: int = 1, pp: int = 1, max_norm: float = float("inf"), cp: int = 1, attention: bool = True
+) -> dict:
     torch.manual_seed(0)  # the initial weights: the same on every rank
     dims = {"pp": pp, "dp": dist.get_world_size() // (pp * cp * tp), "cp": cp, "tp": tp}
     groups = rank_grid(dims)
@@ -399,7 +405,7 @@ def run(steps: int = STEPS, tp: int = 1, pp: int = 1, max_norm: float = float("i
     keep_my_stage(model, *groups["pp"])
     shard_for_tensor_parallel(model, *groups["tp"])
     for block in model.blocks:
-        block.cp_group = groups["cp"][0]
+        block.cp_group, block.attention = groups["cp"][0], attention
     losses, norms = train(model, groups, steps, max_norm)
     return {"layout": dims, "losses": losses, "grad_norms": norms}
 
@@ -412,8 +418,9 @@ if __name__ == "__main__":
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--max-norm", type=float, default=float("inf"))
     parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--attention", choices=["on", "off"], default="on", help="off: step 9's model")
     args = parser.parse_args()
-    result = run(tp=args.tp, pp=args.pp, max_norm=args.max_norm, cp=args.cp)
+    result = run(tp=args.tp, pp=args.pp, max_norm=args.max_norm, cp=args.cp, attention=args.attention == "on")
     if dist.get_rank() == 0:
         print(result["layout"])
         for step, (loss, norm) in enumerate(zip(result["losses"], result["grad_norms"], strict=True), 1):

@@ -3,23 +3,25 @@
     torchrun --standalone --nproc-per-node 2 examples/trainer/step11_expert_all_to_all.py --tp 2
     diff examples/trainer/step10_ring_attention.py examples/trainer/step11_expert_all_to_all.py
 
-Each block gains a second feed-forward sublayer, y + moe(y), with EXPERTS small MLPs of which every token
-uses one (top-1). The experts are split over the tp ranks, which since step 7 hold *different* tokens (their
+Each block gains a second feed-forward sublayer, y + moe(y), with --experts small MLPs (EXPERTS = 4 unless
+told) of which every token uses one (top-1). The experts are split over the tp ranks, which since step 7 hold *different* tokens (their
 slices of the sequence) between the blocks: expert parallelism on the tp dim (meshloom puts it on the dp
 ranks instead; docs/expert_parallel.md, sections 2 and 6). For each block and micro-batch:
 
-1. route: a token's scores are its first EXPERTS features (the router has no weights, so nothing in a block
+1. route: a token's scores are its first `experts` features (the router has no weights, so nothing in a block
    is replicated over tp); it goes to the expert of the largest softmax score, weighted by that score;
 2. sort the tokens by expert (so by the rank that owns it), exchange the counts (``all_to_all_single`` of
-   a tp x EXPERTS/tp table: how many tokens each rank will receive for each of its experts);
+   a tp x experts/tp table: how many tokens each rank will receive for each of its experts);
 3. dispatch: ``all_to_all_single`` with those counts as the splits; each rank runs its experts on what it
    received, grouped by sender and then by expert; combine: the reverse all-to-all brings every output home
    (the backward of each all-to-all is the other one);
 4. unsort, scale by the router's weight, add to the residual stream.
 
-Every tp rank keeps EXPERTS/tp whole experts (``shard_for_tensor_parallel``): their gradients are whole
-over tp, and summed over dp and cp by the sharded state as before. The model changed, so the reference is
-the step itself on one rank: with --tp 2 its losses equal --tp 1's within fp32 round-off (an expert's
+Every tp rank keeps experts/tp whole experts (``shard_for_tensor_parallel``): their gradients are whole
+over tp, and summed over dp and cp by the sharded state as before. With --experts 0 a block is step 10's
+block again (no expert weights are drawn between one block's w2 and the next one's w1): the losses are step
+10's bit for bit, with tp 1 or 2. With experts the model changes: the mixture is checked against each token
+run through its expert alone, and with --tp 2 the losses equal --tp 1's within fp32 round-off (an expert's
 weight gradient adds the tokens of both ranks in another order; tests/test_trainer_steps.py).
 """
 
@@ -156,9 +158,10 @@ def moe(y: torch.Tensor, block: Block) -> torch.Tensor:
     """Top-1 mixture of experts over this rank's tokens, the experts split over the ranks of block.tp_group."""
     group, tokens = block.tp_group, y.flatten(0, 1)
     ranks, local = dist.get_world_size(group), block.experts_in.shape[0]  # local: the experts I keep
-    weight, expert = torch.softmax(tokens[:, :EXPERTS], -1).max(-1)  # route: top-1 of the first EXPERTS features
+    experts = ranks * local
+    weight, expert = torch.softmax(tokens[:, :experts], -1).max(-1)  # route: top-1 of the first `experts` features
     order = expert.argsort(stable=True)  # grouped by expert, so by the rank that keeps it
-    counts = torch.bincount(expert, minlength=EXPERTS).view(ranks, local)  # rows: the ranks I send to
+    counts = torch.bincount(expert, minlength=experts).view(ranks, local)  # rows: the ranks I send to
     incoming = torch.empty_like(counts)
     dist.all_to_all_single(incoming, counts, group=group)  # row j: what rank j sends to each of my experts
     sent, received = counts.sum(1).tolist(), incoming.sum(1).tolist()
@@ -173,29 +176,33 @@ def moe(y: torch.Tensor, block: Block) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, experts: int = EXPERTS):
         super().__init__()
         self.w1 = nn.Linear(DIM, HIDDEN, bias=False)  # weight (HIDDEN, DIM)
         self.w2 = nn.Linear(HIDDEN, DIM, bias=False)  # weight (DIM, HIDDEN)
-        self.experts_in = nn.Parameter(torch.randn(EXPERTS, DIM, EXPERT_HIDDEN) / DIM**0.5)
-        self.experts_out = nn.Parameter(torch.randn(EXPERTS, EXPERT_HIDDEN, DIM) / EXPERT_HIDDEN**0.5)
-        self.tp_group, self.cp_group = None, None  # set by shard_for_tensor_parallel and run
+        self.experts = experts  # 0: no mixture, step 10's block (and step 10's draws from the generator)
+        if experts:
+            self.experts_in = nn.Parameter(torch.randn(experts, DIM, EXPERT_HIDDEN) / DIM**0.5)
+            self.experts_out = nn.Parameter(torch.randn(experts, EXPERT_HIDDEN, DIM) / EXPERT_HIDDEN**0.5)
+        self.tp_group, self.cp_group, self.attention = None, None, True  # set by shard_for_tensor_parallel and run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return checkpoint(self.compute, x, use_reentrant=False)  # keep x only; compute again in backward
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         h = GatherSequence.apply(x, self.tp_group, True)  # this cp rank's positions, whole over tp
-        hidden = torch.relu(self.w1(h + ring_attention(h, self.cp_group)))
+        if self.attention:
+            h = h + ring_attention(h, self.cp_group)
+        hidden = torch.relu(self.w1(h))
         y = x + ScatterSequence.apply(self.w2(hidden), self.tp_group, True)
-        return y + moe(y, self)
+        return y + moe(y, self) if self.experts else y
 
 
 class Model(nn.Module):
-    def __init__(self):
+    def __init__(self, experts: int = EXPERTS):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(experts) for _ in range(LAYERS))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.tp_group = None  # set by shard_for_tensor_parallel
 
@@ -298,13 +305,14 @@ def one_f_one_b(model: Model, micro_batches: tuple, step_tokens: int, group, ran
 
 
 def shard_for_tensor_parallel(model: Model, group, ranks: list[int]) -> None:
-    """Keep this tp rank's rows of every w1, the matching columns of every w2, and EXPERTS/tp experts."""
+    """Keep this tp rank's rows of every w1, the matching columns of every w2, and experts/tp experts."""
     tp, t = len(ranks), ranks.index(dist.get_rank())
     for block in model.blocks:
         block.w1.weight = nn.Parameter(block.w1.weight.detach().chunk(tp, dim=0)[t].clone())
         block.w2.weight = nn.Parameter(block.w2.weight.detach().chunk(tp, dim=1)[t].clone())
-        block.experts_in = nn.Parameter(block.experts_in.detach().chunk(tp)[t].clone())
-        block.experts_out = nn.Parameter(block.experts_out.detach().chunk(tp)[t].clone())
+        if block.experts:
+            block.experts_in = nn.Parameter(block.experts_in.detach().chunk(tp)[t].clone())
+            block.experts_out = nn.Parameter(block.experts_out.detach().chunk(tp)[t].clone())
         block.tp_group = group
     model.tp_group = group
 
@@ -429,16 +437,26 @@ def train(model: Model, groups: dict, steps: int, max_norm: float) -> tuple[list
     return losses, norms
 
 
-def run(steps: int = STEPS, tp: int = 1, pp: int = 1, max_norm: float = float("inf"), cp: int = 1) -> dict:
+def run(
+    steps: int = STEPS,
+    tp: int = 1,
+    pp: int = 1,
+    max_norm: float = float("inf"),
+    cp: int = 1,
+    attention: bool = True,
+    experts: int = EXPERTS,
+) -> dict:
+    if experts % tp or experts > DIM:  # each tp rank keeps experts/tp; a token's scores are its first features
+        raise ValueError(f"experts={experts}: give a multiple of tp={tp} no larger than DIM={DIM}, or 0")
     torch.manual_seed(0)  # the initial weights: the same on every rank
     dims = {"pp": pp, "dp": dist.get_world_size() // (pp * cp * tp), "cp": cp, "tp": tp}
     groups = rank_grid(dims)
     groups["dp_cp"] = rank_grid({"pp": pp, "dp_cp": dims["dp"] * cp, "tp": tp})["dp_cp"]  # dp and cp as one dim
-    model = Model()
+    model = Model(experts)
     keep_my_stage(model, *groups["pp"])
     shard_for_tensor_parallel(model, *groups["tp"])
     for block in model.blocks:
-        block.cp_group = groups["cp"][0]
+        block.cp_group, block.attention = groups["cp"][0], attention
     losses, norms = train(model, groups, steps, max_norm)
     return {"layout": dims, "losses": losses, "grad_norms": norms}
 
@@ -451,8 +469,10 @@ if __name__ == "__main__":
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--max-norm", type=float, default=float("inf"))
     parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--attention", choices=["on", "off"], default="on", help="off: step 9's model")
+    parser.add_argument("--experts", type=int, default=EXPERTS, help="0: step 10's model")
     args = parser.parse_args()
-    result = run(tp=args.tp, pp=args.pp, max_norm=args.max_norm, cp=args.cp)
+    result = run(STEPS, args.tp, args.pp, args.max_norm, args.cp, args.attention == "on", args.experts)
     if dist.get_rank() == 0:
         print(result["layout"])
         for step, (loss, norm) in enumerate(zip(result["losses"], result["grad_norms"], strict=True), 1):

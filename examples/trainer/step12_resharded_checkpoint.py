@@ -157,9 +157,10 @@ def moe(y: torch.Tensor, block: Block) -> torch.Tensor:
     """Top-1 mixture of experts over this rank's tokens, the experts split over the ranks of block.tp_group."""
     group, tokens = block.tp_group, y.flatten(0, 1)
     ranks, local = dist.get_world_size(group), block.experts_in.shape[0]  # local: the experts I keep
-    weight, expert = torch.softmax(tokens[:, :EXPERTS], -1).max(-1)  # route: top-1 of the first EXPERTS features
+    experts = ranks * local
+    weight, expert = torch.softmax(tokens[:, :experts], -1).max(-1)  # route: top-1 of the first `experts` features
     order = expert.argsort(stable=True)  # grouped by expert, so by the rank that keeps it
-    counts = torch.bincount(expert, minlength=EXPERTS).view(ranks, local)  # rows: the ranks I send to
+    counts = torch.bincount(expert, minlength=experts).view(ranks, local)  # rows: the ranks I send to
     incoming = torch.empty_like(counts)
     dist.all_to_all_single(incoming, counts, group=group)  # row j: what rank j sends to each of my experts
     sent, received = counts.sum(1).tolist(), incoming.sum(1).tolist()
@@ -174,29 +175,33 @@ def moe(y: torch.Tensor, block: Block) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, experts: int = EXPERTS):
         super().__init__()
         self.w1 = nn.Linear(DIM, HIDDEN, bias=False)  # weight (HIDDEN, DIM)
         self.w2 = nn.Linear(HIDDEN, DIM, bias=False)  # weight (DIM, HIDDEN)
-        self.experts_in = nn.Parameter(torch.randn(EXPERTS, DIM, EXPERT_HIDDEN) / DIM**0.5)
-        self.experts_out = nn.Parameter(torch.randn(EXPERTS, EXPERT_HIDDEN, DIM) / EXPERT_HIDDEN**0.5)
-        self.tp_group, self.cp_group = None, None  # set by shard_for_tensor_parallel and run
+        self.experts = experts  # 0: no mixture, step 10's block (and step 10's draws from the generator)
+        if experts:
+            self.experts_in = nn.Parameter(torch.randn(experts, DIM, EXPERT_HIDDEN) / DIM**0.5)
+            self.experts_out = nn.Parameter(torch.randn(experts, EXPERT_HIDDEN, DIM) / EXPERT_HIDDEN**0.5)
+        self.tp_group, self.cp_group, self.attention = None, None, True  # set by shard_for_tensor_parallel and run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return checkpoint(self.compute, x, use_reentrant=False)  # keep x only; compute again in backward
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         h = GatherSequence.apply(x, self.tp_group, True)  # this cp rank's positions, whole over tp
-        hidden = torch.relu(self.w1(h + ring_attention(h, self.cp_group)))
+        if self.attention:
+            h = h + ring_attention(h, self.cp_group)
+        hidden = torch.relu(self.w1(h))
         y = x + ScatterSequence.apply(self.w2(hidden), self.tp_group, True)
-        return y + moe(y, self)
+        return y + moe(y, self) if self.experts else y
 
 
 class Model(nn.Module):
-    def __init__(self):
+    def __init__(self, experts: int = EXPERTS):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(experts) for _ in range(LAYERS))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.tp_group = None  # set by shard_for_tensor_parallel
 
@@ -299,13 +304,14 @@ def one_f_one_b(model: Model, micro_batches: tuple, step_tokens: int, group, ran
 
 
 def shard_for_tensor_parallel(model: Model, group, ranks: list[int]) -> None:
-    """Keep this tp rank's rows of every w1, the matching columns of every w2, and EXPERTS/tp experts."""
+    """Keep this tp rank's rows of every w1, the matching columns of every w2, and experts/tp experts."""
     tp, t = len(ranks), ranks.index(dist.get_rank())
     for block in model.blocks:
         block.w1.weight = nn.Parameter(block.w1.weight.detach().chunk(tp, dim=0)[t].clone())
         block.w2.weight = nn.Parameter(block.w2.weight.detach().chunk(tp, dim=1)[t].clone())
-        block.experts_in = nn.Parameter(block.experts_in.detach().chunk(tp)[t].clone())
-        block.experts_out = nn.Parameter(block.experts_out.detach().chunk(tp)[t].clone())
+        if block.experts:
+            block.experts_in = nn.Parameter(block.experts_in.detach().chunk(tp)[t].clone())
+            block.experts_out = nn.Parameter(block.experts_out.detach().chunk(tp)[t].clone())
         block.tp_group = group
     model.tp_group = group
 
@@ -480,19 +486,29 @@ def train(
 
 
 def run(
-    steps: int = STEPS, tp: int = 1, pp: int = 1, max_norm: float = float("inf"), cp: int = 1, save=None, load=None
+    steps: int = STEPS,
+    tp: int = 1,
+    pp: int = 1,
+    max_norm: float = float("inf"),
+    cp: int = 1,
+    attention: bool = True,
+    experts: int = EXPERTS,
+    save=None,
+    load=None,
 ) -> dict:
+    if experts % tp or experts > DIM:  # each tp rank keeps experts/tp; a token's scores are its first features
+        raise ValueError(f"experts={experts}: give a multiple of tp={tp} no larger than DIM={DIM}, or 0")
     torch.manual_seed(0)  # the initial weights: the same on every rank
     dims = {"pp": pp, "dp": dist.get_world_size() // (pp * cp * tp), "cp": cp, "tp": tp}
     groups = rank_grid(dims)
     groups["dp_cp"] = rank_grid({"pp": pp, "dp_cp": dims["dp"] * cp, "tp": tp})["dp_cp"]  # dp and cp as one dim
-    model, positions = Model(), Model()
+    model, positions = Model(experts), Model(experts)
     number_elements(positions)
     for m in (model, positions):  # the positions are cut exactly as the model is
         keep_my_stage(m, *groups["pp"])
         shard_for_tensor_parallel(m, *groups["tp"])
     for block in model.blocks:
-        block.cp_group = groups["cp"][0]
+        block.cp_group, block.attention = groups["cp"][0], attention
     losses, norms, first = train(model, positions, groups, steps, max_norm, save, load)
     return {"layout": dims, "losses": losses, "grad_norms": norms, "first_step": first}
 
@@ -505,11 +521,15 @@ if __name__ == "__main__":
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--max-norm", type=float, default=float("inf"))
     parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--attention", choices=["on", "off"], default="on", help="off: step 9's model")
+    parser.add_argument("--experts", type=int, default=EXPERTS, help="0: step 10's model")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--save", help="a directory: save the state after the last step")
     parser.add_argument("--load", help="a directory saved by --save, on any layout: go on from its step")
     args = parser.parse_args()
-    result = run(args.steps, args.tp, args.pp, args.max_norm, args.cp, args.save, args.load)
+    result = run(
+        args.steps, args.tp, args.pp, args.max_norm, args.cp, args.attention == "on", args.experts, args.save, args.load
+    )
     if dist.get_rank() == 0:
         print(result["layout"])
         for step, (loss, norm) in enumerate(
