@@ -386,7 +386,9 @@ def test_each_step_is_a_small_diff_from_the_previous_one():
         (STEPS[8], ["--max-norm", "0.5"]),
         (STEPS[9], ["--cp", "2"]),
         (STEPS[10], ["--tp", "2"]),
+        (STEPS[10], ["--tp", "2", "--experts", "0"]),  # step 10's model
         (STEPS[11], []),
+        (STEPS[11], ["--attention", "off", "--experts", "0"]),  # step 9's model
     ],
     ids=lambda x: getattr(x, "stem", None),
 )
