@@ -1,4 +1,4 @@
-"""What each rank really holds under FSDP2, next to the ZeRO-3 formula (4Ψ + 4Ψ + 8Ψ) / N for fp32 training.
+"""What each rank really holds under FSDP2, next to the ZeRO-3 formula (4Ψ + 4Ψ + 8Ψ) / dp for fp32 training.
 
     .venv/bin/python -m bench.fsdp_memory        # from the repository root
 
@@ -13,9 +13,11 @@ from measure.fsdp_memory import table
 def main() -> None:
     rows = table()
     psi = rows[0]["psi"]
-    print(f"debug model: Ψ = {psi:,} parameters; fp32 training, FSDP2 over dp_shard = N; bytes on the largest rank")
     print(
-        f"{'N':>2} {'params':>10} {'grads':>10} {'Adam m+v':>10} {'total':>11} {'(4+4+8)Ψ/N':>12} {'ratio':>7} {'steps':>6}"
+        f"debug model: Ψ = {psi:,} parameters; fp32 training, FSDP2 over dp ranks (dp_shard = dp); bytes on the largest rank"
+    )
+    print(
+        f"{'dp':>2} {'params':>10} {'grads':>10} {'Adam m+v':>10} {'total':>11} {'(4+4+8)Ψ/dp':>12} {'ratio':>7} {'steps':>6}"
     )
     for r in rows:
         print(

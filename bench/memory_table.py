@@ -26,7 +26,7 @@ def main() -> None:
         print(f"{name:<11} {psi / 1e9:>7.2f}B {one['fp32 weights'] / GB:>10.1f} GB {one['full state'] / GB:>8.1f} GB")
 
     print(
-        f"\nGB per rank on N data-parallel ranks\n{'model':<11} {'N':>4} {'ZeRO-1':>8} {'ZeRO-2':>8} {'ZeRO-3/FSDP':>12}"
+        f"\nGB per rank on dp data-parallel ranks\n{'model':<11} {'dp':>4} {'ZeRO-1':>8} {'ZeRO-2':>8} {'ZeRO-3/FSDP':>12}"
     )
     for name, args in ((n, PRESETS[n]) for n in MODELS):
         for n in DP_SIZES:

@@ -1,6 +1,6 @@
 """FSDP CPU offload: device memory per rank with and without ``parallel.fsdp_cpu_offload``, against the formula.
 
-    torchrun --standalone --nproc-per-node N -m bench.offload_memory      # on N GPUs (N = 1 works)
+    torchrun --standalone --nproc-per-node dp -m bench.offload_memory      # on dp GPUs (dp = 1 works)
     .venv/bin/python -m bench.offload_memory --formula                    # the arithmetic only (any machine)
 
 The measurement, and what it counts and why: measure/offload_memory.py. This file prints it.

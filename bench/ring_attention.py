@@ -17,7 +17,9 @@ from measure.ring_attention import BATCH, DTYPES, HEAD_DIM, HEADS, KV_HEADS, mea
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.ring_attention", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cp", type=int, default=2, help="ranks in the ring (CPU: spawned gloo ranks)")
-    parser.add_argument("--lengths", default="512,1024,2048,4096", help="local tokens per rank, comma-separated")
+    parser.add_argument(
+        "--lengths", default="512,1024,2048,4096", help="local tokens per rank (s_cp = s/cp), comma-separated"
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     parser.add_argument("--repeats", type=int, default=3)
@@ -34,20 +36,20 @@ def main(argv: list[str] | None = None) -> dict:
         f"{HEADS} heads, {KV_HEADS} kv heads, head_dim {HEAD_DIM}; peak bytes alive during the call, busiest rank"
     )
     print(
-        f"{'local n':>8} {'ring bytes':>13} {'bytes/n':>9} {'x prev':>7} {'SDPA bytes':>13} {'ring/SDPA':>9} "
-        f"{'(n,n) fp32 scores':>18} {'ring s':>8} {'SDPA s':>8}"
+        f"{'s_cp':>8} {'ring bytes':>13} {'bytes/s_cp':>11} {'x prev':>7} {'SDPA bytes':>13} {'ring/SDPA':>9} "
+        f"{'s_cp² fp32 scores':>18} {'ring s':>8} {'SDPA s':>8}"
     )
     for row in rows:
         prev = f"{row['ring_vs_prev']:7.2f}" if row["ring_vs_prev"] else f"{'':>7}"
         print(
-            f"{row['n']:>8} {row['ring_bytes']:>13,} {row['ring_bytes_per_token']:>9,.0f} {prev} "
+            f"{row['s_cp']:>8} {row['ring_bytes']:>13,} {row['ring_bytes_per_token']:>11,.0f} {prev} "
             f"{row['sdpa_bytes']:>13,} {row['ring_vs_sdpa']:>9.2f} {row['score_bytes']:>18,} "
             f"{row['ring_s']:>8.3f} {row['sdpa_s']:>8.3f}"
         )
     first, last = rows[0], rows[-1]
-    growth = last["n"] / first["n"]
+    growth = last["s_cp"] / first["s_cp"]
     print(
-        f"n grew {growth:.0f}x: ring bytes {last['ring_bytes'] / first['ring_bytes']:.2f}x (linear: {growth:.0f}x), "
+        f"s_cp grew {growth:.0f}x: ring bytes {last['ring_bytes'] / first['ring_bytes']:.2f}x (linear: {growth:.0f}x), "
         f"one score tensor {last['score_bytes'] / first['score_bytes']:.0f}x"
     )
     return result

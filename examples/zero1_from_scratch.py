@@ -1,4 +1,4 @@
-"""ZeRO-1 from scratch: every rank keeps the whole model, but the optimizer state of only 1/N of it.
+"""ZeRO-1 from scratch: every rank keeps the whole model, but the optimizer state of only 1/dp of it.
 
     torchrun --standalone --nproc-per-node 2 examples/zero1_from_scratch.py
 

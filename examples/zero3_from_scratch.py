@@ -3,8 +3,8 @@ its gradients.
 
     torchrun --standalone --nproc-per-node 2 examples/zero3_from_scratch.py
 
-Each *unit* (a layer, a block) keeps only a flat 1/N slice of its parameters, an ``nn.Parameter`` that the
-optimizer updates (so gradients and Adam states are 1/N too). Around the unit's computation:
+Each *unit* (a layer, a block) keeps only a flat 1/dp slice of its parameters, an ``nn.Parameter`` that the
+optimizer updates (so gradients and Adam states are 1/dp too). Around the unit's computation:
 
 1. forward: all-gather the slices into the full flat parameters, run the unit, drop the full parameters;
 2. backward: all-gather them again, recompute the unit's forward, backpropagate through it;
@@ -29,7 +29,7 @@ from torch.func import functional_call
 
 
 class ShardedUnit(nn.Module):
-    """Wraps ``module``: holds 1/N of its parameters as ``shard`` and gathers them around each use."""
+    """Wraps ``module``: holds 1/dp of its parameters as ``shard`` and gathers them around each use."""
 
     def __init__(self, module: nn.Module, group=None):
         super().__init__()

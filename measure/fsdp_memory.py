@@ -1,8 +1,8 @@
-"""What each rank really holds under FSDP2, next to the ZeRO-3 formula (4Ψ + 4Ψ + 8Ψ) / N for fp32 training.
+"""What each rank really holds under FSDP2, next to the ZeRO-3 formula (4Ψ + 4Ψ + 8Ψ) / dp for fp32 training.
 
     .venv/bin/python -m bench.fsdp_memory        # from the repository root
 
-For N = 1, 2, 4 gloo ranks, shard the debug model over dp_shard = N exactly as train.py does, take one
+For dp = 1, 2, 4 gloo ranks, shard the debug model over dp_shard = dp exactly as train.py does, take one
 AdamW step, then count the bytes of local storage on each rank:
 
 - parameters:       ``p.to_local()`` for a DTensor (this rank's shard), else the tensor itself
@@ -10,14 +10,14 @@ AdamW step, then count the bytes of local storage on each rank:
 - optimizer state:  every tensor in ``optimizer.state`` (AdamW's exp_avg and exp_avg_sq, local shards)
 
 fp32 training holds 4 bytes (weights) + 4 (gradients) + 8 (Adam m and v) per parameter, so ZeRO-3 / FSDP
-predicts (4Ψ + 4Ψ + 8Ψ) / N per rank. AdamW's per-tensor ``step`` counters (one fp32 scalar per parameter
+predicts (4Ψ + 4Ψ + 8Ψ) / dp per rank. AdamW's per-tensor ``step`` counters (one fp32 scalar per parameter
 tensor, not sharded) are counted apart: they are not per-parameter state and the formula ignores them.
 
-Padding: FSDP2 splits each parameter along dim 0 like ``torch.chunk``, so when dim 0 is not a multiple of N
-the first ranks get ceil(dim0 / N) rows and the last ones fewer (the storage behind every shard is padded
-to ceil(dim0 / N) rows, so all-gathers have equal sizes). The ranks holding full-size shards then hold a
-little more than 1/N, and the measured/formula ratio reported below (the largest rank's) can be slightly
-above 1. The debug model's dim-0 sizes (256, 128, 64, 384) are multiples of 4, so here it is exactly 1.
+Padding: FSDP2 splits each parameter along dim 0 like ``torch.chunk``, so when dim 0 is not a multiple of dp the
+first ranks get ceil(dim0 / dp) rows and the last ones fewer (the storage behind every shard is padded to
+ceil(dim0 / dp) rows, so all-gathers have equal sizes). The ranks holding full-size shards then hold a little
+more than 1/dp, and the measured/formula ratio reported below (the largest rank's) can be slightly above 1. The
+debug model's dim-0 sizes (256, 128, 64, 384) are multiples of 4, so here it is exactly 1.
 """
 
 from __future__ import annotations
@@ -80,12 +80,12 @@ def measure(config: str = CONFIG) -> dict[str, int]:
 
 
 def formula_bytes(psi: int, n: int) -> float:
-    """ZeRO-3 / FSDP per-rank bytes for fp32 training with Adam: (4Ψ + 4Ψ + 8Ψ) / N."""
+    """ZeRO-3 / FSDP per-rank bytes for fp32 training with Adam: (4Ψ + 4Ψ + 8Ψ) / dp."""
     return (4 * psi + 4 * psi + 8 * psi) / n
 
 
 def table(world_sizes=WORLD_SIZES) -> list[dict]:
-    """Measure on each world size; one row per N with the largest rank's bytes and the formula."""
+    """Measure on each world size; one row per dp with the largest rank's bytes and the formula."""
     from launch.spawn import run_on_ranks
 
     rows = []

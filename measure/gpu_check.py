@@ -141,7 +141,7 @@ def ring_attention_16k(seq: int = 16384, device_name: str = "cuda") -> dict:
     result = measure([seq], device_name, dtype, cp=1, repeats=2)
     row = result["rows"][-1]
     result["summary"] = (
-        f"{row['n']:,} tokens, {dtype}: ring {row['ring_s']:.3f} s vs SDPA {row['sdpa_s']:.3f} s; peak "
+        f"{row['s_cp']:,} tokens, {dtype}: ring {row['ring_s']:.3f} s vs SDPA {row['sdpa_s']:.3f} s; peak "
         f"{row['ring_bytes'] / 2**30:.2f} GiB vs {row['sdpa_bytes'] / 2**30:.2f} GiB ({row['ring_vs_sdpa']:.2f}x)"
     )
     return result

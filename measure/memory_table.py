@@ -5,11 +5,11 @@
 Mixed-precision training with Adam keeps, per parameter (Ψ parameters in all):
   2Ψ   bf16 parameters (what forward and backward compute with)
   2Ψ   bf16 gradients
-  kΨ   fp32 optimizer state, k = 12: master weights (4) + Adam m (4) + Adam v (4)
-That is 16 bytes per parameter before a single activation is stored. Sharding over N data-parallel ranks:
-  ZeRO-1       shards the optimizer state:          2Ψ + 2Ψ + kΨ/N
-  ZeRO-2       also shards the gradients:           2Ψ + (2Ψ + kΨ)/N
-  ZeRO-3/FSDP  also shards the parameters:          (2Ψ + 2Ψ + kΨ)/N
+  KΨ   fp32 optimizer state, K = 12: master weights (4) + Adam m (4) + Adam v (4)
+That is 16 bytes per parameter before a single activation is stored. Sharding over dp data-parallel ranks:
+  ZeRO-1       shards the optimizer state:          2Ψ + 2Ψ + KΨ/dp
+  ZeRO-2       also shards the gradients:           2Ψ + (2Ψ + KΨ)/dp
+  ZeRO-3/FSDP  also shards the parameters:          (2Ψ + 2Ψ + KΨ)/dp
 """
 
 from __future__ import annotations

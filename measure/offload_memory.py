@@ -1,6 +1,6 @@
 """FSDP CPU offload: device memory per rank with and without ``parallel.fsdp_cpu_offload``, against the formula.
 
-    torchrun --standalone --nproc-per-node N -m bench.offload_memory      # on N GPUs (N = 1 works)
+    torchrun --standalone --nproc-per-node dp -m bench.offload_memory      # on dp GPUs (dp = 1 works)
     .venv/bin/python -m bench.offload_memory --formula                    # the arithmetic only (any machine)
 
 NOT RUN in this repository's CI or on the machine the docs were written on (no GPU there): on a CPU-only
@@ -13,10 +13,10 @@ random tokens and reports, on the largest rank:
   gradients and the activations);
 - ``host state``: bytes of the sharded parameters, gradients and Adam moments that live in host memory.
 
-The formula (fp32 training with AdamW, Ψ parameters, N ranks, docs/dp_savers.md section 4):
+The formula (fp32 training with AdamW, Ψ parameters, dp ranks, docs/dp_savers.md section 4):
 
-    without offload   device: (4 + 4 + 8) Ψ / N     host: 0
-    with offload      device: ~0 persistent state   host: (4 + 4 + 8) Ψ / N   (pinned)
+    without offload   device: (4 + 4 + 8) Ψ / dp     host: 0
+    with offload      device: ~0 persistent state   host: (4 + 4 + 8) Ψ / dp   (pinned)
 
 and in both cases the peak adds the activations and, per unit in flight, its gathered parameters and its
 unsharded gradient (4 + 4 bytes per parameter of one or two blocks), which offloading does not remove.
@@ -115,7 +115,7 @@ def measure(offload: bool, steps: int, seq_len: int, batch: int, device: torch.d
 def print_formula(psi: int, n: int) -> None:
     state = 16 * psi / n
     print(
-        f"Ψ = {psi:,}, N = {n}: fp32 params + grads + Adam m, v = (4 + 4 + 8) Ψ / N = {state / 2**30:.2f} GiB per rank"
+        f"Ψ = {psi:,}, dp = {n}: fp32 params + grads + Adam m, v = (4 + 4 + 8) Ψ / dp = {state / 2**30:.2f} GiB per rank"
     )
     print(f"  without offload: {state / 2**30:.2f} GiB on the device, 0 on the host")
     print(f"  with offload:    ~0 on the device, {state / 2**30:.2f} GiB of (pinned) host memory")

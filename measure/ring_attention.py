@@ -3,17 +3,18 @@
     python -m bench.ring_attention                  # CPU: 2 gloo ranks, local lengths 512 .. 4096 (~1 min)
     python -m bench.ring_attention --device cuda --dtype bf16 --cp 1 --lengths 16384     # one GPU
 
-For each local length n (tokens per rank), every rank runs ``mesh/context_parallel.py: ring_attention``
-forward and backward on its n queries (cp − 1 blocks arrive from the other ranks, each through the fused
-kernel) and records the peak bytes of the tensors alive while it ran, its inputs (q, k, v and the output's
-gradient) included: on CPU from the profiler's memory timeline (every allocation, the kernels' own scratch
-included), on CUDA from the allocator's peak (nothing else is allocated in this process). Beside it, on the
-same rank and the same n tokens, plain SDPA (``models/llama.py: causal_attention``, the one-device path), and
-for scale the bytes of the one fp32 score tensor b·heads·n² that an unfused block would create (arithmetic).
+For each local length s_cp (tokens of the sequence per rank, s/cp), every rank runs
+``mesh/context_parallel.py: ring_attention`` forward and backward on its s_cp queries (cp − 1 blocks arrive from
+the other ranks, each through the fused kernel) and records the peak bytes of the tensors alive while it ran,
+its inputs (q, k, v and the output's gradient) included: on CPU from the profiler's memory timeline (every
+allocation, the kernels' own scratch included), on CUDA from the allocator's peak (nothing else is allocated in
+this process). Beside it, on the same rank and the same s_cp tokens, plain SDPA
+(``models/llama.py: causal_attention``, the one-device path), and for scale the bytes of the one fp32 score
+tensor b·heads·s_cp² that an unfused block would create (arithmetic).
 
-Linear memory: bytes / n stays flat when n doubles (the "x prev" column near 2), while a score tensor grows
-4x. Times are the median of ``--repeats`` runs after one warm-up (CPU: one thread per rank; the ranks share
-this machine's cores, so read them as relative).
+Linear memory: bytes / s_cp stays flat when s_cp doubles (the "x prev" column near 2), while a score tensor
+grows 4x. Times are the median of ``--repeats`` runs after one warm-up (CPU: one thread per rank; the ranks
+share this machine's cores, so read them as relative).
 
 ``main(argv)`` prints the table and returns it as a dict (``python -m bench.gpu_check`` calls it on a GPU;
 with ``--cp 1`` the ring has one block and no messages, and the process group is a one-rank group made here).
@@ -70,17 +71,17 @@ def seconds(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_length(n: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
-    """Peak bytes and time of ring attention and of plain SDPA on this rank's n tokens, forward + backward."""
+def measure_length(tokens: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
+    """Peak bytes and time of ring attention and of plain SDPA on this rank's s_cp tokens, forward + backward."""
     from mesh.context_parallel import ring_attention
     from models.llama import causal_attention
 
     gen = torch.Generator(device=device).manual_seed(dist.get_rank())
     q, k, v = (
-        torch.randn(BATCH, n, heads, HEAD_DIM, generator=gen, device=device, dtype=dtype, requires_grad=True)
+        torch.randn(BATCH, tokens, heads, HEAD_DIM, generator=gen, device=device, dtype=dtype, requires_grad=True)
         for heads in (HEADS, KV_HEADS, KV_HEADS)
     )
-    grad = torch.randn(BATCH, n, HEADS, HEAD_DIM, generator=gen, device=device, dtype=dtype)
+    grad = torch.randn(BATCH, tokens, HEADS, HEAD_DIM, generator=gen, device=device, dtype=dtype)
 
     def ring():
         q.grad = k.grad = v.grad = None  # every call allocates its gradients: all calls alike
@@ -91,18 +92,18 @@ def measure_length(n: int, device: torch.device, dtype: torch.dtype, repeats: in
         causal_attention(q, k, v).backward(grad)
 
     return {
-        "n": n,
+        "s_cp": tokens,
         "ring_bytes": peak_bytes(ring, device),
         "sdpa_bytes": peak_bytes(sdpa, device),
         "ring_s": seconds(ring, device, repeats),
         "sdpa_s": seconds(sdpa, device, repeats),
-        "score_bytes": 4 * BATCH * HEADS * n * n,
+        "score_bytes": 4 * BATCH * HEADS * tokens * tokens,
     }
 
 
 def measure_rank(lengths: list[int], device_name: str, dtype_name: str, repeats: int) -> list[dict]:
     """Rank body: ``measure_length`` for each local length, in order."""
-    return [measure_length(n, torch.device(device_name), DTYPES[dtype_name], repeats) for n in lengths]
+    return [measure_length(tokens, torch.device(device_name), DTYPES[dtype_name], repeats) for tokens in lengths]
 
 
 def measure_one_rank(lengths: list[int], device_name: str, dtype_name: str, repeats: int) -> list[dict]:
@@ -130,10 +131,10 @@ def measure(lengths: list[int], device_name: str, dtype_name: str, cp: int, repe
         ranks = run_on_ranks(measure_rank, cp, lengths, "cpu", dtype_name, repeats, timeout=1800)
     else:
         raise SystemExit("--device cuda runs one rank in this process: pass --cp 1")
-    # the busiest rank at each length (every rank holds n queries and two blocks of n keys at a time)
+    # the busiest rank at each length (every rank holds s_cp queries and two blocks of s_cp keys at a time)
     rows = [max((r[i] for r in ranks), key=lambda row: row["ring_bytes"]) for i in range(len(lengths))]
     for prev, row in zip([None, *rows], rows, strict=False):
-        row["ring_bytes_per_token"] = row["ring_bytes"] / row["n"]
+        row["ring_bytes_per_token"] = row["ring_bytes"] / row["s_cp"]
         row["ring_vs_prev"] = row["ring_bytes"] / prev["ring_bytes"] if prev else None
         row["ring_vs_sdpa"] = row["ring_bytes"] / row["sdpa_bytes"]
     result = {

@@ -11,11 +11,12 @@
    the quote's decimals: ``%`` reads the value as a fraction (0.1667 -> 16.7%), ``x``/``×`` as a ratio, any
    other unit (GB, MB, s, bytes) as the number in that unit; thousands commas are ignored. A changed number in
    the code fails here until the prose follows, and a changed prose number fails until the code agrees.
-2. **Symbols.** docs/glossary.md's tables give each symbol one meaning: a meaning cell may not list a second
-   one (no ';' between two meanings, no "(chapter N)" alternatives). A letter still used two ways stands in
-   the glossary's last table, "Letters with two uses", with the reason, and in no other table. Every symbol a
-   chapter defines carries the marker ``<!-- symbol X -->`` (or ``<!-- symbols X, Y -->``) at its definition,
-   and is a row of the glossary.
+2. **Symbols.** docs/glossary.md's tables give each symbol one meaning across the whole course: a symbol has
+   one row in all of the glossary's tables together (a second row fails, naming the symbol and both rows), a
+   meaning cell may not list a second one (no ';' between two meanings, no "(chapter N)" alternatives), and
+   there is no table of excused letters (a table headed '| symbol | uses' fails). Every symbol a chapter
+   defines carries the marker ``<!-- symbol X -->`` (or ``<!-- symbols X, Y -->``) at its definition, and is
+   a row of the glossary.
 3. **Pictures.** The idealized pipeline pictures (docs/img/*_ideal.svg, drawn by docs/figures/pipeline.py) state
    in their titles the idle fraction they show and the chapter's formula for it; the two agree.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from functools import cache
 
 import pytest
@@ -282,13 +284,18 @@ SYMBOL_MARKER = re.compile(r"<!-- symbols? (?P<symbols>.+?) -->")
 SECOND_MEANING = re.compile(r";|\(chapters? \d")
 
 
-def glossary_table(header: str) -> dict[str, str]:
-    """Symbol -> second cell, from every table of docs/glossary.md whose header row starts with ``header``."""
-    symbols: dict[str, str] = {}
-    in_table = False
-    for line in (DOCS / "glossary.md").read_text().splitlines():
+def glossary_rows() -> list[tuple[str, str, str]]:
+    """(symbol, meaning cell, where) for every row of every table of docs/glossary.md headed '| symbol |'.
+
+    ``where`` names the row's line and the section it stands in, so that a symbol defined twice can be
+    reported with both places."""
+    rows = []
+    in_table, section = False, ""
+    for number, line in enumerate((DOCS / "glossary.md").read_text().splitlines(), start=1):
+        if line.startswith("## "):
+            section = line[3:].strip()
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith(header):
+        if line.startswith("| symbol |"):
             in_table = True
             continue
         if not line.startswith("|"):
@@ -296,30 +303,37 @@ def glossary_table(header: str) -> dict[str, str]:
             continue
         if in_table and not set(cells[0]) <= set("-: "):
             for symbol in re.split(r",\s*", cells[0]):
-                assert symbol not in symbols, f"glossary: {symbol} has two rows"
-                symbols[symbol] = cells[1]
-    return symbols
+                rows.append((symbol, cells[1], f"glossary.md:{number} ({section})"))
+    return rows
 
 
 def glossary_symbols() -> dict[str, str]:
-    """The letters with one meaning: the tables headed '| symbol | meaning |'."""
-    return glossary_table("| symbol | meaning")
-
-
-def two_use_symbols() -> dict[str, str]:
-    """The glossary's last table: a letter still used two ways, and why (headed '| symbol | uses |')."""
-    return glossary_table("| symbol | uses")
+    """Symbol -> meaning, from every symbol table of the glossary; a symbol with two rows fails, naming both."""
+    symbols: dict[str, str] = {}
+    where: dict[str, str] = {}
+    for symbol, meaning, place in glossary_rows():
+        assert symbol not in symbols, f"glossary: {symbol} is defined twice, at {where[symbol]} and at {place}"
+        symbols[symbol], where[symbol] = meaning, place
+    return symbols
 
 
 def test_every_glossary_symbol_has_one_meaning():
+    glossary = (DOCS / "glossary.md").read_text()
+    excused = [line for line in glossary.splitlines() if line.startswith("| symbol | uses")]
+    assert not excused, f"glossary: a table of letters with two uses is not allowed: {excused}"
     doubled = {s: m for s, m in glossary_symbols().items() if SECOND_MEANING.search(m)}
-    assert not doubled, doubled
-    both = set(glossary_symbols()) & set(two_use_symbols())
-    assert not both, f"in a one-meaning table and in 'Letters with two uses': {both}"
+    assert not doubled, f"glossary: a meaning cell lists a second meaning: {doubled}"
+
+
+def test_the_symbol_check_fails_on_a_letter_defined_twice(monkeypatch):
+    rows = [("n", "ranks in a group", "glossary.md:3 (Sizes)"), ("n", "local tokens", "glossary.md:9 (Other)")]
+    monkeypatch.setattr(sys.modules[__name__], "glossary_rows", lambda: rows)
+    with pytest.raises(AssertionError, match=r"n is defined twice, at glossary.md:3 \(Sizes\) and at glossary.md:9"):
+        glossary_symbols()
 
 
 def test_every_symbol_a_chapter_defines_is_in_the_glossary():
-    symbols = glossary_symbols() | two_use_symbols()
+    symbols = glossary_symbols()
     missing = {}
     for chapter in CHAPTERS:
         for match in SYMBOL_MARKER.finditer(chapter.read_text()):

@@ -227,6 +227,6 @@ def test_the_kernel_checks_run_at_a_small_size_on_the_cpu():
     from measure.gpu_check import moe_experts, ring_attention_16k
 
     ring = ring_attention_16k(seq=256, device_name="cpu")
-    assert ring["rows"][0]["n"] == 256 and ring["rows"][0]["ring_s"] > 0 and "256 tokens" in ring["summary"]
+    assert ring["rows"][0]["s_cp"] == 256 and ring["rows"][0]["ring_s"] > 0 and "256 tokens" in ring["summary"]
     moe = moe_experts(rows=512, dim=32, hidden=16, rounds=2, device_name="cpu")
     assert moe["rows"][0]["looped_rows_per_s"] > 0 and "512 rows" in moe["summary"]

@@ -267,7 +267,7 @@ def offload_bench_on_cpu() -> dict:
 
 def test_the_offload_bench_runs_on_cpu():
     # The GPU bench (bench/offload_memory.py) has not run here (no GPU); this keeps its code path alive:
-    # on a CPU "device" all of the (4 + 4 + 8) Ψ / N bytes of state are host memory, and none is CUDA.
+    # on a CPU "device" all of the (4 + 4 + 8) Ψ / dp bytes of state are host memory, and none is CUDA.
     for r in run_on_ranks(offload_bench_on_cpu, 2):
         assert r["host_state"] == 16 * r["psi"] // 2 and r["device_state"] == 0
 

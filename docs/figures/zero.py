@@ -19,7 +19,7 @@ def zero_svg(n: int = 4) -> str:
     parts = [("params 2", 2, colour(0)), ("grads 2", 2, colour(1)), ("Adam m, v + fp32 weights 12", 12, colour(2))]
     unit, left, top = 26, 130, 50
     svg = Svg(left + 16 * unit + 90, top + len(rows) * (n * 18 + 34) + 50)
-    svg.text(10, 22, f"What each of N = {n} data-parallel ranks holds, in bytes per parameter", size=14, weight="bold")
+    svg.text(10, 22, f"What each of dp = {n} data-parallel ranks holds, in bytes per parameter", size=14, weight="bold")
     y = top
     for label, key, divisors in rows:
         svg.text(10, y + 14, label, size=13, weight="bold")
