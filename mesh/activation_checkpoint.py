@@ -29,7 +29,8 @@
 
   Under torch.compile the policy is called while tracing, on fake tensors that have no real storage to
   compare, so the policy of a compiled block does not try: it keeps the row-parallel outputs as before
-  (selective then keeps more than none at large tp; planning/memory_estimate.py models eager mode).
+  (selective then keeps more than none at large tp; planning/memory_estimate.py models eager mode). Today no
+  config reaches that case: planning/layout_rules.py refuses compile with tp > 1.
 
 Applied after tensor and expert parallelism and before FSDP, so an FSDP unit wraps a checkpointed block and
 the recomputation sees the already-parallelized layers. The wrapper inserts ``_checkpoint_wrapped_module``
