@@ -12,6 +12,26 @@
   3. ``topk``: the MoE routing decision, so the recomputed block sends every token to the same experts
      (and the same ranks) as the forward did.
 
+  Except, under tensor parallelism, the row-parallel matmuls (attention.wo, a dense block's feed_forward.w2:
+  ``mesh.tensor_parallel.row_parallel_linears``, read from the TP plan): each writes a whole-sequence partial
+  sum (b, s, h) that the all-reduce or reduce-scatter after it consumes at once, and that collective's output
+  is saved (2). Saving the matmul's output too would hold b·s·h bytes per row-parallel layer that nothing in
+  backward needs (the recomputation takes the collective's cached output; without checkpointing autograd
+  never keeps it, since mm saves its inputs), so selective would keep more than no checkpointing at large tp.
+  The price: wo and w2 run again in backward, 2·h·h + 2·h·H FLOPs per token of a block's forward matmuls
+  (about 35% of them at Llama 3 8B's shape), which the rest of the recomputation does not pay. How, per op:
+
+  a. the policy is built per block; at each matmul it reads the row-parallel linears' *current* local weights
+     (FSDP gathers them into new storage for the recomputation) and compares the matmul's operands' storage
+     with theirs: the same answer in forward and in the recomputation, as SAC requires (torch 2.11 asks the
+     policy in both; later releases only in forward, and replay its answers by op index);
+  b. a match is recomputed, every other op of the list above saved.
+
+  Under torch.compile the policy is called while tracing, on fake tensors that have no real storage to
+  compare, so the policy of a compiled block does not try: it keeps the row-parallel outputs as before
+  (selective then keeps more than none at large tp; planning/memory_estimate.py models eager mode). Today no
+  config reaches that case: planning/layout_rules.py refuses compile with tp > 1.
+
 Applied after tensor and expert parallelism and before FSDP, so an FSDP unit wraps a checkpointed block and
 the recomputation sees the already-parallelized layers. The wrapper inserts ``_checkpoint_wrapped_module``
 into parameter names; ``mesh.materialize.canonical_name`` and the wrapper's state-dict hook remove it.
@@ -26,9 +46,11 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from mesh.private_api import checkpoint_wrapper
+from mesh.private_api import checkpoint_wrapper, dtensor_local_storage
+from mesh.tensor_parallel import row_parallel_linears
 from models.moe import MoE
 
 _aten, _funcol = torch.ops.aten, torch.ops._c10d_functional
@@ -52,8 +74,32 @@ SAVE_OPS = {
 }
 
 
-def _save_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+_MATMULS = {_aten.mm.default, _aten.addmm.default}  # how a row-parallel linear runs on its local shard
+
+
+def _storage_ptr(t) -> int:
+    return (
+        dtensor_local_storage(t).untyped_storage().data_ptr()
+        if isinstance(t, DTensor)
+        else (t.untyped_storage().data_ptr())
+    )
+
+
+def _save_policy(row_linears: list[nn.Module]):
+    """The selective policy of one block (module docstring, 1-3 and a-b): ``row_linears`` are its row-parallel
+    linears under TP (empty: save every op of SAVE_OPS)."""
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op not in SAVE_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if row_linears and op in _MATMULS:
+            weights = {_storage_ptr(m.weight) for m in row_linears}  # now: FSDP may have regathered them
+            weights.discard(0)
+            if any(isinstance(a, torch.Tensor) and _storage_ptr(a) in weights for a in args):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
 
 
 @contextlib.contextmanager
@@ -68,10 +114,12 @@ def _moe_stats_off(block: nn.Module):
             moe.count_stats = True
 
 
-def _contexts(block: nn.Module, selective: bool, compiled: bool):
+def _contexts(block: nn.Module, selective: bool, compiled: bool, row_linears: list[nn.Module]):
     """(forward context, recompute context) for one checkpointed call of ``block``."""
     forward, recompute = (
-        create_selective_checkpoint_contexts(_save_policy) if selective else (contextlib.nullcontext(),) * 2
+        create_selective_checkpoint_contexts(_save_policy([] if compiled else row_linears))
+        if selective
+        else (contextlib.nullcontext(),) * 2
     )
     if compiled:
         # Under torch.compile the contexts must be TorchDispatchModes; a compiled backward does not rerun the
@@ -94,6 +142,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, compiled: bool =
         if mode == "full" and compiled:
             model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
             continue
-        context_fn = lambda block=block: _contexts(block, mode == "selective", compiled)  # noqa: E731
+        # read before FSDP makes every weight a DTensor: TP's row-parallel linears, if TP was applied
+        rows = row_parallel_linears(block)
+        context_fn = lambda block=block, rows=rows: _contexts(block, mode == "selective", compiled, rows)  # noqa: E731
         model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
     return model

@@ -334,15 +334,32 @@ def apply_tensor_parallel(
     # each tp rank, so one DTensor serves both; the head takes the embedding's again.
     model.tie_weights()
     for block in model.layers.values():
-        plan = block_plan(sequence_parallel, regather)
-        if isinstance(block.feed_forward, MoE):
-            plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
-            plan.update(moe_plan(sequence_parallel))
-        if block.attention.qk_norm:  # Qwen3: each rank normalises its own heads (dim 2) with the replicated
-            # weight, whose gradient is then a Partial sum over the heads of all ranks (reduce_partial_gradients)
-            plan.update({f"attention.{n}_norm": SequenceParallel(sequence_dim=2, use_local_output=True) for n in "qk"})
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan_of(block, sequence_parallel, regather))
     return model
+
+
+def block_plan_of(block: nn.Module, sequence_parallel: bool, regather: bool = False) -> dict:
+    """The TP plan of this block: ``block_plan``, with an MoE block's feed-forward split by tokens instead."""
+    plan = block_plan(sequence_parallel, regather)
+    if isinstance(block.feed_forward, MoE):
+        plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
+        plan.update(moe_plan(sequence_parallel))
+    if block.attention.qk_norm:  # Qwen3: each rank normalises its own heads (dim 2) with the replicated
+        # weight, whose gradient is then a Partial sum over the heads of all ranks (reduce_partial_gradients)
+        plan.update({f"attention.{n}_norm": SequenceParallel(sequence_dim=2, use_local_output=True) for n in "qk"})
+    return plan
+
+
+def row_parallel_linears(block: nn.Module) -> list[nn.Module]:
+    """The block's linears that TP made row-parallel (attention.wo, and a dense block's feed_forward.w2): each
+    produces a whole-sequence partial sum that an all-reduce or reduce-scatter follows. Empty when TP was not
+    applied (their weights are then plain tensors; call before FSDP, which makes every weight a DTensor)."""
+    linears = [
+        block.get_submodule(path)
+        for path, style in block_plan_of(block, sequence_parallel=False).items()
+        if isinstance(style, RowwiseParallel)
+    ]
+    return [m for m in linears if isinstance(m.weight, DTensor)]
 
 
 def loss_context(tp_enabled: bool):

@@ -52,8 +52,9 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    whole sequence. Activation checkpointing (mesh/activation_checkpoint.py): ``full`` keeps only the block's
    input (n·h·w, /t with SP), and backward rebuilds one block at a time (the largest block's ``none`` bytes
    once per rank); ``selective`` keeps the block input and the outputs of the matmuls, of attention and of
-   the collectives (under TP: the gathered inputs, and the row-parallel outputs before their reduction, are
-   whole; the column-parallel outputs divide by t), and rebuilds the elementwise rest one block at a time.
+   the collectives (under TP: the gathered inputs are whole, the column-parallel outputs divide by t, and the
+   row-parallel matmuls' outputs are not kept, since the collective after each is), and rebuilds the
+   elementwise rest (and under TP wo and w2) one block at a time.
 4. **In flight** (``chunks_in_flight``): how many (stage, micro-batch) chunks a rank holds at once, from the
    order in which each of torch's schedules runs its actions (``_get_warmup_ops`` and the V-schedules'
    warm-up in torch/distributed/pipelining/schedules.py; docs/pipeline_parallel.md section 4 counts them
@@ -299,7 +300,8 @@ def layer_activation_terms(args: ModelArgs, layer_id: int, layout: MemoryLayout,
         terms = {
             "input": n * h * w / shard,
             "attention": ((2 * n * h + 2 * kv_tokens * g) * w + 4 * n * a) / t,  # wq, wk, wv, attention's output, lse
-            "row_outputs": n * h * w * (1 if moe else 2),  # wo's (and w2's) output: whole partial sums under TP
+            # wo's (and w2's) output; under TP recomputed, as the collective after it is saved (a whole partial sum)
+            "row_outputs": n * h * w * (1 if moe else 2) if t == 1 else 0.0,
             "ffn": selective_ffn_bytes(args, layer_id, layout),
         }
         if t > 1:  # collectives' outputs: SP's all-gathers (whole), the reduce-scatters' (sharded) or all-reduces'

@@ -138,6 +138,9 @@ class MegatronGPT:
     def tp_collectives(self, layer_id: int) -> float:
         return 2.0
 
+    def row_parallel_flops(self, layer_id: int) -> float:
+        return 10.0 * self.dim**2  # the attention projection (h x h) and the second MLP matmul (4h x h), forward
+
     def kv_bytes(self) -> float:
         return 0.0
 

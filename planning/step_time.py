@@ -5,8 +5,9 @@ published runs. Per step, for the slowest pipeline rank (with no pipeline, any r
 
 1. **Matmuls**: the model FLOPs of every block on the rank (models/flops.py: attention included, an MoE layer's
    active experts only) for its share of the tokens (tp splits the work of a token, cp the tokens of a
-   sequence), forward and backward, plus a second forward of the blocks under full activation checkpointing,
-   and the output head on the last stage. They run at ``matmul_efficiency(gpu)`` x the GPU's dense peak:
+   sequence), forward and backward, plus a second forward of the blocks under full activation checkpointing
+   (under selective checkpointing with tp > 1, of the row-parallel matmuls wo and w2 only), and the output head
+   on the last stage. They run at ``matmul_efficiency(gpu)`` x the GPU's dense peak:
    one figure per GPU, the GPU's largest measured matmul throughput (MAMF, planning/gpus.py: GPUS) times
    ``MAMF_SHARE``, the share of it a real training step's matmuls reached on the one published run where
    matmuls are nearly everything (planning/published_runs.py: derive_mamf_share).
@@ -152,6 +153,8 @@ class Workload(Protocol):
 
     def tp_collectives(self, layer_id: int) -> float: ...  # all-reduce equivalents of one forward under TP
 
+    def row_parallel_flops(self, layer_id: int) -> float: ...  # forward FLOPs per token of TP's row-parallel matmuls
+
     def kv_bytes(self) -> float: ...  # K and V of one token (what CP exchanges)
 
     def routed(self, layer_id: int) -> int: ...  # experts a token goes to in this layer (0: a dense layer)
@@ -222,6 +225,12 @@ class LlamaWorkload:
         # an MoE layer under TP works on its own tokens (TokenSplitMoE): only attention's collectives remain
         return 1.0 if self.args.is_moe_layer(layer_id) else 2.0
 
+    def row_parallel_flops(self, layer_id: int) -> float:
+        # attention.wo, and a dense layer's w2 (an MoE layer under TP splits tokens, not weights: TokenSplitMoE)
+        a = self.args
+        wo = a.n_heads * a.head_dim * a.dim
+        return 2.0 * (wo if a.is_moe_layer(layer_id) else wo + a.hidden_dim * a.dim)
+
     def kv_bytes(self) -> float:
         return 2 * self.args.n_kv_heads * self.args.head_dim * self.dtype_bytes
 
@@ -260,7 +269,7 @@ class StepTime:
     """Seconds per step by item of the module docstring, and what follows from them."""
 
     matmul: float = 0.0  # forward + backward matmuls (item 1), without the recomputed forward
-    recompute: float = 0.0  # the recomputed forward: matmuls (full) and memory-bound kernels (both modes)
+    recompute: float = 0.0  # the recomputed forward: matmuls (full, or TP's row-parallel ones) and memory-bound
     memory_bound: float = 0.0  # item 2, forward and backward
     tp: float = 0.0
     cp: float = 0.0
@@ -294,6 +303,8 @@ def microbatch_seconds(
         t.matmul += matmul
         t.memory_bound += 3 * elementwise
         t.recompute += (matmul / 3 if full else 0.0) + (elementwise if full or selective else 0.0)
+        if selective and tp > 1:  # the row-parallel matmuls run again (mesh/activation_checkpoint.py)
+            t.recompute += workload.row_parallel_flops(i) * n / tp / flops_rate
         if tp > 1:
             collectives = workload.tp_collectives(i) * (2 + (stack.recompute_tp_share if full else 0.0))
             t.tp += collectives * 2 * ring(n * workload.dim * w, tp) / link(gpu, tp)

@@ -54,7 +54,7 @@ def block_collectives(kind: str, mode: str, move_bias: bool = False) -> dict:
 
     from mesh.activation_checkpoint import apply_activation_checkpointing
     from mesh.expert_parallel import apply_expert_parallel
-    from mesh.materialize import materialize_weights
+    from mesh.materialize import canonical_name, materialize_weights
     from mesh.tensor_parallel import apply_tensor_parallel
     from models.llama import ModelArgs, Transformer
     from models.moe import MoE, MoEArgs
@@ -87,6 +87,12 @@ def block_collectives(kind: str, mode: str, move_bias: bool = False) -> dict:
         with CollectiveCounter() as backward:
             loss.backward()
     out = {"forward": dict(forward.counts), "backward": dict(backward.counts), "loss": loss_value(loss.detach()).item()}
+    # every weight's gradient (this rank's shard under TP): recomputing, wo and w2 included, changes no bit
+    out["grads"] = {
+        canonical_name(name): (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
     if kind == "ep":
         moe = next(m for m in model.modules() if isinstance(m, MoE))
         out["counted"] = int(moe.tokens_per_expert.sum().item())
@@ -119,8 +125,12 @@ def test_selective_checkpointing_repeats_no_collective(kind, request):
         assert full["backward"]["all_gather_into_tensor"] > none["backward"].get("all_gather_into_tensor", 0)
     else:  # EP: count exchange + tokens out + outputs back, all again under full recompute
         assert full["backward"]["all_to_all_single"] == none["backward"]["all_to_all_single"] + 3
-    # Recomputation changes nothing numerically.
+    # Recomputation changes nothing numerically: the same loss, every gradient bitwise.
     assert selective["loss"] == none["loss"] == full["loss"]
+    for mode in (selective, full):
+        assert mode["grads"].keys() == none["grads"].keys()
+        for name, grad in none["grads"].items():
+            torch.testing.assert_close(mode["grads"][name], grad, rtol=0, atol=0, msg=name)
 
 
 def test_moe_counts_survive_recompute(ep_counts):
@@ -141,3 +151,18 @@ def test_selective_checkpointing_keeps_the_forward_routing():
     torch.testing.assert_close(grads["selective"], grads["none"], rtol=0, atol=0)
     with pytest.raises(RankFailure, match="Recomputed values for the following tensors have different metadata"):
         run_on_ranks(block_collectives, 2, "ep", "full", True)
+
+
+@pytest.mark.compat
+def test_selective_checkpointing_under_fsdp_and_tp_trains_bitwise_like_none(tmp_path):
+    """dp_shard 2 x tp 2 without SP: FSDP gathers wo's and w2's weights again (new storage) before the recompute,
+    which is when the selective policy recognises them and recomputes their matmuls (all-reduces cached). If it
+    took another matmul, or recomputed a collective, the curves would differ or the run would hang."""
+    from launch.local_runs import train_on
+    from tests.training_runs import assert_same_curve
+
+    layout = {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.sequence_parallel": False}
+    none = train_on(4, layout, tmp_path / "none")
+    selective = train_on(4, {**layout, "training.activation_checkpoint": "selective"}, tmp_path / "selective")
+    # the same ops on the same inputs in the same order: equal to the last bit
+    assert_same_curve(selective, none, rtol=0)
