@@ -17,10 +17,10 @@ import torch
 
 
 def peak_bytes_per_logit(batch: int = 2, seq: int = 64, dim: int = 64, vocab: int = 32768) -> dict[str, float]:
-    from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
+    from measure.saved_bytes import remember
     from training.loss import token_loss_sum
 
     class LiveBytes(TorchDispatchMode):
@@ -37,7 +37,7 @@ def peak_bytes_per_logit(batch: int = 2, seq: int = 64, dim: int = 64, vocab: in
                 if isinstance(t, torch.Tensor):
                     st = t.untyped_storage()
                     if st._cdata not in self.exclude:
-                        self.storages.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
+                        remember(self.storages, st)
             live = sum(n for ref, n in self.storages.values() if not ref.expired())
             self.peak[self.phase] = max(self.peak[self.phase], live)
             return out

@@ -43,10 +43,10 @@ SPLITS = ("params", "memory")
 
 def step_peak(split: str) -> dict:
     """Rank body: steps 1-3 of the module docstring under ``pp_split = split``."""
-    from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
+    from measure.saved_bytes import remember
     from mesh.dims import build_mesh
     from mesh.pipeline import run_schedule
     from planning.memory_estimate import MemoryLayout, rank_memory
@@ -69,7 +69,7 @@ def step_peak(split: str) -> dict:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.device.type != "meta":
                     st = t.untyped_storage()
-                    self.storages.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
+                    remember(self.storages, st)
             self.storages = {k: v for k, v in self.storages.items() if not v[0].expired()}
             self.peak = max(self.peak, sum(n for _, n in self.storages.values()))
             return out

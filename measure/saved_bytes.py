@@ -57,6 +57,17 @@ def storage_ptr(t: torch.Tensor) -> int:
     return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()
 
 
+def remember(refs: dict, storage) -> None:
+    """Record ``storage`` under its address, unless a live storage is recorded there already. The allocator
+    reuses the address of a freed storage, so a dead entry must give way: keeping it would leave the new storage
+    uncounted (a count that moved from run to run with the allocator's choices)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    known = refs.get(storage._cdata)
+    if known is None or known[0].expired():
+        refs[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+
+
 def kept_bytes(args: ModelArgs, batch: int, seq: int, mode: str) -> int:
     """Bytes one block keeps alive from its forward for its backward (fp32, CPU), under AC ``mode``.
 
@@ -65,7 +76,6 @@ def kept_bytes(args: ModelArgs, batch: int, seq: int, mode: str) -> int:
     left out; the block's input is counted (every mode keeps it). This sees what ``saved_tensors_hooks`` cannot:
     selective checkpointing stores the outputs it saves in its own cache, not through autograd's hooks.
     """
-    from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -74,12 +84,14 @@ def kept_bytes(args: ModelArgs, batch: int, seq: int, mode: str) -> int:
     from models.llama import Transformer
 
     class Outputs(TorchDispatchMode):  # remembers (weak ref, bytes) of every op output's storage
-        refs: dict = {}
+        def __init__(self):
+            super().__init__()
+            self.refs = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for st in (t.untyped_storage() for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
-                self.refs.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
+                remember(self.refs, st)
             return out
 
     with torch.device("meta"):

@@ -203,10 +203,10 @@ def kept_bytes_on_rank(args: ModelArgs, batch: int, seq: int, mode: str, sp: boo
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
+    from measure.saved_bytes import remember
     from mesh.activation_checkpoint import apply_activation_checkpointing
     from mesh.materialize import materialize_weights
     from mesh.tensor_parallel import apply_tensor_parallel
@@ -223,7 +223,7 @@ def kept_bytes_on_rank(args: ModelArgs, batch: int, seq: int, mode: str, sp: boo
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for st in (storage(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
-                self.refs.setdefault(st._cdata, (StorageWeakRef(st), st.nbytes()))
+                remember(self.refs, st)
             return out
 
     tp = dist.get_world_size()

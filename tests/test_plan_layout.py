@@ -16,32 +16,29 @@ from measure.saved_bytes import kept_bytes
 from models.llama import ModelArgs
 from planning.gpus import PLANNER_GPUS
 from planning.plan_layout import (
-    HEADROOM,
     MODELS,
-    choose,
     command,
-    evaluate,
     gpu_markdown,
-    llama3_markdown,
-    llama3_rows,
     main_layout,
     main_plan,
     meshloom_refusal,
     overrides,
     parse_layout,
-    search,
 )
 from planning.published_runs import (
     CALIBRATION_ROW,
     LLAMA3_TABLE_4,
     MEGATRON_TABLE_1,
     derive_mamf_share,
+    llama3_markdown,
+    llama3_rows,
     markdown_table,
     megatron_flops_per_step,
     torchtitan_markdown,
     torchtitan_rows,
     validation_rows,
 )
+from planning.search import HEADROOM, choose, evaluate, search
 from planning.step_time import MAMF_SHARE, matmul_efficiency, planner_gpu
 
 GOAL = 0.15
