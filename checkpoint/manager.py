@@ -83,6 +83,7 @@ from checkpoint.resume import FORMAT, META_FILE, Resume, check_usable, inspect, 
 from checkpoint.state import apply_training_state, training_state
 from checkpoint.verify import METADATA, digest_problems, file_digests, seal
 from data.dataset import stream_identity
+from mesh.dims import ParallelDims
 from runtime.config import Config, ConfigError
 from runtime.process import ControlPlane, all_gather_objects, new_cpu_group, synchronize
 
@@ -243,11 +244,11 @@ class CheckpointManager:
         dcp.load(state, checkpoint_id=str(self.resume_dir), process_group=self.group)
         step = apply_training_state(state, parts, optimizers, loader)
         meta = json.loads((self.resume_dir / META_FILE).read_text())
-        saved = meta["layout"]
+        # the degrees it was saved on, as a ParallelDims (checkpoints older than cp and ep lack those keys)
+        saved = ParallelDims(**{f.name: meta["layout"].get(f.name, 1) for f in dataclasses.fields(ParallelDims)})
         self._log(
             f"checkpoint: resumed {self.resume_dir} at step {step}, {loader.tokens_consumed:,} tokens consumed; "
-            f"saved on pp={saved['pp']} dp_replicate={saved['dp_replicate']} dp_shard={saved['dp_shard']} "
-            f"cp={saved.get('cp', 1)} tp={saved['tp']} ep={saved.get('ep', 1)}, now {self.plan.dims.describe()}"
+            f"saved on {saved.describe()}, now {self.plan.dims.describe()}"
         )
         self.resumed_step = self.last_saved = step
         return step
@@ -436,16 +437,7 @@ class CheckpointManager:
             "step": step,
             "tokens_consumed": tokens_consumed,
             "model": dataclasses.asdict(self.cfg.model),
-            "layout": {
-                "world_size": d.world_size,
-                "pp": d.pp,
-                "dp_replicate": d.dp_replicate,
-                "dp_shard": d.dp_shard,
-                "cp": d.cp,
-                "tp": d.tp,
-                "ep": d.ep,
-                "pp_schedule": self.plan.pp_schedule,
-            },
+            "layout": {**dataclasses.asdict(d), "pp_schedule": self.plan.pp_schedule},  # ParallelDims' fields
             "data": {**stream_identity(self.cfg), "seq_len": t.seq_len, "global_batch": t.global_batch},
             "meshloom_version": meshloom_version(),
             "torch_version": torch.__version__,
