@@ -105,7 +105,11 @@ def test_a_profiled_fsdp2_run_writes_one_loadable_trace_per_rank(fsdp2_run):
         assert {"c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "gloo:all_gather"} <= names
         assert any(n.startswith("FSDP::all_gather") for n in names)
         assert aten_ops_inside(trace["traceEvents"], "meshloom::forward") > 50  # the model's ops are in there
-        assert (run_dir / "profile" / f"rank{rank}.ops.txt").read_text().count("aten::") > 10
+        # the op table (the 40 rows of most self time) lists the model's matmuls; how many of its other rows
+        # are aten ops rather than ranges, collectives or the optimizer moves with timing, so only a few are
+        # required (10 of 40 was seen on a busy host)
+        ops = (run_dir / "profile" / f"rank{rank}.ops.txt").read_text()
+        assert "aten::mm" in ops and ops.count("aten::") >= 5
 
 
 def aten_ops_inside(events: list[dict], range_name: str) -> int:
