@@ -36,6 +36,7 @@ import torch
 from data.chat import chat_prompt
 from models.llama import KVCache, Transformer
 from runtime.config import ConfigError
+from runtime.options import float_option, int_option, path_option, text_option
 
 
 def is_export(path: Path) -> bool:
@@ -149,21 +150,40 @@ def stream_text(tokenizer, tokens: Iterator[int], out=sys.stdout) -> list[int]:
     return ids
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py): a bad value is refused with exit 2."""
     parser = argparse.ArgumentParser(prog="python -m generate", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="a DCP checkpoint (folder or step-N) or an exported folder")
-    parser.add_argument("--step", type=int, default=None, help="which step-N of a checkpoint folder (default: newest)")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--tokenizer", default="", help="the run's tokenizer.json, if it moved since training")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        type=path_option(),
+        help="a DCP checkpoint (folder or step-N) or an exported folder",
+    )
+    parser.add_argument(
+        "--step", type=int_option(ge=0), default=None, help="which step-N of a checkpoint folder (default: newest)"
+    )
+    parser.add_argument("--prompt", required=True, type=text_option())
+    parser.add_argument("--max-new-tokens", type=int_option(ge=1, le=2**31 - 1), default=200)
+    parser.add_argument("--temperature", type=float_option(ge=0), default=0.8, help="0: greedy")
+    parser.add_argument(
+        "--top-k", type=int_option(ge=0), default=50, help="sample among the k most likely tokens (0: all)"
+    )
+    parser.add_argument("--seed", type=int_option(ge=0), default=1234)
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        type=path_option(required=False),
+        help="the run's tokenizer.json, if it moved since training",
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument(
         "--chat", action="store_true", help="send --prompt as a user turn through the tokenizer folder's chat template"
     )
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
     try:
         if opts.max_new_tokens < 1 or opts.temperature < 0 or opts.top_k < 0:
             raise ConfigError("--max-new-tokens must be >= 1, --temperature >= 0 and --top-k >= 0.")

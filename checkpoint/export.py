@@ -38,6 +38,7 @@ from checkpoint.resume import META_FILE, inspect
 from checkpoint.state import MODEL, split, with_tied_head
 from checkpoint.verify import METADATA, digest_problems
 from runtime.config import Config, ConfigError, model_args
+from runtime.options import path_option
 
 
 def choose_checkpoint(path: str | Path) -> Path:
@@ -122,18 +123,48 @@ def checkpoint_tokenizer(step_dir: Path, override: str = ""):
     return tokenizer
 
 
-def main(argv: list[str] | None = None) -> int:
+def size_option(text: str) -> str:
+    """--max-shard-size checked where it is parsed (exit 2 naming the option); main reads it again."""
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--max-shard-size ")) from None
+    return text
+
+
+size_option.rules = {"kind": "a size"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py): a bad value is refused with exit 2."""
     parser = argparse.ArgumentParser(prog="python -m checkpoint.export", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="a step-N folder, or a checkpoint folder (newest)")
     parser.add_argument(
-        "--out", required=True, help="output folder: safetensors, config.json, generation_config.json, tokenizer"
+        "--checkpoint", required=True, type=path_option(), help="a step-N folder, or a checkpoint folder (newest)"
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=path_option(),
+        help="output folder: safetensors, config.json, generation_config.json, tokenizer",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing export in --out")
-    parser.add_argument("--tokenizer", default="", help="the run's tokenizer.json, if it moved since training")
     parser.add_argument(
-        "--max-shard-size", default="5GB", help="largest safetensors file (5GB, 500MB, 2GiB); above it: shards + index"
+        "--tokenizer",
+        default="",
+        type=path_option(required=False),
+        help="the run's tokenizer.json, if it moved since training",
     )
-    opts = parser.parse_args(argv)
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        type=size_option,
+        help="largest safetensors file (5GB, 500MB, 2GiB); above it: shards + index",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
     try:
         max_shard_bytes = parse_size(opts.max_shard_size)
         check_out(opts.out, opts.overwrite)

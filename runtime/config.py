@@ -13,9 +13,12 @@ Input is strict, because a silently misread setting costs a whole run:
    field an int or a float, a string field a string, a choice field one of its ``Literal`` values (a quoted
    value that would fit without its quotes is told so). On the command line the text is parsed into the
    field's type.
-3. ``check_values`` checks every number against the range in its field's metadata (``ge``/``gt``/``le``/
-   ``lt``; floats must also be finite), then the rules that tie several fields together. Every broken rule
-   is reported at once, naming the field, the value and the fix.
+3. Where a value is parsed it must meet its type's limits, which torch, the OS and datetime impose later
+   (``type_problem``: int64, finite fp32, a path that is not blank, a step in ASCII digits); numbers on the
+   command line are ASCII only (``int('١٢')`` is 12 in Python). ``check_values`` then checks every number
+   against the range in its field's metadata (``ge``/``gt``/``le``/``lt``), the limits again, then the rules
+   that tie several fields together. Every broken rule is reported at once, naming the field, the value and
+   the fix.
 
 ``model_args`` maps the ``[model]`` section onto ``models.llama.ModelArgs``; everything that builds a model
 from a config (training, export, generation) goes through it.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -36,11 +40,64 @@ class ConfigError(ValueError):
     """Bad user input (config, layout, data path). The message names the field, the value and the fix."""
 
 
+# ---- the limits of each type: what a value meets after the range check (torch, the OS, datetime) --------------
+INT64_MAX = 2**63 - 1  # torch.manual_seed, tensors and the C++ side take int64
+FP32_MAX = 3.4028234663852886e38  # learning rates and coefficients end up in fp32 tensors on some paths
+FP32_TINY = 2.0**-150  # below this a non-zero value rounds to 0 in fp32
+MAX_TIMEOUT_S = 365 * 86400  # a datetime.timedelta, then int64 milliseconds in c10d: a year is plenty
+ASCII_INT = re.compile(r"[+-]?[0-9]+")  # int() also takes '١٢' and '1_0': a typo should not become a number
+ASCII_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:inf|infinity|nan)", re.I)
+
+
+def parse_int(text: str) -> int | None:
+    """``text`` as an int when it is ASCII digits with an optional sign (else None)."""
+    text = text.strip()
+    return int(text) if ASCII_INT.fullmatch(text) else None
+
+
+def parse_float(text: str) -> float | None:
+    """``text`` as a float when it is an ASCII decimal number (else None); -0.0 becomes 0.0."""
+    text = text.strip()
+    return float(text) + 0.0 if ASCII_FLOAT.fullmatch(text) else None
+
+
+def type_problem(value, meta: dict | None = None) -> str | None:
+    """Why ``value`` cannot be used even if it is in its field's range (None: it can): an int beyond int64, a
+    float that is not a finite fp32 number (or rounds to 0 in fp32), a path that is blank or holds a NUL byte,
+    a step that is not auto, none or ASCII digits."""
+    meta = meta or {}
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if -INT64_MAX - 1 <= value <= INT64_MAX else f"must fit in a signed 64-bit integer (<= {INT64_MAX})"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "must be a finite number"
+        if abs(value) > FP32_MAX or (value != 0 and abs(value) < FP32_TINY):
+            return "must be 0 or a number fp32 can hold (between 1e-45 and 3.4e38 in magnitude)"
+        return None
+    if isinstance(value, str):
+        if "\0" in value:
+            return "must not contain a NUL byte"
+        kind = meta.get("path")
+        if (kind or meta.get("nonempty")) and value and not value.strip():
+            return "is only whitespace; give a real value"
+        if (kind == "required" or meta.get("nonempty")) and not value:
+            return "must not be empty (an empty path would mean the current folder); give a path"
+        if meta.get("step") and value.strip().lower() not in ("auto", "none"):
+            step = parse_int(value)
+            if step is None or value.strip()[:1] in "+-" or step > INT64_MAX:
+                return "must be auto, none or a step number in ASCII digits (e.g. 100)"
+    return None
+
+
 def opt(default, help: str, **rules):
     """A config field: its default, one line of meaning for ``--help``, and its range rules.
 
     Rules: ``ge``/``gt``/``le``/``lt`` bounds for numbers (floats must be finite too), ``int_ok`` for a string
-    field that also takes a TOML integer (``checkpoint.resume = 100``).
+    field that also takes a TOML integer (``checkpoint.resume = 100``), ``path`` for a string that names a file
+    or folder (``"required"``: never empty; ``"optional"``: ``''`` means none), ``step`` for auto | none | a
+    step number. Every field also meets its type's limits (``type_problem``).
     """
     return field(default=default, metadata={"help": help, **rules})
 
@@ -103,7 +160,7 @@ class ParallelConfig:
     pp_schedule: PipelineSchedule = opt("1F1B", "pipeline schedule")
     pp_microbatches: int = opt(0, "pipeline micro-batches per step; 0: one per pipeline stage", ge=0)
     pp_stages_per_rank: int = opt(0, "stages per pp rank; 0: from the schedule (2 for looped and V)", ge=0)
-    pp_split: str = opt("params", "layer split: params | flops | memory | layers per stage, e.g. '3,5'")
+    pp_split: str = opt("params", "layer split: params | flops | memory | layers per stage, e.g. '3,5'", nonempty=True)
     sequence_parallel: bool = opt(True, "with tp > 1, also shard norms and the residual stream by sequence")
     sp_regather: bool = opt(
         False, "SP: keep only the sequence shard of each gathered matmul input, all-gather it again in backward"
@@ -111,7 +168,9 @@ class ParallelConfig:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
         "default", "free gathered FSDP weights after forward (default: all but the last block)"
     )
-    collective_timeout_s: int = opt(300, "seconds a collective may wait for a peer before the job fails", ge=1)
+    collective_timeout_s: int = opt(
+        300, "seconds a collective may wait for a peer before the job fails", ge=1, le=MAX_TIMEOUT_S
+    )
     # Communication and memory savers (extras/: reduce_once_per_step, bf16_reduction, powersgd, cpu_offload; docs/dp_savers.md, sections 2-4).
     grad_sync: Literal["microbatch", "step"] = opt(
         "microbatch", "reduce gradients after every micro-batch, or once per step (accumulate locally until the last)"
@@ -156,11 +215,15 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
-    source: str = opt("default", "'default' (the stdlib's sources), a text file or folder, or a data.prepare folder")
+    source: str = opt(
+        "default", "'default' (the stdlib's sources), a text file or folder, or a data.prepare folder", path="required"
+    )
     max_bytes: int = opt(16 * 1024 * 1024, "raw text sources: read at most this many bytes (prepared: no limit)", ge=1)
-    tokenizer: str = opt("bytes", "bytes | path to a Hugging Face tokenizer.json (or its folder)")
+    tokenizer: str = opt("bytes", "bytes | path to a Hugging Face tokenizer.json (or its folder)", path="required")
     eos_token: str = opt("", "end-of-document token; '': the tokenizer's own")
-    val_source: str = opt("", "held-out data (same kinds as source); '': none, or the last val_fraction of source")
+    val_source: str = opt(
+        "", "held-out data (same kinds as source); '': none, or the last val_fraction of source", path="optional"
+    )
     val_fraction: float = opt(0.0, "with no val_source: hold out this last fraction of the source's tokens", ge=0, lt=1)
     allow_stream_change: bool = opt(
         False,
@@ -177,7 +240,7 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    dir: str = opt("runs/default", "output folder: metrics.jsonl, tb/, checkpoints/")
+    dir: str = opt("runs/default", "output folder: metrics.jsonl, tb/, checkpoints/", path="required")
     log_every: int = opt(1, "log every N steps (and the last)", ge=1)
     tensorboard: bool = opt(True, "write TensorBoard events to <run.dir>/tb")
     overwrite: bool = opt(False, "allow replacing the metrics of an earlier run in the same run.dir")
@@ -207,13 +270,15 @@ class DebugConfig:
 
 @dataclass
 class CheckpointConfig:
-    folder: str = opt("", "checkpoint folder; '': <run.dir>/checkpoints (holds step-N/ folders)")
+    folder: str = opt("", "checkpoint folder; '': <run.dir>/checkpoints (holds step-N/ folders)", path="optional")
     interval: int = opt(0, "save every N steps and at the last step; 0: never save", ge=0)
-    resume: str = opt("none", "auto (the newest complete checkpoint) | none | a step number", int_ok=True)
+    resume: str = opt("none", "auto (the newest complete checkpoint) | none | a step number", int_ok=True, step=True)
     async_: bool = opt(False, "save in a background thread while training goes on (key: checkpoint.async)")
     keep_last: int = opt(3, "published checkpoints to keep, newest first; 0: keep all", ge=0)
     init_from: str = opt(
-        "", "initial weights: a transformers Llama folder (its config.json sets [model]) or a .safetensors file"
+        "",
+        "initial weights: a transformers Llama folder (its config.json sets [model]) or a .safetensors file",
+        path="optional",
     )
 
 
@@ -264,16 +329,10 @@ def _convert(key: str, raw: object, typ, from_text: bool, int_ok: bool = False) 
         text = raw.strip()
         if typ is bool and text.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return text.lower() in ("true", "1", "yes", "on")
-        if typ is int:
-            try:
-                return int(text)
-            except ValueError:
-                pass
-        if typ is float:
-            try:
-                return float(text)
-            except ValueError:
-                pass
+        if typ is int and parse_int(text) is not None:
+            return parse_int(text)
+        if typ is float and parse_float(text) is not None:
+            return parse_float(text)
         if typ is str:
             return raw
     else:
@@ -282,7 +341,10 @@ def _convert(key: str, raw: object, typ, from_text: bool, int_ok: bool = False) 
         if typ is int and isinstance(raw, int) and not isinstance(raw, bool):
             return raw
         if typ is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
+            try:
+                return float(raw) + 0.0  # -0.0 becomes 0.0
+            except OverflowError:  # a TOML integer beyond any float
+                pass
         if typ is str and (isinstance(raw, str) or (int_ok and isinstance(raw, int) and not isinstance(raw, bool))):
             return str(raw)
         if isinstance(raw, str) and typ is not str and _fits_unquoted(raw, typ):
@@ -320,7 +382,12 @@ def _set(cfg: Config, key: str, raw: object, from_text: bool) -> None:
         names = [FIELD_KEYS.get(f"{parts[0]}.{n}", f"{parts[0]}.{n}").split(".")[1] for n in hints]
         raise ConfigError(f"unknown config key {key!r}; the keys of [{parts[0]}] are: {', '.join(names)}.")
     meta = _fields(section)[parts[1]].metadata
-    setattr(section, parts[1], _convert(key, raw, hints[parts[1]], from_text, meta.get("int_ok", False)))
+    value = _convert(key, raw, hints[parts[1]], from_text, meta.get("int_ok", False))
+    problem = type_problem(value, meta)  # checked where it is parsed: the key is named before anything uses it
+    if problem:
+        default = _fields(section)[parts[1]].default
+        raise ConfigError(f"{key}={value!r} {problem}; the default is {default!r}.")
+    setattr(section, parts[1], value)
 
 
 def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
@@ -406,8 +473,9 @@ def check_values(cfg: Config) -> None:
     for section_name, section in _sections(cfg).items():
         for name, f in _fields(section).items():
             value, key = getattr(section, name), FIELD_KEYS.get(f"{section_name}.{name}", f"{section_name}.{name}")
-            if isinstance(value, float) and not math.isfinite(value):
-                broken.append(f"{key}={value!r} must be a finite number; set a real value (default {f.default!r}).")
+            problem = type_problem(value, f.metadata)
+            if problem:
+                broken.append(f"{key}={value!r} {problem}; the default is {f.default!r}.")
                 continue
             rule = _range_rule(f.metadata)
             if (
