@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -48,9 +47,10 @@ def is_export(path: Path) -> bool:
 def load_export(path: Path, tokenizer_override: str = ""):
     """Step 1-2 for an exported or transformers folder: (model, tokenizer)."""
     from checkpoint.hf import import_safetensors, model_args_from_hf_config, safetensors_problems
+    from checkpoint.hf_folder import read_config
     from data.tokenizers import load_tokenizer
 
-    args = model_args_from_hf_config(json.loads((path / "config.json").read_text()))
+    args = model_args_from_hf_config(read_config(path))  # unreadable JSON: a ConfigError naming config.json
     problems = safetensors_problems(path, args)
     if problems:
         raise ConfigError(f"--checkpoint {path}: the weights do not fit its config.json: {'; '.join(problems)}.")

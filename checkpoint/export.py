@@ -38,7 +38,7 @@ from checkpoint.resume import META_FILE, inspect
 from checkpoint.state import MODEL, split, with_tied_head
 from checkpoint.verify import METADATA, digest_problems
 from runtime.config import Config, ConfigError, model_args
-from runtime.options import path_option
+from runtime.options import check_out_folder, path_option
 
 
 def choose_checkpoint(path: str | Path) -> Path:
@@ -66,8 +66,7 @@ def choose_checkpoint(path: str | Path) -> Path:
 def check_out(out: str | Path, overwrite: bool) -> Path:
     """The export folder must be new (or empty), unless --overwrite: an export is never replaced by accident."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder; pass a folder path for the export.")
+    check_out_folder(out, "--out")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"--out {out} already holds files (an earlier export?); pass another --out, or --overwrite.")
     return out

@@ -340,13 +340,16 @@ def safetensors_problems(path: str | Path, args: ModelArgs) -> list[str]:
     except ValueError as exc:
         return [str(exc)]
     problems, shapes = [], {}
+    index = p / "model.safetensors.index.json"
+    reading = p if p.is_file() else index if index.is_file() else p / "model.safetensors"
     try:
         files = tensor_files(p)
         for file in sorted(set(files.values())):
+            reading = file  # the file named when it cannot be parsed
             with safe_open(str(file), framework="pt") as f:
                 shapes.update({name: torch.Size(f.get_slice(name).get_shape()) for name in f.keys()})
     except Exception as exc:  # noqa: BLE001 - any parse failure means a corrupt file or index
-        return [f"{p} is not a readable safetensors model ({exc})"]
+        return [f"{p} is not a readable safetensors model ({reading}: {exc})"]
     if args.tie_embeddings:  # a tied folder may still carry the head's copy: not read
         shapes.pop(TOP_LEVEL["output.weight"], None)
     missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))

@@ -47,7 +47,13 @@ def template_tokenizer(folder: Path):
         raise ConfigError(
             "--format chat renders with transformers' chat template rules: pip install transformers"
         ) from exc
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:  # a malformed tokenizer_config.json, tokenizer.json, ...: the folder's fault
+        raise ConfigError(
+            f"--tokenizer {folder}: transformers cannot load its tokenizer ({type(exc).__name__}: {exc}); "
+            "fix the folder's tokenizer files or pass a model folder that loads."
+        ) from None
     if not getattr(tok, "chat_template", None):
         raise ConfigError(
             f"--tokenizer {folder} has no chat template (tokenizer_config.json chat_template or chat_template.jinja); "
@@ -56,18 +62,35 @@ def template_tokenizer(folder: Path):
     return tok
 
 
-def render(tok, messages: list[dict], generation_prompt: bool = False) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def render(tok, messages: list[dict], generation_prompt: bool = False, where: str = "the conversation") -> str:
+    """The template's text for ``messages``; a template that rejects them (its ``raise_exception``, an undefined
+    name, a syntax error) is a ConfigError naming ``where`` (file:line), the template's folder and its words."""
+    from jinja2 import TemplateError, TemplateSyntaxError  # transformers renders chat templates with jinja2
+
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as exc:
+        folder = getattr(tok, "name_or_path", "?")
+        if isinstance(exc, TemplateSyntaxError):
+            raise ConfigError(
+                f"{where}: the chat template of --tokenizer {folder} has a syntax error (line {exc.lineno}: {exc}); "
+                "fix the template (tokenizer_config.json chat_template or chat_template.jinja)."
+            ) from None
+        raise ConfigError(
+            f"{where}: the chat template of --tokenizer {folder} rejects this conversation: {exc}; fix or leave out "
+            "the conversation, or use a model folder whose template accepts it."
+        ) from None
 
 
 def assistant_spans(tok, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
     """The whole render and the character spans of the assistant's turns (step 2 of the docstring)."""
-    text = render(tok, messages)
+    text = render(tok, messages, where=where)
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        start, stop = render(tok, messages[:i], generation_prompt=True), render(tok, messages[: i + 1])
+        start = render(tok, messages[:i], generation_prompt=True, where=where)
+        stop = render(tok, messages[: i + 1], where=where)
         if not (text.startswith(stop) and stop.startswith(start)):
             raise ConfigError(
                 f"{where}: the chat template renders message {i} differently once later messages follow, so its "
@@ -92,7 +115,16 @@ def conversation(tok, tokenizer, messages: list[dict], train_on: str, where: str
 
 
 def conversations(path: Path) -> Iterator[tuple[list[dict], str]]:
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: byte {exc.start} is not UTF-8 ({exc.reason}); chat JSONL is UTF-8 text: convert the file "
+            "(e.g. iconv -f latin1 -t utf-8) or move it out of --source."
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read ({exc.strerror or exc}); fix its permissions or --source.") from None
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{n}"
@@ -133,4 +165,5 @@ def chat_prompt(tokenizer, user: str) -> str:
     file = getattr(tokenizer, "file", None)
     if file is None:
         raise ConfigError("--chat needs a tokenizer folder with a chat template, not the byte tokenizer")
-    return render(template_tokenizer(Path(file).parent), [{"role": "user", "content": user}], generation_prompt=True)
+    tok = template_tokenizer(Path(file).parent)
+    return render(tok, [{"role": "user", "content": user}], generation_prompt=True, where=f"--prompt {user!r}")

@@ -61,7 +61,7 @@ from data.pieces import LONG_CHARS, PIECE_CHARS, encode_long
 from data.token_file import TokenFileWriter, dtype_for
 from data.tokenizers import load_tokenizer
 from runtime.config import ConfigError
-from runtime.options import int_option, path_option, text_option
+from runtime.options import check_out_folder, int_option, path_option, text_option
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -533,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     try:
+        check_out_folder(opts.out, "--out")
         if opts.format == "chat":
             h = prepare_chat(
                 opts.source,

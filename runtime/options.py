@@ -10,8 +10,26 @@ walk every option of every parser (tests/test_input_walk.py), new options includ
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from runtime.config import _in_range, _range_rule, parse_float, parse_int, type_problem
+from runtime.config import ConfigError, _in_range, _range_rule, parse_float, parse_int, type_problem
+
+
+def file_in_the_way(path) -> Path | None:
+    """The existing file (not a folder) among ``path`` and the folders above it, which makes ``path`` impossible
+    to create as a folder; None when there is none."""
+    for part in [Path(path), *Path(path).parents]:
+        if part.exists() or part.is_symlink():
+            return None if part.is_dir() else part
+    return None
+
+
+def check_out_folder(path, option: str) -> None:
+    """An output folder must be creatable: refused naming ``option`` when a file stands where a folder must be."""
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        what = "is a file" if blocker == Path(path) else f"lies under the file {blocker}"
+        raise ConfigError(f"{option} {path} {what}, not a folder; pass a folder path.")
 
 
 def _checked(kind: str, parse, rules: dict):
