@@ -59,7 +59,7 @@ def select_device(requested: str = "auto") -> torch.device:
         from runtime.config import ConfigError
 
         raise ConfigError("training.device='cuda' but no CUDA device is visible; use training.device=auto or cpu.")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # checked by check_launch_env
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
@@ -96,11 +96,57 @@ def host_available_bytes() -> int | None:
 
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return check_launch_env()[1]
 
 
 def rank_from_env() -> int:
-    return int(os.environ.get("RANK", "0"))
+    return check_launch_env()[0]
+
+
+def check_launch_env(env=None) -> tuple[int, int]:
+    """(rank, world size) from the launcher's variables, each checked before any store is opened: a RANK at or
+    past WORLD_SIZE waits in the store's connect for a peer that never comes (no output, for the whole
+    timeout), and a word where a number belongs is a traceback. A ConfigError names the variable, its value and
+    the fix. No RANK and no WORLD_SIZE: a plain ``python train.py``, a world of one."""
+    from runtime.config import ConfigError, parse_int
+
+    env = os.environ if env is None else env
+    fix = "launch with torchrun (which sets them), or unset them for one process"
+
+    def number(name: str, low: int, high: int | None = None) -> int | None:
+        if name not in env:
+            return None
+        value = parse_int(env[name])
+        if value is None or value < low or (high is not None and value >= high):
+            bound = f"an integer >= {low}" + (f" and < {high}" if high is not None else "")
+            raise ConfigError(f"environment variable {name}={env[name]!r} must be {bound}; {fix}.")
+        return value
+
+    world = number("WORLD_SIZE", 1, 2**31)
+    if world is None and "RANK" in env:
+        raise ConfigError(f"environment variable RANK={env['RANK']!r} is set but WORLD_SIZE is not; {fix}.")
+    if world is None:
+        return 0, 1
+    rank = number("RANK", 0)
+    if rank is None:
+        raise ConfigError(f"environment variable WORLD_SIZE={env['WORLD_SIZE']!r} is set but RANK is not; {fix}.")
+    if rank >= world:
+        raise ConfigError(
+            f"environment variables RANK={rank} and WORLD_SIZE={world}: a rank must be below the world size "
+            f"(0..{world - 1}); {fix}."
+        )
+    local_world = number("LOCAL_WORLD_SIZE", 1, world + 1)
+    number("LOCAL_RANK", 0, local_world)
+    if world > 1 or "MASTER_ADDR" in env or "MASTER_PORT" in env:
+        if world > 1 and not env.get("MASTER_ADDR", "").strip():
+            raise ConfigError(
+                f"environment variable MASTER_ADDR is {'empty' if 'MASTER_ADDR' in env else 'unset'} "
+                f"with WORLD_SIZE={world}: set it to rank 0's host name or address; {fix}."
+            )
+        if world > 1 and "MASTER_PORT" not in env:
+            raise ConfigError(f"environment variable MASTER_PORT is unset with WORLD_SIZE={world}; {fix}.")
+        number("MASTER_PORT", 1, 65536)
+    return rank, world
 
 
 def device_backend(device: torch.device) -> str:

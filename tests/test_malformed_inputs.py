@@ -222,3 +222,61 @@ def test_a_malformed_input_gets_one_message_naming_it(name, tmp_path, bpe):
     last = err.strip().splitlines()[-1]
     for word in words:
         assert word in last, (word, last)
+
+
+# The launcher's environment, checked before any store is opened (runtime/process.py: check_launch_env).
+BAD_ENVIRONMENTS = {
+    "rank-at-world-size": ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2"),
+    "rank-past-world-size": ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5"),
+    "world-size-a-word": ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two'"),
+    "world-size-zero": ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
+    "world-size-arabic-digits": ({"RANK": "0", "WORLD_SIZE": "٢"}, "WORLD_SIZE="),
+    "rank-negative": ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1'"),
+    "rank-without-world": ({"RANK": "0"}, "WORLD_SIZE is not"),
+    "local-rank-a-word": ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "x"}, "LOCAL_RANK='x'"),
+    "local-rank-past-local-world": (
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "1",
+        },
+        "LOCAL_RANK='2'",
+    ),
+    "master-port-a-word": (
+        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"},
+        "MASTER_PORT",
+    ),
+    "master-port-too-big": (
+        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"},
+        "MASTER_PORT",
+    ),
+    "master-addr-empty": ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": " ", "MASTER_PORT": "29500"}, "MASTER_ADDR"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ENVIRONMENTS))
+def test_a_bad_launcher_environment_is_refused_before_any_store(name, tmp_path, monkeypatch):
+    import time
+
+    import torch.distributed as dist
+
+    import train
+    from launch.local_runs import DEBUG_CONFIG
+
+    variables, words = BAD_ENVIRONMENTS[name]
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in variables.items():
+        monkeypatch.setenv(var, value)
+    err = io.StringIO()
+    start = time.monotonic()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = train.main(["--config", DEBUG_CONFIG, "--run.dir", str(tmp_path / "run"), "--training.steps", "1"])
+    assert code == 2, err.getvalue()[-2000:]
+    assert time.monotonic() - start < 30
+    assert not dist.is_initialized()
+    assert words in err.getvalue().strip().splitlines()[-1], err.getvalue()[-1000:]
+    assert not (tmp_path / "run").exists()
