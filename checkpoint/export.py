@@ -19,12 +19,18 @@
    tokenizer_config.json beside the weights, so that ``AutoModelForCausalLM.from_pretrained(out)`` and
    ``AutoTokenizer.from_pretrained(out)`` both work. ``--tokenizer`` points at the file when it has moved;
    its hash must still match.
+6. Replace whole (``replace_whole``): everything is written into a sibling folder ``.<out>.partial-<pid>``,
+   which is renamed into place only once complete. With ``--overwrite`` the earlier export is first renamed
+   aside and removed after the rename, so no file of it (an old shard, an old index beside a new single file)
+   survives, and a failed export leaves the earlier one as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -70,6 +76,27 @@ def check_out(out: str | Path, overwrite: bool) -> Path:
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"--out {out} already holds files (an earlier export?); pass another --out, or --overwrite.")
     return out
+
+
+def replace_whole(out: Path, write) -> list[Path]:
+    """Step 6: ``write(folder)`` into a sibling folder, then that folder renamed to ``out`` (the earlier export,
+    if any, renamed aside first and removed); returns the written files as paths under ``out``."""
+    out = out.absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial, old = out.parent / f".{out.name}.partial-{os.getpid()}", out.parent / f".{out.name}.old-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        written = write(partial)
+        if out.exists():
+            os.rename(out, old)  # the earlier export as a whole, out of the way (an empty folder too)
+        os.rename(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.rename(old, out)  # the earlier export back where it was
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return [out / Path(w).relative_to(partial) for w in written]
 
 
 def saved_config(step_dir: Path) -> Config:
@@ -170,9 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         step_dir = choose_checkpoint(opts.checkpoint)
         tokenizer = checkpoint_tokenizer(step_dir, opts.tokenizer)
         state, args = load_model_state(step_dir)
-        written = export_safetensors(state, args, opts.out, tokenizer.eos_id, max_shard_bytes)
-        if tokenizer.file is not None:
-            written += export_tokenizer(tokenizer, opts.out, args.max_seq_len)
+
+        def write(folder: Path) -> list[Path]:
+            files = export_safetensors(state, args, folder, tokenizer.eos_id, max_shard_bytes)
+            if tokenizer.file is not None:
+                files += export_tokenizer(tokenizer, folder, args.max_seq_len)
+            return files
+
+        written = replace_whole(Path(opts.out), write)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"meshloom export: error: {exc}", file=sys.stderr, flush=True)
         return 2

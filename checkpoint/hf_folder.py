@@ -239,7 +239,15 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
     if (folder / INDEX).is_file():
         index = json.loads((folder / INDEX).read_text())
-        return {name: folder / file for name, file in index["weight_map"].items()}
+        files = {name: folder / file for name, file in index["weight_map"].items()}
+        if (folder / SINGLE).is_file() and set(files.values()) != {folder / SINGLE}:
+            # transformers reads the single file, an index reader the shards: two models under one name
+            raise ConfigError(
+                f"{folder} holds both {SINGLE} and {INDEX}, which names other files: two exports mixed in one "
+                "folder, and which weights load depends on the reader. Export again into a new folder (or with "
+                "--overwrite, which replaces the folder whole), or remove the stale files."
+            )
+        return files
     with safe_open(str(folder / SINGLE), framework="pt") as f:
         return {name: folder / SINGLE for name in f.keys()}
 
