@@ -59,7 +59,7 @@ from planning.plan import LayoutPlan
 from runtime.config import Config, ConfigError, help_text, load_config
 from runtime.failures import explain_failure, fail, is_communication_failure, phase, say_last
 from runtime.process import ControlPlane, destroy_process_group, memory_per_rank, rank_from_env, world_size_from_env
-from runtime.run_dir import check_run_dir
+from runtime.run_dir import RunFolderLost, check_run_dir, folder_lost
 from runtime.signals import StopRequested, restart_attempt, resume_command
 from runtime.startup import start_process
 from training.evaluation import eval_due, evaluate
@@ -225,6 +225,9 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
         signum, compute_times = signals.agreed_stop(run.control, run.balance.compute_s)
     record.update(balance_fields(compute_times))
     if log:
+        lost = folder_lost()  # run.dir removed or replaced under the run: stop before writing (runtime/run_dir.py)
+        if lost is not None:
+            raise lost
         run.writer.log(record)
         lines = s.extras.after_log(record)  # the rank-balance warning
         if run.is_logger:
@@ -271,7 +274,7 @@ def main(argv: list[str]) -> int:
         return fail(f"training diverged: {exc}", 3)
     except CheckpointSaveError as exc:
         return fail(f"checkpoint save failed: {exc}", 4)
-    except ReplicaMismatchError as exc:
+    except (ReplicaMismatchError, RunFolderLost) as exc:
         return fail(str(exc), 4)
     except StopRequested as exc:
         say_last(str(exc))

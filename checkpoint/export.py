@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from checkpoint.folder import published
 from checkpoint.hf import export_safetensors, export_tokenizer, parse_size
 from checkpoint.resume import META_FILE, inspect
+from checkpoint.safe_pickle import planner, reader
 from checkpoint.state import MODEL, split, with_tied_head
 from checkpoint.verify import METADATA, digest_problems
 from runtime.config import Config, ConfigError, model_args
@@ -120,7 +121,7 @@ def load_model_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], object]:
     state = {MODEL + name: torch.empty(shape) for name, shape in shapes.items() if args.stored_name(name) == name}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+        dcp.load(state, storage_reader=reader(step_dir), planner=planner(), no_dist=True)  # safe_pickle.py
     return with_tied_head(args, split(state, MODEL)), args
 
 

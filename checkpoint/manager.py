@@ -80,12 +80,14 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from checkpoint.folder import check_shared, checkpoint_folder, move_aside, published, remove_stale
 from checkpoint.hf import import_safetensors
 from checkpoint.resume import FORMAT, META_FILE, Resume, check_usable, inspect, warn
+from checkpoint.safe_pickle import planner, reader, refused_value
 from checkpoint.state import apply_training_state, training_state
 from checkpoint.verify import METADATA, digest_problems, file_digests, seal
 from data.dataset import stream_identity
 from mesh.dims import ParallelDims
 from runtime.config import Config, ConfigError
 from runtime.process import ControlPlane, all_gather_objects, new_cpu_group, synchronize
+from runtime.run_dir import RunFolderLost, folder_lost
 
 
 class CheckpointSaveError(RuntimeError):
@@ -241,7 +243,18 @@ class CheckpointManager:
                 self._log(f"checkpoint: initial weights from {self.cfg.checkpoint.init_from}")
             return 0
         state = training_state(parts, optimizers, loader, step=0)  # what to read, sharded for this layout
-        dcp.load(state, checkpoint_id=str(self.resume_dir), process_group=self.group)
+        # the folder is data, not code: DCP's pickles read by checkpoint/safe_pickle.py
+        try:
+            dcp.load(state, storage_reader=reader(self.resume_dir), planner=planner(), process_group=self.group)
+        except CheckpointException as exc:
+            refusal = refused_value(exc)
+            if refusal is None:
+                raise
+            raise ConfigError(
+                f"checkpoint {self.resume_dir}: {refusal}. meshloom never writes such a value, so this folder was "
+                "written or changed by someone else; load only checkpoints from folders you control "
+                "(docs/troubleshooting.md, 'What is safe to load')."
+            ) from None
         step = apply_training_state(state, parts, optimizers, loader)
         meta = json.loads((self.resume_dir / META_FILE).read_text())
         # the degrees it was saved on, as a ParallelDims (checkpoints older than cp and ep lack those keys)
@@ -269,6 +282,8 @@ class CheckpointManager:
         if self.last_saved == step:
             return  # that save was this step's (an async save, then a stop signal after the same step)
         final, tmp = self.folder / f"step-{step}", self.folder / f"step-{step}.tmp"
+        # the run's folders still the ones it locked: a save must not re-create a removed run.dir
+        self.control.raise_if_any_failed(folder_lost(), "checking the run folders", RunFolderLost)
         if self.control.any_true(final.exists()):
             raise FileExistsError(f"{final} already exists; meshloom never overwrites a saved checkpoint.")
         if dist.get_rank() == 0:

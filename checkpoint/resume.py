@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint.folder import STEP_DIR, checkpoint_folder, published
 from checkpoint.hf import safetensors_problems
+from checkpoint.safe_pickle import reader
 from checkpoint.state import TRAIN, TRAIN_KEYS, expected_entries
 from checkpoint.verify import manifest_changed, manifest_problems
 from data.dataset import stream_digest
@@ -103,7 +103,7 @@ def _inspect(path: Path):
     if problems:
         return meta, None, problems
     try:
-        dcp_meta = FileSystemReader(str(path)).read_metadata()
+        dcp_meta = reader(path).read_metadata()  # only DCP's metadata types (checkpoint/safe_pickle.py)
     except Exception as exc:  # noqa: BLE001 - verified bytes, but a foreign writer can still surprise
         return meta, None, [f"DCP's .metadata cannot be read ({type(exc).__name__}: {exc})"]
     needed: dict[str, int] = {}

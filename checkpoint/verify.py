@@ -18,8 +18,9 @@ crafted, run code when unpickled. So:
    and agree on the result (checkpoint/manager.py), so no rank reads more than its share.
 
 What this protects against is damage (a bad disk, a truncated copy, a half-synced folder), not an attacker
-who can write to the folder: such a person can rewrite the manifest too. Load only checkpoints from folders
-you control (docs/troubleshooting.md, "What is safe to load").
+who can write to the folder: such a person can rewrite the manifest too. That is why the pickles themselves
+are read as data only (checkpoint/safe_pickle.py). Load only checkpoints from folders you control
+(docs/troubleshooting.md, "What is safe to load").
 """
 
 from __future__ import annotations

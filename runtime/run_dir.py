@@ -19,6 +19,14 @@
    c. otherwise (several nodes, whose run.dir may be a node-local path; or a process group that already
       exists) rank 0's verdict reaches every rank through the control plane
       (runtime/process.py: ControlPlane.raise_if_any_failed) before the first collective on the model.
+
+   A folder given twice (checkpoint.folder equal to run.dir) is locked once.
+3. The lock holds the folder's identity: the device and inode of the folder and of its lock file, taken
+   when it is locked. ``folder_lost`` compares them with what the paths name now; rank 0 calls it before
+   each metrics line and (shared on the control plane) before each save. A folder removed (``rm -rf
+   run.dir``) or replaced under the run stops it with ``RunFolderLost`` (exit 4, saying which), before
+   anything is written: a write would re-create the folder, or land in another run's folder, whose own lock
+   a second run may hold by then.
 """
 
 from __future__ import annotations
@@ -35,6 +43,11 @@ from pathlib import Path
 from runtime.config import ConfigError
 
 LOCK_FILE = ".meshloom.lock"
+HELD: list[RunLock] = []  # the locks this process holds, for folder_lost (step 3)
+
+
+class RunFolderLost(RuntimeError):
+    """The run's folder was removed or replaced while the run was alive (step 3): exit 4, nothing written."""
 
 
 def symlink_loop(path: str | Path) -> bool:
@@ -79,6 +92,7 @@ class RunLock:
         self.path = self.folder / LOCK_FILE
         self.fd: int | None = None
         self.took_over: dict | None = None  # the record of a dead run whose lock this run took
+        self.identity: tuple[int, int] | None = None  # (device, inode) of the folder when it was locked
 
     def acquire(self, job: str | None = None, patience_s: float = 0.5) -> RunLock:
         """Take the lock, or raise the ConfigError naming the live holder. ``patience_s``: how long to retry
@@ -109,14 +123,51 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         self.fd = fd
+        folder = os.stat(self.folder)
+        self.identity = (folder.st_dev, folder.st_ino)
+        HELD.append(self)
         return self
 
+    def lost(self) -> str | None:
+        """Why the locked folder is no longer this run's (step 3), or None while it is."""
+        if self.fd is None or self.identity is None:
+            return None
+        try:
+            folder = os.stat(self.folder)
+        except FileNotFoundError:
+            return f"{self.field}={str(self.folder)!r} was removed while the run was alive"
+        if (folder.st_dev, folder.st_ino) != self.identity:
+            return f"{self.field}={str(self.folder)!r} was replaced by another folder while the run was alive"
+        held = os.fstat(self.fd)
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            return f"{self.field}={str(self.folder)!r} lost its lock file {LOCK_FILE} while the run was alive"
+        if (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
+            return f"{self.field}={str(self.folder)!r} has another run's lock file now"
+        return None
+
     def release(self) -> None:
+        if self in HELD:
+            HELD.remove(self)
         if self.fd is not None:
             os.ftruncate(self.fd, 0)  # an empty lock file: the last run ended cleanly
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def folder_lost() -> RunFolderLost | None:
+    """Step 3: the error to stop with when a folder this process locked is gone or replaced, else None."""
+    for lock in HELD:
+        why = lock.lost()
+        if why:
+            return RunFolderLost(
+                f"{why}; stopping, and writing nothing more (not the metrics, not a checkpoint): a write would "
+                "re-create the folder or land in another run's. Keep run.dir in place while a run is alive; resume "
+                "from a checkpoint kept elsewhere with --checkpoint.resume auto."
+            )
+    return None
 
 
 def in_use(field: str, folder: Path, holder: dict) -> ConfigError:
@@ -181,8 +232,12 @@ def lock_run_folders(
     after the control plane shared it: step 2c)."""
     job = job_id()
     field, folder = folders[0]
+    seen: set[Path] = set()
     try:
         for field, folder in folders:
+            if Path(folder).absolute() in seen:
+                continue  # checkpoint.folder equal to run.dir: one lock (a second flock would wait on the first)
+            seen.add(Path(folder).absolute())
             if rank == 0:
                 lock = RunLock(folder, field).acquire(job)
                 locks.append(lock)

@@ -1,0 +1,69 @@
+"""The run folder stays the run's (runtime/run_dir.py, step 3): removed or replaced under a live run, the run
+stops with exit 4 and writes nothing more; a checkpoint folder equal to run.dir is one lock."""
+
+import contextlib
+import io
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch.local_runs import DEBUG_CONFIG, ROOT
+from runtime.run_dir import HELD, RunLock, folder_lost
+
+
+@pytest.fixture(autouse=True)
+def launch_env_restored(monkeypatch):
+    """An in-process run sets RANK, MASTER_PORT, ... for its world of one (runtime/process.py); put them back,
+    so that a later command does not inherit this run's port."""
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_the_lock_notices_its_folder_removed_or_replaced(tmp_path):
+    folder = tmp_path / "run"
+    lock = RunLock(folder).acquire()
+    try:
+        assert lock in HELD and folder_lost() is None
+        shutil.rmtree(folder)
+        assert "was removed" in str(folder_lost())
+        folder.mkdir()  # another folder under the same name
+        assert "was replaced by another folder" in str(folder_lost())
+    finally:
+        lock.release()
+    assert lock not in HELD
+
+
+def test_a_checkpoint_folder_equal_to_run_dir_is_one_lock(tmp_path):
+    import train
+
+    run = tmp_path / "run"
+    args = ["--config", DEBUG_CONFIG, "--run.dir", str(run), "--checkpoint.folder", str(run)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = train.main([*args, "--training.steps", "2", "--checkpoint.interval", "2", "--run.tensorboard", "false"])
+    assert code == 0, err.getvalue()[-2000:]
+    assert (run / "step-2").is_dir() and (run / "metrics.jsonl").is_file()
+
+
+def test_deleting_run_dir_mid_run_stops_it_with_exit_4_and_nothing_recreated(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "--config", DEBUG_CONFIG, "--run.dir", str(run), "--run.tensorboard", "false"]
+    cmd += ["--training.steps", "2000", "--checkpoint.interval", "2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "step-2").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        shutil.rmtree(run)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 4, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "was removed while the run was alive" in err.strip().splitlines()[-1]
+    assert not run.exists(), sorted(str(p) for p in run.rglob("*"))  # nothing re-created, nothing written
