@@ -60,7 +60,7 @@ from runtime.config import Config, ConfigError, help_text, load_config
 from runtime.failures import explain_failure, fail, is_communication_failure, phase, say_last
 from runtime.process import ControlPlane, destroy_process_group, memory_per_rank, rank_from_env, world_size_from_env
 from runtime.run_dir import RunFolderLost, check_run_dir, folder_lost
-from runtime.signals import StopRequested, restart_attempt, resume_command
+from runtime.signals import StopRequested, loop_started, restart_attempt, resume_command
 from runtime.startup import start_process
 from training.evaluation import eval_due, evaluate
 from training.loaders import batch_loader
@@ -195,6 +195,7 @@ def train(cfg: Config) -> list[dict]:
     with contextlib.ExitStack() as stack:
         stack.callback(signals.uninstall)
         run = build(cfg, plan, resume, stack)
+        loop_started()  # a launcher that dies from here on stops the run after a saved step (runtime/signals.py)
         for step in range(run.start_step + 1, cfg.training.steps + 1):
             signum = loop_step(run, step, signals)
             if signum is not None:

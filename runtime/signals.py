@@ -18,7 +18,14 @@ Ctrl-C arrives as SIGINT. torchrun forwards SIGTERM to its workers and kills the
    prints the step and the resume command (``resume_command``, step 4), and exits with 128 + signal.
 3. ``ParentWatch`` covers a launcher that died without forwarding anything (SIGKILL of torchrun, a lost
    SSH session): a daemon thread notices that this process was re-parented and sends itself SIGTERM, so
-   step 2 runs; if the run cannot get there (its peers are gone too) it exits after ``grace_s``.
+   step 2 runs; if the run cannot get there (its peers are gone too) it exits after ``grace_s``. The
+   launcher is the parent recorded when this module is first imported (``PARENT_AT_IMPORT``: train.py
+   imports it before anything slow), not when the watch starts seconds later, by which time a launcher
+   killed during start-up is already gone and the recorded "parent" would be the process that adopted the
+   orphan. A worker adopted by pid 1 before even that (``launcher_gone``) is told apart from one whose
+   launcher *is* pid 1 (torchrun as a container's first process) by pid 1's command line. Before the
+   training loop runs (``loop_started``) there is nothing to save: the worker exits at once, saying so,
+   instead of waiting for a process group whose store died with the launcher.
 4. ``resume_command`` writes the command that continues the run, so that it runs as printed when pasted
    into a shell: the launcher as it was started (under torchrun, the launcher's own command line, read from
    ``/proc/<parent>/cmdline``: a worker's parent is torchrun; where that cannot be read, rebuilt from what
@@ -108,16 +115,42 @@ class StopSignals:
         return int(max(row[0] for row in rows)) or None, [row[1] for row in rows]
 
 
-class ParentWatch:
-    """Send this process SIGTERM when its launcher dies (module docstring, step 3)."""
+# This process's parent when this module was first imported (step 3): train.py imports it first of all.
+PARENT_AT_IMPORT = os.getppid()
 
-    def __init__(self, grace_s: float, poll_s: float = 1.0):
-        self.parent = os.getppid()
+
+def _is_launcher(pid: int) -> bool:
+    """Whether process ``pid`` is torchrun itself (``python .../torchrun`` or ``python -m torch.distributed.run``),
+    not a process that merely started it (``tini -- torchrun ...``)."""
+    try:
+        words = [os.fsdecode(w) for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
+    except OSError:
+        return False
+    if not words or not (Path(words[0]).name.startswith("python") or Path(words[0]).name == "torchrun"):
+        return False
+    return any(Path(w).name == "torchrun" or w == TORCHRUN_MODULE for w in words[:4])
+
+
+def launcher_gone(recorded: int) -> bool:
+    """Whether the launcher recorded as pid ``recorded`` is gone: this process was re-parented since, or was
+    already adopted by pid 1 when it recorded (step 3)."""
+    return os.getppid() != recorded or (recorded == 1 and not _is_launcher(1))
+
+
+class ParentWatch:
+    """Send this process SIGTERM when its launcher dies (module docstring, step 3); before ``loop_started``,
+    exit at once."""
+
+    def __init__(self, grace_s: float, poll_s: float = 1.0, parent: int | None = None):
+        self.parent = PARENT_AT_IMPORT if parent is None else parent
         self.grace_s, self.poll_s = grace_s, poll_s
+        self.running = False  # the training loop runs: a stop saves a step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="meshloom-parent-watch", daemon=True)
 
     def start(self) -> ParentWatch:
+        global WATCH
+        WATCH = self
         self._thread.start()
         return self
 
@@ -125,19 +158,32 @@ class ParentWatch:
         self._stop.set()
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            if os.getppid() != self.parent:
-                print(
-                    f"meshloom: rank {os.environ.get('RANK', '0')}: the launcher (pid {self.parent}) is gone; stopping",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os.kill(os.getpid(), signal.SIGTERM)
-                deadline = time.monotonic() + self.grace_s
-                while not self._stop.wait(self.poll_s):
-                    if time.monotonic() > deadline:
-                        os._exit(128 + signal.SIGTERM)
+        while not launcher_gone(self.parent):  # checked at once: the launcher may be gone already
+            if self._stop.wait(self.poll_s):
                 return
+        rank = os.environ.get("RANK", "0")
+        if not self.running:
+            sys.stderr.write(
+                f"meshloom: rank {rank}: the launcher (pid {self.parent}) is gone during start-up; exiting (no step "
+                "was trained since the start, so nothing is lost; resume with --checkpoint.resume auto)\n"
+            )
+            sys.stderr.flush()
+            os._exit(128 + signal.SIGTERM)
+        print(f"meshloom: rank {rank}: the launcher (pid {self.parent}) is gone; stopping", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while not self._stop.wait(self.poll_s):
+            if time.monotonic() > deadline:
+                os._exit(128 + signal.SIGTERM)
+
+
+WATCH: ParentWatch | None = None
+
+
+def loop_started() -> None:
+    """The training loop runs: from now on a launcher's death stops the run after a step, which is saved."""
+    if WATCH is not None:
+        WATCH.running = True
 
 
 # ---- the resume command (module docstring, step 4) ---------------------------------------------------------
