@@ -18,6 +18,7 @@ from pathlib import Path
 from data.prepare import Progress, Utf8, documents, source_files
 from data.tokenizers import import_tokenizers
 from runtime.config import ConfigError
+from runtime.options import int_option, path_option, text_option
 
 EOS = "<|endoftext|>"
 
@@ -48,13 +49,25 @@ def train_bpe(source: str, vocab_size: int, out_dir: str | Path, text_field: str
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py): a bad value is refused with exit 2."""
     parser = argparse.ArgumentParser(prog="python -m data.train_tokenizer", description=__doc__.split("\n")[0])
-    parser.add_argument("--source", required=True, help="a text/JSONL/Parquet file, a folder of them, or 'default'")
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--out", required=True, help="folder for tokenizer.json")
-    parser.add_argument("--text-field", default="text", help="JSONL field / Parquet column with the text")
-    opts = parser.parse_args(argv)
+    parser.add_argument(
+        "--source", required=True, type=path_option(), help="a text/JSONL/Parquet file, a folder of them, or 'default'"
+    )
+    parser.add_argument("--vocab-size", type=int_option(ge=257, le=2**31 - 1), default=4096)
+    parser.add_argument("--out", required=True, type=path_option(), help="folder for tokenizer.json")
+    parser.add_argument(
+        "--text-field",
+        default="text",
+        type=text_option(nonempty=True),
+        help="JSONL field / Parquet column with the text",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
     try:
         out = train_bpe(opts.source, opts.vocab_size, opts.out, opts.text_field)
     except ConfigError as exc:

@@ -65,11 +65,23 @@ def run_once(command: list[str], forwarded: list[int]) -> tuple[int, str]:
             signal.signal(sig, handler)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py): a bad value is refused with exit 2."""
+    from runtime.options import float_option, int_option
+
     parser = argparse.ArgumentParser(prog="python -m launch.supervise", description=__doc__.split("\n")[0])
-    parser.add_argument("--max-relaunches", type=int, default=3, help="relaunches after the first launch")
-    parser.add_argument("--wait", type=float, default=10.0, help="seconds between a failure and the relaunch")
+    parser.add_argument(
+        "--max-relaunches", type=int_option(ge=0, le=10**6), default=3, help="relaunches after the first launch"
+    )
+    parser.add_argument(
+        "--wait", type=float_option(ge=0, le=86400), default=10.0, help="seconds between a failure and the relaunch"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     opts = parser.parse_args(argv)
     command = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
     if not command:

@@ -100,10 +100,13 @@ def test_every_config_key_refuses_what_it_cannot_use_naming_the_key(key):
 def parsers() -> dict[str, argparse.ArgumentParser]:
     import generate
     from checkpoint import export, gguf_import
-    from data import prepare
+    from data import prepare, train_tokenizer
+    from launch import supervise
 
     return {
         "data.prepare": prepare.build_parser(),
+        "data.train_tokenizer": train_tokenizer.build_parser(),
+        "launch.supervise": supervise.build_parser(),
         "generate": generate.build_parser(),
         "checkpoint.export": export.build_parser(),
         "checkpoint.gguf_import": gguf_import.build_parser(),
@@ -122,7 +125,7 @@ def options() -> list[tuple[str, str]]:
 def required_args(parser: argparse.ArgumentParser, skip: str) -> list[str]:
     args = []
     for action in parser._actions:
-        if action.required and action.option_strings[0] != skip:
+        if action.required and action.option_strings and action.option_strings[0] != skip:
             args += [action.option_strings[0], "x"]
     return args
 
