@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -70,12 +71,23 @@ def choose_checkpoint(path: str | Path) -> Path:
     raise ConfigError(f"--checkpoint {path}: no whole checkpoint among {[c.name for c in candidates]}.")
 
 
+# The files an export (ours or transformers' save_pretrained) writes: what --overwrite may replace.
+EXPORT_FILE = re.compile(r"[\w.-]+\.(safetensors|json|jinja|model|txt)")
+
+
 def check_out(out: str | Path, overwrite: bool) -> Path:
     """The export folder must be new (or empty), unless --overwrite: an export is never replaced by accident."""
     out = Path(out)
     check_out_folder(out, "--out")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"--out {out} already holds files (an earlier export?); pass another --out, or --overwrite.")
+    if out.is_dir() and overwrite:  # replaced whole (step 6): only ever an earlier export's own files
+        foreign = sorted(p.name for p in out.iterdir() if not p.is_file() or not EXPORT_FILE.fullmatch(p.name))
+        if foreign:
+            raise ConfigError(
+                f"--out {out} holds more than an export ({', '.join(foreign[:5])}); --overwrite replaces an earlier "
+                "export as a whole folder, so it refuses a folder with anything else in it; pass another --out."
+            )
     return out
 
 

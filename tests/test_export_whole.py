@@ -24,6 +24,15 @@ def test_an_overwrite_of_a_sharded_export_leaves_no_file_of_it(one_process_savin
     assert set(weight_files(out).values()) == {out / SINGLE}
 
 
+def test_an_overwrite_refuses_a_folder_that_holds_more_than_an_export(tmp_path, capsys):
+    out = tmp_path / "mixed"
+    (out / "notes").mkdir(parents=True)
+    (out / "model.safetensors").write_text("an earlier export")
+    assert export_to(tmp_path / "none", out, "--overwrite") == 2
+    assert "holds more than an export (notes)" in capsys.readouterr().err
+    assert (out / "notes").is_dir() and (out / "model.safetensors").is_file()
+
+
 def test_a_failed_export_leaves_the_earlier_one_whole(one_process_saving, tmp_path, monkeypatch, capsys):
     checkpoints, out = one_process_saving.checkpoints, tmp_path / "hf"
     assert export_to(checkpoints, out, "--max-shard-size", "40KB") == 0
