@@ -103,11 +103,13 @@ def rank_from_env() -> int:
     return check_launch_env()[0]
 
 
-def check_launch_env(env=None) -> tuple[int, int]:
+def check_launch_env(env=None, store: bool = False) -> tuple[int, int]:
     """(rank, world size) from the launcher's variables, each checked before any store is opened: a RANK at or
     past WORLD_SIZE waits in the store's connect for a peer that never comes (no output, for the whole
     timeout), and a word where a number belongs is a traceback. A ConfigError names the variable, its value and
-    the fix. No RANK and no WORLD_SIZE: a plain ``python train.py``, a world of one."""
+    the fix. No RANK and no WORLD_SIZE: a plain ``python train.py``, a world of one. MASTER_ADDR and
+    MASTER_PORT are checked when set, and required with ``store`` (just before the store is opened): the
+    config checks before it need only the rank and the world."""
     from runtime.config import ConfigError, parse_int
 
     env = os.environ if env is None else env
@@ -137,13 +139,13 @@ def check_launch_env(env=None) -> tuple[int, int]:
         )
     local_world = number("LOCAL_WORLD_SIZE", 1, world + 1)
     number("LOCAL_RANK", 0, local_world)
-    if world > 1 or "MASTER_ADDR" in env or "MASTER_PORT" in env:
-        if world > 1 and not env.get("MASTER_ADDR", "").strip():
+    if store or "MASTER_ADDR" in env or "MASTER_PORT" in env:
+        if (store or "MASTER_ADDR" in env) and world > 1 and not env.get("MASTER_ADDR", "").strip():
             raise ConfigError(
                 f"environment variable MASTER_ADDR is {'empty' if 'MASTER_ADDR' in env else 'unset'} "
                 f"with WORLD_SIZE={world}: set it to rank 0's host name or address; {fix}."
             )
-        if world > 1 and "MASTER_PORT" not in env:
+        if store and world > 1 and "MASTER_PORT" not in env:
             raise ConfigError(f"environment variable MASTER_PORT is unset with WORLD_SIZE={world}; {fix}.")
         number("MASTER_PORT", 1, 65536)
     return rank, world
@@ -180,6 +182,8 @@ def init_process_group(device: torch.device, timeout_s: float) -> ControlPlane:
     """
     global _CONTROL
     if not dist.is_initialized():
+        if "RANK" in os.environ:
+            check_launch_env(store=True)  # every variable the store and the group read, before they read them
         if "RANK" not in os.environ:  # plain `python train.py`: a world of one
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))

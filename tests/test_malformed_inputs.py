@@ -253,6 +253,7 @@ BAD_ENVIRONMENTS = {
         {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"},
         "MASTER_PORT",
     ),
+    "master-addr-missing": ({"RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR is unset"),
     "master-addr-empty": ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": " ", "MASTER_PORT": "29500"}, "MASTER_ADDR"),
 }
 
