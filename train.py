@@ -134,7 +134,10 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
     data = load_data(cfg)
     loader = batch_loader(data.train, plan, meshes)
+    loader.allow_empty_steps = cfg.data.allow_empty_steps  # else a step with no trained token stops the run
     val_loader = None if data.val is None else batch_loader(data.val, plan, meshes)
+    if val_loader is not None:
+        val_loader.allow_empty_steps = True  # its divisor is the sum over eval.steps batches
     # Weights, optimizer, LR schedule, data position and RNG from the checkpoint (or init_from weights).
     with phase("loading the checkpoint", "checkpoint group"):
         start_step = checkpoints.restore(parts, optimizers, loader)

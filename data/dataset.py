@@ -86,6 +86,13 @@ def open_stream(source: str, tokenizer, max_bytes: int, field: str, vocab_size: 
         check_header_tokenizer(header, tokenizer, field, source)
         if vocab_size is not None:
             check_header_ids(header, vocab_size, field, source)
+        mask = header.get("loss_mask")
+        if mask is not None and mask.get("trained_tokens") == 0:
+            raise ConfigError(
+                f"{field}={source!r} has a loss mask with 0 trained tokens (header.json loss_mask.trained_tokens): "
+                "a run on it would train nothing (loss 0, gradient 0). Prepare it again from conversations with "
+                "assistant replies, or with --train-on all (python -m data.prepare --format chat)."
+            )
         tokens = open_tokens(path, header)
         return (
             tokens,

@@ -82,6 +82,9 @@ class GlobalBatchLoader:
         # once here, so that no torch op on the step's path reads a tensor back (bench/host_syncs.py).
         self.host_ids = self.tokens.numpy() if isinstance(self.tokens, torch.Tensor) else self.tokens
         self.tokens_consumed = 0  # position in the global stream, identical on every rank
+        # A masked global batch with no trained target is an error (a silent step of loss 0), unless allowed
+        # (data.allow_empty_steps; the validation loader allows it: its divisor sums over several batches).
+        self.allow_empty_steps = False
 
     def window_starts(self, position: int) -> torch.Tensor:
         """Start offsets of this rank's windows in the global batch that begins at ``position``."""
@@ -127,6 +130,8 @@ class GlobalBatchLoader:
         if self.mask is not None:
             targets = targets.masked_fill(self.read(self.mask, index[:, 1:]) == 0, IGNORE)
             self.trained_tokens = self.global_trained_tokens(self.tokens_consumed)
+            if self.trained_tokens == 0 and not self.allow_empty_steps:
+                raise ConfigError(empty_step(self.tokens, self.tokens_consumed, self.global_batch, self.seq_len))
         self.tokens_consumed += self.global_batch * self.seq_len
         if self.positions is not None:
             inputs, targets = inputs[:, self.positions], targets[:, self.positions]
@@ -163,6 +168,18 @@ def first_at_least(tokens, limit: int, first: int, stop: int) -> int | None:
     if len(span) == 0 or int(span.max()) < limit:
         return None
     return first + int((span >= limit).argmax())
+
+
+def empty_step(tokens, position: int, global_batch: int, seq_len: int) -> str:
+    """The message for a global batch whose every target is masked: the file, the position and the fixes."""
+    file = getattr(tokens, "file", None)
+    where = f"{file}" if file is not None else "the in-memory token stream"
+    return (
+        f"the global batch at token {position:,} of {where} ({global_batch} windows of {seq_len} tokens) has no "
+        "trained token: every target is masked (user turns, padding), so the step would train nothing (loss 0, "
+        "gradient 0). Prepare the data with more assistant replies (or --train-on all), raise training.global_batch, "
+        "or pass --data.allow_empty_steps true to run such steps anyway."
+    )
 
 
 def out_of_range(tokens, offset: int, vocab_size: int) -> str:

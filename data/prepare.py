@@ -469,6 +469,14 @@ def prepare_chat(
     if n_docs == 0:
         writer.abort()
         raise ConfigError(f"--source {source!r} holds no conversation (JSONL lines with 'messages').")
+    if writer.trained_tokens == 0:  # a run on it would train on nothing: loss 0, gradient 0, exit 0
+        writer.abort()
+        what = "no assistant turn" if train_on == "assistant" else "no token"
+        raise ConfigError(
+            f"--source {source!r}: its {n_docs:,} conversations have {what} to train (0 trained tokens with "
+            f"--train-on {train_on}); add conversations with assistant replies"
+            + (", or pass --train-on all to train every token." if train_on == "assistant" else ".")
+        )
     header = {
         "num_documents": n_docs,
         "tokenizer": tokenizer.describe(),

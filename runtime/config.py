@@ -167,6 +167,11 @@ class DataConfig:
         "resume into a prepared stream whose content digest differs from the checkpoint's: its tokens_consumed "
         "is then reinterpreted as a position in the new stream",
     )
+    allow_empty_steps: bool = opt(
+        False,
+        "masked (chat) data: run a step whose global batch has no trained token (loss 0, no gradient) instead of "
+        "stopping with exit 2",
+    )
 
 
 @dataclass
