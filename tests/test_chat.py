@@ -224,3 +224,39 @@ def test_a_global_batch_with_no_trained_token_is_an_error_unless_allowed(tiny_fo
     assert allowed.trained_tokens == 0
     allowed.next_batch()  # the next batch trains
     assert allowed.trained_tokens == seq * batch
+
+
+# ---- document boundaries (data/token_file.py: documents.bin) ------------------------------------------------
+
+
+def test_prepare_records_where_each_document_starts_and_old_folders_still_load(tiny_folder, tmp_path):
+    """Text: each document starts right after the previous one's EOS. Chat: each conversation (and each run of
+    padding) starts a document, and a conversation's tokens are the ones between its start and the next. A folder
+    prepared before documents.bin existed loads, with no documents."""
+    from data.prepare import prepare
+    from data.token_file import DOCUMENTS, open_documents
+
+    texts = tmp_path / "docs.jsonl"
+    texts.write_text("\n".join(json.dumps({"text": f"document {i} " * (1 + i)}) for i in range(7)) + "\n")
+    header = prepare(str(texts), str(tiny_folder), str(tmp_path / "text"), workers=1, quiet=True)
+    starts = open_documents(tmp_path / "text", read_header(tmp_path / "text"))
+    tokens = np.asarray(open_tokens(tmp_path / "text", read_header(tmp_path / "text")))
+    ends = np.flatnonzero(tokens == header["tokenizer"]["eos_id"])
+    assert starts.tolist() == [0, *(ends[:-1] + 1).tolist()] and len(starts) == 7
+
+    out = tmp_path / "chat"
+    args = ["--format", "chat", "--source", str(CHATS), "--tokenizer", str(tiny_folder), "--seq-len", "64"]
+    assert prepare_main([*args, "--out", str(out)]) == 0
+    chat_header = read_header(out)
+    starts = open_documents(out, chat_header)
+    data = open_tokens(out, chat_header)
+    tokens, eos = np.asarray(data.tokens).astype(np.int64), chat_header["tokenizer"]["eos_id"]
+    bounds = [*starts.tolist(), chat_header["num_tokens"]]
+    conversations = [tokens[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if tokens[a] != eos]
+    assert len(conversations) == chat_header["num_documents"] == len(messages())
+    assert all(c[-1] == eos and (c[:-1] != eos).all() for c in conversations)  # one conversation, its end
+
+    (out / DOCUMENTS).unlink()
+    old = {k: v for k, v in chat_header.items() if k != "documents"}
+    (out / "header.json").write_text(json.dumps(old))
+    assert open_documents(out, read_header(out)) is None
