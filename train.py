@@ -133,9 +133,9 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     tied = TiedEmbeddings.build(parts, meshes, timeout_s)
     optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
     data = load_data(cfg)
-    loader = batch_loader(data.train, plan, meshes)
+    loader = batch_loader(data.train, plan, meshes, data.train_documents)
     loader.allow_empty_steps = cfg.data.allow_empty_steps  # else a step with no trained token stops the run
-    val_loader = None if data.val is None else batch_loader(data.val, plan, meshes)
+    val_loader = None if data.val is None else batch_loader(data.val, plan, meshes, data.val_documents)
     if val_loader is not None:
         val_loader.allow_empty_steps = True  # its divisor is the sum over eval.steps batches
     # Weights, optimizer, LR schedule, data position and RNG from the checkpoint (or init_from weights).

@@ -28,6 +28,7 @@ from data.token_file import (
     check_header_ids,
     check_header_tokenizer,
     is_token_folder,
+    open_documents,
     open_tokens,
     read_header,
 )
@@ -41,6 +42,43 @@ class Splits:
     train: object  # a 1-D token array: numpy (memmap for prepared folders) or a torch uint8 tensor (bytes)
     val: object | None
     description: str
+    train_documents: object = None  # where each document starts (int64 offsets), when document masks are on
+    val_documents: object = None
+
+
+def document_starts(source: str, mode: str, field: str):
+    """(the offsets where ``source``'s documents start, or None; the banner's words) for data.document_mask
+    ``mode``: auto is on for chat data (a loss mask) whose folder recorded its documents."""
+    prepared = source != "default" and is_token_folder(source)
+    header = read_header(source, field) if prepared else {}
+    starts = open_documents(source, header) if prepared else None
+    if mode == "off" or (mode == "auto" and "loss_mask" not in header):
+        return None, "off"
+    if starts is None:
+        why = (
+            "was prepared before data.prepare recorded document starts"
+            if prepared
+            else "is raw text, whose documents are not recorded"
+        )
+        if mode == "on":
+            raise ConfigError(
+                f"data.document_mask=on, but {field}={source!r} {why}; prepare it (again) with python -m "
+                "data.prepare, or set --data.document_mask off."
+            )
+        return None, f"off ({field} {why}: prepare it again for them)"
+    return starts, f"on ({len(starts):,} documents: each token attends to its own, positions restart per document)"
+
+
+def split_starts(starts, n_train: int):
+    """Document starts of the training part ``[0, n_train)`` and of the rest (shifted to start at 0)."""
+    import numpy as np
+
+    if starts is None:
+        return None, None
+    val = starts[starts >= n_train] - n_train
+    if not len(val) or val[0] != 0:
+        val = np.concatenate([[0], val])  # the split cuts a document: its tail starts the validation stream
+    return starts[starts < n_train], val
 
 
 def _length(tokens) -> int:
@@ -125,15 +163,19 @@ def load_data(cfg: Config) -> Splits:
     tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
     check_vocab(tokenizer, cfg.model.vocab_size)
     train, about = _cached_stream(d.source, tokenizer, d.max_bytes, "data.source", cfg.model.vocab_size)
-    val, val_about = None, ""
+    train_docs, masks = document_starts(d.source, d.document_mask, "data.source")
+    val, val_about, val_docs = None, "", None
     if d.val_source:
         val, val_about = _cached_stream(d.val_source, tokenizer, d.max_bytes, "data.val_source", cfg.model.vocab_size)
         val_about = f"data.val_source: {val_about}"
+        if train_docs is not None:
+            val_docs, _ = document_starts(d.val_source, "on", "data.val_source")
     elif d.val_fraction:
         n = _length(train)
         n_val = int(n * d.val_fraction)
         train, val = train[: n - n_val], train[n - n_val :]
         val_about = f"the last {n_val:,} tokens ({d.val_fraction:g})"
+        train_docs, val_docs = split_starts(train_docs, n - n_val)
 
     one_batch = t.global_batch * t.seq_len + 1
     if _length(train) < one_batch:
@@ -160,7 +202,8 @@ def load_data(cfg: Config) -> Splits:
     description = f"{d.source}: {about} | tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size:,}{eos})" + (
         f" | validation: {val_about}" if val is not None else ""
     )
-    return Splits(tokenizer, train, val, description)
+    description += f" | document masks: {masks}"
+    return Splits(tokenizer, train, val, description, train_docs, val_docs)
 
 
 def packing_note(source: str, seq_len: int) -> str:

@@ -173,6 +173,11 @@ class DataConfig:
         "resume into a prepared stream whose content digest differs from the checkpoint's: its tokens_consumed "
         "is then reinterpreted as a position in the new stream",
     )
+    document_mask: Literal["auto", "on", "off"] = opt(
+        "auto",
+        "attention within each document of a packed window, positions restarting per document (needs a "
+        "data.prepare folder); auto: on for chat data, off for text",
+    )
     allow_empty_steps: bool = opt(
         False,
         "masked (chat) data: run a step whose global batch has no trained token (loss 0, no gradient) instead of "

@@ -20,12 +20,15 @@ TINY_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
+    return make_tiny_chat_folder(tmp_path_factory.mktemp("tiny_chat"))
+
+
+def make_tiny_chat_folder(folder: Path) -> Path:
     """A tiny BPE with two turn markers and a template: what any chat model folder has, in miniature."""
     from tokenizers import AddedToken, Tokenizer
 
     from tests.bpe import EOS, tiny_bpe
 
-    folder = tmp_path_factory.mktemp("tiny_chat")
     tok = Tokenizer.from_file(str(tiny_bpe(folder)))
     tok.add_special_tokens([AddedToken("<|start|>", special=True), AddedToken("<|end|>", special=True)])
     tok.save(str(folder / "tokenizer.json"))
