@@ -202,7 +202,10 @@ def load_data(cfg: Config) -> Splits:
     description = f"{d.source}: {about} | tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size:,}{eos})" + (
         f" | validation: {val_about}" if val is not None else ""
     )
-    description += f" | document masks: {masks}"
+    passes = passes_line(_length(train), t.seq_len, t.global_batch, t.steps)
+    if t.epochs:
+        passes += f" (training.epochs={t.epochs:g} set the steps)"
+    description += f" | document masks: {masks}\n  passes        {passes}"
     return Splits(tokenizer, train, val, description, train_docs, val_docs)
 
 
@@ -223,6 +226,40 @@ def packing_note(source: str, seq_len: int) -> str:
             f"--seq-len {seq_len} to keep conversations whole in a window"
         )
     return note
+
+
+def stream_span(train_tokens: int, seq_len: int) -> int:
+    """The tokens one pass over the training stream covers: the loader wraps its window offsets at this many
+    (data/loader.py), so that every window has seq_len + 1 tokens."""
+    return max(1, train_tokens - seq_len)
+
+
+def passes_done(step: int, span: int, seq_len: int, global_batch: int) -> int:
+    """How many times the stream has wrapped by the end of ``step``: its last window starts at step x
+    global_batch x seq_len - seq_len tokens into the run."""
+    return max(0, (step * global_batch * seq_len - seq_len) // span)
+
+
+def passes_line(train_tokens: int, seq_len: int, global_batch: int, steps: int) -> str:
+    """The banner's words on passes: how many the run makes and the step where the stream first wraps."""
+    span, per_step = stream_span(train_tokens, seq_len), global_batch * seq_len
+    passes = steps * per_step / span
+    wrap = -(-(span + seq_len) // per_step)  # the first step whose last window starts at or past the span
+    when = f"first wraps at step {wrap:,}" if wrap <= steps else "never wraps"
+    return (
+        f"{steps:,} steps x {per_step:,} tokens = {passes:.2f} passes over {span:,} training tokens; the stream {when}"
+    )
+
+
+def resolve_epochs(cfg: Config) -> None:
+    """``training.epochs`` > 0 sets ``training.steps`` from the training stream's size (the same on every rank),
+    over any steps a TOML file gives; the banner's passes line says so."""
+    t = cfg.training
+    if not t.epochs:
+        return
+    train = load_data(cfg).train
+    span, per_step = stream_span(_length(train), t.seq_len), t.global_batch * t.seq_len
+    t.steps = max(1, -(-int(round(t.epochs * span)) // per_step))
 
 
 def check_data(cfg: Config) -> None:

@@ -138,6 +138,12 @@ class ParallelConfig:
 @dataclass
 class TrainingConfig:
     steps: int = opt(40, "optimizer steps to train (in total, counting resumed ones)", ge=1)
+    epochs: float = opt(
+        0.0,
+        "instead of steps: passes over the training stream (steps = ceil(epochs x its tokens / (global_batch x "
+        "seq_len))); 0: use training.steps",
+        ge=0,
+    )
     seed: int = opt(1234, "seed of the initial weights", ge=0)
     global_batch: int = opt(8, "sequences per optimizer step, whole world", ge=1)
     micro_batch: int = opt(0, "sequences per rank per forward; 0: the whole local batch (no accumulation)", ge=0)
