@@ -97,6 +97,7 @@ def test_chat_fine_tuning_matches_a_transformers_loop_with_the_pad_row_as_transf
     theirs = transformers_loop(folder, data, STEPS)
     base = {"checkpoint.init_from": str(folder), "data.source": str(data), "data.tokenizer": str(folder)}
     base["training.steps"] = STEPS  # train_on's default step count would override the TOML's
+    base["data.document_mask"] = "off"  # the loop attends over whole windows: the pad row is the one difference
     frozen = train_on(1, {**base, "model.freeze_pad_embedding": True}, tmp_path / "frozen", config=str(toml))
     trains = train_on(1, base, tmp_path / "trains", config=str(toml))
     for mine, ref in zip(frozen, theirs, strict=True):
@@ -105,7 +106,9 @@ def test_chat_fine_tuning_matches_a_transformers_loop_with_the_pad_row_as_transf
         assert abs(mine["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], (mine, ref)
         assert abs(mine["grad_norm"] - ref["grad_norm"]) <= 1e-4 * ref["grad_norm"], (mine, ref)
     step1 = abs(trains[0]["grad_norm"] - theirs[0]["grad_norm"]) / theirs[0]["grad_norm"]
-    assert step1 > 1e-4, trains[0]  # the pad row's lookup gradient is in the norm: a real, visible choice
+    # the pad row's lookup gradient is in the norm: a real, visible choice (measured 1.7e-3 relative at step 1;
+    # the losses then differ from step 2, by 1.1e-4 and 1.9e-4 relative; frozen: 0 and at most 1.2e-7)
+    assert step1 > 1e-4, trains[0]
 
 
 def check_export(folder, out, step_dir, dtype: str, expect_changed: set[str]) -> str:
