@@ -24,8 +24,9 @@
    holds a config.json; ``--source`` names it when it moved) exports that folder's config.json with every field
    meshloom does not change as it was (pad/bos/eos/unk ids, initializer_range, use_cache, ...): only the fields
    whose value meshloom computes differently are written, and they are printed (``dtype`` after ``--dtype``).
-   Its generation_config.json and tokenizer files (tokenizer_config.json, special_tokens_map.json,
-   chat_template.jinja) are copied as they are, the tokenizer's only when its tokenizer.json is the run's.
+   When the run's tokenizer.json is the folder's, the special-token ids stay the folder's and its
+   generation_config.json and tokenizer files (tokenizer_config.json, special_tokens_map.json,
+   chat_template.jinja) are copied as they are; otherwise (a run on another tokenizer) they are meshloom's.
 7. **dtype**: ``--dtype bf16|fp16|fp32`` casts the weights as they are written; the default is the source
    folder's ``dtype`` (``torch_dtype`` in older configs), fp32 for a run that started from scratch. The bytes
    written are printed beside what fp32 would take.
@@ -164,15 +165,15 @@ def default_dtype(source: dict | None) -> str:
     return CONFIG_DTYPES.get(str(spelled), "fp32")
 
 
-def kept_config(source: dict, ours: dict) -> tuple[dict, list[str]]:
+def kept_config(source: dict, ours: dict, keep_ids: bool = True) -> tuple[dict, list[str]]:
     """Step 6: ``source`` with the fields of ``ours`` (meshloom's config.json) written only where meshloom's value
-    differs; the special-token ids stay the source's. Returns the config and the changed fields, as
-    ``key: old -> new``."""
+    differs; with ``keep_ids`` (the run's tokenizer is the folder's) the special-token ids stay the source's.
+    Returns the config and the changed fields, as ``key: old -> new``."""
     from checkpoint.hf_folder import rope_parameters
 
     out = dict(source)
     for key, value in ours.items():
-        if key in ("bos_token_id", "eos_token_id", "pad_token_id") and key in source:
+        if key in ("bos_token_id", "eos_token_id", "pad_token_id") and key in source and keep_ids:
             continue  # the tokenizer's ids, as the folder states them
         if key == "rope_parameters":
             theirs = rope_parameters(source)
@@ -200,17 +201,20 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def copy_source_files(source: Path, out: Path, tokenizer) -> list[Path]:
-    """Step 6: generation_config.json, and the tokenizer files when the run's tokenizer.json is the folder's."""
-    written = []
-    if (source / "generation_config.json").is_file():
-        shutil.copyfile(source / "generation_config.json", out / "generation_config.json")
-        written.append(out / "generation_config.json")
+def same_tokenizer(source: Path, tokenizer) -> bool:
+    """Whether the run's tokenizer.json is the source folder's (then its ids and tokenizer files describe the
+    export; otherwise meshloom's, from the run's tokenizer)."""
     if tokenizer.file is None or not (source / "tokenizer.json").is_file():
+        return False
+    return hashlib.sha256((source / "tokenizer.json").read_bytes()).hexdigest() == tokenizer.sha256
+
+
+def copy_source_files(source: Path, out: Path, tokenizer) -> list[Path]:
+    """Step 6: generation_config.json and the tokenizer files, when the run's tokenizer.json is the folder's."""
+    written = []
+    if not same_tokenizer(source, tokenizer):
         return written
-    if hashlib.sha256((source / "tokenizer.json").read_bytes()).hexdigest() != tokenizer.sha256:
-        return written  # another tokenizer than the run's: its settings would not describe the export's
-    for name in TOKENIZER_FILES:
+    for name in ("generation_config.json", *TOKENIZER_FILES):
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)
             written.append(out / name)
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         changed = None
         if source_config is not None:
             check_same_shape(source_config, config, source)
-            config, changed = kept_config(source_config, config)
+            config, changed = kept_config(source_config, config, same_tokenizer(source, tokenizer))
         written = export_safetensors(state, args, out, tokenizer.eos_id, max_shard_bytes, config=config)
         if tokenizer.file is not None:
             written += export_tokenizer(tokenizer, out, args.max_seq_len)
