@@ -7,6 +7,8 @@ them (the old behaviour) a document's tokens see the documents packed before it.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -166,3 +168,33 @@ def test_packed_chat_with_document_masks_is_one_process_on(name, world, layout, 
     for run in (one, records):
         assert abs(run[0]["loss"] - alone) <= ALONE_RTOL * alone, (name, run[0]["loss"], alone)
     assert_same_curve(records, one)
+
+
+def test_text_data_takes_document_masks_when_asked_and_an_old_folder_says_to_prepare_again(chat_data, tmp_path):
+    """Text: off by default, on with data.document_mask on (its documents from data.prepare). A chat folder prepared
+    before documents.bin existed: auto trains without masks and the banner says so; on refuses it."""
+    from data.dataset import load_data
+    from data.prepare import prepare
+
+    folder, data = chat_data
+    texts = tmp_path / "docs.jsonl"
+    texts.write_text("\n".join(json.dumps({"text": f"document number {i} "}) for i in range(400)) + "\n")
+    prepare(str(texts), str(folder), str(tmp_path / "text"), workers=1, quiet=True)
+    cfg = load_config(path=DEBUG_CONFIG, overrides=run_overrides(folder, tmp_path / "text"))
+    assert load_data(cfg).train_documents is None
+    cfg.data.document_mask = "on"
+    splits = load_data(cfg)
+    assert len(splits.train_documents) == 400 and "document masks: on (400 documents" in splits.description
+
+    old = tmp_path / "old_chat"
+    old.mkdir()
+    for name in ("tokens.bin", "mask.bin"):
+        (old / name).write_bytes((data / name).read_bytes())
+    header = json.loads((data / "header.json").read_text())
+    header.pop("documents")
+    (old / "header.json").write_text(json.dumps(header))
+    cfg = load_config(path=DEBUG_CONFIG, overrides=run_overrides(folder, old))
+    assert "document masks: off (data.source was prepared before" in load_data(cfg).description
+    cfg.data.document_mask = "on"
+    with pytest.raises(ConfigError, match="prepare it \\(again\\)"):
+        load_data(cfg)
