@@ -161,13 +161,16 @@ def test_packed_chat_with_document_masks_is_one_process_on(name, world, layout, 
     algorithms (each rank's queries against every rank's keys under the document mask) and tp 2: the one-process
     curve, whose step 1 is each conversation alone."""
     folder, data = chat_data
-    base = run_overrides(folder, data)
+    # and a validation loss at step 2 over the last quarter (the windows of step 1 lie in the first 257 tokens of
+    # the 1,479): evaluation takes the documents too (pp: torch's forward-only schedule path)
+    base = {**run_overrides(folder, data), "eval.interval": 2, "data.val_fraction": 0.25}
     one = train_on(1, base, tmp_path / "one")
     records = train_on(world, {**base, **layout}, tmp_path / name)
     alone = step_one_reference(folder, data, True)
     for run in (one, records):
         assert abs(run[0]["loss"] - alone) <= ALONE_RTOL * alone, (name, run[0]["loss"], alone)
     assert_same_curve(records, one)
+    assert_same_curve(records[1:], one[1:], keys=("val_loss",))
 
 
 def test_text_data_takes_document_masks_when_asked_and_an_old_folder_says_to_prepare_again(chat_data, tmp_path):
