@@ -42,7 +42,7 @@ from checkpoint.folder import check_writable, checkpoint_bytes, checkpoint_folde
 from checkpoint.hf_folder import adopt_folder_config
 from checkpoint.manager import CheckpointManager, CheckpointSaveError
 from checkpoint.resume import Resume, find_resume
-from data.dataset import check_data, load_data
+from data.dataset import check_data, load_data, passes_done, resolve_epochs, stream_span
 from extras.base import Extras
 from extras.pipeline_timeline import PipelineTimelineExtra
 from extras.rank_balance import RankBalance
@@ -64,7 +64,7 @@ from runtime.signals import StopRequested, loop_started, restart_attempt, resume
 from runtime.startup import start_process
 from training.evaluation import eval_due, evaluate
 from training.loaders import batch_loader
-from training.metrics import MetricsWriter, format_step, open_metrics
+from training.metrics import MetricsWriter, Progress, format_step, open_metrics
 from training.optimizer import Optimizers
 from training.profiling import named_range, step_profiler
 from training.step import StepParts, divergence_advice, pipeline_schedule, train_step
@@ -77,6 +77,7 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
     Returns the layout plan and the resume decision (checkpoint/resume.py), each worked out once.
     """
     adopt_folder_config(cfg)  # a transformers folder in checkpoint.init_from sets [model] (its config.json)
+    resolve_epochs(cfg)  # training.epochs sets training.steps from the data's size
     plan = LayoutPlan.resolve(cfg, world_size, rank)  # the config's values, then the layout's rules
     if cfg.run.memory_check:  # the estimate per rank against the machine, before anything is allocated
         check_memory(plan, cfg, memory_per_rank(cfg.training.device))
@@ -105,6 +106,8 @@ class Run:
     start_step: int  # the last step already done (0, or the resumed checkpoint's)
     is_logger: bool
     records: list[dict] = field(default_factory=list)
+    progress: Progress | None = None  # steps, tokens, elapsed and ETA on each log line
+    span: int = 0  # the tokens of one pass over the training stream (data/dataset.py: stream_span)
 
 
 def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitStack) -> Run:
@@ -133,8 +136,11 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     tied = TiedEmbeddings.build(parts, meshes, timeout_s)
     optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
     data = load_data(cfg)
-    loader = batch_loader(data.train, plan, meshes)
-    val_loader = None if data.val is None else batch_loader(data.val, plan, meshes)
+    loader = batch_loader(data.train, plan, meshes, data.train_documents)
+    loader.allow_empty_steps = cfg.data.allow_empty_steps  # else a step with no trained token stops the run
+    val_loader = None if data.val is None else batch_loader(data.val, plan, meshes, data.val_documents)
+    if val_loader is not None:
+        val_loader.allow_empty_steps = True  # its divisor is the sum over eval.steps batches
     # Weights, optimizer, LR schedule, data position and RNG from the checkpoint (or init_from weights).
     with phase("loading the checkpoint", "checkpoint group"):
         start_step = checkpoints.restore(parts, optimizers, loader)
@@ -156,7 +162,10 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     step.reduce_every_microbatch = cfg.parallel.grad_sync == "microbatch"  # else only the last micro-batch
     step.grad_clip, step.advice = t.grad_clip, divergence_advice(cfg)
     step.before_update = checkpoints.wait_staged  # an async save's copy is taken before the weights change
-    return Run(cfg, step, control, checkpoints, val_loader, writer, balance, start_step, is_logger)
+    run = Run(cfg, step, control, checkpoints, val_loader, writer, balance, start_step, is_logger)
+    run.progress = Progress(t.steps, start_step, t.global_batch * t.seq_len)
+    run.span = stream_span(int(data.train.shape[0]), t.seq_len)
+    return run
 
 
 def run_folders(cfg: Config, resume: Resume) -> list[tuple[str, Path]]:
@@ -225,6 +234,14 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
         # every rank's compute time rides on the agreement (extras/rank_balance.py, step 2)
         signum, compute_times = signals.agreed_stop(run.control, run.balance.compute_s)
     record.update(balance_fields(compute_times))
+    t = cfg.training
+    wraps = passes_done(step, run.span, t.seq_len, t.global_batch)
+    if run.is_logger and wraps > passes_done(step - 1, run.span, t.seq_len, t.global_batch):
+        total = t.steps * t.global_batch * t.seq_len / run.span
+        print(
+            f"data: step {step} wrapped the training stream: pass {wraps + 1} begins (the run makes {total:.2f})",
+            flush=True,
+        )
     if log:
         lost = folder_lost()  # run.dir removed or replaced under the run: stop before writing (runtime/run_dir.py)
         if lost is not None:
@@ -232,7 +249,7 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
         run.writer.log(record)
         lines = s.extras.after_log(record)  # the rank-balance warning
         if run.is_logger:
-            print("\n".join([format_step(record), *lines]), flush=True)
+            print("\n".join([f"{format_step(record)} | {run.progress.line(step)}", *lines]), flush=True)
     s.extras.end_step(step)
     return signum if step < last else None
 

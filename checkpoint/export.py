@@ -23,11 +23,23 @@
    which is renamed into place only once complete. With ``--overwrite`` the earlier export is first renamed
    aside and removed after the rename, so no file of it (an old shard, an old index beside a new single file)
    survives, and a failed export leaves the earlier one as it was.
+7. **The source folder's config is kept whole.** A run that started from a transformers folder
+   (``checkpoint.init_from``, recorded in meshloom.json; else the folder of the run's tokenizer.json when it
+   holds a config.json; ``--source`` names it when it moved) exports that folder's config.json with every field
+   meshloom does not change as it was (pad/bos/eos/unk ids, initializer_range, use_cache, ...): only the fields
+   whose value meshloom computes differently are written, and they are printed (``dtype`` after ``--dtype``).
+   When the run's tokenizer.json is the folder's, the special-token ids stay the folder's and its
+   generation_config.json and tokenizer files (tokenizer_config.json, special_tokens_map.json,
+   chat_template.jinja) are copied as they are; otherwise (a run on another tokenizer) they are meshloom's.
+8. **dtype**: ``--dtype bf16|fp16|fp32`` casts the weights as they are written; the default is the source
+   folder's ``dtype`` (``torch_dtype`` in older configs), fp32 for a run that started from scratch. The bytes
+   written are printed beside what fp32 would take.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -40,7 +52,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpoint.folder import published
-from checkpoint.hf import export_safetensors, export_tokenizer, parse_size
+from checkpoint.hf import HF_DTYPES, export_safetensors, export_tokenizer, hf_config, parse_size
+from checkpoint.hf_folder import read_config
 from checkpoint.resume import META_FILE, inspect
 from checkpoint.safe_pickle import planner, reader
 from checkpoint.state import MODEL, split, with_tied_head
@@ -162,6 +175,91 @@ def checkpoint_tokenizer(step_dir: Path, override: str = ""):
     return tokenizer
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # config.json's spelling -> --dtype
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "added_tokens.json")
+
+
+def source_folder(step_dir: Path, override: str = "") -> Path | None:
+    """Step 7: the transformers folder the run started from (its config.json is kept), or None."""
+    from checkpoint.hf_folder import folder_of
+
+    if override:
+        folder = folder_of(override)
+        if folder is None:
+            raise ConfigError(f"--source {override}: no config.json there; give the transformers folder the run used.")
+        return folder
+    meta = json.loads((step_dir / META_FILE).read_text())
+    candidates = [meta.get("init_from") or "", (meta.get("data") or {}).get("tokenizer_file") or ""]
+    for candidate in filter(None, candidates):
+        folder = folder_of(candidate)
+        if folder is not None:
+            return folder
+    return None
+
+
+def default_dtype(source: dict | None) -> str:
+    """Step 8: the source config's dtype (``dtype``, or ``torch_dtype`` before transformers 4.56), else fp32."""
+    spelled = (source or {}).get("dtype") or (source or {}).get("torch_dtype") or "float32"
+    return CONFIG_DTYPES.get(str(spelled), "fp32")
+
+
+def kept_config(source: dict, ours: dict, keep_ids: bool = True) -> tuple[dict, list[str]]:
+    """Step 7: ``source`` with the fields of ``ours`` (meshloom's config.json) written only where meshloom's value
+    differs; with ``keep_ids`` (the run's tokenizer is the folder's) the special-token ids stay the source's.
+    Returns the config and the changed fields, as ``key: old -> new``."""
+    from checkpoint.hf_folder import rope_parameters
+
+    out = dict(source)
+    for key, value in ours.items():
+        if key in ("bos_token_id", "eos_token_id", "pad_token_id") and key in source and keep_ids:
+            continue  # the tokenizer's ids, as the folder states them
+        if key == "rope_parameters":
+            theirs = rope_parameters(source)
+            if theirs == {k: theirs.get(k) for k in value} or theirs == value:
+                continue
+            for legacy in ("rope_scaling", "rope_theta"):
+                out.pop(legacy, None)
+        if key in source and _same(source[key], value):
+            continue
+        out[key] = value
+    if "torch_dtype" in out:  # an older config that spells it so: both say the same
+        out["torch_dtype"] = out["dtype"]
+    missing = object()
+    changed = [
+        f"{key}: {json.dumps(source.get(key)) if key in source else '(absent)'} -> {json.dumps(out.get(key))}"
+        for key in sorted(set(out) | set(source))
+        if source.get(key, missing) != out.get(key, missing)
+    ]
+    return out, changed
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, int | float) and isinstance(b, int | float) and abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+    return a == b
+
+
+def same_tokenizer(source: Path, tokenizer) -> bool:
+    """Whether the run's tokenizer.json is the source folder's (then its ids and tokenizer files describe the
+    export; otherwise meshloom's, from the run's tokenizer)."""
+    if tokenizer.file is None or not (source / "tokenizer.json").is_file():
+        return False
+    return hashlib.sha256((source / "tokenizer.json").read_bytes()).hexdigest() == tokenizer.sha256
+
+
+def copy_source_files(source: Path, out: Path, tokenizer) -> list[Path]:
+    """Step 7: generation_config.json and the tokenizer files, when the run's tokenizer.json is the folder's."""
+    written = []
+    if not same_tokenizer(source, tokenizer):
+        return written
+    for name in ("generation_config.json", *TOKENIZER_FILES):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+            written.append(out / name)
+    return written
+
+
 def size_option(text: str) -> str:
     """--max-shard-size checked where it is parsed (exit 2 naming the option); main reads it again."""
     try:
@@ -199,6 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=size_option,
         help="largest safetensors file (5GB, 500MB, 2GiB); above it: shards + index",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="",
+        help="weights' dtype (default: the source folder's config.json dtype; fp32 for runs from scratch)",
+    )
+    parser.add_argument(
+        "--source",
+        default="",
+        type=path_option(required=False),
+        help="the transformers folder the run started from, if it moved",
+    )
     return parser
 
 
@@ -206,24 +316,51 @@ def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     try:
         max_shard_bytes = parse_size(opts.max_shard_size)
-        check_out(opts.out, opts.overwrite)
+        out = check_out(opts.out, opts.overwrite)
         step_dir = choose_checkpoint(opts.checkpoint)
         tokenizer = checkpoint_tokenizer(step_dir, opts.tokenizer)
+        source = source_folder(step_dir, opts.source)
+        source_config = read_config(source) if source is not None else None
+        dtype = opts.dtype or default_dtype(source_config)
         state, args = load_model_state(step_dir)
+        state = {name: t.to(DTYPES[dtype]) for name, t in state.items()}
+        pad = int(json.loads((step_dir / META_FILE).read_text())["model"].get("pad_token_id", -1))
+        config = hf_config(args, tokenizer.eos_id, HF_DTYPES[DTYPES[dtype]], pad)
+        changed = None
+        if source_config is not None:
+            check_same_shape(source_config, config, source)
+            config, changed = kept_config(source_config, config, same_tokenizer(source, tokenizer))
 
         def write(folder: Path) -> list[Path]:
-            files = export_safetensors(state, args, folder, tokenizer.eos_id, max_shard_bytes)
+            files = export_safetensors(state, args, folder, tokenizer.eos_id, max_shard_bytes, config=config)
             if tokenizer.file is not None:
                 files += export_tokenizer(tokenizer, folder, args.max_seq_len)
+            if source is not None:
+                files += copy_source_files(source, folder, tokenizer)
             return files
 
-        written = replace_whole(Path(opts.out), write)
+        written = replace_whole(out, write)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"meshloom export: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    size = sum(t.numel() for name, t in state.items() if args.stored_name(name) == name)
-    print(f"exported {step_dir} ({size:,} parameters) to {', '.join(str(w) for w in written)}")
+    stored = [t for name, t in state.items() if args.stored_name(name) == name]
+    size, nbytes = sum(t.numel() for t in stored), sum(t.numel() * t.element_size() for t in stored)
+    print(f"exported {step_dir} ({size:,} parameters) to {', '.join(str(w) for w in dict.fromkeys(written))}")
+    print(f"weights: {nbytes:,} bytes in {dtype} (fp32 would be {size * 4:,} bytes)")
+    if changed is not None:
+        print(f"config.json: {source / 'config.json'} kept; changed: {'; '.join(changed) or 'nothing'}")
     return 0
+
+
+def check_same_shape(source: dict, ours: dict, folder: Path) -> None:
+    """The source folder must describe the checkpoint's model (else its config would describe another)."""
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    differ = [f"{k}: folder {source.get(k)!r}, checkpoint {ours.get(k)!r}" for k in keys if source.get(k) != ours[k]]
+    if differ:
+        raise ConfigError(
+            f"{folder / 'config.json'} describes another model than the checkpoint ({'; '.join(differ)}); pass "
+            "--source with the folder the run started from."
+        )
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def hf_name(name: str) -> str:
     )
 
 
-def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
+def hf_config(args: ModelArgs, eos_token_id: int | None = None, dtype: str = "float32", pad_token_id: int = -1) -> dict:
     """A config.json that ``AutoModelForCausalLM.from_pretrained`` reads as this architecture.
 
     The family (``args.family``) gives model_type and architectures (checkpoint/hf_folder.py: FAMILIES); its
@@ -160,9 +160,10 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
         **({} if args.family == "qwen2" else {"attention_bias": False}),
         **({"mlp_bias": False} if args.family == "llama" else {}),
         "tie_word_embeddings": args.tie_embeddings,
-        "dtype": "float32",
+        "dtype": dtype,
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
+        **({"pad_token_id": pad_token_id} if pad_token_id >= 0 else {}),
     }
 
 
@@ -229,6 +230,8 @@ def expected_hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:
     return shapes
 
 
+HF_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}  # config.json's dtype
+
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -278,6 +281,7 @@ def export_safetensors(
     out_dir: str | Path,
     eos_token_id: int | None = None,
     max_shard_bytes: int = 5 * 10**9,
+    config: dict | None = None,
 ) -> list[Path]:
     """Write ``model_state`` (full tensors, meshloom names) as safetensors + config.json +
     generation_config.json: one model.safetensors when it fits in ``max_shard_bytes``, else
@@ -309,7 +313,7 @@ def export_safetensors(
         written.append(out / "model.safetensors.index.json")
         _write(written[-1], json.dumps(index, indent=2) + "\n")
     for name, content in (
-        ("config.json", hf_config(args, eos_token_id)),
+        ("config.json", config or hf_config(args, eos_token_id, HF_DTYPES[next(iter(tensors.values())).dtype])),
         ("generation_config.json", generation_config(eos_token_id)),
     ):
         written.append(out / name)

@@ -144,6 +144,9 @@ def model_fields(config: dict) -> dict[str, object]:
         # 0 when it is the Llama rule, so the run's config (and its checkpoint's meshloom.json) says so
         "head_dim": 0 if head_dim * heads == hidden else head_dim,
         "sliding_window": window(config),
+        # transformers builds nn.Embedding(padding_idx=pad_token_id); model.freeze_pad_embedding chooses whether
+        # meshloom holds that row's lookup gradient out the same way (docs/checkpointing.md)
+        "pad_token_id": pad_id(config),
     }
     if kind in ("linear", "llama3"):
         fields["rope_factor"] = float(rope["factor"])
@@ -154,6 +157,12 @@ def model_fields(config: dict) -> dict[str, object]:
             rope.get("original_max_position_embeddings") or config.get("max_position_embeddings", 8192)
         )
     return fields
+
+
+def pad_id(config: dict) -> int:
+    """config.json's pad_token_id as meshloom's model.pad_token_id (-1: none, or not an id of the vocabulary)."""
+    pad = config.get("pad_token_id")
+    return pad if isinstance(pad, int) and 0 <= pad < config["vocab_size"] else -1
 
 
 def window(config: dict) -> int:
@@ -231,6 +240,11 @@ def adopt_folder_config(cfg: Config) -> None:
         setattr(cfg.model, name, type(getattr(cfg.model, name))(value))
     if clashes:
         raise ConfigError("the model given disagrees with checkpoint.init_from:\n  - " + "\n  - ".join(clashes))
+    from runtime.config import pad_problems
+
+    problems = pad_problems(cfg)
+    if problems:
+        raise ConfigError(f"checkpoint.init_from={str(folder)!r}: " + "; ".join(problems))
 
 
 def weight_files(folder: Path) -> dict[str, Path]:

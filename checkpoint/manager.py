@@ -454,6 +454,7 @@ class CheckpointManager:
             "model": dataclasses.asdict(self.cfg.model),
             "layout": {**dataclasses.asdict(d), "pp_schedule": self.plan.pp_schedule},  # ParallelDims' fields
             "data": {**stream_identity(self.cfg), "seq_len": t.seq_len, "global_batch": t.global_batch},
+            "init_from": self.cfg.checkpoint.init_from,  # the export keeps that folder's config (checkpoint/export.py)
             "meshloom_version": meshloom_version(),
             "torch_version": torch.__version__,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

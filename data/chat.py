@@ -154,9 +154,10 @@ class Packer:
         room = (at // self.seq_len) * self.seq_len + window - at
         if len(ids) > room and at % self.seq_len:  # start at the next window (a long one too: aligned)
             gap = self.seq_len - at % self.seq_len
-            self.writer.append(np.full(gap, self.eos_id, dtype=np.int64), np.zeros(gap, dtype=np.uint8))
+            # the padding is a document of its own: under a document mask nothing attends to it
+            self.writer.append(np.full(gap, self.eos_id, dtype=np.int64), np.zeros(gap, dtype=np.uint8), starts=[0])
         self.split += len(ids) > window
-        self.writer.append(ids, mask)
+        self.writer.append(ids, mask, starts=[0])
 
 
 def chat_prompt(tokenizer, user: str) -> str:

@@ -28,6 +28,7 @@ from data.token_file import (
     check_header_ids,
     check_header_tokenizer,
     is_token_folder,
+    open_documents,
     open_tokens,
     read_header,
 )
@@ -41,6 +42,43 @@ class Splits:
     train: object  # a 1-D token array: numpy (memmap for prepared folders) or a torch uint8 tensor (bytes)
     val: object | None
     description: str
+    train_documents: object = None  # where each document starts (int64 offsets), when document masks are on
+    val_documents: object = None
+
+
+def document_starts(source: str, mode: str, field: str):
+    """(the offsets where ``source``'s documents start, or None; the banner's words) for data.document_mask
+    ``mode``: auto is on for chat data (a loss mask) whose folder recorded its documents."""
+    prepared = source != "default" and is_token_folder(source)
+    header = read_header(source, field) if prepared else {}
+    starts = open_documents(source, header) if prepared else None
+    if mode == "off" or (mode == "auto" and "loss_mask" not in header):
+        return None, "off"
+    if starts is None:
+        why = (
+            "was prepared before data.prepare recorded document starts"
+            if prepared
+            else "is raw text, whose documents are not recorded"
+        )
+        if mode == "on":
+            raise ConfigError(
+                f"data.document_mask=on, but {field}={source!r} {why}; prepare it (again) with python -m "
+                "data.prepare, or set --data.document_mask off."
+            )
+        return None, f"off ({field} {why}: prepare it again for them)"
+    return starts, f"on ({len(starts):,} documents: each token attends to its own, positions restart per document)"
+
+
+def split_starts(starts, n_train: int):
+    """Document starts of the training part ``[0, n_train)`` and of the rest (shifted to start at 0)."""
+    import numpy as np
+
+    if starts is None:
+        return None, None
+    val = starts[starts >= n_train] - n_train
+    if not len(val) or val[0] != 0:
+        val = np.concatenate([[0], val])  # the split cuts a document: its tail starts the validation stream
+    return starts[starts < n_train], val
 
 
 def _length(tokens) -> int:
@@ -86,6 +124,13 @@ def open_stream(source: str, tokenizer, max_bytes: int, field: str, vocab_size: 
         check_header_tokenizer(header, tokenizer, field, source)
         if vocab_size is not None:
             check_header_ids(header, vocab_size, field, source)
+        mask = header.get("loss_mask")
+        if mask is not None and mask.get("trained_tokens") == 0:
+            raise ConfigError(
+                f"{field}={source!r} has a loss mask with 0 trained tokens (header.json loss_mask.trained_tokens): "
+                "a run on it would train nothing (loss 0, gradient 0). Prepare it again from conversations with "
+                "assistant replies, or with --train-on all (python -m data.prepare --format chat)."
+            )
         tokens = open_tokens(path, header)
         return (
             tokens,
@@ -118,15 +163,19 @@ def load_data(cfg: Config) -> Splits:
     tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
     check_vocab(tokenizer, cfg.model.vocab_size)
     train, about = _cached_stream(d.source, tokenizer, d.max_bytes, "data.source", cfg.model.vocab_size)
-    val, val_about = None, ""
+    train_docs, masks = document_starts(d.source, d.document_mask, "data.source")
+    val, val_about, val_docs = None, "", None
     if d.val_source:
         val, val_about = _cached_stream(d.val_source, tokenizer, d.max_bytes, "data.val_source", cfg.model.vocab_size)
         val_about = f"data.val_source: {val_about}"
+        if train_docs is not None:
+            val_docs, _ = document_starts(d.val_source, "on", "data.val_source")
     elif d.val_fraction:
         n = _length(train)
         n_val = int(n * d.val_fraction)
         train, val = train[: n - n_val], train[n - n_val :]
         val_about = f"the last {n_val:,} tokens ({d.val_fraction:g})"
+        train_docs, val_docs = split_starts(train_docs, n - n_val)
 
     one_batch = t.global_batch * t.seq_len + 1
     if _length(train) < one_batch:
@@ -153,7 +202,11 @@ def load_data(cfg: Config) -> Splits:
     description = f"{d.source}: {about} | tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size:,}{eos})" + (
         f" | validation: {val_about}" if val is not None else ""
     )
-    return Splits(tokenizer, train, val, description)
+    passes = passes_line(_length(train), t.seq_len, t.global_batch, t.steps)
+    if t.epochs:
+        passes += f" (training.epochs={t.epochs:g} set the steps)"
+    description += f" | document masks: {masks}\n  passes        {passes}"
+    return Splits(tokenizer, train, val, description, train_docs, val_docs)
 
 
 def packing_note(source: str, seq_len: int) -> str:
@@ -173,6 +226,40 @@ def packing_note(source: str, seq_len: int) -> str:
             f"--seq-len {seq_len} to keep conversations whole in a window"
         )
     return note
+
+
+def stream_span(train_tokens: int, seq_len: int) -> int:
+    """The tokens one pass over the training stream covers: the loader wraps its window offsets at this many
+    (data/loader.py), so that every window has seq_len + 1 tokens."""
+    return max(1, train_tokens - seq_len)
+
+
+def passes_done(step: int, span: int, seq_len: int, global_batch: int) -> int:
+    """How many times the stream has wrapped by the end of ``step``: its last window starts at step x
+    global_batch x seq_len - seq_len tokens into the run."""
+    return max(0, (step * global_batch * seq_len - seq_len) // span)
+
+
+def passes_line(train_tokens: int, seq_len: int, global_batch: int, steps: int) -> str:
+    """The banner's words on passes: how many the run makes and the step where the stream first wraps."""
+    span, per_step = stream_span(train_tokens, seq_len), global_batch * seq_len
+    passes = steps * per_step / span
+    wrap = -(-(span + seq_len) // per_step)  # the first step whose last window starts at or past the span
+    when = f"first wraps at step {wrap:,}" if wrap <= steps else "never wraps"
+    return (
+        f"{steps:,} steps x {per_step:,} tokens = {passes:.2f} passes over {span:,} training tokens; the stream {when}"
+    )
+
+
+def resolve_epochs(cfg: Config) -> None:
+    """``training.epochs`` > 0 sets ``training.steps`` from the training stream's size (the same on every rank),
+    over any steps a TOML file gives; the banner's passes line says so."""
+    t = cfg.training
+    if not t.epochs:
+        return
+    train = load_data(cfg).train
+    span, per_step = stream_span(_length(train), t.seq_len), t.global_batch * t.seq_len
+    t.steps = max(1, -(-int(round(t.epochs * span)) // per_step))
 
 
 def check_data(cfg: Config) -> None:

@@ -32,6 +32,14 @@ the global batch's mask (``global_batch x seq_len`` bytes of the map, like the i
 the same count from the same bytes with no collective, before any forward, whatever its own share of trained
 tokens is (a micro-batch may have none: its sum is 0 and its gradient 0). Without a mask
 ``trained_tokens`` is ``global_batch x seq_len``, the divisor of every unmasked step.
+
+**Documents** (``document_starts``: where each document of the stream starts, data/token_file.py, when
+``data.document_mask`` is on): each step also gives, per micro-batch, every input position's place in its
+document (``documents``: 0 where a document starts, and at the window's first token, whose document may have
+begun in an earlier window), over the *whole* window even under context parallelism (every cp rank needs the
+documents of the keys other ranks hold). The model then rotates each token by that position and lets it
+attend only to its own document (models/llama.py: ``Transformer.forward``). Computed on the host with one
+``searchsorted`` over the window's positions; nothing is read from the token file.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ class GlobalBatchLoader:
         dp_size: int,
         positions: torch.Tensor | None = None,
         vocab_size: int | None = None,
+        document_starts: np.ndarray | None = None,
     ):
         self.num_tokens = int(tokens.shape[0])
         if self.num_tokens < global_batch * seq_len + 1:
@@ -82,6 +91,11 @@ class GlobalBatchLoader:
         # once here, so that no torch op on the step's path reads a tensor back (bench/host_syncs.py).
         self.host_ids = self.tokens.numpy() if isinstance(self.tokens, torch.Tensor) else self.tokens
         self.tokens_consumed = 0  # position in the global stream, identical on every rank
+        # A masked global batch with no trained target is an error (a silent step of loss 0), unless allowed
+        # (data.allow_empty_steps; the validation loader allows it: its divisor sums over several batches).
+        self.allow_empty_steps = False
+        self.document_starts = document_starts  # None: no document masks (module docstring)
+        self.documents: list[torch.Tensor] | None = None  # the last batch's, one (micro_batch, seq_len) per micro-batch
 
     def window_starts(self, position: int) -> torch.Tensor:
         """Start offsets of this rank's windows in the global batch that begins at ``position``."""
@@ -127,10 +141,22 @@ class GlobalBatchLoader:
         if self.mask is not None:
             targets = targets.masked_fill(self.read(self.mask, index[:, 1:]) == 0, IGNORE)
             self.trained_tokens = self.global_trained_tokens(self.tokens_consumed)
+            if self.trained_tokens == 0 and not self.allow_empty_steps:
+                raise ConfigError(empty_step(self.tokens, self.tokens_consumed, self.global_batch, self.seq_len))
+        if self.document_starts is not None:
+            self.documents = list(self.document_positions(starts).split(self.micro_batch))
         self.tokens_consumed += self.global_batch * self.seq_len
         if self.positions is not None:
             inputs, targets = inputs[:, self.positions], targets[:, self.positions]
         return list(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch), strict=True))
+
+    def document_positions(self, window_starts: torch.Tensor) -> torch.Tensor:
+        """(windows, seq_len) int64: each input token's position in its document, counted from the window's
+        start for a document that began before it (module docstring)."""
+        token = window_starts.numpy()[:, None] + np.arange(self.seq_len)
+        starts = self.document_starts
+        begins = starts[np.searchsorted(starts, token, side="right") - 1]
+        return torch.from_numpy(token - np.maximum(begins, token[:, :1]))
 
     def global_trained_tokens(self, position: int) -> int:
         """The number of trained targets in the whole global batch at ``position`` (every rank, every
@@ -163,6 +189,18 @@ def first_at_least(tokens, limit: int, first: int, stop: int) -> int | None:
     if len(span) == 0 or int(span.max()) < limit:
         return None
     return first + int((span >= limit).argmax())
+
+
+def empty_step(tokens, position: int, global_batch: int, seq_len: int) -> str:
+    """The message for a global batch whose every target is masked: the file, the position and the fixes."""
+    file = getattr(tokens, "file", None)
+    where = f"{file}" if file is not None else "the in-memory token stream"
+    return (
+        f"the global batch at token {position:,} of {where} ({global_batch} windows of {seq_len} tokens) has no "
+        "trained token: every target is masked (user turns, padding), so the step would train nothing (loss 0, "
+        "gradient 0). Prepare the data with more assistant replies (or --train-on all), raise training.global_batch, "
+        "or pass --data.allow_empty_steps true to run such steps anyway."
+    )
 
 
 def out_of_range(tokens, offset: int, vocab_size: int) -> str:

@@ -24,7 +24,8 @@ loss mask beside the tokens: the assistant's turns only, or every token with ``-
    is tokenized in this process in pieces of ``PIECE_CHARS``, cut with the tokenizer's own offsets
    (data/pieces.py), after the chunks before it.
 3. **Pack.** Each document's ids (numpy arrays, never a Python list of a document) are followed by the
-   tokenizer's EOS id (none for ``bytes``) and appended to ``tokens.bin``; ``header.json`` is written last
+   tokenizer's EOS id (none for ``bytes``) and appended to ``tokens.bin``, and where it starts to
+   ``documents.bin`` (the document masks of ``data.document_mask``); ``header.json`` is written last
    (data/token_file.py).
 
 **Memory is bounded by the chunks and pieces in flight, not by the largest document:** about
@@ -318,18 +319,24 @@ def eos_ids(tokenizer) -> np.ndarray:
     return np.zeros(0, dtype=np.uint32) if tokenizer.eos_id is None else np.array([tokenizer.eos_id], dtype=np.uint32)
 
 
-def encode_chunk(texts: list[str], tokenizer=None) -> np.ndarray:
-    """The packed ids of ``texts``: each document's ids, then the EOS id (step 3), as one numpy array."""
+def encode_chunk(texts: list[str], tokenizer=None, with_starts: bool = False):
+    """The packed ids of ``texts``: each document's ids, then the EOS id (step 3), as one numpy array; with
+    ``with_starts``, (ids, the offset in ids where each document starts)."""
     tokenizer = tokenizer or _worker_tokenizer
     eos = eos_ids(tokenizer)
-    parts = [part for ids in tokenizer.encode_arrays(texts) for part in (ids, eos)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+    encoded = tokenizer.encode_arrays(texts)
+    parts = [part for ids in encoded for part in (ids, eos)]
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+    if not with_starts:
+        return ids
+    lengths = np.array([len(a) + len(eos) for a in encoded], dtype=np.int64)
+    return ids, np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else lengths
 
 
 def tokenized(
     texts: Iterator[str | LongDocument], spec: str, eos_token: str, workers: int, tokenizer
-) -> Iterator[tuple[int, np.ndarray]]:
-    """(documents completed, packed ids) in document order, from ``workers`` processes (step 2); a long
+) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray]]]:
+    """(documents completed, (packed ids, where documents start in them)) in document order, from ``workers`` processes (step 2); a long
     document is tokenized here, in pieces, once the chunks before it are written."""
     import multiprocessing
 
@@ -352,13 +359,15 @@ def tokenized(
                     while pending:  # the documents before it come first
                         n, future = pending.popleft()
                         yield n, future.result()
+                    first = [0]  # the document starts with its first piece
                     for ids in encode_long(tokenizer, item.pieces):
-                        yield 0, ids
-                    yield 1, eos_ids(tokenizer)
+                        yield 0, (ids, first)
+                        first = []
+                    yield 1, (eos_ids(tokenizer), first)
                 elif pool is None:
-                    yield len(item), encode_chunk(item, tokenizer)
+                    yield len(item), encode_chunk(item, tokenizer, with_starts=True)
                 else:
-                    pending.append((len(item), pool.submit(encode_chunk, item)))
+                    pending.append((len(item), pool.submit(encode_chunk, item, with_starts=True)))
                     if len(pending) >= 2 * workers:
                         n, future = pending.popleft()
                         yield n, future.result()
@@ -417,8 +426,8 @@ def prepare(
     n_docs = 0
     try:
         texts = documents(files, text_field, progress, utf8, long_pieces=True)
-        for count, ids in tokenized(texts, tokenizer_spec, eos_token, workers, tokenizer):
-            writer.append(ids)
+        for count, (ids, starts) in tokenized(texts, tokenizer_spec, eos_token, workers, tokenizer):
+            writer.append(ids, starts=starts)  # and where each document starts (data/token_file.py)
             n_docs += count
             progress.update(n_docs, writer.num_tokens)
     except BaseException:
@@ -470,6 +479,14 @@ def prepare_chat(
     if n_docs == 0:
         writer.abort()
         raise ConfigError(f"--source {source!r} holds no conversation (JSONL lines with 'messages').")
+    if writer.trained_tokens == 0:  # a run on it would train on nothing: loss 0, gradient 0, exit 0
+        writer.abort()
+        what = "no assistant turn" if train_on == "assistant" else "no token"
+        raise ConfigError(
+            f"--source {source!r}: its {n_docs:,} conversations have {what} to train (0 trained tokens with "
+            f"--train-on {train_on}); add conversations with assistant replies"
+            + (", or pass --train-on all to train every token." if train_on == "assistant" else ".")
+        )
     header = {
         "num_documents": n_docs,
         "tokenizer": tokenizer.describe(),

@@ -13,6 +13,14 @@ Chat data (``data.prepare --format chat``) adds a loss mask beside the tokens:
                       framing); the header then has "loss_mask": {"file": "mask.bin", "trained_tokens": K,
                       "sha256": "..."}
 
+Every folder written since document masks exist also records where each document starts:
+
+    DIR/documents.bin one little-endian uint64 per document: the offset in tokens.bin of its first token, in
+                      increasing order, the first 0; the header then has "documents": {"file": "documents.bin",
+                      "count": D}. Chat data records each conversation, and each run of padding between
+                      conversations, as a document. A folder without it (prepared before) still loads; its
+                      documents are then not known (``open_documents`` returns None).
+
 ``open_tokens`` then returns a ``MaskedTokens`` (the tokens and the mask, sliced together), and the loader
 turns masked targets into the ignored index and counts the step's trained tokens (data/loader.py).
 
@@ -46,7 +54,7 @@ import numpy as np
 
 from runtime.config import ConfigError
 
-HEADER, TOKENS, MASK = "header.json", "tokens.bin", "mask.bin"
+HEADER, TOKENS, MASK, DOCUMENTS = "header.json", "tokens.bin", "mask.bin", "documents.bin"
 FORMAT, VERSION = "meshloom-tokens", 1
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # little-endian on every machine
 
@@ -68,7 +76,7 @@ class TokenFileWriter:
 
     def __init__(self, out_dir: str | Path, dtype: str, masked: bool = False):
         self.dir = Path(out_dir)
-        for name in (HEADER, TOKENS, TOKENS + ".tmp", MASK, MASK + ".tmp"):
+        for name in (HEADER, TOKENS, TOKENS + ".tmp", MASK, MASK + ".tmp", DOCUMENTS, DOCUMENTS + ".tmp"):
             if (self.dir / name).exists():
                 raise ConfigError(
                     f"--out {self.dir} already holds {name}; meshloom never overwrites a prepared dataset: "
@@ -83,9 +91,16 @@ class TokenFileWriter:
         self.digest = hashlib.sha256()  # of the bytes written, chunk by chunk: the header's tokens_sha256
         self.mask_file = open(self.dir / (MASK + ".tmp"), "wb") if masked else None  # noqa: SIM115 - as above
         self.mask_digest, self.trained_tokens = hashlib.sha256(), 0
+        self.doc_file = open(self.dir / (DOCUMENTS + ".tmp"), "wb")  # noqa: SIM115 - as above
+        self.num_documents = 0
 
-    def append(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
-        """Append ``ids`` (and, for a masked writer, their loss mask: one 0/1 per id)."""
+    def append(self, ids: np.ndarray, mask: np.ndarray | None = None, starts=()) -> None:
+        """Append ``ids`` (and, for a masked writer, their loss mask: one 0/1 per id); ``starts``: the offsets in
+        ``ids`` where a document begins (increasing)."""
+        starts = np.asarray(starts, dtype=np.int64)
+        if len(starts):
+            self.doc_file.write((starts + self.num_tokens).astype("<u8").tobytes())
+            self.num_documents += len(starts)
         if (mask is None) != (self.mask_file is None) or (mask is not None and len(mask) != len(ids)):
             raise ValueError("a masked TokenFileWriter needs one mask value per id; an unmasked one takes none")
         if mask is not None:
@@ -112,6 +127,11 @@ class TokenFileWriter:
             os.replace(self.dir / (MASK + ".tmp"), self.dir / MASK)
             mask = {"file": MASK, "trained_tokens": self.trained_tokens, "sha256": self.mask_digest.hexdigest()}
             header = {**header, "loss_mask": mask}
+        self.doc_file.flush()
+        os.fsync(self.doc_file.fileno())
+        self.doc_file.close()
+        os.replace(self.dir / (DOCUMENTS + ".tmp"), self.dir / DOCUMENTS)
+        header = {**header, "documents": {"file": DOCUMENTS, "count": self.num_documents}}
         header = {
             "format": FORMAT,
             "version": VERSION,
@@ -131,6 +151,8 @@ class TokenFileWriter:
         """Remove the partial file (a failed prepare leaves nothing that looks like a dataset)."""
         self.file.close()
         self.tmp.unlink(missing_ok=True)
+        self.doc_file.close()
+        (self.dir / (DOCUMENTS + ".tmp")).unlink(missing_ok=True)
         if self.mask_file is not None:
             self.mask_file.close()
             (self.dir / (MASK + ".tmp")).unlink(missing_ok=True)
@@ -171,7 +193,26 @@ def read_header(path: str | Path, field: str = "data.source") -> dict:
                 f"{where}: {MASK} {found} but {HEADER} promises a loss mask of {header['num_tokens']:,} bytes (one "
                 "per token); the folder is damaged: prepare the dataset again."
             )
+    documents = header.get("documents")
+    if documents is not None:
+        file = folder / DOCUMENTS
+        size = file.stat().st_size if file.is_file() else None
+        if not isinstance(documents.get("count"), int) or size != 8 * documents["count"]:
+            found = "is missing" if size is None else f"has {size:,} bytes"
+            raise ConfigError(
+                f"{where}: {DOCUMENTS} {found} but {HEADER} promises {documents.get('count')!r} document starts (8 "
+                "bytes each); the folder is damaged: prepare the dataset again."
+            )
     return header
+
+
+def open_documents(path: str | Path, header: dict) -> np.ndarray | None:
+    """The offsets where each document starts (increasing, int64), or None for a folder prepared before they
+    were recorded. Read whole: 8 bytes per document."""
+    if "documents" not in header:
+        return None
+    starts = np.fromfile(Path(path).expanduser() / DOCUMENTS, dtype="<u8").astype(np.int64)
+    return starts if len(starts) else np.zeros(1, dtype=np.int64)
 
 
 class TokenMap:

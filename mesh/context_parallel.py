@@ -50,6 +50,15 @@ local tokens unchanged, and lets only attention communicate:
    kernels read grouped k/v heads as they are; the memory-efficient kernel needs equal heads, so there a
    block's k/v are repeated, one block at a time.
 
+6. **Document masks** (``documents``: the document index of every position of the *whole* window, which every
+   cp rank has from the loader). A query sees a key only when both lie in the same document and the key does
+   not come later: neither a plain causal block nor a full one, so the fused kernels above (which take only
+   a causal flag) do not apply. ``allgather`` then attends its queries to the gathered keys through SDPA with
+   that explicit (n, s) mask; ``ring`` computes each block with its explicit (n, n) mask in plain torch
+   (``masked_block``, its backward ``masked_block_backward``), merged by the same log-sum-exp rule. Exact, at
+   the cost of the scores as a tensor per block; the own block comes first, so every row (which sees at least
+   itself) has a finite log-sum-exp before a fully masked row of another block is folded in.
+
 Parameters are replicated over cp, so FSDP shards them over dp_shard x cp and sums their gradients over it
 (mesh/dims.py); the cp group gets the collective timeout like every other mesh dim.
 """
@@ -61,6 +70,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from mesh.private_api import (
@@ -107,6 +117,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str
             module.attend = attend
     positions = load_balanced_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size())
     positions = positions.to(model.rope_cos.device)
+    # the whole tables stay beside, for document masks' per-token positions (models/llama.py: Transformer.forward)
+    model.rope_full, model.cp_positions = (model.rope_cos, model.rope_sin), positions
     model.rope_cos, model.rope_sin = model.rope_cos[positions], model.rope_sin[positions]
     return model
 
@@ -155,14 +167,33 @@ def allgather_blocks(rank: int, cp: int, chunk: int) -> list[tuple[slice, slice,
     return blocks
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+def rank_document_mask(documents: torch.Tensor, q_rank: int, k_rank: int | None, cp: int) -> torch.Tensor:
+    """(b, 1, n, m) bool: this rank's queries (those of cp rank ``q_rank``) against the keys of cp rank ``k_rank``
+    (None: every position, in global order): the key no later, and in the same document (module docstring, 6)."""
+    s = documents.shape[1]
+    q_pos = load_balanced_positions(s, q_rank, cp).to(documents.device)
+    k_pos = torch.arange(s, device=documents.device) if k_rank is None else load_balanced_positions(s, k_rank, cp)
+    k_pos = k_pos.to(documents.device)
+    same = documents[:, q_pos][:, :, None] == documents[:, k_pos][:, None, :]
+    return (same & (k_pos[None, :] <= q_pos[:, None]))[:, None]
+
+
+def allgather_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, documents: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys. q (b, n, heads, d), k/v (b, n, kv_heads, d)
-    hold this rank's n = s/cp tokens (chunks r and 2cp−1−r); returns (b, n, heads, d)."""
+    hold this rank's n = s/cp tokens (chunks r and 2cp−1−r); returns (b, n, heads, d). ``documents`` (b, s):
+    the document index of every position of the window (module docstring, 6)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     # One collective for K and V (kv heads only: GQA shrinks the message), sequence first for the gather.
     kv = torch.stack([k, v]).movedim(2, 0)  # (n, 2, b, kv_heads, d)
     gathered = GatherSequence.apply(kv, group)  # (cp·n, 2, b, kv_heads, d): rank 0's chunks, rank 1's, ...
     k_all, v_all = in_global_order(gathered, cp).permute(1, 2, 3, 0, 4)  # each (b, kv_heads, s, d)
+    if documents is not None:  # an explicit mask through SDPA, k/v heads repeated for it (exact on any device)
+        n_rep = q.shape[2] // k.shape[2]
+        k_all, v_all = k_all.repeat_interleave(n_rep, dim=1), v_all.repeat_interleave(n_rep, dim=1)
+        mask = rank_document_mask(documents, rank, None, cp)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask).transpose(1, 2)
     blocks = allgather_blocks(rank, cp, q.shape[1] // 2)
     return BlockwiseAttention.apply(q.transpose(1, 2), k_all, v_all, blocks).transpose(1, 2)
 
@@ -205,7 +236,9 @@ class RingAttention(torch.autograd.Function):
     """Causal attention over the ring of cp ranks; q, k, v and the output in (b, heads, n, d) layout."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+    def forward(
+        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         cp, rank, n = dist.get_world_size(group), dist.get_rank(group), q.shape[2]
         out, lse = new_accumulators(q)
         kv = torch.stack([k, v])  # the block in hand travels as one message, in the input dtype
@@ -213,10 +246,15 @@ class RingAttention(torch.autograd.Function):
         for step in range(cp):
             src = (rank - step) % cp  # the rank whose block we hold
             incoming = ring_exchange(kv, group) if step < cp - 1 else None  # overlaps the compute below
-            rows, keys, causal = visible(src, rank, n)
-            block_out, block_lse, state = attention_with_lse(
-                q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal
-            )
+            if documents is None:
+                rows, keys, causal = visible(src, rank, n)
+                block_out, block_lse, state = attention_with_lse(
+                    q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal
+                )
+            else:  # every row against every key, through the explicit mask (module docstring, 6)
+                rows = keys = slice(None)
+                state = rank_document_mask(documents, rank, src, cp)
+                block_out, block_lse = masked_block(q, kv[0], kv[1], state)
             merge_partial(out, lse, rows, block_out, block_lse)
             states.append(state)
             if incoming is not None:
@@ -224,7 +262,7 @@ class RingAttention(torch.autograd.Function):
                 _wait(requests)
                 kv = arrived
         out = out.to(q.dtype)  # keeps the (b, n, heads, d) memory layout
-        ctx.group, ctx.states = group, states
+        ctx.group, ctx.states, ctx.masked = group, states, documents is not None
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -240,17 +278,21 @@ class RingAttention(torch.autograd.Function):
         for step in range(cp):
             src = (rank - step) % cp
             incoming = ring_exchange(kv, group) if step < cp - 1 else None
-            rows, keys, causal = visible(src, rank, n)
-            dq_rows, dk, dv = attention_with_lse_backward(
-                d_out[:, :, rows],
-                q[:, :, rows],
-                kv[0][:, :, keys],
-                kv[1][:, :, keys],
-                out[:, :, rows],
-                lse[:, :, rows],
-                causal,
-                ctx.states[step],
-            )
+            if ctx.masked:
+                rows = keys = slice(None)
+                dq_rows, dk, dv = masked_block_backward(d_out, q, kv[0], kv[1], out, lse, ctx.states[step])
+            else:
+                rows, keys, causal = visible(src, rank, n)
+                dq_rows, dk, dv = attention_with_lse_backward(
+                    d_out[:, :, rows],
+                    q[:, :, rows],
+                    kv[0][:, :, keys],
+                    kv[1][:, :, keys],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    causal,
+                    ctx.states[step],
+                )
             dq[:, :, rows] += dq_rows
             dkv[0][:, :, keys] += dk
             dkv[1][:, :, keys] += dv
@@ -264,14 +306,49 @@ class RingAttention(torch.autograd.Function):
                 arrived, requests = incoming
                 _wait(requests)
                 kv = arrived
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, documents: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys, passing K/V around the ring.
     Same shapes as ``allgather_attention``: (b, n, heads, d) queries, (b, n, kv_heads, d) keys and values."""
-    out = RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group)
+    out = RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, documents)
     return out.transpose(1, 2)
+
+
+def masked_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+    """One block under an explicit mask (module docstring, 6): q (b, heads, n, d), k/v (b, kv_heads, m, d), mask
+    (b, 1, n, m) -> (output (b, heads, n, d), lse (b, heads, n)) in the accumulators' dtype; a row that sees no
+    key of this block gets output 0 and lse -inf, which the merge then leaves out."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.to(acc).repeat_interleave(n_rep, dim=1), v.to(acc).repeat_interleave(n_rep, dim=1)
+    scores = (q.to(acc) @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a row with no key: -inf - -inf
+    return p @ v, lse
+
+
+def masked_block_backward(d_out, q, k, v, out, lse, mask):
+    """``masked_block``'s gradients (dq, dk, dv) given the *merged* output and lse (module docstring, 5: the
+    block's probabilities are then its share of the whole softmax)."""
+    acc = lse.dtype
+    n_rep = q.shape[1] // k.shape[1]
+    qa, ka, va = q.to(acc), k.to(acc).repeat_interleave(n_rep, dim=1), v.to(acc).repeat_interleave(n_rep, dim=1)
+    scale = q.shape[-1] ** -0.5
+    scores = (qa @ ka.transpose(-1, -2)) * scale
+    p = torch.exp(scores - lse[..., None]).masked_fill(~mask, 0.0)
+    d_out, out = d_out.to(acc), out.to(acc)
+    dv = p.transpose(-1, -2) @ d_out
+    dp = d_out @ va.transpose(-1, -2)
+    ds = p * (dp - (d_out * out).sum(-1, keepdim=True))
+    dq = (ds @ ka) * scale
+    dk = (ds.transpose(-1, -2) @ qa) * scale
+    b, kv_heads, m, d = k.shape
+    return dq, dk.view(b, kv_heads, n_rep, m, d).sum(2), dv.view(b, kv_heads, n_rep, m, d).sum(2)
 
 
 # ---- 3-5. blocks through a fused kernel, merged by their log-sum-exp ---------------------------------------

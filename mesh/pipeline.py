@@ -148,7 +148,13 @@ def build_pipeline_schedule(
 
 
 def run_schedule(
-    schedule, stage_ids: list[int], n_stages: int, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool
+    schedule,
+    stage_ids: list[int],
+    n_stages: int,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    forward_only: bool,
+    documents: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """One local batch through ``schedule``; returns the per-micro-batch losses (empty off the last stage).
 
@@ -163,5 +169,10 @@ def run_schedule(
     # The loader's inputs and targets are slices of one (b, s + 1) window: torch 2.11 checks each micro-batch's
     # strides against those it inferred and refuses a slice, so the stages get dense tensors.
     inputs, targets = inputs.contiguous(), targets.contiguous()
-    run(*((inputs,) if is_first else ()), **({"target": targets, "losses": losses} if is_last else {}))
+    # Document positions (data/loader.py) go to *every* stage as a keyword argument, which the schedule splits
+    # into micro-batches like the inputs: each stage's attention needs them, not only the first's.
+    kwargs = {} if documents is None else {"documents": documents.contiguous()}
+    if is_last:
+        kwargs.update(target=targets, losses=losses)
+    run(*((inputs,) if is_first else ()), **kwargs)
     return losses

@@ -284,8 +284,9 @@ def block_plan(sequence_parallel: bool, regather: bool = False) -> dict:
     between = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "attention": PrepareModuleInput(
-            input_layouts=(between, None, None),  # (x, rope cos, rope sin): cos/sin stay plain tensors
-            desired_input_layouts=(Replicate(), None, None),  # SP: all-gather the sequence here
+            # (x, rope cos, rope sin, documents): cos/sin and the document ids (or None) stay plain tensors
+            input_layouts=(between, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),  # SP: all-gather the sequence here
         ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),

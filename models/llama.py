@@ -51,6 +51,9 @@ class ModelArgs:
     moe: MoEArgs | None = None  # None: a dense model
     moe_every: int = 1  # with moe: layers i where (i + 1) % moe_every == 0 are MoE, the others dense
     tie_embeddings: bool = False  # one weight for the embedding and the output head (see ``stored_name``)
+    # >= 0: the embedding lookup gives this row no gradient, as transformers' nn.Embedding(padding_idx) does
+    # (model.freeze_pad_embedding); -1: every row trains. Only the gradient: the row's value is the checkpoint's.
+    pad_token_id: int = -1
     # The Llama-family variants transformers folders bring (checkpoint/hf_folder.py maps each config field):
     family: str = "llama"  # llama, mistral, qwen2, qwen3: what an export writes as model_type / architectures
     qkv_bias: bool = False  # Qwen2/2.5: wq, wk, wv have biases (wo has none)
@@ -161,7 +164,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate each (x_i, x_{i+d/2}) pair by its position's angle. x: (batch, seq, heads, head_dim)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    # (seq, d): one table row per position, shared by the batch; (batch, seq, d): each token its own (documents)
+    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None], sin[:, :, None])
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
@@ -235,7 +239,22 @@ def sdpa_reads_grouped_kv(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     )
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, s, s) bool: query i sees key j when j <= i and both lie in the same document. ``documents``:
+    (batch, s) document index of each position (non-decreasing along the sequence)."""
+    s = documents.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=documents.device).tril()
+    return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """The document index of each token from its position in its document (a new document where it is 0)."""
+    return (positions == 0).cumsum(dim=1)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+) -> torch.Tensor:
     """softmax(q kᵀ / sqrt(d), causal) v on one device: q (batch, seq, heads, head_dim), k and v
     (batch, kv_seq, kv_heads, head_dim) -> (batch, seq, heads, head_dim). The queries are the *last* seq of the
     kv_seq positions (a KV cache's new tokens, or a context-parallel chunk after the keys that precede it):
@@ -243,13 +262,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
     ``Attention.attend`` points here. Context parallelism points it at a version that also attends to the
     keys other ranks hold (mesh/context_parallel.py); the model does not know.
+
+    ``documents`` (batch, seq), the document index of each position (``document_ids``): a query also sees only
+    the keys of its own document, through an explicit block-diagonal causal mask. Exact on every device; the
+    mask is (seq, seq) per sequence, and SDPA with a mask takes a kernel that is not the flash one.
     """
     n_rep = q.shape[2] // k.shape[2]
     # Fewer queries than keys: the causal mask aligned at the bottom right, built explicitly. (torch's
     # causal_lower_right would spare building it on CUDA, but it is a tensor subclass that cannot be created
     # under a TorchDispatchMode, which selective activation checkpointing is.)
     mask = None
-    if q.shape[1] != k.shape[1]:
+    if documents is not None:
+        mask = document_mask(documents)
+    elif q.shape[1] != k.shape[1]:
         mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - q.shape[1])
     # SDPA reads each k/v head for its n_rep query heads when its fused kernel can (no n_rep copies of k and v
     # made, or saved for backward); otherwise repeat them here, since the kernel SDPA would fall back to is
@@ -291,13 +316,20 @@ class Attention(nn.Module):
         self.attend = causal_attention  # the seam context parallelism replaces (not a module: no parameters)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         start = 0 if cache is None else cache.start
         # seqlen of the full sequence, even if the caller holds a shard; offset by the cached positions. (Under
-        # context parallelism the tables hold this rank's positions, in order: mesh/context_parallel.py.)
-        cos, sin = cos[start : start + seqlen], sin[start : start + seqlen]
+        # context parallelism the tables hold this rank's positions, in order: mesh/context_parallel.py.) With
+        # documents the tables are already per token (batch, seq, d): Transformer.forward.
+        if cos.dim() == 2:
+            cos, sin = cos[start : start + seqlen], sin[start : start + seqlen]
         # -1 heads: under tensor parallelism these are the local heads of this rank.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
@@ -306,7 +338,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
-            out = self.attend(q, k, v)
+            out = self.attend(q, k, v) if documents is None else self.attend(q, k, v, documents=documents)
         else:
             k, v = cache.update(k, v)
             out = causal_attention(q, k, v)  # the new queries are the last positions of the cached keys
@@ -325,11 +357,17 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        # The cache is passed only when there is one: parallel styles (PrepareModuleInput) count the inputs.
+        # The cache is passed only when there is one: parallel styles (PrepareModuleInput) count the inputs;
+        # documents always (None without document masks), as the fourth.
         extra = () if cache is None else (cache,)
-        h = x + self.attention(self.attention_norm(x), cos, sin, *extra)
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents, *extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -340,6 +378,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        if args.pad_token_id >= 0:  # set after construction: nn.Embedding(padding_idx=) would zero the row's value
+            self.tok_embeddings.padding_idx = args.pad_token_id
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -348,19 +388,37 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Context parallelism (mesh/context_parallel.py) keeps only this rank's rows of the tables above and
+        # records which positions those are, and the whole tables here, for the per-token rows of documents.
+        self.cp_positions: torch.Tensor | None = None
+        self.rope_full: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab); a later pipeline stage takes hidden states.
 
         With a ``cache`` (whole model, one device), ``tokens`` continue the cached positions (see KVCache).
+
+        ``documents`` (batch, s) int64, s the whole window even when this rank holds a part of it (context
+        parallelism): each token's position in its document, 0 where one starts (data/loader.py). Each token
+        is then rotated by that position, as if its document were run alone, and attends only to the tokens of
+        its document (``causal_attention``; context parallelism's cross-rank versions likewise).
         """
         check_window(self.args, tokens.shape[1] if cache is None else cache.length + tokens.shape[1])
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin, doc_ids = self.rope_cos, self.rope_sin, None
+        if documents is not None:
+            full_cos, full_sin = self.rope_full or (self.rope_cos, self.rope_sin)
+            local = documents if self.cp_positions is None else documents[:, self.cp_positions.to(documents.device)]
+            cos, sin, doc_ids = full_cos[local], full_sin[local], document_ids(documents)
         for key, layer in self.layers.items():
             if cache is None:
-                h = layer(h, self.rope_cos, self.rope_sin)
+                # documents only when there are some: wrappers around a block (tests/test_from_scratch.py's
+                # ZeRO-3 sketch) see the same inputs as before document masks
+                h = layer(h, cos, sin) if doc_ids is None else layer(h, cos, sin, doc_ids)
             else:
-                h = layer(h, self.rope_cos, self.rope_sin, cache.layer(key))
+                h = layer(h, cos, sin, None, cache.layer(key))
         if cache is not None:
             cache.length += tokens.shape[1]
         h = self.norm(h) if self.norm is not None else h

@@ -127,6 +127,12 @@ class ModelConfig:
     rope_original_max_seq_len: int = opt(8192, "rope_scaling llama3: L0, the pre-training context length", ge=1)
     max_seq_len: int = opt(2048, "longest sequence the rotary tables cover", ge=1)
     tie_embeddings: bool = opt(False, "one weight for the embedding and the output head (see docs/checkpointing.md)")
+    pad_token_id: int = opt(-1, "the padding id (a transformers folder's config.json pad_token_id); -1: none", ge=-1)
+    freeze_pad_embedding: bool = opt(
+        False,
+        "true: as transformers' nn.Embedding(padding_idx), the input lookup gives the pad_token_id row no gradient "
+        "(a tied head still trains it); false: every row trains (docs/checkpointing.md)",
+    )
     n_experts: int = opt(0, "routed experts per MoE layer; 0: a dense model (see models/moe.py)", ge=0)
     top_k: int = opt(2, "experts each token is routed to", ge=1)
     moe_every: int = opt(1, "layer i is MoE when (i + 1) % moe_every == 0", ge=1)
@@ -191,6 +197,12 @@ class ParallelConfig:
 @dataclass
 class TrainingConfig:
     steps: int = opt(40, "optimizer steps to train (in total, counting resumed ones)", ge=1)
+    epochs: float = opt(
+        0.0,
+        "instead of steps: passes over the training stream (steps = ceil(epochs x its tokens / (global_batch x "
+        "seq_len))); 0: use training.steps",
+        ge=0,
+    )
     seed: int = opt(1234, "seed of the initial weights", ge=0)
     global_batch: int = opt(8, "sequences per optimizer step, whole world", ge=1)
     micro_batch: int = opt(0, "sequences per rank per forward; 0: the whole local batch (no accumulation)", ge=0)
@@ -229,6 +241,16 @@ class DataConfig:
         False,
         "resume into a prepared stream whose content digest differs from the checkpoint's: its tokens_consumed "
         "is then reinterpreted as a position in the new stream",
+    )
+    document_mask: Literal["auto", "on", "off"] = opt(
+        "auto",
+        "attention within each document of a packed window, positions restarting per document (needs a "
+        "data.prepare folder); auto: on for chat data, off for text",
+    )
+    allow_empty_steps: bool = opt(
+        False,
+        "masked (chat) data: run a step whose global batch has no trained token (loss 0, no gradient) instead of "
+        "stopping with exit 2",
     )
 
 
@@ -505,6 +527,7 @@ def check_values(cfg: Config) -> None:
             f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be < model.rope_high_freq_factor="
             f"{m.rope_high_freq_factor} (llama3 RoPE scaling blends between the two); e.g. 1 and 4."
         )
+    broken += pad_problems(cfg)
     d = cfg.data
     if d.val_source and d.val_fraction:
         broken.append(
@@ -551,6 +574,25 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+def pad_problems(cfg: Config) -> list[str]:
+    """model.pad_token_id within the vocabulary; model.freeze_pad_embedding where the embedding is whole (not
+    vocab-sharded by tensor parallelism, whose ranks see shifted ids). Checked again once a transformers folder
+    has set pad_token_id (checkpoint/hf_folder.py)."""
+    m, out = cfg.model, []
+    if m.pad_token_id >= m.vocab_size:
+        out.append(
+            f"model.pad_token_id={m.pad_token_id} is not an id of model.vocab_size={m.vocab_size}; use -1 (none) "
+            "or an id below the vocabulary size."
+        )
+    if m.freeze_pad_embedding and m.pad_token_id >= 0 and cfg.parallel.tp > 1:
+        out.append(
+            f"model.freeze_pad_embedding=true with parallel.tp={cfg.parallel.tp}: tensor parallelism shards the "
+            "embedding by vocabulary, where the pad row's lookup gradient is not held out; set "
+            "--model.freeze_pad_embedding false (every row trains) or parallel.tp 1."
+        )
+    return out
+
+
 def model_args(cfg: Config):
     """The ``[model]`` section as ``models.llama.ModelArgs`` (with ``MoEArgs`` for an MoE model)."""
     from models.llama import ModelArgs
@@ -578,6 +620,7 @@ def model_args(cfg: Config):
         max_seq_len=m.max_seq_len,
         moe_every=m.moe_every,
         tie_embeddings=m.tie_embeddings,
+        pad_token_id=m.pad_token_id if m.freeze_pad_embedding else -1,
         family=m.family,
         qkv_bias=m.qkv_bias,
         qk_norm=m.qk_norm,

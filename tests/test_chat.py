@@ -20,12 +20,15 @@ TINY_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
+    return make_tiny_chat_folder(tmp_path_factory.mktemp("tiny_chat"))
+
+
+def make_tiny_chat_folder(folder: Path) -> Path:
     """A tiny BPE with two turn markers and a template: what any chat model folder has, in miniature."""
     from tokenizers import AddedToken, Tokenizer
 
     from tests.bpe import EOS, tiny_bpe
 
-    folder = tmp_path_factory.mktemp("tiny_chat")
     tok = Tokenizer.from_file(str(tiny_bpe(folder)))
     tok.add_special_tokens([AddedToken("<|start|>", special=True), AddedToken("<|end|>", special=True)])
     tok.save(str(folder / "tokenizer.json"))
@@ -143,3 +146,120 @@ def test_the_banner_names_the_mask_and_a_packing_for_another_seq_len(tiny_folder
     assert prepare_main([*args, "--out", str(out)]) == 0
     assert packing_note(str(out), 64).startswith(", loss mask: ") and "WARNING" not in packing_note(str(out), 64)
     assert "--seq-len 128" in packing_note(str(out), 128)
+
+
+# ---- no silent emptiness: a file, or a step, with no trained token ----------------------------------------
+
+
+def test_prepare_refuses_conversations_with_nothing_to_train(tiny_folder, tmp_path, capsys):
+    """System-only conversations prepared with ``--train-on assistant`` have no trained token: refused, exit 2,
+    naming the source and both fixes; nothing is left in --out."""
+    source = tmp_path / "system_only.jsonl"
+    source.write_text(
+        "\n".join(json.dumps({"messages": [{"role": "system", "content": f"rule {i}"}]}) for i in range(3)) + "\n"
+    )
+    out = tmp_path / "out"
+    code = prepare_main(
+        ["--format", "chat", "--source", str(source), "--tokenizer", str(tiny_folder), "--seq-len", "32"]
+        + ["--out", str(out)]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert str(source) in err and "0 trained tokens" in err and "--train-on all" in err
+    assert not (out / "header.json").exists() and not (out / "tokens.bin").exists()
+
+
+def masked_folder(tiny_folder, out: Path, mask: np.ndarray) -> Path:
+    """A token folder of random ids with the given loss mask (what an old prepare, or a hand-made file, leaves)."""
+    from data.token_file import TokenFileWriter, dtype_for
+
+    tokenizer = load_tokenizer(str(tiny_folder))
+    writer = TokenFileWriter(out, dtype_for(tokenizer.vocab_size), masked=True)
+    ids = np.random.default_rng(0).integers(0, 500, len(mask))
+    writer.append(ids, mask)
+    writer.finish({"num_documents": 1, "tokenizer": tokenizer.describe(), "source": "hand-made", "files": 1})
+    return out
+
+
+def test_the_run_refuses_a_data_file_with_no_trained_token(tiny_folder, tmp_path):
+    from launch.local_runs import DEBUG_CONFIG, run_train_cli
+
+    folder = masked_folder(tiny_folder, tmp_path / "empty", np.zeros(4000, dtype=np.uint8))
+    proc = run_train_cli(
+        1,
+        "--config",
+        DEBUG_CONFIG,
+        "--run.dir",
+        str(tmp_path / "run"),
+        "--data.source",
+        str(folder),
+        "--data.tokenizer",
+        str(tiny_folder),
+        "--model.vocab_size",
+        "600",
+        "--training.steps",
+        "1",
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert str(folder) in proc.stderr and "0 trained tokens" in proc.stderr and "--train-on all" in proc.stderr
+
+
+def test_a_global_batch_with_no_trained_token_is_an_error_unless_allowed(tiny_folder, tmp_path):
+    from data.loader import GlobalBatchLoader
+    from runtime.config import ConfigError
+
+    seq, batch = 16, 2
+    mask = np.ones(200, dtype=np.uint8)
+    mask[: seq * batch + 1] = 0  # the first global batch's targets are all masked, the rest trained
+    data = open_tokens(masked_folder(tiny_folder, tmp_path / "d", mask), read_header(tmp_path / "d"))
+
+    def loader():
+        return GlobalBatchLoader(data, seq_len=seq, global_batch=batch, micro_batch=1, dp_rank=0, dp_size=1)
+
+    strict = loader()
+    with pytest.raises(ConfigError, match=r"no trained token.*--data.allow_empty_steps true"):
+        strict.next_batch()
+    allowed = loader()
+    allowed.allow_empty_steps = True
+    allowed.next_batch()
+    assert allowed.trained_tokens == 0
+    allowed.next_batch()  # the next batch trains
+    assert allowed.trained_tokens == seq * batch
+
+
+# ---- document boundaries (data/token_file.py: documents.bin) ------------------------------------------------
+
+
+def test_prepare_records_where_each_document_starts_and_old_folders_still_load(tiny_folder, tmp_path):
+    """Text: each document starts right after the previous one's EOS. Chat: each conversation (and each run of
+    padding) starts a document, and a conversation's tokens are the ones between its start and the next. A folder
+    prepared before documents.bin existed loads, with no documents."""
+    from data.prepare import prepare
+    from data.token_file import DOCUMENTS, open_documents
+
+    texts = tmp_path / "docs.jsonl"
+    texts.write_text("\n".join(json.dumps({"text": f"document {i} " * (1 + i)}) for i in range(7)) + "\n")
+    header = prepare(str(texts), str(tiny_folder), str(tmp_path / "text"), workers=1, quiet=True)
+    starts = open_documents(tmp_path / "text", read_header(tmp_path / "text"))
+    tokens = np.asarray(open_tokens(tmp_path / "text", read_header(tmp_path / "text")))
+    ends = np.flatnonzero(tokens == header["tokenizer"]["eos_id"])
+    assert starts.tolist() == [0, *(ends[:-1] + 1).tolist()] and len(starts) == 7
+
+    out = tmp_path / "chat"
+    args = ["--format", "chat", "--source", str(CHATS), "--tokenizer", str(tiny_folder), "--seq-len", "64"]
+    assert prepare_main([*args, "--out", str(out)]) == 0
+    chat_header = read_header(out)
+    starts = open_documents(out, chat_header)
+    data = open_tokens(out, chat_header)
+    tokens, eos = np.asarray(data.tokens).astype(np.int64), chat_header["tokenizer"]["eos_id"]
+    bounds = [*starts.tolist(), chat_header["num_tokens"]]
+    conversations = [tokens[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if tokens[a] != eos]
+    assert len(conversations) == chat_header["num_documents"] == len(messages())
+    assert all(c[-1] == eos and (c[:-1] != eos).all() for c in conversations)  # one conversation, its end
+
+    (out / DOCUMENTS).unlink()
+    old = {k: v for k, v in chat_header.items() if k != "documents"}
+    (out / "header.json").write_text(json.dumps(old))
+    assert open_documents(out, read_header(out)) is None

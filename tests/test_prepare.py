@@ -474,7 +474,8 @@ def test_prepare_records_the_largest_id_and_a_header_beyond_the_vocabulary_is_re
     assert header["max_id"] == int(np.fromfile(small_dataset / TOKENS, dtype="<u2").max()) < 512
     edited = tmp_path / "edited"
     edited.mkdir()
-    (edited / TOKENS).write_bytes((small_dataset / TOKENS).read_bytes())
+    for name in (TOKENS, "documents.bin"):  # the folder's files, its header edited
+        (edited / name).write_bytes((small_dataset / name).read_bytes())
     (edited / HEADER).write_text(json.dumps({**header, "max_id": 600}))
     common = dict(data__tokenizer=str(bpe), data__source=str(edited), training__seq_len=16)
     with pytest.raises(ConfigError) as err:

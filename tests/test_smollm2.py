@@ -160,3 +160,46 @@ def test_without_the_package_the_helper_says_what_to_install(monkeypatch):
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, m=missing: None if name == m else real(name))
         with pytest.raises(gguf_import.Unavailable, match=words):
             gguf_import.smollm2_folder()
+
+
+@pytest.mark.slow
+def test_a_bf16_fine_tune_exports_in_bf16_with_the_source_config(smollm2, tmp_path):
+    """The issue's done-when: SmolLM2 fine-tuned in bf16 on its chat data (2 steps), exported with --dtype bf16:
+    half the bytes of the fp32 source's weights, config.json the source's except ``dtype`` (the one field
+    meshloom changed, listed in the printout), and transformers loads it and continues the prompt like our model
+    loaded from the same export."""
+    import json
+
+    import transformers
+
+    from checkpoint.export import main as export_main
+    from data.prepare import main as prepare_main
+
+    chat = tmp_path / "chat"
+    prepare = ["--format", "chat", "--source", str(ROOT / "examples" / "chat_sample.jsonl"), "--seq-len", "64"]
+    assert prepare_main([*prepare, "--tokenizer", str(smollm2), "--out", str(chat)]) == 0
+    config = tmp_path / "run.toml"
+    config.write_text(RUN_TOML)
+    overrides = {
+        "checkpoint.init_from": str(smollm2),
+        "data.source": str(chat),
+        "data.tokenizer": str(smollm2),
+        "training.mixed_precision": "bf16",
+        "training.steps": 2,
+        "checkpoint.interval": 2,
+    }
+    train_on(1, overrides, tmp_path / "run", timeout=900, config=str(config))
+    out = tmp_path / "hf"
+    assert (
+        export_main(["--checkpoint", str(tmp_path / "run" / "checkpoints"), "--out", str(out), "--dtype", "bf16"]) == 0
+    )
+    source, written = (json.loads((d / "config.json").read_text()) for d in (smollm2, out))
+    assert {k for k in set(source) | set(written) if source.get(k) != written.get(k)} == {"dtype"}
+    assert written["dtype"] == "bfloat16" and source["dtype"] == "float32"
+    full, half = ((d / "model.safetensors").stat().st_size for d in (smollm2, out))
+    print(f"source {full:,} bytes, bf16 export {half:,} bytes ({half / full:.4f})")
+    assert abs(half - full / 2) < 0.001 * full
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok.chat_template and tok.pad_token_id == source["pad_token_id"]

@@ -57,8 +57,9 @@ def evaluate(parts, schedule, loader, plan: LayoutPlan, meshes: Meshes, *, steps
         for _ in range(steps):  # step 2
             batch = loader.next_batch()
             trained += loader.trained_tokens
-            for inputs, targets in batch:
+            for index, (inputs, targets) in enumerate(batch):
                 inputs, targets = inputs.to(device), targets.to(device)
+                docs = None if loader.documents is None else loader.documents[index].to(device)
                 with torch.no_grad() if forward_only else contextlib.nullcontext():
                     # the training step's forward (training/step.py), without its backward where torch allows
                     backward = not forward_only
@@ -71,6 +72,7 @@ def evaluate(parts, schedule, loader, plan: LayoutPlan, meshes: Meshes, *, steps
                         backward=backward,
                         dtype=f64,
                         trained_tokens=loader.trained_tokens,
+                        documents=docs,
                     )
     finally:
         for part in parts:  # step 4

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from planning.plan import LayoutPlan
 
 
-def batch_loader(tokens, plan: LayoutPlan, meshes: Meshes) -> GlobalBatchLoader:
-    """``tokens`` (one split of data/dataset.py's ``Splits``) cut into this rank's micro-batches."""
+def batch_loader(tokens, plan: LayoutPlan, meshes: Meshes, document_starts=None) -> GlobalBatchLoader:
+    """``tokens`` (one split of data/dataset.py's ``Splits``) cut into this rank's micro-batches; with
+    ``document_starts``, each micro-batch's document positions too (data/loader.py)."""
     dims = plan.dims
     positions = load_balanced_positions(plan.seq_len, meshes.cp.get_local_rank(), dims.cp) if dims.cp > 1 else None
     return GlobalBatchLoader(
@@ -30,4 +31,5 @@ def batch_loader(tokens, plan: LayoutPlan, meshes: Meshes) -> GlobalBatchLoader:
         dp_size=dims.dp,
         positions=positions,
         vocab_size=plan.model.vocab_size,  # every step's ids checked on the host (data/loader.py)
+        document_starts=document_starts,
     )

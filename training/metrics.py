@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -104,3 +106,35 @@ def open_metrics(
         error = ConfigError(f"run.dir={run_dir!r} cannot be written ({exc}); choose a writable --run.dir.")
     control.raise_if_any_failed(error, "opening run.dir", error_type=ConfigError)
     return writer
+
+
+class Progress:
+    """The progress on each log line: steps done of the run, tokens read, elapsed time and an ETA from this run's
+    own pace (steps resumed from a checkpoint are not timed). On a terminal it starts with a bar; in a log file
+    (stdout not a terminal) the same words as plain text."""
+
+    def __init__(self, total_steps: int, start_step: int, tokens_per_step: int, tty: bool | None = None):
+        self.total, self.start, self.tokens_per_step = total_steps, start_step, tokens_per_step
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.began = time.perf_counter()
+
+    def line(self, step: int, now: float | None = None) -> str:
+        elapsed = (time.perf_counter() if now is None else now) - self.began
+        done = step - self.start
+        eta = elapsed / done * (self.total - step) if done > 0 else 0.0
+        words = (
+            f"{step:,}/{self.total:,} steps | {step * self.tokens_per_step:,} tokens | elapsed {clock(elapsed)} | "
+            f"ETA {clock(eta)}"
+        )
+        if not self.tty:
+            return words
+        width = 20
+        filled = int(width * step / max(1, self.total))
+        return f"[{'#' * filled}{'.' * (width - filled)}] {step / max(1, self.total):4.0%} {words}"
+
+
+def clock(seconds: float) -> str:
+    """h:mm:ss (or m:ss under an hour)."""
+    s = int(round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"

@@ -143,24 +143,27 @@ def forward_backward(
     backward: bool = True,
     dtype: torch.dtype | None = None,
     trained_tokens: int | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One micro-batch's forward and (with ``backward``) backward (step 2); returns this rank's token-loss sum (0
     off the last stage), in ``dtype`` when given. Validation runs it forward only (training/evaluation.py).
-    ``trained_tokens``: the step's global count of trained targets (a loss mask; default the global token count)."""
+    ``trained_tokens``: the step's global count of trained targets (a loss mask; default the global token count).
+    ``documents``: the micro-batch's document positions (data/loader.py), given to every stage's forward."""
     tokens = plan.global_tokens if trained_tokens is None else divisor(trained_tokens)
     if schedule is not None:
         schedule.loss_divisor.tokens = tokens
     with loss_context(plan.dims.tp > 1):  # vocab-sharded cross-entropy under TP: forward *and* backward inside
         if schedule is None:
             with named_range("forward"):
-                loss = token_loss_sum(parts[0](inputs), targets)
+                extra = {} if documents is None else {"documents": documents}
+                loss = token_loss_sum(parts[0](inputs, **extra), targets)
             if backward:
                 with named_range("backward"):
                     (loss / tokens).backward()
             return loss_value(loss.detach()).to(dtype or loss.dtype)
         with named_range("pipeline schedule"):  # the schedule's own per-action ranges nest inside
             losses = run_schedule(
-                schedule, list(plan.stage_ids), plan.n_stages, inputs, targets, forward_only=not backward
+                schedule, list(plan.stage_ids), plan.n_stages, inputs, targets, not backward, documents
             )
         if not losses:
             return torch.zeros((), device=inputs.device, dtype=dtype)
@@ -179,7 +182,10 @@ def accumulate_gradients(s: StepParts, batch, step: int) -> torch.Tensor:
             with reduction_window(s.parts, reduce=reduce, hsdp=dims.dp_replicate > 1):
                 inputs, targets = inputs.to(s.device), targets.to(s.device)
                 trained = s.loader.trained_tokens  # the global count of trained targets (data/loader.py)
-                loss_sum += forward_backward(s.parts, s.schedule, plan, inputs, targets, trained_tokens=trained)
+                docs = None if s.loader.documents is None else s.loader.documents[index].to(s.device)
+                loss_sum += forward_backward(
+                    s.parts, s.schedule, plan, inputs, targets, trained_tokens=trained, documents=docs
+                )
         s.extras.after_forward_backward()
         if dims.tp > 1:
             reduce_partial_gradients(s.params)
