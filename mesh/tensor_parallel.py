@@ -204,8 +204,10 @@ class TokenSplitMoE(ParallelStyle):
        chunks come from ``SequenceChunks`` (models/moe.py, "Sequences in chunks").
     3. Experts, EP dispatch/combine and the shared expert run on the chunk's tokens only.
     4. Output: with SP it is this rank's shard already; without SP the chunks are all-gathered.
-    5. The router and the shared expert stay whole on every tp rank, but each rank's gradient covers only its
-       tokens: ``sum_token_split_gradients`` all-reduces them over tp once per step, before clipping. With
+    5. Each rank's gradient of the router and the shared expert covers only its tokens. Under FSDP they are
+       sharded over dp_shard x cp x tp (mesh/data_parallel.py: ``Meshes.token_split``), so no tp rank holds
+       them whole and FSDP's reduce-scatter sums them over tp. Without FSDP (tp alone) they stay whole on
+       every tp rank and ``sum_token_split_gradients`` all-reduces them over tp once per step. With
        expert parallelism the ep group borrows the tp ranks (mesh/dims.py), so each tp rank dispatches its chunk
        to the experts' owners and holds other experts than its tp peers: FSDP sums those gradients over efsdp,
        and the tp sum leaves them out. Without ep the experts are whole on every tp rank and summed over tp
@@ -257,13 +259,14 @@ def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, exper
     Local tensors are reduced: under FSDP each tp rank holds the same dp shard of a weight, so the sum of
     the shards is the shard of the sum; expert-parallel shards within dp_shard likewise.
     """
+    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
     grads = [
         _local(p.grad)
         for part in parts
         for module in part.modules()
         if isinstance(module, MoE)
         for name, p in module.named_parameters()
-        if p.grad is not None and (experts or not name.startswith("experts."))
+        if p.grad is not None and (experts or not name.startswith("experts.")) and not _fsdp_over(p, tp_ranks)
     ]
     for dtype in {g.dtype for g in grads}:
         same = [g for g in grads if g.dtype == dtype]
@@ -271,6 +274,12 @@ def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, exper
         dist.all_reduce(flat, group=tp_mesh.get_group())
         for g, summed in zip(same, flat.split([g.numel() for g in same]), strict=True):
             g.copy_(summed.view_as(g))
+
+
+def _fsdp_over(param: torch.Tensor, ranks: set[int]) -> bool:
+    """Whether ``param`` is sharded over a mesh holding all of ``ranks`` (mesh/data_parallel.py shards an MoE
+    block's router and shared expert over dp_shard x cp x tp): FSDP's reduce-scatter already sums it there."""
+    return isinstance(param, DTensor) and ranks <= set(param.device_mesh.mesh.flatten().tolist())
 
 
 def block_plan(sequence_parallel: bool, regather: bool = False) -> dict:
