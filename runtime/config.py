@@ -81,11 +81,26 @@ class ModelConfig:
     moe_bias_update_rate: float = opt(0.0, "aux-loss-free expert-bias step (0: off)", ge=0)
     moe_capacity_factor: float = opt(0.0, "0: dropless; > 0: per-sequence capacity with token dropping", ge=0)
     # Llama-family variants (checkpoint/hf_folder.py sets them from a transformers folder's config.json)
-    family: Literal["llama", "mistral", "qwen2", "qwen3"] = opt("llama", "architecture an export writes")
+    family: Literal[
+        "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"
+    ] = opt("llama", "architecture an export writes")
     qkv_bias: bool = opt(False, "biases on the q, k, v projections (Qwen2)")
     qk_norm: bool = opt(False, "RMSNorm over each query and key head before RoPE (Qwen3)")
     head_dim: int = opt(0, "width of one attention head; 0: dim / n_heads", ge=0)
     sliding_window: int = opt(0, "0: none; else the window, which training.seq_len must not exceed", ge=0)
+    # MoE families (checkpoint/hf_folder.py sets them from a Mixtral, Qwen-MoE, OLMoE or DeepSeek-V3 folder)
+    qk_norm_full: bool = opt(False, "qk_norm over the whole q and k projection, not per head (OLMoE)")
+    moe_dense_layers: str = opt("", "comma-separated layer ids that stay dense in an MoE model, e.g. '0,1'")
+    moe_shared_ffn_dim: int = opt(0, "the shared expert's hidden size; 0: the dense FFN's", ge=0)
+    moe_shared_gate: bool = opt(False, "scale the shared expert's output by sigmoid(a learned linear) (Qwen2-MoE)")
+    moe_groups: int = opt(1, "expert groups for group-limited routing (DeepSeek-V3 n_group)", ge=1)
+    moe_topk_groups: int = opt(1, "groups a token may route into (DeepSeek-V3 topk_group)", ge=1)
+    moe_route_scale: float = opt(1.0, "multiply the routed experts' gates by this (DeepSeek-V3)", gt=0)
+    q_lora_rank: int = opt(0, "latent attention: rank of the query's low-rank projection; 0: a full one", ge=0)
+    kv_lora_rank: int = opt(0, "latent attention (DeepSeek MLA, models/latent_attention.py); 0: off", ge=0)
+    qk_rope_head_dim: int = opt(0, "latent attention: the rotated part of each q/k head", ge=0)
+    v_head_dim: int = opt(0, "latent attention: width of a value head", ge=0)
+    rope_interleave: bool = opt(False, "latent attention: rotary pairs stored interleaved (DeepSeek-V3)")
 
 
 @dataclass
@@ -483,6 +498,20 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+def dense_layer_ids(text: str, n_layers: int) -> tuple[int, ...]:
+    """model.moe_dense_layers ('0,1') as layer ids; a ConfigError naming the value for anything else."""
+    try:
+        ids = tuple(int(i) for i in text.split(",") if i.strip())
+    except ValueError:
+        ids = (-1,)
+    if any(not 0 <= i < n_layers for i in ids):
+        raise ConfigError(
+            f"model.moe_dense_layers={text!r}: give comma-separated layer ids between 0 and model.n_layers - 1 = "
+            f"{n_layers - 1}, e.g. '0,1'"
+        )
+    return ids
+
+
 def model_args(cfg: Config):
     """The ``[model]`` section as ``models.llama.ModelArgs`` (with ``MoEArgs`` for an MoE model)."""
     from models.llama import ModelArgs
@@ -515,6 +544,13 @@ def model_args(cfg: Config):
         qk_norm=m.qk_norm,
         explicit_head_dim=m.head_dim,
         sliding_window=m.sliding_window,
+        qk_norm_full=m.qk_norm_full,
+        dense_layers=dense_layer_ids(m.moe_dense_layers, m.n_layers),
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_interleave=m.rope_interleave,
     )
     if m.n_experts:
         args.moe = MoEArgs(
@@ -527,6 +563,11 @@ def model_args(cfg: Config):
             aux_loss_coef=m.moe_aux_loss_coef,
             bias_update_rate=m.moe_bias_update_rate,
             capacity_factor=m.moe_capacity_factor,
+            shared_hidden_dim=m.moe_shared_ffn_dim,
+            shared_gate=m.moe_shared_gate,
+            n_groups=m.moe_groups,
+            topk_groups=m.moe_topk_groups,
+            route_scale=m.moe_route_scale,
             # the aux loss is summed per sequence and averaged over the global batch, whatever the layout
             aux_loss_scale=1.0 / cfg.training.global_batch,
         )
