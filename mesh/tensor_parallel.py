@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -76,6 +76,30 @@ class ReplicateParallel(ParallelStyle):
             return output.to_local()
 
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+class ReplicatedDTensor(ParallelStyle):
+    """Latent attention's low-rank projections and their norms (models/latent_attention.py): small, held whole on
+    every tp rank as Replicate DTensors, and run on the replicated input as DTensors (no output conversion), so
+    the column-parallel wq_b / wkv_b after them take a DTensor and backward sums what each rank's heads send
+    back (a Partial gradient, reduced once by ``reduce_partial_gradients``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh)
+
+
+def shared_key_local(k_rope):
+    """Latent attention's shared rope key (a Replicate DTensor) as this rank's local tensor. Each rank uses it
+    for its own heads only, so its gradient on each rank is a partial sum over heads: Partial, not Replicate."""
+    return k_rope.to_local(grad_placements=(Partial(),)) if isinstance(k_rope, DTensor) else k_rope
+
+
+def latent_plan() -> dict:
+    """The attention entries of a block with latent attention: the per-head projections (wq or wq_b, wkv_b)
+    split by heads, wo by rows (as in ``block_plan``), the low-rank projections and norms replicated."""
+    plan = {f"attention.{n}": ColwiseParallel() for n in ("wq", "wq_b", "wkv_b")}
+    plan.update({f"attention.{n}": ReplicatedDTensor() for n in ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm")})
+    return plan
 
 
 class GatherSavingShard(PrepareModuleInput):
@@ -344,6 +368,8 @@ def apply_tensor_parallel(
     model.tie_weights()
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan_of(block, sequence_parallel, regather))
+        if hasattr(block.attention, "shared_key_local"):  # latent attention's seam (models/latent_attention.py)
+            block.attention.shared_key_local = shared_key_local
     return model
 
 
@@ -353,7 +379,12 @@ def block_plan_of(block: nn.Module, sequence_parallel: bool, regather: bool = Fa
     if isinstance(block.feed_forward, MoE):
         plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
         plan.update(moe_plan(sequence_parallel))
-    if block.attention.qk_norm:  # Qwen3: each rank normalises its own heads (dim 2) with the replicated
+    if hasattr(block.attention, "wkv_a"):  # latent attention (DeepSeek-V3)
+        plan = {k: v for k, v in plan.items() if k not in ("attention.wq", "attention.wk", "attention.wv")}
+        plan.update({k: v for k, v in latent_plan().items() if hasattr(block.attention, k.split(".")[1])})
+    if getattr(
+        block.attention, "qk_norm", False
+    ):  # Qwen3: each rank normalises its own heads (dim 2) with the replicated
         # weight, whose gradient is then a Partial sum over the heads of all ranks (reduce_partial_gradients)
         plan.update({f"attention.{n}_norm": SequenceParallel(sequence_dim=2, use_local_output=True) for n in "qk"})
     return plan

@@ -17,7 +17,8 @@ is split into a part without position (nope) and a part RoPE rotates (rope). For
 
 The two latent norms use eps 1e-6 whatever the model's ``norm_eps`` (transformers' DeepseekV3RMSNorm default).
 Under TP (mesh/tensor_parallel.py) wq / wq_b and wkv_b split by heads, wo by rows; the low-rank projections
-and their norms are small and are held whole. The KV cache (generation, one device) keeps the expanded keys
+and their norms are small and are held whole, and the one shared rope key becomes each rank's own tensor
+through ``shared_key_local`` (whose gradient TP sums over the ranks' heads). The KV cache (generation, one device) keeps the expanded keys
 and values, not the latent: simple, not DeepSeek's memory saving.
 """
 
@@ -51,6 +52,10 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class LatentAttention(nn.Module):
     """Steps 1-4 of the module docstring. ``head_dim`` is the nope part of a q/k head (DeepSeek's
     qk_nope_head_dim); ``qk_rope_head_dim`` the rotated part; ``v_head_dim`` a value head."""
@@ -73,6 +78,8 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_rank, args.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
         self.attend = causal_attention  # the seam context parallelism replaces, as in models/llama.Attention
+        # The seam TP replaces: the shared rope key as this rank's tensor (mesh/tensor_parallel.shared_key_local)
+        self.shared_key_local = _same
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         return self.wq_b(self.q_a_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
@@ -92,7 +99,7 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)
         kv = self.wkv_b(self.kv_a_norm(latent)).view(bsz, seqlen, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k_rope = k_rope.view(bsz, seqlen, 1, self.rope)
+        k_rope = self.shared_key_local(k_rope).view(bsz, seqlen, 1, self.rope)
         # 3. RoPE on the rope parts
         if self.interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)

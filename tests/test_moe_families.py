@@ -201,3 +201,55 @@ def test_unsupported_values_are_refused_by_name(folders, family, change, expecte
     config = {**json.loads((folders[family] / "config.json").read_text()), **change}
     problems = unsupported(config)
     assert any(expected in p and "supported" in p for p in problems), problems
+
+
+# ---- training on ep and tp layouts -------------------------------------------------------------------------
+
+# What a run trains from a folder: no [model] section; the folder's config.json is the model.
+RUN_TOML = """
+[training]
+steps = 3
+seed = 1234
+global_batch = 4
+seq_len = 64
+lr = 3e-3
+warmup_steps = 0
+"""
+EP2 = {"parallel.dp_shard": 2, "parallel.ep": 2}
+TP2 = {"parallel.dp_shard": 1, "parallel.tp": 2}
+
+
+def train_family(folder: Path, world: int, layout: dict, run_dir: Path) -> list[dict]:
+    from launch.local_runs import train_on
+
+    config = run_dir.parent / f"{run_dir.name}.toml"
+    config.write_text(RUN_TOML)
+    return train_on(world, {"checkpoint.init_from": str(folder), **layout}, run_dir, config=str(config), timeout=300)
+
+
+def first_loss(folder: Path) -> float:
+    """transformers' loss on the batch of meshloom's first step (global batch 4 x 64 tokens + 1)."""
+    import torch.nn.functional as F
+
+    from data.corpus import load_corpus
+
+    data = load_corpus("default", 16 * 1024 * 1024).long()
+    batch = torch.stack([data[j * 64 :][:65] for j in range(4)])
+    with torch.no_grad():
+        logits = theirs(folder)(batch[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_trains_with_ep2_and_tp2_like_one_process(folders, family, tmp_path):
+    from tests.training_runs import assert_same_curve
+
+    one = train_family(folders[family], 1, {}, tmp_path / "one")
+    # the first step's loss is transformers' loss on the same batch (fp32; sums in another order)
+    assert abs(one[0]["loss"] - first_loss(folders[family])) <= 1e-5 * one[0]["loss"]
+    for name, world, layout in (("ep2", 2, EP2), ("tp2", 2, TP2)):
+        run = train_family(folders[family], world, layout, tmp_path / name)
+        # fp32 throughout; the same tokens meet the same experts (the load is equal), only the order of sums
+        # differs (the all-to-all regrouping, FSDP's reduce-scatter, tp's all-reduces): the default 1e-5
+        assert_same_curve(run, one)
+        assert [r["expert_load"] for r in run] == [r["expert_load"] for r in one], name
