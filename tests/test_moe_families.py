@@ -247,9 +247,42 @@ def test_each_family_trains_with_ep2_and_tp2_like_one_process(folders, family, t
     one = train_family(folders[family], 1, {}, tmp_path / "one")
     # the first step's loss is transformers' loss on the same batch (fp32; sums in another order)
     assert abs(one[0]["loss"] - first_loss(folders[family])) <= 1e-5 * one[0]["loss"]
-    for name, world, layout in (("ep2", 2, EP2), ("tp2", 2, TP2)):
+    for name, world, layout in (("ep2", 2, {**EP2, "checkpoint.interval": 3}), ("tp2", 2, TP2)):
         run = train_family(folders[family], world, layout, tmp_path / name)
         # fp32 throughout; the same tokens meet the same experts (the load is equal), only the order of sums
         # differs (the all-to-all regrouping, FSDP's reduce-scatter, tp's all-reduces): the default 1e-5
         assert_same_curve(run, one)
         assert [r["expert_load"] for r in run] == [r["expert_load"] for r in one], name
+    # the ep 2 run's checkpoint (experts sharded over ep) exports as the family's folder; transformers reads it
+    from checkpoint.export import main as export_main
+    from generate import load_checkpoint
+
+    out = tmp_path / "export"
+    assert export_main(["--checkpoint", str(tmp_path / "ep2" / "checkpoints"), "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == family
+    trained, _, _ = load_checkpoint(tmp_path / "ep2" / "checkpoints", None)
+    diff, scale = max_diff(trained, out)
+    assert diff <= 1e-5 * scale, (diff, scale)  # as for the folder itself
+
+
+def test_meshlooms_own_moe_exports_as_mixtral_or_says_why(tmp_path):
+    """The card's MoE (configs/debug_moe.toml) is softmax top-2 with a shared expert: no transformers class
+    computes an ungated shared expert with softmax routing, so the export says so. Without the shared expert
+    it is Mixtral's layout and routing, and exports as Mixtral with equal logits."""
+    from checkpoint.hf import export_safetensors
+    from launch.local_runs import ROOT
+    from models.llama import Transformer
+    from runtime.config import load_config, model_args
+
+    cfg = load_config(path=str(ROOT / "configs" / "debug_moe.toml"), overrides={"model.n_layers": 2})
+    args = model_args(cfg)
+    model = Transformer(args).init_weights(seed=3)
+    with pytest.raises(ValueError, match="moe_shared_experts=1: every mixtral layer is MoE without a shared expert"):
+        export_safetensors(model.state_dict(), args, tmp_path / "refused")
+    cfg.model.moe_shared_experts = 0
+    args = model_args(cfg)
+    model = Transformer(args).init_weights(seed=3)
+    export_safetensors(model.state_dict(), args, tmp_path / "mixtral")
+    assert json.loads((tmp_path / "mixtral" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    diff, scale = max_diff(model, tmp_path / "mixtral")
+    assert diff <= 1e-5 * scale, (diff, scale)
