@@ -107,8 +107,13 @@ class LatentAttention(nn.Module):
         # 4. attention over [nope, rope] heads
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        if cache is None:
+        if cache is None and self.attend is causal_attention:
             out = self.attend(q, k, v)
+        elif cache is None:
+            # A kernel that attends across ranks (context parallelism) moves k and v as one tensor: v is padded
+            # with zero channels to k's width (they add zero columns to the output, cut off again).
+            v = torch.nn.functional.pad(v, (0, k.shape[-1] - self.v_dim))
+            out = self.attend(q, k, v)[..., : self.v_dim]
         else:
             k, v = cache.update(k, v)
             out = causal_attention(q, k, v)

@@ -286,3 +286,15 @@ def test_meshlooms_own_moe_exports_as_mixtral_or_says_why(tmp_path):
     assert json.loads((tmp_path / "mixtral" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
     diff, scale = max_diff(model, tmp_path / "mixtral")
     assert diff <= 1e-5 * scale, (diff, scale)
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "ring"])
+def test_latent_attention_trains_with_cp2_like_one_process(folders, algorithm, tmp_path):
+    """DeepSeek-V3 with context parallelism: the latent attention's value heads (12 wide) are padded to the
+    key's width (24) for the cross-rank kernels, which move k and v as one tensor; the curve is one process's."""
+    from tests.training_runs import assert_same_curve
+
+    one = train_family(folders["deepseek_v3"], 1, {}, tmp_path / "one")
+    layout = {"parallel.dp_shard": 1, "parallel.cp": 2, "parallel.cp_attention": algorithm}
+    # fp32; cp's attention merges the two ranks' partial softmaxes in another order: the default 1e-5
+    assert_same_curve(train_family(folders["deepseek_v3"], 2, layout, tmp_path / "cp2"), one)
