@@ -24,18 +24,15 @@ and values, not the latent: simple, not DeepSeek's memory saving.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from models.llama import LayerCache, ModelArgs
-
 LATENT_NORM_EPS = 1e-6
 
 
-def latent_attention_params(args: ModelArgs) -> int:
+def latent_attention_params(args) -> int:
     """Parameters of one latent attention: the projections and the two latent norms."""
     qk = args.head_dim + args.qk_rope_head_dim
     if args.q_lora_rank:
@@ -58,12 +55,14 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 
 class LatentAttention(nn.Module):
     """Steps 1-4 of the module docstring. ``head_dim`` is the nope part of a q/k head (DeepSeek's
-    qk_nope_head_dim); ``qk_rope_head_dim`` the rotated part; ``v_head_dim`` a value head."""
+    qk_nope_head_dim); ``qk_rope_head_dim`` the rotated part; ``v_head_dim`` a value head. The decoder's
+    RMSNorm, RoPE and causal attention come in as ``norm``, ``rotate`` and ``attend`` (models/llama.py builds
+    this module and passes its own)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args, norm: type[nn.Module], rotate: Callable, attend: Callable):
         super().__init__()
-        from models.llama import RMSNorm, causal_attention
-
+        RMSNorm = norm  # noqa: N806 - the decoder's pieces, passed in (models/llama.py imports this file)
+        self.rotate, self.local_attention = rotate, attend
         self.nope, self.rope, self.v_dim = args.head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.kv_rank, self.interleave = args.kv_lora_rank, args.rope_interleave
         qk = self.nope + self.rope
@@ -77,18 +76,16 @@ class LatentAttention(nn.Module):
         self.kv_a_norm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_rank, args.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
-        self.attend = causal_attention  # the seam context parallelism replaces, as in models/llama.Attention
+        self.attend = attend  # the seam context parallelism replaces, as in models/llama.Attention
         # The seam TP replaces: the shared rope key as this rank's tensor (mesh/tensor_parallel.shared_key_local)
         self.shared_key_local = _same
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         return self.wq_b(self.q_a_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
-    ) -> torch.Tensor:
-        from models.llama import apply_rotary, causal_attention
-
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        """x (batch, seq, dim) -> (batch, seq, dim); ``cache``: a models/llama.LayerCache when generating."""
+        apply_rotary, causal_attention = self.rotate, self.local_attention
         bsz, seqlen, _ = x.shape
         start = 0 if cache is None else cache.start
         cos, sin = cos[start : start + seqlen], sin[start : start + seqlen]

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.feed_forward import FeedForward
+from models.latent_attention import LatentAttention, latent_attention_params
 from models.moe import MoE, MoEArgs
 from models.rope import RopeScaling, scaled_frequencies
 
@@ -104,8 +105,6 @@ class ModelArgs:
         attn += (q_dim + 2 * kv_dim) if self.qkv_bias else 0
         attn += (q_dim + kv_dim if self.qk_norm_full else 2 * self.head_dim) if self.qk_norm else 0
         if self.latent:
-            from models.latent_attention import latent_attention_params
-
             attn = latent_attention_params(self)
         dense_mlp = 3 * self.dim * self.hidden_dim
         mlp = dense_mlp
@@ -354,10 +353,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        if args.latent:  # DeepSeek-V3 (imported here: models/latent_attention.py uses this file's pieces)
-            from models.latent_attention import LatentAttention
-
-            self.attention = LatentAttention(args)
+        if args.latent:  # DeepSeek-V3: its own projections, this file's norm, RoPE and attention kernel
+            self.attention = LatentAttention(args, RMSNorm, apply_rotary, causal_attention)
         else:
             self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)

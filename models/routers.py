@@ -23,12 +23,7 @@ ids and their gates, (batch, seq, k) each:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from models.moe import MoEArgs
 
 
 def limit_groups(biased: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
@@ -41,8 +36,9 @@ def limit_groups(biased: torch.Tensor, n_groups: int, topk_groups: int) -> torch
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
-def choose_experts(scores: torch.Tensor, bias: torch.Tensor, args: MoEArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 1-3 of the module docstring: (chosen expert ids, their gates), (batch, seq, top_k) each."""
+def choose_experts(scores: torch.Tensor, bias: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-3 of the module docstring: (chosen expert ids, their gates), (batch, seq, top_k) each. ``args``:
+    models/moe.py's MoEArgs (not imported: moe.py imports this file)."""
     biased = scores + bias
     if args.n_groups > 1:
         biased = limit_groups(biased, args.n_groups, args.topk_groups)

@@ -55,7 +55,7 @@ def test_latent_attention_equals_transformers_module():
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
     from models.latent_attention import LatentAttention
-    from models.llama import rotary_tables
+    from models.llama import RMSNorm, apply_rotary, causal_attention, rotary_tables
 
     for rank in (24, 0):  # with the query's low rank, and with a full query projection
         config = transformers.DeepseekV3Config(**{**FIELDS, "q_lora_rank": rank or None})
@@ -66,7 +66,7 @@ def test_latent_attention_equals_transformers_module():
             for p in theirs.parameters():
                 p.copy_(torch.randn_like(p) * (1.0 if p.dim() == 1 else 0.3))
         args = args_for(rank)
-        ours = LatentAttention(args)
+        ours = LatentAttention(args, RMSNorm, apply_rotary, causal_attention)
         with torch.no_grad():
             for name, p in ours.named_parameters():
                 module, kind = name.split(".")
