@@ -5,9 +5,10 @@ model-0000k-of-0000n.safetensors shards with model.safetensors.index.json (tenso
 Starting a run (or ``python -m generate``) from such a folder:
 
 1. **Refuse what meshloom does not compute** (``unsupported``): a model_type or architecture outside the
-   families below, biases the family does not have, a sliding window that binds (see below), MoE fields, an
-   activation other than SiLU, partial rotary, dropout, a RoPE type other than none/linear/llama3. Each
-   problem names the field, its value and what meshloom supports.
+   families below, biases the family does not have, a sliding window that binds (see below), MoE fields in a
+   dense family, an activation other than SiLU, partial rotary, dropout, a RoPE type other than
+   none/linear/llama3, and each MoE family's own extras (``moe_unsupported``); GPT-OSS gets one line per piece
+   meshloom lacks (``GPT_OSS_MISSING``). Each problem names the field, its value and what meshloom supports.
 
    The families (``FAMILIES``) are one decoder with two switches (models/llama.py):
 
@@ -17,6 +18,16 @@ Starting a run (or ``python -m generate``) from such a folder:
    | mistral | MistralForCausalLM   | its defaults only; ``sliding_window`` (see below)  | sliding_window          |
    | qwen2   | Qwen2ForCausalLM     | q/k/v projections have biases (o has none)         | qkv_bias = true         |
    | qwen3   | Qwen3ForCausalLM     | RMSNorm per q and k head before RoPE; own head_dim | qk_norm = true, head_dim|
+
+   The MoE families (``MOE_FAMILIES``; their fields: ``moe_fields``, docs/checkpointing.md, Appendix B):
+
+   | family      | architectures          | MoE layers                                          | attention         |
+   |-------------|------------------------|-----------------------------------------------------|-------------------|
+   | mixtral     | MixtralForCausalLM     | softmax top-k, renormalised; every layer            | Mistral's         |
+   | qwen2_moe   | Qwen2MoeForCausalLM    | norm_topk_prob; a shared expert times sigmoid(gate); decoder_sparse_step, mlp_only_layers | q/k/v biases |
+   | qwen3_moe   | Qwen3MoeForCausalLM    | norm_topk_prob; decoder_sparse_step, mlp_only_layers | Qwen3's q/k norms |
+   | olmoe       | OlmoeForCausalLM       | norm_topk_prob; every layer                         | q/k norms over the whole projection |
+   | deepseek_v3 | DeepseekV3ForCausalLM  | sigmoid, correction bias, group-limited, scaled; shared experts; first k dense | latent (MLA) |
 
    Any of them may give ``head_dim`` (model.head_dim; 0 when it is hidden_size / num_attention_heads).
    A sliding window is accepted as a limit: meshloom computes full causal attention, which equals windowed

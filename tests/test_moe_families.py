@@ -117,6 +117,8 @@ def test_an_moe_folder_gives_transformers_logits(folders, family):
 
     ours, _ = load_export(folders[family])
     assert ours.args.family == family and ours.args.moe is not None
+    # the planners' count from the shapes (ModelArgs.layer_params) is the model's
+    assert ours.args.num_params() == sum(p.numel() for p in ours.parameters())
     diff, scale = max_diff(ours, folders[family])
     # fp32 both; the same routing decisions, summed in another order (grouped experts vs transformers' loop over
     # experts; SDPA vs eager): round-off, a few ulp of the largest logit. A wrong router rule or a swapped
@@ -298,3 +300,20 @@ def test_latent_attention_trains_with_cp2_like_one_process(folders, algorithm, t
     layout = {"parallel.dp_shard": 1, "parallel.cp": 2, "parallel.cp_attention": algorithm}
     # fp32; cp's attention merges the two ranks' partial softmaxes in another order: the default 1e-5
     assert_same_curve(train_family(folders["deepseek_v3"], 2, layout, tmp_path / "cp2"), one)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_trains_with_pp2_and_fsdp_tp_ep_like_one_process(folders, family, tmp_path):
+    """pp 2 (Qwen2-MoE's dense middle layer and DeepSeek-V3's dense first layer on a stage of their own kind),
+    and dp_shard 2 x tp 2 x ep 4 (the router and shared expert FSDP-sharded over dp_shard x tp)."""
+    from tests.training_runs import assert_same_curve
+
+    one = train_family(folders[family], 1, {}, tmp_path / "one")
+    layouts = {
+        "pp2": (2, {"parallel.dp_shard": 1, "parallel.pp": 2, "parallel.pp_microbatches": 2}),
+        "dp2tp2ep4": (4, {"parallel.dp_shard": 2, "parallel.tp": 2, "parallel.ep": 4}),
+    }
+    for name, (world, layout) in layouts.items():
+        # fp32; only the order of sums differs: the default 1e-5
+        assert_same_curve(train_family(folders[family], world, layout, tmp_path / name), one)
