@@ -17,6 +17,11 @@ key/value head serves consecutive query heads in both. tests/test_checkpoint.py 
 | norm.weight                            | model.norm.weight                                 |
 | output.weight                          | lm_head.weight                                    |
 
+The MoE families (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3) add their router, shared expert, latent attention
+and per-expert names (``in_layer_names``, ``expert_names``; docs/checkpointing.md, Appendix B): save_pretrained
+writes one (out, in) matrix per expert, and meshloom's (E, in, out) expert weights are read from and written to
+those (``ExpertStack``, ``hf_tensors``).
+
 Import (``checkpoint.init_from``, a file or a transformers folder, checkpoint/hf_folder.py) reads, for each
 parameter, only the block of the stored tensor that this rank holds (``safe_open(...).get_slice(name)``
 indexed by the piece's offset and shape, from the DTensor's placements), one tensor at a time, with no
