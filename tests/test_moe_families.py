@@ -317,3 +317,28 @@ def test_each_family_trains_with_pp2_and_fsdp_tp_ep_like_one_process(folders, fa
     for name, (world, layout) in layouts.items():
         # fp32; only the order of sums differs: the default 1e-5
         assert_same_curve(train_family(folders[family], world, layout, tmp_path / name), one)
+
+
+def test_router_aux_loss_coefficient_comes_from_the_config(folders):
+    """transformers adds its auxiliary loss only with output_router_logits: then, and only then, the import
+    turns meshloom's (per-sequence) aux loss on with the folder's coefficient."""
+    from checkpoint.hf_folder import model_fields
+
+    config = json.loads((folders["mixtral"] / "config.json").read_text())
+    assert model_fields(config)["moe_aux_loss_coef"] == 0.0
+    config.update(output_router_logits=True, router_aux_loss_coef=0.02)
+    assert model_fields(config)["moe_aux_loss_coef"] == 0.02
+
+
+def test_deepseek_bias_update_trains_with_ep2_like_one_process(folders, tmp_path):
+    """DeepSeek-V3's correction bias is meshloom's expert bias: with model.moe_bias_update_rate it moves from the
+    global load after each step, the same on ep 2 as on one process (the load, hence every update, identical)."""
+    from tests.training_runs import assert_same_curve
+
+    knob = {"model.moe_bias_update_rate": 0.01}
+    one = train_family(folders["deepseek_v3"], 1, knob, tmp_path / "one")
+    run = train_family(folders["deepseek_v3"], 2, {**knob, **EP2}, tmp_path / "ep2")
+    assert_same_curve(run, one)  # fp32, only sums reordered: the default 1e-5
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in one]
+    plain = train_family(folders["deepseek_v3"], 1, {}, tmp_path / "plain")
+    assert [r["expert_load"] for r in plain] != [r["expert_load"] for r in one]  # the bias did move the routing
