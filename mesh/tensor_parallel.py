@@ -230,12 +230,13 @@ class TokenSplitMoE(ParallelStyle):
     4. Output: with SP it is this rank's shard already; without SP the chunks are all-gathered.
     5. Each rank's gradient of the router and the shared expert covers only its tokens. Under FSDP they are
        sharded over dp_shard x cp x tp (mesh/data_parallel.py: ``Meshes.token_split``), so no tp rank holds
-       them whole and FSDP's reduce-scatter sums them over tp. Without FSDP (tp alone) they stay whole on
-       every tp rank and ``sum_token_split_gradients`` all-reduces them over tp once per step. With
+       them whole and FSDP's reduce-scatter sums them over tp (an MoE model under TP always uses FSDP:
+       planning/plan.uses_fsdp). Where they are whole on every tp rank (PowerSGD's and 1-bit Adam's replicated
+       models, if ever combined with TP) ``sum_token_split_gradients`` all-reduces them over tp once per step. With
        expert parallelism the ep group borrows the tp ranks (mesh/dims.py), so each tp rank dispatches its chunk
        to the experts' owners and holds other experts than its tp peers: FSDP sums those gradients over efsdp,
-       and the tp sum leaves them out. Without ep the experts are whole on every tp rank and summed over tp
-       like the router. The per-step expert-load statistics are summed over tp as well
+       and the tp sum leaves them out. Without ep the experts go into the router's FSDP unit (over the tp
+       ranks too). The per-step expert-load statistics are summed over tp as well
        (mesh/expert_parallel.step_expert_load).
     """
 
