@@ -135,6 +135,10 @@ def moe_unsupported(config: dict) -> list[str]:
             "Qwen2-MoE layer has a shared expert; supported: a positive size"
         )
     if kind == "deepseek_v3":
+        # fields of DeepSeek's own config.json that transformers' class does not read: the values it computes
+        for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if config.get(key, value) != value:
+                out.append(f"config.json {key}={config[key]!r}: DeepSeek-V3 routes as {key}={value!r}; supported: that")
         heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
         if kv_heads not in (None, heads):
             out.append(
@@ -190,6 +194,12 @@ def unsupported(config: dict) -> list[str]:
     if layer_types - {"full_attention", "sliding_attention"}:
         out.append(f"config.json layer_types={sorted(layer_types)}: meshloom runs full attention ({SUPPORTED})")
     moe = kind in MOE_FAMILIES
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        out.append(
+            f"config.json quantization_config (quant_method {method!r}): supported: unquantized weights "
+            "(fp32/bf16/fp16 safetensors); dequantize the folder first (e.g. load it in transformers and save_pretrained)"
+        )
     for key, allowed in _MUST_BE.items():
         if key in config and config[key] not in allowed:
             out.append(f"config.json {key}={config[key]!r}: meshloom supports only {allowed[0]!r} ({SUPPORTED})")

@@ -195,6 +195,10 @@ def test_gpt_oss_is_refused_naming_each_missing_piece(tmp_path):
         ("deepseek_v3", {"n_group": 3}, "n_group=3"),
         ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
         ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
+        ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8'"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0"),
+        ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
     ],
 )
 def test_unsupported_values_are_refused_by_name(folders, family, change, expected):
