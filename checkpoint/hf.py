@@ -190,6 +190,17 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None) -> dict:
     s = args.rope_scaling
     if s.kind in ("linear", "llama3"):
         rope.update(rope_type=s.kind, factor=s.factor)
+    if s.kind == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=s.factor,
+            original_max_position_embeddings=s.original_max_seq_len,
+            beta_fast=s.beta_fast,
+            beta_slow=s.beta_slow,
+            truncate=s.truncate,
+            **({"mscale": s.mscale} if s.mscale else {}),
+            **({"mscale_all_dim": s.mscale_all_dim} if s.mscale_all_dim else {}),
+        )
     if s.kind == "llama3":
         rope.update(
             low_freq_factor=s.low_freq_factor,

@@ -68,13 +68,12 @@ SUPPORTED = "Llama-family decoders with SiLU SwiGLU: " + ", ".join(
     f"{arch} (model_type {kind!r})" for kind, arch in FAMILIES.items()
 )
 # GPT-OSS: what its folder computes that meshloom does not (``gpt_oss_refusal``), each with what it would take.
+# (Its YaRN RoPE is not among them: models/rope.py computes it.)
 GPT_OSS_MISSING = (
     "attention sinks (self_attn.sinks: a learned per-head logit in every softmax's denominator; needs an "
     "attention kernel that takes it, SDPA has none)",
     "alternating sliding-window attention (layer_types sliding_attention/full_attention, sliding_window 128: "
     "meshloom has one full causal attention; needs a per-layer window in models/llama.causal_attention and CP)",
-    "YaRN RoPE (rope_type 'yarn': frequency interpolation plus an attention scale; models/rope.py has "
-    "none/linear/llama3)",
     "biases on q/k/v/o, the router and the experts (attention_bias true, gate_up_proj_bias, down_proj_bias: "
     "GroupedExperts has no bias)",
     "a clamped SwiGLU (swiglu_limit 7.0, swiglu_alpha 1.702, (up + 1) * gate * sigmoid(alpha * gate): "
@@ -216,14 +215,22 @@ def unsupported(config: dict) -> list[str]:
         out.append(f"config.json head_dim={head_dim!r}: a head must be an even number of channels (RoPE pairs)")
     rope = rope_parameters(config)
     kind = rope["rope_type"]
-    if kind not in ("default", "linear", "llama3"):
-        out.append(f"config.json RoPE type {kind!r} is not supported; meshloom supports default (none), linear, llama3")
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        out.append(
+            f"config.json RoPE type {kind!r} is not supported; meshloom supports default (none), linear, llama3, yarn"
+        )
+    if kind == "yarn" and rope.get("attention_factor") is not None:
+        out.append(
+            f"config.json rope attention_factor={rope['attention_factor']!r}: supported: none given (meshloom derives "
+            "YaRN's factor from factor, mscale and mscale_all_dim)"
+        )
+    if kind == "yarn" and not (rope.get("factor") or rope.get("original_max_position_embeddings")):
+        out.append("config.json YaRN RoPE without factor or original_max_position_embeddings: give one of them")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         out.append(f"config.json partial_rotary_factor={rope['partial_rotary_factor']}: meshloom rotates whole heads")
-    if kind == "deepseek_v3" and rope["rope_type"] != "default":
+    if config.get("model_type") == "deepseek_v3" and rope["rope_type"] not in ("default", "yarn"):
         out.append(
-            f"config.json RoPE type {rope['rope_type']!r} with latent attention: meshloom supports default (none) "
-            "there (DeepSeek-V3's released YaRN is not implemented: models/rope.py)"
+            f"config.json RoPE type {rope['rope_type']!r} with latent attention: supported there: default (none), yarn"
         )
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         if not isinstance(config.get(key), int):
@@ -260,6 +267,18 @@ def model_fields(config: dict) -> dict[str, object]:
     }
     if config["model_type"] in MOE_FAMILIES:
         fields.update(moe_fields(config))
+    if kind == "yarn":  # transformers' defaults where a field is missing (modeling_rope_utils: yarn)
+        original = int(rope.get("original_max_position_embeddings") or config.get("max_position_embeddings", 8192))
+        factor = rope.get("factor") or config.get("max_position_embeddings", original) / original
+        fields.update(
+            rope_factor=float(factor),
+            rope_original_max_seq_len=original,
+            rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+            rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+            rope_mscale=float(rope.get("mscale") or 0.0),
+            rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+            rope_truncate=bool(rope.get("truncate", True)),
+        )
     if kind in ("linear", "llama3"):
         fields["rope_factor"] = float(rope["factor"])
     if kind == "llama3":

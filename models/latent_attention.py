@@ -29,6 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from models.rope import yarn_mscale
+
 LATENT_NORM_EPS = 1e-6
 
 
@@ -76,6 +78,11 @@ class LatentAttention(nn.Module):
         self.kv_a_norm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_rank, args.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
+        # YaRN with mscale_all_dim: DeepSeek scales the softmax by mscale^2 too (transformers' yarn_apply_mscale),
+        # applied to q (the same scores): 1 otherwise
+        s = args.rope_scaling
+        mscale = yarn_mscale(s.factor, s.mscale_all_dim) if s.kind == "yarn" and s.mscale_all_dim else 1.0
+        self.softmax_gain = mscale * mscale
         self.attend = attend  # the seam context parallelism replaces, as in models/llama.Attention
         # The seam TP replaces: the shared rope key as this rank's tensor (mesh/tensor_parallel.shared_key_local)
         self.shared_key_local = _same
@@ -103,6 +110,8 @@ class LatentAttention(nn.Module):
         q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)
         # 4. attention over [nope, rope] heads
         q = torch.cat([q_nope, q_rope], dim=-1)
+        if self.softmax_gain != 1.0:
+            q = q * self.softmax_gain
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if cache is None and self.attend is causal_attention:
             out = self.attend(q, k, v)

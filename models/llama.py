@@ -32,7 +32,7 @@ from torch import nn
 from models.feed_forward import FeedForward
 from models.latent_attention import LatentAttention, latent_attention_params
 from models.moe import MoE, MoEArgs
-from models.rope import RopeScaling, scaled_frequencies
+from models.rope import RopeScaling, attention_factor, scaled_frequencies
 
 
 @dataclass
@@ -182,6 +182,9 @@ def rotary_tables(
     inv_freq = scaled_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
+    gain = attention_factor(scaling)  # YaRN's: cos and sin scaled (1 otherwise, and then not multiplied)
+    if gain != 1.0:
+        return angles.cos() * gain, angles.sin() * gain
     return angles.cos(), angles.sin()
 
 

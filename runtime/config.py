@@ -61,13 +61,20 @@ class ModelConfig:
     multiple_of: int = opt(64, "round the derived ffn_dim up to a multiple of this", ge=1)
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
     rope_theta: float = opt(10000.0, "rotary embedding base", gt=0)
-    rope_scaling: Literal["none", "linear", "llama3"] = opt(
+    rope_scaling: Literal["none", "linear", "llama3", "yarn"] = opt(
         "none", "RoPE frequency scaling for longer contexts (models/rope.py); transformers' rope_type"
     )
     rope_factor: float = opt(8.0, "rope_scaling linear/llama3: frequencies divided by this (context x factor)", gt=0)
     rope_low_freq_factor: float = opt(1.0, "rope_scaling llama3: wavelengths > L0 / this are divided by factor", gt=0)
     rope_high_freq_factor: float = opt(4.0, "rope_scaling llama3: wavelengths < L0 / this are kept", gt=0)
-    rope_original_max_seq_len: int = opt(8192, "rope_scaling llama3: L0, the pre-training context length", ge=1)
+    rope_original_max_seq_len: int = opt(8192, "rope_scaling llama3/yarn: L0, the pre-training context length", ge=1)
+    rope_beta_fast: float = opt(
+        32.0, "rope_scaling yarn: pairs turning more often within L0 keep their frequency", gt=0
+    )
+    rope_beta_slow: float = opt(1.0, "rope_scaling yarn: pairs turning less often within L0 are interpolated", gt=0)
+    rope_mscale: float = opt(0.0, "rope_scaling yarn: attention factor numerator coefficient (0: unused)", ge=0)
+    rope_mscale_all_dim: float = opt(0.0, "rope_scaling yarn: its denominator's (DeepSeek: softmax scale too)", ge=0)
+    rope_truncate: bool = opt(True, "rope_scaling yarn: round the ramp's ends to whole dimensions")
     max_seq_len: int = opt(2048, "longest sequence the rotary tables cover", ge=1)
     tie_embeddings: bool = opt(False, "one weight for the embedding and the output head (see docs/checkpointing.md)")
     n_experts: int = opt(0, "routed experts per MoE layer; 0: a dense model (see models/moe.py)", ge=0)
@@ -535,6 +542,11 @@ def model_args(cfg: Config):
             m.rope_low_freq_factor,
             m.rope_high_freq_factor,
             m.rope_original_max_seq_len,
+            m.rope_beta_fast,
+            m.rope_beta_slow,
+            m.rope_mscale,
+            m.rope_mscale_all_dim,
+            m.rope_truncate,
         ),
         max_seq_len=m.max_seq_len,
         moe_every=m.moe_every,

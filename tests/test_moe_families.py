@@ -71,14 +71,14 @@ FAMILIES = {
 }
 
 
-def make_folder(path: Path, family: str) -> Path:
+def make_folder(path: Path, family: str, **extra) -> Path:
     """save_pretrained's folder of a tiny random ``family`` model (DeepSeek-V3: a random correction bias too,
-    so that the selection-only bias is exercised)."""
+    so that the selection-only bias is exercised); ``extra``: more config fields."""
     import transformers
 
     config_class, model_class, fields = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**SHAPE, **fields})
+    config = getattr(transformers, config_class)(**{**SHAPE, **fields, **extra})
     model = getattr(transformers, model_class)(config)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
@@ -124,6 +124,35 @@ def test_an_moe_folder_gives_transformers_logits(folders, family):
     # experts; SDPA vs eager): round-off, a few ulp of the largest logit. A wrong router rule or a swapped
     # expert matrix moves them by 1e-2 or more.
     assert diff <= 1e-5 * scale, (family, diff, scale)
+
+
+# YaRN over an original context of 32 tokens, 4x: the 100-token input reaches past it, so the ramp, the
+# interpolated pairs and the attention factor all matter; DeepSeek-V3's with mscale / mscale_all_dim (its
+# softmax scale grows by mscale^2), as its released config.json has them.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+YARN_CASES = {
+    "qwen3_moe": YARN,
+    "deepseek_v3": {**YARN, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707},
+}
+
+
+@pytest.mark.parametrize("family", list(YARN_CASES))
+def test_yarn_rope_gives_transformers_logits_and_exports_back(family, tmp_path):
+    from checkpoint.hf import export_safetensors
+    from generate import load_export
+
+    folder = make_folder(tmp_path / "in", family, rope_parameters=dict(YARN_CASES[family]))
+    ours, _ = load_export(folder)
+    assert ours.args.rope_scaling.kind == "yarn"
+    diff, scale = max_diff(ours, folder)
+    assert diff <= 1e-5 * scale, (diff, scale)  # as for the families' default RoPE above
+    unscaled, _ = load_export(make_folder(tmp_path / "plain", family))  # the same weights, plain RoPE
+    assert max_diff(unscaled, folder)[0] > 1e3 * 1e-5 * scale  # the check sees YaRN left out
+    export_safetensors(ours.state_dict(), ours.args, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
+    assert {k: v for k, v in written.items() if k in YARN_CASES[family]} == YARN_CASES[family]
+    diff, scale = max_diff(ours, tmp_path / "out")
+    assert diff <= 1e-5 * scale, (diff, scale)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -182,9 +211,9 @@ def test_gpt_oss_is_refused_naming_each_missing_piece(tmp_path):
     with pytest.raises(ConfigError) as err:
         checked_fields(tmp_path, "checkpoint.init_from")
     message = str(err.value)
-    for piece in ("attention sinks", "sliding-window", "YaRN", "biases", "clamped SwiGLU", "MXFP4"):
+    for piece in ("attention sinks", "sliding-window", "biases", "clamped SwiGLU", "MXFP4"):
         assert piece in message
-    assert len(GPT_OSS_MISSING) == 6
+    assert len(GPT_OSS_MISSING) == 5  # its YaRN RoPE is supported (test_yarn_rope_...)
 
 
 @pytest.mark.parametrize(
@@ -194,7 +223,11 @@ def test_gpt_oss_is_refused_naming_each_missing_piece(tmp_path):
         ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
         ("deepseek_v3", {"n_group": 3}, "n_group=3"),
         ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
-        ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
+        (
+            "deepseek_v3",
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}},
+            "'longrope'",
+        ),
         ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
         ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8'"),
         ("qwen2_moe", {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0"),
