@@ -47,7 +47,7 @@ class ModelArgs:
     ffn_dim_multiplier: float = 1.0
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # models/rope.py: none, linear, llama3
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # models/rope.py: none, linear, llama3, yarn
     max_seq_len: int = 2048
     moe: MoEArgs | None = None  # None: a dense model
     moe_every: int = 1  # with moe: layers i where (i + 1) % moe_every == 0 are MoE, the others dense

@@ -188,10 +188,10 @@ CONFIG_ERRORS = [
     ("eval_without_split", 1, ["--eval.interval", "5"], ["eval.interval=5 needs a validation split"]),
     # RoPE scaling from scratch (runtime/config.py: _convert, check_values; models/rope.py)
     (
-        "rope_yarn",
+        "rope_longrope",
         1,
-        ["--model.rope_scaling", "yarn"],
-        ["model.rope_scaling='yarn' is not allowed", "none, linear, llama3"],
+        ["--model.rope_scaling", "longrope"],
+        ["model.rope_scaling='longrope' is not allowed", "none, linear, llama3, yarn"],
     ),
     (
         "rope_llama3_bands",
@@ -220,10 +220,10 @@ CONFIG_ERRORS = [
         ["model_type='gemma'", "architectures=['GemmaForCausalLM']", "Qwen2ForCausalLM (model_type 'qwen2')"],
     ),
     (
-        "hf_rope_yarn",
+        "hf_rope_longrope",
         1,
-        init_from(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
-        ["RoPE type 'yarn' is not supported", "default (none), linear, llama3"],
+        init_from(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}),
+        ["RoPE type 'longrope' is not supported", "default (none), linear, llama3, yarn"],
     ),
     (
         "hf_flag_disagrees",
