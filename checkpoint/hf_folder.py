@@ -7,7 +7,7 @@ Starting a run (or ``python -m generate``) from such a folder:
 1. **Refuse what meshloom does not compute** (``unsupported``): a model_type or architecture outside the
    families below, biases the family does not have, a sliding window that binds (see below), MoE fields in a
    dense family, an activation other than SiLU, partial rotary, dropout, a RoPE type other than
-   none/linear/llama3, and each MoE family's own extras (``moe_unsupported``); GPT-OSS gets one line per piece
+   none/linear/llama3/yarn, and each MoE family's own extras (``moe_unsupported``); GPT-OSS gets one line per piece
    meshloom lacks (``GPT_OSS_MISSING``). Each problem names the field, its value and what meshloom supports.
 
    The families (``FAMILIES``) are one decoder with two switches (models/llama.py):
