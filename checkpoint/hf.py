@@ -17,6 +17,11 @@ key/value head serves consecutive query heads in both. tests/test_checkpoint.py 
 | norm.weight                            | model.norm.weight                                 |
 | output.weight                          | lm_head.weight                                    |
 
+The MoE families (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3) add their router, shared expert, latent attention
+and per-expert names (``in_layer_names``, ``expert_names``; docs/checkpointing.md, Appendix B): save_pretrained
+writes one (out, in) matrix per expert, and meshloom's (E, in, out) expert weights are read from and written to
+those (``ExpertStack``, ``hf_tensors``).
+
 Import (``checkpoint.init_from``, a file or a transformers folder, checkpoint/hf_folder.py) reads, for each
 parameter, only the block of the stored tensor that this rank holds (``safe_open(...).get_slice(name)``
 indexed by the piece's offset and shape, from the DTensor's placements), one tensor at a time, with no
@@ -87,23 +92,88 @@ _HF_LAYER_ORDER = [
 
 
 def hf_order(name: str) -> tuple:
-    """Sort key of an HF tensor name in LlamaForCausalLM's state_dict order."""
+    """Sort key of an HF tensor name in LlamaForCausalLM's state_dict order (other names of a layer after
+    those, by name: the MoE families' experts and router)."""
     match = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
     if match:
-        return (1, int(match.group(1)), _HF_LAYER_ORDER.index(match.group(2)))
-    return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, 0)
+        rest = match.group(2)
+        known = _HF_LAYER_ORDER.index(rest) if rest in _HF_LAYER_ORDER else len(_HF_LAYER_ORDER)
+        return (1, int(match.group(1)), known, rest)
+    return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, 0, "")
 
 
-def hf_name(name: str) -> str:
-    """The Hugging Face name of meshloom parameter ``name``; ValueError for names Llama does not have."""
+# The MoE families' names inside a layer (the module docstring's second table). Where save_pretrained writes
+# an MoE layer: Mixtral under block_sparse_moe (w1/w3/w2 per expert), the others under mlp (gate/up/down_proj).
+_LATENT = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+}
+_SHARED = {"qwen2_moe": "mlp.shared_expert", "deepseek_v3": "mlp.shared_experts"}
+
+
+def moe_prefix(family: str) -> str:
+    return "block_sparse_moe" if family == "mixtral" else "mlp"
+
+
+def expert_names(family: str) -> dict[str, str]:
+    """meshloom expert weight (E, in, out) -> the HF name of expert e's (out, in) matrix, with {e} for e."""
+    w = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    return {
+        f"feed_forward.experts.{m}": f"{moe_prefix(family)}.experts.{{e}}.{h}.weight"
+        for m, h in zip(("w1", "w3", "w2"), w, strict=True)
+    }
+
+
+def in_layer_names(family: str) -> dict[str, str]:
+    """meshloom name inside a layer -> the HF name inside model.layers.N (experts: ``expert_names``)."""
+    names = dict(IN_LAYER)
+    if family == "deepseek_v3":
+        names.update(_LATENT)
+    prefix = moe_prefix(family)
+    names["feed_forward.router.gate.weight"] = f"{prefix}.gate.weight"
+    if family in _SHARED:
+        for m, h in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            names[f"feed_forward.shared_expert.{m}.weight"] = f"{_SHARED[family]}.{h}.weight"
+    if family == "qwen2_moe":
+        names["feed_forward.shared_gate.weight"] = "mlp.shared_expert_gate.weight"
+    if family == "deepseek_v3":
+        names["feed_forward.expert_bias"] = "mlp.gate.e_score_correction_bias"
+    return names
+
+
+def hf_name(name: str, family: str = "llama") -> str:
+    """The Hugging Face name of meshloom tensor ``name`` in ``family``'s files; ValueError for names it lacks."""
     if name in TOP_LEVEL:
         return TOP_LEVEL[name]
     match = _LAYER.match(name)
-    if match and match.group(2) in IN_LAYER:
-        return f"model.layers.{match.group(1)}.{IN_LAYER[match.group(2)]}"
-    raise ValueError(
-        f"{name!r} has no Hugging Face Llama-family name: only dense models export (MoE layers do not map)"
-    )
+    names = in_layer_names(family)
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
+    raise ValueError(f"{name!r} has no name in a transformers {family!r} folder")
+
+
+def hf_expert_names(name: str, family: str, n_experts: int) -> list[str] | None:
+    """The HF names of an expert weight's n_experts matrices (each the transpose of one expert's slice), or
+    None when ``name`` is not an expert weight."""
+    match = _LAYER.match(name)
+    pattern = expert_names(family).get(match.group(2)) if match else None
+    if pattern is None:
+        return None
+    return [f"model.layers.{match.group(1)}.{pattern.format(e=e)}" for e in range(n_experts)]
+
+
+def hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """meshloom tensor -> the HF tensors that hold it: one, or (experts) one transposed matrix per expert."""
+    experts = hf_expert_names(name, args.family, tensor.shape[0]) if args.moe is not None else None
+    if experts is not None:
+        return {hf: tensor[e].t() for e, hf in enumerate(experts)}
+    return {hf_name(name, args.family): tensor}
 
 
 def hf_config(args: ModelArgs, eos_token_id: int | None = None, dtype: str = "float32", pad_token_id: int = -1) -> dict:
@@ -120,6 +190,17 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None, dtype: str = "fl
     s = args.rope_scaling
     if s.kind in ("linear", "llama3"):
         rope.update(rope_type=s.kind, factor=s.factor)
+    if s.kind == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=s.factor,
+            original_max_position_embeddings=s.original_max_seq_len,
+            beta_fast=s.beta_fast,
+            beta_slow=s.beta_slow,
+            truncate=s.truncate,
+            **({"mscale": s.mscale} if s.mscale else {}),
+            **({"mscale_all_dim": s.mscale_all_dim} if s.mscale_all_dim else {}),
+        )
     if s.kind == "llama3":
         rope.update(
             low_freq_factor=s.low_freq_factor,
@@ -128,24 +209,29 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None, dtype: str = "fl
         )
     from checkpoint.hf_folder import FAMILIES
 
-    expected = {"qwen2": (True, False), "qwen3": (False, True)}.get(args.family, (False, False))
-    if (args.qkv_bias, args.qk_norm) != expected:
+    expected = {
+        "qwen2": (True, False),
+        "qwen3": (False, True),
+        "qwen2_moe": (args.qkv_bias, False),
+        "qwen3_moe": (False, True),
+        "olmoe": (False, True),
+    }.get(args.family, (False, False))
+    if (args.qkv_bias, args.qk_norm) != expected or args.qk_norm_full != (args.family == "olmoe"):
         raise ValueError(
             f"model.family={args.family!r} with qkv_bias={args.qkv_bias}, qk_norm={args.qk_norm}: no transformers "
             "class computes that (Qwen2 has the q/k/v biases, Qwen3 the q/k norms, Llama and Mistral neither)"
         )
-    family = {}
-    if args.family in ("qwen2", "qwen3"):
-        family = {"use_sliding_window": bool(args.sliding_window), "sliding_window": args.sliding_window or None}
+    family = moe_config(args) if args.moe is not None else {}
+    if args.family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        family.update(use_sliding_window=bool(args.sliding_window), sliding_window=args.sliding_window or None)
         family["max_window_layers"] = 0 if args.sliding_window else args.n_layers
-    elif args.family == "mistral":
-        family = {"sliding_window": args.sliding_window or None}
+    elif args.family in ("mistral", "mixtral"):
+        family["sliding_window"] = args.sliding_window or None
     elif args.sliding_window:
         raise ValueError(f"model.sliding_window={args.sliding_window}: a Llama config has no sliding window")
     return {
         "architectures": [FAMILIES[args.family]],
         "model_type": args.family,
-        **family,
         "hidden_size": args.dim,
         "intermediate_size": args.hidden_dim,
         "num_attention_heads": args.n_heads,
@@ -160,11 +246,127 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None, dtype: str = "fl
         **({} if args.family == "qwen2" else {"attention_bias": False}),
         **({"mlp_bias": False} if args.family == "llama" else {}),
         "tie_word_embeddings": args.tie_embeddings,
+        **family,  # after the common fields: the MoE families override some (Mixtral's intermediate_size)
         "dtype": dtype,
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
         **({"pad_token_id": pad_token_id} if pad_token_id >= 0 else {}),
     }
+
+
+def moe_config(args: ModelArgs) -> dict:
+    """The MoE family's config.json fields: every one its import reads (checkpoint/hf_folder.moe_fields), or a
+    ValueError naming the model.* value the family's transformers class cannot compute."""
+    m, kind = args.moe, args.family
+    problems = []
+    if m.capacity_factor > 0:
+        problems.append(f"model.moe_capacity_factor={m.capacity_factor}: transformers' MoE classes are dropless (0)")
+    if kind != "deepseek_v3" and (m.score_func != "softmax" or m.n_groups > 1 or m.route_scale != 1.0):
+        problems.append(
+            f"model.moe_score_func={m.score_func!r}, moe_groups={m.n_groups}, moe_route_scale={m.route_scale}: "
+            f"{kind} routes by softmax, ungrouped, unscaled (DeepSeek-V3 alone has sigmoid, groups and a scale)"
+        )
+    if kind in ("mixtral", "olmoe") and (args.dense_layers or args.moe_every != 1 or m.n_shared_experts):
+        problems.append(
+            f"model.moe_dense_layers={args.dense_layers}, moe_every={args.moe_every}, moe_shared_experts="
+            f"{m.n_shared_experts}: every {kind} layer is MoE without a shared expert"
+        )
+    if kind == "mixtral" and not m.route_norm:
+        problems.append("model.moe_route_norm=false: Mixtral always renormalises the top-k gates")
+    if kind == "qwen3_moe" and m.n_shared_experts:
+        problems.append(f"model.moe_shared_experts={m.n_shared_experts}: Qwen3-MoE has no shared expert")
+    if kind == "qwen2_moe" and not (m.n_shared_experts and m.shared_gate):
+        problems.append("model.moe_shared_experts / moe_shared_gate: a Qwen2-MoE layer has one gated shared expert")
+    if kind != "qwen2_moe" and m.shared_gate:
+        problems.append(f"model.moe_shared_gate=true: only Qwen2-MoE gates its shared expert, not {kind}")
+    shared = m.shared_hidden_dim or args.hidden_dim
+    if kind == "deepseek_v3":
+        if args.dense_layers != tuple(range(len(args.dense_layers))) or args.moe_every != 1:
+            problems.append(
+                f"model.moe_dense_layers={args.dense_layers}, moe_every={args.moe_every}: DeepSeek-V3's dense layers "
+                "are the first k (first_k_dense_replace), every later one MoE"
+            )
+        if m.n_shared_experts and shared % m.hidden_dim:
+            problems.append(
+                f"model.moe_shared_ffn_dim={shared}: DeepSeek-V3's shared experts are n_shared_experts x "
+                f"moe_intermediate_size={m.hidden_dim} wide"
+            )
+    if problems:
+        raise ValueError(f"model.family={kind!r} cannot be written as that family: " + "; ".join(problems))
+    aux = {"output_router_logits": m.aux_loss_coef > 0, "router_aux_loss_coef": m.aux_loss_coef}
+    if kind == "mixtral":
+        return {
+            "num_local_experts": m.n_experts,
+            "num_experts_per_tok": m.top_k,
+            "intermediate_size": m.hidden_dim,
+            "router_jitter_noise": 0.0,
+            **aux,
+        }
+    if kind == "olmoe":
+        return {
+            "num_experts": m.n_experts,
+            "num_experts_per_tok": m.top_k,
+            "intermediate_size": m.hidden_dim,
+            "norm_topk_prob": m.route_norm,
+            "clip_qkv": None,
+            **aux,
+        }
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        out = {
+            "num_experts": m.n_experts,
+            "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.hidden_dim,
+            "norm_topk_prob": m.route_norm,
+            "decoder_sparse_step": args.moe_every,
+            "mlp_only_layers": list(args.dense_layers),
+            **aux,
+        }
+        if kind == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=shared, qkv_bias=args.qkv_bias)
+        return out
+    return {  # deepseek_v3
+        "n_routed_experts": m.n_experts,
+        "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.hidden_dim,
+        "n_shared_experts": shared // m.hidden_dim if m.n_shared_experts else 0,
+        "first_k_dense_replace": len(args.dense_layers),
+        "n_group": m.n_groups,
+        "topk_group": m.topk_groups,
+        "routed_scaling_factor": m.route_scale,
+        "norm_topk_prob": m.route_norm,
+        "q_lora_rank": args.q_lora_rank or None,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "qk_nope_head_dim": args.head_dim,
+        "v_head_dim": args.v_head_dim,
+        "head_dim": args.qk_rope_head_dim,
+        "rope_interleave": args.rope_interleave,
+        "num_key_value_heads": args.n_heads,
+        "num_nextn_predict_layers": 0,
+    }
+
+
+def export_args(args: ModelArgs, state: dict[str, torch.Tensor]) -> ModelArgs:
+    """The family an export writes. A folder's family is kept; meshloom's own MoE (family llama) is written as
+    the family whose layout and routing it computes: Mixtral (softmax top-k, renormalised, no shared expert,
+    every layer MoE, no q/k norm, no biases). Anything else is a ValueError that names the model.* values."""
+    from dataclasses import replace
+
+    from checkpoint.hf_folder import MOE_FAMILIES
+
+    if args.moe is None or args.family in MOE_FAMILIES:
+        biased = [n for n, t in state.items() if n.endswith("expert_bias") and bool(t.abs().sum())]
+        if biased and args.family != "deepseek_v3":
+            raise ValueError(
+                f"{biased[0]} is not zero (model.moe_bias_update_rate trained it): only DeepSeek-V3 routes with an "
+                f"expert bias (e_score_correction_bias), and this is a {args.family!r} model"
+            )
+        return args
+    if args.family not in ("llama", "mistral") or args.qkv_bias or args.qk_norm:
+        raise ValueError(f"model.family={args.family!r} with MoE layers: no transformers MoE class matches")
+    candidate = replace(args, family="mixtral")
+    moe_config(candidate)  # the ValueError naming what Mixtral does not compute
+    return export_args(candidate, state)
 
 
 def generation_config(eos_token_id: int | None) -> dict:
@@ -219,12 +421,22 @@ def export_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> l
     return written
 
 
+def stored_tensors(model: nn.Module, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The tensors of ``model`` a folder holds: every parameter, and DeepSeek-V3's expert bias (a buffer)."""
+    tensors = dict(model.named_parameters())
+    if args.family == "deepseek_v3":
+        tensors.update({n: b for n, b in model.named_buffers() if n.endswith("feed_forward.expert_bias")})
+    return tensors
+
+
 def expected_hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:
-    """HF name -> shape of every tensor of a model with ``args`` (ValueError for MoE models). A tied model
-    has no lm_head.weight of its own: transformers leaves it out of the file and ties it on load."""
+    """HF name -> shape of every tensor of a model with ``args``. A tied model has no lm_head.weight of its
+    own: transformers leaves it out of the file and ties it on load."""
     with torch.device("meta"):
         model = Transformer(args)
-    shapes = {hf_name(name): p.shape for name, p in model.named_parameters()}
+    shapes = {
+        hf: t.shape for name, p in stored_tensors(model, args).items() for hf, t in hf_tensors(name, p, args).items()
+    }
     if args.tie_embeddings:
         shapes.pop(TOP_LEVEL["output.weight"], None)
     return shapes
@@ -288,10 +500,12 @@ def export_safetensors(
     model-0000k-of-0000n.safetensors shards and model.safetensors.index.json. Returns the files written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    args = export_args(args, model_state)
     tensors = {  # a tied head is the embedding: written once, as model.embed_tokens.weight
-        hf_name(name): t.detach().contiguous().cpu()
+        hf: piece.detach().contiguous().cpu()
         for name, t in model_state.items()
-        if args.stored_name(name) == name
+        if args.stored_name(name) == name and not (name.endswith("expert_bias") and args.family != "deepseek_v3")
+        for hf, piece in hf_tensors(name, t, args).items()
     }
     expected = expected_hf_shapes(args)
     if set(tensors) != set(expected):
@@ -367,15 +581,34 @@ def safetensors_problems(path: str | Path, args: ModelArgs) -> list[str]:
     return problems
 
 
-def _source_name(part: nn.Module, name: str, files: dict[str, Path]) -> str:
-    """The file's name for parameter ``name`` of ``part``. A tied head (or a last pipeline stage's copy of a
-    tied weight) reads the embedding (``ModelArgs.stored_name``); so does a head missing from the file."""
+def _source_name(part: nn.Module, name: str, files: dict[str, Path]) -> str | list[str]:
+    """The file's name for parameter ``name`` of ``part`` (an expert weight: its experts' names). A tied head
+    (or a last pipeline stage's copy of a tied weight) reads the embedding (``ModelArgs.stored_name``); so does
+    a head missing from the file."""
     name = canonical_name(name)
     args = getattr(part, "args", None)
-    key = hf_name(args.stored_name(name) if args is not None else name)
+    family = args.family if args is not None else "llama"
+    if args is not None and args.moe is not None:
+        experts = hf_expert_names(name, family, args.moe.n_experts)
+        if experts is not None:
+            return experts
+    key = hf_name(args.stored_name(name) if args is not None else name, family)
     if key not in files and key == TOP_LEVEL["output.weight"]:
         return TOP_LEVEL["tok_embeddings.weight"]
     return key
+
+
+class ExpertStack:
+    """An expert weight (E, in, out) read from its E per-expert (out, in) matrices, sliced like one tensor."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def __getitem__(self, index):
+        if not isinstance(index, tuple):  # [:], the whole weight
+            index = (slice(None),) * 3
+        experts, rows, cols = index
+        return torch.stack([h[cols, rows].t() for h in self.handles[experts]])
 
 
 def read_piece(stored, param: torch.Tensor, sliced: bool = True) -> torch.Tensor:
@@ -401,13 +634,28 @@ def import_safetensors(parts: list[nn.Module], path: str | Path, sliced: bool = 
     """
     files = tensor_files(path)
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
+    experts: list[tuple[list[str], torch.Tensor]] = []
     for part in parts:
-        for name, param in part.named_parameters():
+        args = getattr(part, "args", None)
+        tensors = stored_tensors(part, args) if args is not None else dict(part.named_parameters())
+        for name, param in tensors.items():
             key = _source_name(part, name, files)
-            by_file.setdefault(files[key], []).append((key, param))
+            if isinstance(key, list):  # an expert weight: its E matrices, possibly in several files
+                experts.append((key, param))
+            else:
+                by_file.setdefault(files[key], []).append((key, param))
     for file, items in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             for key, param in items:
-                piece = read_piece(f.get_slice(key), param, sliced)
-                local = param.to_local() if isinstance(param, DTensor) else param
-                local.copy_(piece.to(device=local.device, dtype=local.dtype))
+                _copy(param, read_piece(f.get_slice(key), param, sliced))
+    if experts:
+        opened = {
+            file: safe_open(str(file), framework="pt") for file in {files[k] for keys, _ in experts for k in keys}
+        }
+        for keys, param in experts:
+            _copy(param, read_piece(ExpertStack([opened[files[k]].get_slice(k) for k in keys]), param, sliced))
+
+
+def _copy(param: torch.Tensor, piece: torch.Tensor) -> None:
+    local = param.to_local() if isinstance(param, DTensor) else param
+    local.copy_(piece.to(device=local.device, dtype=local.dtype))

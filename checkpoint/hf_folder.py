@@ -5,9 +5,10 @@ model-0000k-of-0000n.safetensors shards with model.safetensors.index.json (tenso
 Starting a run (or ``python -m generate``) from such a folder:
 
 1. **Refuse what meshloom does not compute** (``unsupported``): a model_type or architecture outside the
-   families below, biases the family does not have, a sliding window that binds (see below), MoE fields, an
-   activation other than SiLU, partial rotary, dropout, a RoPE type other than none/linear/llama3. Each
-   problem names the field, its value and what meshloom supports.
+   families below, biases the family does not have, a sliding window that binds (see below), MoE fields in a
+   dense family, an activation other than SiLU, partial rotary, dropout, a RoPE type other than
+   none/linear/llama3/yarn, and each MoE family's own extras (``moe_unsupported``); GPT-OSS gets one line per piece
+   meshloom lacks (``GPT_OSS_MISSING``). Each problem names the field, its value and what meshloom supports.
 
    The families (``FAMILIES``) are one decoder with two switches (models/llama.py):
 
@@ -17,6 +18,16 @@ Starting a run (or ``python -m generate``) from such a folder:
    | mistral | MistralForCausalLM   | its defaults only; ``sliding_window`` (see below)  | sliding_window          |
    | qwen2   | Qwen2ForCausalLM     | q/k/v projections have biases (o has none)         | qkv_bias = true         |
    | qwen3   | Qwen3ForCausalLM     | RMSNorm per q and k head before RoPE; own head_dim | qk_norm = true, head_dim|
+
+   The MoE families (``MOE_FAMILIES``; their fields: ``moe_fields``, docs/checkpointing.md, Appendix B):
+
+   | family      | architectures          | MoE layers                                          | attention         |
+   |-------------|------------------------|-----------------------------------------------------|-------------------|
+   | mixtral     | MixtralForCausalLM     | softmax top-k, renormalised; every layer            | Mistral's         |
+   | qwen2_moe   | Qwen2MoeForCausalLM    | norm_topk_prob; a shared expert times sigmoid(gate); decoder_sparse_step, mlp_only_layers | q/k/v biases |
+   | qwen3_moe   | Qwen3MoeForCausalLM    | norm_topk_prob; decoder_sparse_step, mlp_only_layers | Qwen3's q/k norms |
+   | olmoe       | OlmoeForCausalLM       | norm_topk_prob; every layer                         | q/k norms over the whole projection |
+   | deepseek_v3 | DeepseekV3ForCausalLM  | sigmoid, correction bias, group-limited, scaled; shared experts; first k dense | latent (MLA) |
 
    Any of them may give ``head_dim`` (model.head_dim; 0 when it is hidden_size / num_attention_heads).
    A sliding window is accepted as a limit: meshloom computes full causal attention, which equals windowed
@@ -45,9 +56,30 @@ FAMILIES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    # the MoE families (the module docstring's second table)
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
-SUPPORTED = "dense Llama-family decoders with SiLU SwiGLU: " + ", ".join(
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+SUPPORTED = "Llama-family decoders with SiLU SwiGLU: " + ", ".join(
     f"{arch} (model_type {kind!r})" for kind, arch in FAMILIES.items()
+)
+# GPT-OSS: what its folder computes that meshloom does not (``gpt_oss_refusal``), each with what it would take.
+# (Its YaRN RoPE is not among them: models/rope.py computes it.)
+GPT_OSS_MISSING = (
+    "attention sinks (self_attn.sinks: a learned per-head logit in every softmax's denominator; needs an "
+    "attention kernel that takes it, SDPA has none)",
+    "alternating sliding-window attention (layer_types sliding_attention/full_attention, sliding_window 128: "
+    "meshloom has one full causal attention; needs a per-layer window in models/llama.causal_attention and CP)",
+    "biases on q/k/v/o, the router and the experts (attention_bias true, gate_up_proj_bias, down_proj_bias: "
+    "GroupedExperts has no bias)",
+    "a clamped SwiGLU (swiglu_limit 7.0, swiglu_alpha 1.702, (up + 1) * gate * sigmoid(alpha * gate): "
+    "meshloom's experts compute silu(gate) * up)",
+    "MXFP4 expert weights (quantization_config quant_method 'mxfp4' in the released folders: blocks and scales "
+    "to dequantize on import)",
 )
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -81,8 +113,70 @@ def rope_parameters(config: dict) -> dict:
     return params
 
 
+def gpt_oss_refusal(config: dict) -> list[str]:
+    """A GPT-OSS folder: one line per piece meshloom lacks (``GPT_OSS_MISSING``), naming what it would take."""
+    return [f"config.json model_type={config.get('model_type')!r} (GPT-OSS) needs {piece}" for piece in GPT_OSS_MISSING]
+
+
+def moe_unsupported(config: dict) -> list[str]:
+    """The MoE families' own refusals (step 1): the values their classes allow but meshloom does not compute."""
+    kind, out = config["model_type"], []
+    if kind == "mixtral" and config.get("router_jitter_noise", 0.0):
+        out.append(
+            f"config.json router_jitter_noise={config['router_jitter_noise']!r}: meshloom's router adds no "
+            "multiplicative noise in training; supported: 0.0"
+        )
+    if kind == "olmoe" and config.get("clip_qkv") is not None:
+        out.append(f"config.json clip_qkv={config['clip_qkv']!r}: meshloom does not clamp q/k/v; supported: null")
+    if kind == "qwen2_moe" and not config.get("shared_expert_intermediate_size"):
+        out.append(
+            f"config.json shared_expert_intermediate_size={config.get('shared_expert_intermediate_size')!r}: a "
+            "Qwen2-MoE layer has a shared expert; supported: a positive size"
+        )
+    if kind == "deepseek_v3":
+        # fields of DeepSeek's own config.json that transformers' class does not read: the values it computes
+        for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if config.get(key, value) != value:
+                out.append(f"config.json {key}={config[key]!r}: DeepSeek-V3 routes as {key}={value!r}; supported: that")
+        heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+        if kv_heads not in (None, heads):
+            out.append(
+                f"config.json num_key_value_heads={kv_heads!r}: latent attention expands keys and values for every "
+                f"head; supported: num_key_value_heads = num_attention_heads = {heads!r}"
+            )
+        experts, groups = config.get("n_routed_experts") or 0, config.get("n_group") or 1
+        if experts % groups or not 1 <= (config.get("topk_group") or 1) <= groups:
+            out.append(
+                f"config.json n_group={groups!r}, topk_group={config.get('topk_group')!r}: supported: n_group divides "
+                f"n_routed_experts={experts} and 1 <= topk_group <= n_group"
+            )
+        if experts // groups < 2 and groups > 1:
+            out.append(f"config.json n_group={groups}: a group's score is its best two experts; give >= 2 per group")
+        for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            if not isinstance(config.get(key), int) or config[key] < 1:
+                out.append(f"config.json {key}={config.get(key)!r}: latent attention needs it as a positive integer")
+        if isinstance(config.get("qk_rope_head_dim"), int) and config["qk_rope_head_dim"] % 2:
+            out.append(f"config.json qk_rope_head_dim={config['qk_rope_head_dim']}: RoPE needs an even width")
+    top_k, experts = config.get("num_experts_per_tok"), moe_experts(config)
+    if not isinstance(top_k, int) or not isinstance(experts, int) or not 1 <= top_k <= experts:
+        out.append(
+            f"config.json num_experts_per_tok={top_k!r} with {experts!r} experts: supported: 1 <= top-k <= experts"
+        )
+    return out
+
+
+def moe_experts(config: dict):
+    """The routed-expert count, under each family's name for it."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if config.get(key) is not None:
+            return config[key]
+    return None
+
+
 def unsupported(config: dict) -> list[str]:
     """Step 1: why meshloom cannot compute what ``config`` describes (empty: it can)."""
+    if config.get("model_type") == "gpt_oss":
+        return gpt_oss_refusal(config)
     out = []
     kind = config.get("model_type")
     if kind not in FAMILIES:
@@ -98,21 +192,46 @@ def unsupported(config: dict) -> list[str]:
     layer_types = set(config.get("layer_types") or ["full_attention"])
     if layer_types - {"full_attention", "sliding_attention"}:
         out.append(f"config.json layer_types={sorted(layer_types)}: meshloom runs full attention ({SUPPORTED})")
+    moe = kind in MOE_FAMILIES
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        out.append(
+            f"config.json quantization_config (quant_method {method!r}): supported: unquantized weights "
+            "(fp32/bf16/fp16 safetensors); dequantize the folder first (e.g. load it in transformers and save_pretrained)"
+        )
     for key, allowed in _MUST_BE.items():
         if key in config and config[key] not in allowed:
             out.append(f"config.json {key}={config[key]!r}: meshloom supports only {allowed[0]!r} ({SUPPORTED})")
-    for key in _MOE_FIELDS:
+    for key in () if moe else _MOE_FIELDS:
         if config.get(key):
-            out.append(f"config.json {key}={config[key]!r} describes MoE layers; meshloom imports {SUPPORTED}")
+            out.append(
+                f"config.json {key}={config[key]!r} describes MoE layers, which a {kind!r} model has not; meshloom "
+                f"imports MoE as model_type {', '.join(MOE_FAMILIES)}"
+            )
+    if moe:
+        out += moe_unsupported(config)
     head_dim = config.get("head_dim")
     if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2):
         out.append(f"config.json head_dim={head_dim!r}: a head must be an even number of channels (RoPE pairs)")
     rope = rope_parameters(config)
     kind = rope["rope_type"]
-    if kind not in ("default", "linear", "llama3"):
-        out.append(f"config.json RoPE type {kind!r} is not supported; meshloom supports default (none), linear, llama3")
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        out.append(
+            f"config.json RoPE type {kind!r} is not supported; meshloom supports default (none), linear, llama3, yarn"
+        )
+    if kind == "yarn" and rope.get("attention_factor") is not None:
+        out.append(
+            f"config.json rope attention_factor={rope['attention_factor']!r}: supported: none given (meshloom derives "
+            "YaRN's factor from factor, mscale and mscale_all_dim)"
+        )
+    if kind == "yarn" and not (rope.get("factor") or rope.get("original_max_position_embeddings")):
+        out.append("config.json YaRN RoPE without factor or original_max_position_embeddings: give one of them")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         out.append(f"config.json partial_rotary_factor={rope['partial_rotary_factor']}: meshloom rotates whole heads")
+    if config.get("model_type") == "deepseek_v3" and rope["rope_type"] not in ("default", "yarn"):
+        out.append(
+            f"config.json RoPE type {rope['rope_type']!r} with latent attention: supported there: default (none), yarn"
+        )
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         if not isinstance(config.get(key), int):
             out.append(f"config.json {key}={config.get(key)!r}: a Llama config needs it as an integer")
@@ -139,8 +258,9 @@ def model_fields(config: dict) -> dict[str, object]:
         "n_experts": 0,
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),  # transformers leaves lm_head out
         "family": config["model_type"],
-        "qkv_bias": config["model_type"] == "qwen2",
-        "qk_norm": config["model_type"] == "qwen3",
+        "qkv_bias": config["model_type"] == "qwen2"
+        or (config["model_type"] == "qwen2_moe" and config.get("qkv_bias", True)),
+        "qk_norm": config["model_type"] in ("qwen3", "qwen3_moe", "olmoe"),
         # 0 when it is the Llama rule, so the run's config (and its checkpoint's meshloom.json) says so
         "head_dim": 0 if head_dim * heads == hidden else head_dim,
         "sliding_window": window(config),
@@ -148,6 +268,20 @@ def model_fields(config: dict) -> dict[str, object]:
         # meshloom holds that row's lookup gradient out the same way (docs/checkpointing.md)
         "pad_token_id": pad_id(config),
     }
+    if config["model_type"] in MOE_FAMILIES:
+        fields.update(moe_fields(config))
+    if kind == "yarn":  # transformers' defaults where a field is missing (modeling_rope_utils: yarn)
+        original = int(rope.get("original_max_position_embeddings") or config.get("max_position_embeddings", 8192))
+        factor = rope.get("factor") or config.get("max_position_embeddings", original) / original
+        fields.update(
+            rope_factor=float(factor),
+            rope_original_max_seq_len=original,
+            rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+            rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+            rope_mscale=float(rope.get("mscale") or 0.0),
+            rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+            rope_truncate=bool(rope.get("truncate", True)),
+        )
     if kind in ("linear", "llama3"):
         fields["rope_factor"] = float(rope["factor"])
     if kind == "llama3":
@@ -165,6 +299,54 @@ def pad_id(config: dict) -> int:
     return pad if isinstance(pad, int) and 0 <= pad < config["vocab_size"] else -1
 
 
+def moe_fields(config: dict) -> dict[str, object]:
+    """Step 2 for the MoE families: model.* key -> value (the module docstring's second table)."""
+    kind = config["model_type"]
+    moe_hidden = config.get("moe_intermediate_size") or config["intermediate_size"]  # Mixtral, OLMoE: the latter
+    fields = {
+        "n_experts": moe_experts(config),
+        "top_k": config["num_experts_per_tok"],
+        "moe_ffn_dim": moe_hidden,
+        "moe_every": config.get("decoder_sparse_step") or 1,
+        "moe_dense_layers": ",".join(str(i) for i in sorted(config.get("mlp_only_layers") or [])),
+        "moe_route_norm": kind == "mixtral" or bool(config.get("norm_topk_prob", False)),
+        "moe_score_func": "sigmoid" if kind == "deepseek_v3" else "softmax",
+        "moe_shared_experts": 0,
+        "moe_shared_ffn_dim": 0,
+        "moe_shared_gate": False,
+        "moe_groups": 1,
+        "moe_topk_groups": 1,
+        "moe_route_scale": 1.0,
+        # transformers adds its auxiliary loss only with output_router_logits (meshloom's is per sequence and
+        # per layer: models/moe.py)
+        "moe_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.0))
+        if config.get("output_router_logits")
+        else 0.0,
+        "qk_norm_full": kind == "olmoe",
+    }
+    if kind == "qwen2_moe":
+        fields.update(moe_shared_experts=1, moe_shared_ffn_dim=config["shared_expert_intermediate_size"])
+        fields["moe_shared_gate"] = True
+    if kind == "deepseek_v3":
+        shared = config.get("n_shared_experts") or 0
+        fields.update(
+            moe_shared_experts=1 if shared else 0,
+            moe_shared_ffn_dim=shared * moe_hidden,
+            moe_dense_layers=",".join(str(i) for i in range(config.get("first_k_dense_replace") or 0)),
+            moe_groups=config.get("n_group") or 1,
+            moe_topk_groups=config.get("topk_group") or 1,
+            moe_route_scale=float(config.get("routed_scaling_factor", 1.0)),
+            q_lora_rank=config.get("q_lora_rank") or 0,
+            kv_lora_rank=config["kv_lora_rank"],
+            qk_rope_head_dim=config["qk_rope_head_dim"],
+            v_head_dim=config["v_head_dim"],
+            head_dim=config["qk_nope_head_dim"],  # meshloom's head_dim is the nope part (models/latent_attention.py)
+            rope_interleave=bool(config.get("rope_interleave", True)),
+            n_kv_heads=config["num_attention_heads"],
+        )
+    return fields
+
+
 def window(config: dict) -> int:
     """The sliding window transformers applies for ``config`` (0: none). Mistral: ``sliding_window`` when not
     null. Qwen2/3: only with ``use_sliding_window`` (transformers sets it to None otherwise), on the layers
@@ -172,7 +354,11 @@ def window(config: dict) -> int:
     size = config.get("sliding_window")
     if config.get("model_type") == "llama":  # refused by ``unsupported`` when set
         return 0
-    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    if config.get("model_type") in ("olmoe", "deepseek_v3"):  # no sliding window in these classes
+        return 0
+    if config.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not config.get(
+        "use_sliding_window", False
+    ):
         return 0
     if config.get("layer_types") and "sliding_attention" not in config["layer_types"]:
         return 0

@@ -79,6 +79,7 @@ from mesh.private_api import (
     attention_with_lse_backward,
     reduce_scatter_functional,
 )
+from models.latent_attention import LatentAttention
 from models.llama import Attention
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str
     # torch.compile traces the rest of the block and calls this as it is (collectives and p2p inside).
     attend = torch.compiler.disable(attend)
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, LatentAttention)):  # latent attention: the same seam (DeepSeek-V3)
             module.attend = attend
     positions = load_balanced_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size())
     positions = positions.to(model.rope_cos.device)

@@ -111,6 +111,25 @@ def apply_fsdp(
                         reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, False, pipelined),
                     )
                     expert_units.append(module.experts)
+    if meshes.token_split is not None:
+        # Under TP's token split every tp rank runs an MoE block on its own tokens, like a data-parallel rank:
+        # its router and shared expert (and, without ep, its experts) are FSDP-sharded over dp_shard x cp x tp
+        # in a unit of their own, so no tp rank holds them whole, and FSDP sums their gradients over the tp
+        # ranks too (mesh/tensor_parallel.sum_token_split_gradients then leaves them out).
+        for block in blocks:
+            for module in block.modules():
+                if isinstance(module, MoE):
+                    dense = [m for m in (module.router, module.shared_expert) if m is not None]
+                    if module.experts not in expert_units:
+                        dense.append(module.experts)
+                    fully_shard(
+                        dense,
+                        mesh=meshes.token_split,
+                        mp_policy=policy,
+                        offload_policy=offload,
+                        reshard_after_forward=reshard_after_forward_policy(reshard_after_forward, False, pipelined),
+                    )
+                    expert_units.append(dense[0])
     for i, block in enumerate(blocks):
         fully_shard(
             block,

@@ -114,6 +114,10 @@ class Meshes:
     # Whether every tp rank holds the same experts (each computing their gradient from its own tokens, so the
     # gradients are summed over tp): without ep, or with ep carved from dp_shard alone (``ep_within_dp_shard``).
     experts_replicated_over_tp: bool = True
+    # An MoE model under FSDP with tp > 1: what FSDP shards an MoE block's router and shared expert over,
+    # (dp_replicate,) dp_shard x cp x tp. Under TP's token split the tp ranks see different tokens, like data
+    # ranks, so those weights are sharded over them too instead of held whole by every tp rank.
+    token_split: DeviceMesh | None = None
 
     def all(self) -> dict[str, DeviceMesh]:
         return {name: mesh for name, mesh in vars(self).items() if isinstance(mesh, DeviceMesh)}
@@ -146,7 +150,8 @@ def build_mesh(
 
     ``host_tensors``: FSDP CPU offload; the groups must also reduce CPU tensors (``mesh_backend_options``).
     ``fsdp_with_tp``: FSDP will shard TP-sharded weights; add the flattened (dp_shard, cp, tp) group their
-    gradient norm is reduced over (below).
+    gradient norm is reduced over (below); with ``has_experts`` that group is also what FSDP shards the MoE
+    blocks' router and shared expert over (``Meshes.token_split``).
     ``ep_within_dp_shard``: the earlier expert layout, kept for comparison (bench/ep_placement.py): ep carved
     from dp_shard alone, every expert replicated over tp (and cp > 1 not possible).
     """
@@ -158,11 +163,14 @@ def build_mesh(
         backend_override=dict.fromkeys(MESH_DIMS, options),
     )
     fsdp = world[dims.fsdp_dims] if dims.cp == 1 else _fsdp_with_cp(world, dims, options)
+    token_split = None
     if fsdp_with_tp:
         # A weight sharded by FSDP and by TP has its gradient norm partial over both dims. DTensor reduces
         # that with one all-reduce only if a flattened mesh over exactly those dims exists on the root; without
         # one it issues an all-reduce per dim and warns on every rank (mesh/grad_clip.py).
-        flatten_mesh(world, ("dp_shard", "cp", "tp"), "dp_shard_cp_tp", options)
+        shard_tp = flatten_mesh(world, ("dp_shard", "cp", "tp"), "dp_shard_cp_tp", options)
+        if has_experts and dims.tp > 1:
+            token_split = concatenate_meshes([world["dp_replicate"], shard_tp]) if dims.dp_replicate > 1 else shard_tp
     ep = expert_fsdp = None
     if has_experts and dims.ep > 1:
         ep, expert_fsdp = (_experts_within_dp_shard if ep_within_dp_shard else _expert_meshes)(world, dims, options)
@@ -177,6 +185,7 @@ def build_mesh(
         ep=ep,
         expert_fsdp=expert_fsdp,
         experts_replicated_over_tp=ep is None or ep_within_dp_shard,
+        token_split=token_split,
     )
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -76,6 +76,30 @@ class ReplicateParallel(ParallelStyle):
             return output.to_local()
 
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+class ReplicatedDTensor(ParallelStyle):
+    """Latent attention's low-rank projections and their norms (models/latent_attention.py): small, held whole on
+    every tp rank as Replicate DTensors, and run on the replicated input as DTensors (no output conversion), so
+    the column-parallel wq_b / wkv_b after them take a DTensor and backward sums what each rank's heads send
+    back (a Partial gradient, reduced once by ``reduce_partial_gradients``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh)
+
+
+def shared_key_local(k_rope):
+    """Latent attention's shared rope key (a Replicate DTensor) as this rank's local tensor. Each rank uses it
+    for its own heads only, so its gradient on each rank is a partial sum over heads: Partial, not Replicate."""
+    return k_rope.to_local(grad_placements=(Partial(),)) if isinstance(k_rope, DTensor) else k_rope
+
+
+def latent_plan() -> dict:
+    """The attention entries of a block with latent attention: the per-head projections (wq or wq_b, wkv_b)
+    split by heads, wo by rows (as in ``block_plan``), the low-rank projections and norms replicated."""
+    plan = {f"attention.{n}": ColwiseParallel() for n in ("wq", "wq_b", "wkv_b")}
+    plan.update({f"attention.{n}": ReplicatedDTensor() for n in ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm")})
+    return plan
 
 
 class GatherSavingShard(PrepareModuleInput):
@@ -204,12 +228,15 @@ class TokenSplitMoE(ParallelStyle):
        chunks come from ``SequenceChunks`` (models/moe.py, "Sequences in chunks").
     3. Experts, EP dispatch/combine and the shared expert run on the chunk's tokens only.
     4. Output: with SP it is this rank's shard already; without SP the chunks are all-gathered.
-    5. The router and the shared expert stay whole on every tp rank, but each rank's gradient covers only its
-       tokens: ``sum_token_split_gradients`` all-reduces them over tp once per step, before clipping. With
+    5. Each rank's gradient of the router and the shared expert covers only its tokens. Under FSDP they are
+       sharded over dp_shard x cp x tp (mesh/data_parallel.py: ``Meshes.token_split``), so no tp rank holds
+       them whole and FSDP's reduce-scatter sums them over tp (an MoE model under TP always uses FSDP:
+       planning/plan.uses_fsdp). Where they are whole on every tp rank (PowerSGD's and 1-bit Adam's replicated
+       models, if ever combined with TP) ``sum_token_split_gradients`` all-reduces them over tp once per step. With
        expert parallelism the ep group borrows the tp ranks (mesh/dims.py), so each tp rank dispatches its chunk
        to the experts' owners and holds other experts than its tp peers: FSDP sums those gradients over efsdp,
-       and the tp sum leaves them out. Without ep the experts are whole on every tp rank and summed over tp
-       like the router. The per-step expert-load statistics are summed over tp as well
+       and the tp sum leaves them out. Without ep the experts go into the router's FSDP unit (over the tp
+       ranks too). The per-step expert-load statistics are summed over tp as well
        (mesh/expert_parallel.step_expert_load).
     """
 
@@ -257,13 +284,14 @@ def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, exper
     Local tensors are reduced: under FSDP each tp rank holds the same dp shard of a weight, so the sum of
     the shards is the shard of the sum; expert-parallel shards within dp_shard likewise.
     """
+    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
     grads = [
         _local(p.grad)
         for part in parts
         for module in part.modules()
         if isinstance(module, MoE)
         for name, p in module.named_parameters()
-        if p.grad is not None and (experts or not name.startswith("experts."))
+        if p.grad is not None and (experts or not name.startswith("experts.")) and not _fsdp_over(p, tp_ranks)
     ]
     for dtype in {g.dtype for g in grads}:
         same = [g for g in grads if g.dtype == dtype]
@@ -271,6 +299,12 @@ def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, exper
         dist.all_reduce(flat, group=tp_mesh.get_group())
         for g, summed in zip(same, flat.split([g.numel() for g in same]), strict=True):
             g.copy_(summed.view_as(g))
+
+
+def _fsdp_over(param: torch.Tensor, ranks: set[int]) -> bool:
+    """Whether ``param`` is sharded over a mesh holding all of ``ranks`` (mesh/data_parallel.py shards an MoE
+    block's router and shared expert over dp_shard x cp x tp): FSDP's reduce-scatter already sums it there."""
+    return isinstance(param, DTensor) and ranks <= set(param.device_mesh.mesh.flatten().tolist())
 
 
 def block_plan(sequence_parallel: bool, regather: bool = False) -> dict:
@@ -336,6 +370,8 @@ def apply_tensor_parallel(
     model.tie_weights()
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan_of(block, sequence_parallel, regather))
+        if hasattr(block.attention, "shared_key_local"):  # latent attention's seam (models/latent_attention.py)
+            block.attention.shared_key_local = shared_key_local
     return model
 
 
@@ -345,7 +381,12 @@ def block_plan_of(block: nn.Module, sequence_parallel: bool, regather: bool = Fa
     if isinstance(block.feed_forward, MoE):
         plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
         plan.update(moe_plan(sequence_parallel))
-    if block.attention.qk_norm:  # Qwen3: each rank normalises its own heads (dim 2) with the replicated
+    if hasattr(block.attention, "wkv_a"):  # latent attention (DeepSeek-V3)
+        plan = {k: v for k, v in plan.items() if k not in ("attention.wq", "attention.wk", "attention.wv")}
+        plan.update({k: v for k, v in latent_plan().items() if hasattr(block.attention, k.split(".")[1])})
+    if getattr(
+        block.attention, "qk_norm", False
+    ):  # Qwen3: each rank normalises its own heads (dim 2) with the replicated
         # weight, whose gradient is then a Partial sum over the heads of all ranks (reduce_partial_gradients)
         plan.update({f"attention.{n}_norm": SequenceParallel(sequence_dim=2, use_local_output=True) for n in "qk"})
     return plan

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from models.latent_attention import latent_attention_params
+
 if TYPE_CHECKING:
     from models.llama import ModelArgs
 
@@ -29,17 +31,23 @@ def layer_matmul_params(args: ModelArgs, layer_id: int) -> int:
     """Weights of the matmuls one token goes through in block ``layer_id`` (step 1 of the module docstring)."""
     head, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     attention = args.dim * head + 2 * args.dim * kv + head * args.dim  # wq, wk + wv, wo
+    if args.latent:  # every projection of latent attention is a matmul; its two norms are not
+        attention = latent_attention_params(args) - args.kv_lora_rank - args.q_lora_rank
     dense_ffn = 3 * args.dim * args.hidden_dim  # w1, w3, w2
     if not args.is_moe_layer(layer_id):
         return attention + dense_ffn
     m = args.moe
     ffn = args.dim * m.n_experts + m.top_k * 3 * args.dim * m.hidden_dim  # the router + the chosen experts
-    ffn += dense_ffn if m.n_shared_experts else 0  # the shared expert has the dense FFN's size
+    if m.n_shared_experts:  # the dense FFN's size unless the family gives its own (and Qwen2-MoE's gate)
+        ffn += 3 * args.dim * (m.shared_hidden_dim or args.hidden_dim) + (args.dim if m.shared_gate else 0)
     return attention + ffn
 
 
 def layer_attention_flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """Score and value matmuls of one block, forward and backward, per token (step 2 of the module docstring)."""
+    """Score and value matmuls of one block, forward and backward, per token (step 2 of the module docstring;
+    latent attention: scores over nope + rope channels, values v_head_dim wide)."""
+    if args.latent:
+        return 6 * args.n_heads * (args.head_dim + args.qk_rope_head_dim + args.v_head_dim) * seq_len
     return 12 * args.n_heads * args.head_dim * seq_len
 
 

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.feed_forward import FeedForward
+from models.latent_attention import LatentAttention, latent_attention_params
 from models.moe import MoE, MoEArgs
-from models.rope import RopeScaling, scaled_frequencies
+from models.rope import RopeScaling, attention_factor, scaled_frequencies
 
 
 @dataclass
@@ -46,7 +47,7 @@ class ModelArgs:
     ffn_dim_multiplier: float = 1.0
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # models/rope.py: none, linear, llama3
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # models/rope.py: none, linear, llama3, yarn
     max_seq_len: int = 2048
     moe: MoEArgs | None = None  # None: a dense model
     moe_every: int = 1  # with moe: layers i where (i + 1) % moe_every == 0 are MoE, the others dense
@@ -60,9 +61,33 @@ class ModelArgs:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head (head_dim wide), before RoPE
     explicit_head_dim: int = 0  # 0: dim // n_heads (Llama); Qwen3 and some Mistrals give their own
     sliding_window: int = 0  # 0: none. Else a window that must not bind: longer sequences are refused
+    # The MoE families (checkpoint/hf_folder.py):
+    qk_norm_full: bool = False  # OLMoE: the q/k norm spans the whole projection (all heads), not one head
+    dense_layers: tuple[int, ...] = ()  # layers that stay dense in an MoE model (DeepSeek-V3's first k, Qwen's)
+    q_lora_rank: int = 0  # latent attention (models/latent_attention.py): the query's low rank; 0: full
+    kv_lora_rank: int = 0  # > 0: multi-head latent attention (DeepSeek-V3) instead of grouped-query attention
+    qk_rope_head_dim: int = 0  # latent attention: the rotated part of a q/k head (head_dim is the rest)
+    v_head_dim: int = 0  # latent attention: a value head's width
+    rope_interleave: bool = False  # latent attention: the rotated pairs are (x0, x1), (x2, x3), ... (DeepSeek)
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        return self.moe is not None and (layer_id + 1) % self.moe_every == 0
+        return self.moe is not None and (layer_id + 1) % self.moe_every == 0 and layer_id not in self.dense_layers
+
+    @property
+    def latent(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """How many channels of a q/k head RoPE rotates: the whole head, or latent attention's rope part."""
+        return self.qk_rope_head_dim if self.latent else self.head_dim
+
+    @property
+    def cache_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of the cached keys and of the cached values (latent attention: expanded per head)."""
+        if self.latent:
+            return (self.n_heads, self.head_dim + self.qk_rope_head_dim), (self.n_heads, self.v_head_dim)
+        return (self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim)
 
     @property
     def head_dim(self) -> int:
@@ -81,13 +106,16 @@ class ModelArgs:
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = self.dim * q_dim * 2 + self.dim * kv_dim * 2
         attn += (q_dim + 2 * kv_dim) if self.qkv_bias else 0
-        attn += 2 * self.head_dim if self.qk_norm else 0
+        attn += (q_dim + kv_dim if self.qk_norm_full else 2 * self.head_dim) if self.qk_norm else 0
+        if self.latent:
+            attn = latent_attention_params(self)
         dense_mlp = 3 * self.dim * self.hidden_dim
         mlp = dense_mlp
         if self.is_moe_layer(layer_id):
             m = self.moe
             mlp = m.n_experts * 3 * self.dim * m.hidden_dim + self.dim * m.n_experts
-            mlp += dense_mlp if m.n_shared_experts else 0
+            mlp += 3 * self.dim * (m.shared_hidden_dim or self.hidden_dim) if m.n_shared_experts else 0
+            mlp += self.dim if m.n_shared_experts and m.shared_gate else 0
         return attn + mlp + 2 * self.dim
 
     def stored_name(self, name: str) -> str:
@@ -157,6 +185,9 @@ def rotary_tables(
     inv_freq = scaled_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
+    gain = attention_factor(scaling)  # YaRN's: cos and sin scaled (1 otherwise, and then not multiplied)
+    if gain != 1.0:
+        return angles.cos() * gain, angles.sin() * gain
     return angles.cos(), angles.sin()
 
 
@@ -191,9 +222,13 @@ class KVCache:
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, device=None, dtype=torch.float32):
         check_window(args, max_len)
-        shape = (batch, max_len, args.n_kv_heads, args.head_dim)
-        self.keys = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
-        self.values = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
+        key_shape, value_shape = args.cache_shapes
+        self.keys = {
+            str(i): torch.zeros(batch, max_len, *key_shape, device=device, dtype=dtype) for i in range(args.n_layers)
+        }
+        self.values = {
+            str(i): torch.zeros(batch, max_len, *value_shape, device=device, dtype=dtype) for i in range(args.n_layers)
+        }
         self.max_len = max_len
         self.length = 0
 
@@ -309,10 +344,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         # Registered only when used, so a Llama's parameter names (and checkpoints) are unchanged.
-        if args.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
-        self.qk_norm = args.qk_norm
+        if args.qk_norm:  # OLMoE (qk_norm_full): one norm over the whole projection, all heads together
+            q_width, k_width = (args.n_heads * self.head_dim, args.n_kv_heads * self.head_dim)
+            self.q_norm = RMSNorm(q_width if args.qk_norm_full else self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(k_width if args.qk_norm_full else self.head_dim, args.norm_eps)
+        self.qk_norm, self.qk_norm_full = args.qk_norm, args.qk_norm_full
         self.attend = causal_attention  # the seam context parallelism replaces (not a module: no parameters)
 
     def forward(
@@ -331,10 +367,13 @@ class Attention(nn.Module):
         if cos.dim() == 2:
             cos, sin = cos[start : start + seqlen], sin[start : start + seqlen]
         # -1 heads: under tensor parallelism these are the local heads of this rank.
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
-        if self.qk_norm:  # per head: under TP each rank normalises its own heads with the (replicated) weight
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm_full:  # OLMoE: over the whole projection, before it is cut into heads
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(bsz, seqlen, -1, self.head_dim)
+        k = k.view(bsz, seqlen, -1, self.head_dim)
+        v = v.view(bsz, seqlen, -1, self.head_dim)
+        if self.qk_norm and not self.qk_norm_full:  # per head: under TP each rank normalises its own heads
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
@@ -349,7 +388,10 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        if args.latent:  # DeepSeek-V3: its own projections, this file's norm, RoPE and attention kernel
+            self.attention = LatentAttention(args, RMSNorm, apply_rotary, causal_attention)
+        else:
+            self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if args.is_moe_layer(layer_id):
             self.feed_forward = MoE(args.dim, args.moe, shared_hidden_dim=args.hidden_dim)
@@ -385,7 +427,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         # Rotary tables are derived state: not saved in checkpoints, rebuilt by reset_buffers().
-        cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling)
+        cos, sin = rotary_tables(args.rope_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # Context parallelism (mesh/context_parallel.py) keeps only this rank's rows of the tables above and
@@ -465,7 +507,7 @@ class Transformer(nn.Module):
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         cos, sin = rotary_tables(
-            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device, self.args.rope_scaling
+            self.args.rope_dim, self.args.max_seq_len, self.args.rope_theta, device, self.args.rope_scaling
         )
         self.rope_cos, self.rope_sin = cos, sin
         for module in self.modules():

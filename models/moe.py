@@ -3,8 +3,9 @@
 ``MoE.forward`` on x of shape (batch, seq, dim):
 
 1. **Route.** The router scores every token against every expert (softmax or sigmoid of a linear map) and
-   each token picks its top-k experts. Selection uses ``scores + expert_bias``; the gates that weight the
-   experts' outputs use the unbiased scores, renormalised over the chosen k when ``route_norm``.
+   each token picks its top-k experts (models/routers.py, with DeepSeek-V3's group limit). Selection uses
+   ``scores + expert_bias``; the gates that weight the experts' outputs use the unbiased scores, renormalised
+   over the chosen k when ``route_norm``, times ``route_scale``.
 2. **Capacity** (optional). With ``capacity_factor > 0`` each expert accepts at most
    ceil(capacity_factor * seq * k / n_experts) tokens *per sequence*, in token order; the rest of its
    assignments are dropped (those tokens keep only their residual for that slot). Counting per sequence,
@@ -16,7 +17,8 @@
    experts in one grouped matmul per weight (models/kernels.py). This is the seam that expert parallelism
    wraps (mesh/expert_parallel.py): it moves the runs to the ranks that own the experts and back, and the
    block does not know.
-5. **Combine.** Scatter-add each output, weighted by its gate, back to its token; add the shared expert.
+5. **Combine.** Scatter-add each output, weighted by its gate, back to its token; add the shared expert
+   (Qwen2-MoE: times sigmoid of its own gate).
 
 Load balancing, both optional:
 
@@ -52,6 +54,7 @@ from torch import nn
 
 from models.feed_forward import FeedForward  # the dense SwiGLU, reused as the shared expert
 from models.kernels import grouped_mm, grouped_mm_works
+from models.routers import choose_experts
 
 
 @dataclass
@@ -66,6 +69,11 @@ class MoEArgs:
     aux_loss_scale: float = 1.0  # 1 / (sequences per optimizer step, whole world): set by the trainer
     bias_update_rate: float = 0.0  # 0: no aux-loss-free bias updates
     capacity_factor: float = 0.0  # 0: dropless
+    shared_hidden_dim: int = 0  # the shared expert's hidden size; 0: the dense FFN's (ModelArgs.hidden_dim)
+    shared_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(a linear map of x)
+    n_groups: int = 1  # DeepSeek-V3 group-limited routing: experts in n_groups groups ...
+    topk_groups: int = 1  # ... of which each token may use the best topk_groups (models/routers.py)
+    route_scale: float = 1.0  # DeepSeek-V3 routed_scaling_factor: the gates times this
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -154,7 +162,11 @@ class MoE(nn.Module):
         self.args = args
         self.router = Router(dim, args.n_experts)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.n_experts)
+        shared_hidden_dim = args.shared_hidden_dim or shared_hidden_dim
         self.shared_expert = FeedForward(dim, shared_hidden_dim) if args.n_shared_experts else None
+        # Registered only when used, so the card's own MoE keeps its parameter names.
+        if args.n_shared_experts and args.shared_gate:
+            self.shared_gate = nn.Linear(dim, 1, bias=False)
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
         # Step statistics for metrics and bias updates (not checkpointed).
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
@@ -190,10 +202,7 @@ class MoE(nn.Module):
         bsz, seqlen, dim = x.shape
         # 1. Route: choose with the biased scores, weight with the unbiased ones.
         scores = self.router(x, a.score_func)  # (b, s, E) fp32
-        _, chosen = torch.topk(scores + self.expert_bias, a.top_k, dim=-1)  # (b, s, k)
-        gates = scores.gather(-1, chosen)
-        if a.route_norm:
-            gates = gates / gates.sum(-1, keepdim=True)
+        chosen, gates = choose_experts(scores, self.expert_bias, a)  # (b, s, k) each
         # (b, s, E): 1 where the token chose the expert. (F.one_hot would check its input's range with two
         # host reads on a CPU; a scatter checks nothing and reads nothing.)
         assigned = torch.zeros_like(scores, dtype=torch.long).scatter_(-1, chosen, 1)
@@ -228,7 +237,10 @@ class MoE(nn.Module):
         out = torch.zeros_like(tokens).index_add_(0, token_of, weighted.to(tokens.dtype))
         out = out.view(bsz, seqlen, dim)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if hasattr(self, "shared_gate"):  # Qwen2-MoE's gate: how much of the shared expert each token takes
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
 
         # Count each token once, in the forward (not again when activation checkpointing recomputes it).
         if self.count_stats:

@@ -11,8 +11,9 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
 1. **States** (``states_bytes``): 16 bytes per parameter the rank owns: fp32 weights 4, fp32 gradients 4,
    Adam's m and v 8. ``mixed_precision = bf16`` keeps the same 16: FSDP2's MixedPrecisionPolicy keeps the
    sharded weights and their gradients in fp32 and computes with bf16 copies (item 2). A block's attention and
-   dense FFN are split over tp, its norms are not; an MoE layer's router, experts and shared expert stay
-   whole on every tp rank (mesh/tensor_parallel.py: TokenSplitMoE) and the experts are split over ep. FSDP
+   dense FFN are split over tp, its norms are not; an MoE layer's router and shared expert are FSDP-sharded
+   over the tp ranks too (mesh/data_parallel.py: the tp ranks route different tokens), counted here with what
+   tp splits, and the experts are split over ep. FSDP
    then shards everything over dp_shard x cp (mesh/dims.py); with ep > 1 the experts over efsdp x ep =
    dp_shard x cp x tp (ep borrows tp ranks too, so no expert is copied over tp);
    dp_replicate (HSDP) holds copies. ``fsdp_cpu_offload`` moves the states to the host: 0 here.
@@ -211,8 +212,9 @@ class MemoryLayout(DegreesOf):
 
 
 def block_parameters(args: ModelArgs, layer_id: int) -> dict[str, int]:
-    """A block's parameters by how they are split: ``tp`` (attention, dense FFN), ``whole`` (norms, and an MoE
-    layer's router and shared expert), ``experts`` (split over ep). They add up to ``args.layer_params``."""
+    """A block's parameters by how they are split: ``tp`` (attention, dense FFN, and an MoE layer's router and
+    shared expert, which FSDP shards over dp_shard x cp x tp: mesh/data_parallel.py), ``whole`` (norms),
+    ``experts`` (split over ep). They add up to ``args.layer_params``."""
     kv = args.n_kv_heads * args.head_dim
     attention = 2 * args.dim * args.dim + 2 * args.dim * kv
     dense_ffn = 3 * args.dim * args.hidden_dim
@@ -221,8 +223,8 @@ def block_parameters(args: ModelArgs, layer_id: int) -> dict[str, int]:
     m = args.moe
     shared = dense_ffn if m.n_shared_experts else 0
     return {
-        "tp": attention,
-        "whole": 2 * args.dim + args.dim * m.n_experts + shared,
+        "tp": attention + args.dim * m.n_experts + shared,
+        "whole": 2 * args.dim,
         "experts": 3 * m.n_experts * args.dim * m.hidden_dim,
     }
 

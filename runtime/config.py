@@ -118,13 +118,20 @@ class ModelConfig:
     multiple_of: int = opt(64, "round the derived ffn_dim up to a multiple of this", ge=1)
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
     rope_theta: float = opt(10000.0, "rotary embedding base", gt=0)
-    rope_scaling: Literal["none", "linear", "llama3"] = opt(
+    rope_scaling: Literal["none", "linear", "llama3", "yarn"] = opt(
         "none", "RoPE frequency scaling for longer contexts (models/rope.py); transformers' rope_type"
     )
     rope_factor: float = opt(8.0, "rope_scaling linear/llama3: frequencies divided by this (context x factor)", gt=0)
     rope_low_freq_factor: float = opt(1.0, "rope_scaling llama3: wavelengths > L0 / this are divided by factor", gt=0)
     rope_high_freq_factor: float = opt(4.0, "rope_scaling llama3: wavelengths < L0 / this are kept", gt=0)
-    rope_original_max_seq_len: int = opt(8192, "rope_scaling llama3: L0, the pre-training context length", ge=1)
+    rope_original_max_seq_len: int = opt(8192, "rope_scaling llama3/yarn: L0, the pre-training context length", ge=1)
+    rope_beta_fast: float = opt(
+        32.0, "rope_scaling yarn: pairs turning more often within L0 keep their frequency", gt=0
+    )
+    rope_beta_slow: float = opt(1.0, "rope_scaling yarn: pairs turning less often within L0 are interpolated", gt=0)
+    rope_mscale: float = opt(0.0, "rope_scaling yarn: attention factor numerator coefficient (0: unused)", ge=0)
+    rope_mscale_all_dim: float = opt(0.0, "rope_scaling yarn: its denominator's (DeepSeek: softmax scale too)", ge=0)
+    rope_truncate: bool = opt(True, "rope_scaling yarn: round the ramp's ends to whole dimensions")
     max_seq_len: int = opt(2048, "longest sequence the rotary tables cover", ge=1)
     tie_embeddings: bool = opt(False, "one weight for the embedding and the output head (see docs/checkpointing.md)")
     pad_token_id: int = opt(-1, "the padding id (a transformers folder's config.json pad_token_id); -1: none", ge=-1)
@@ -144,11 +151,26 @@ class ModelConfig:
     moe_bias_update_rate: float = opt(0.0, "aux-loss-free expert-bias step (0: off)", ge=0)
     moe_capacity_factor: float = opt(0.0, "0: dropless; > 0: per-sequence capacity with token dropping", ge=0)
     # Llama-family variants (checkpoint/hf_folder.py sets them from a transformers folder's config.json)
-    family: Literal["llama", "mistral", "qwen2", "qwen3"] = opt("llama", "architecture an export writes")
+    family: Literal[
+        "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"
+    ] = opt("llama", "architecture an export writes")
     qkv_bias: bool = opt(False, "biases on the q, k, v projections (Qwen2)")
     qk_norm: bool = opt(False, "RMSNorm over each query and key head before RoPE (Qwen3)")
     head_dim: int = opt(0, "width of one attention head; 0: dim / n_heads", ge=0)
     sliding_window: int = opt(0, "0: none; else the window, which training.seq_len must not exceed", ge=0)
+    # MoE families (checkpoint/hf_folder.py sets them from a Mixtral, Qwen-MoE, OLMoE or DeepSeek-V3 folder)
+    qk_norm_full: bool = opt(False, "qk_norm over the whole q and k projection, not per head (OLMoE)")
+    moe_dense_layers: str = opt("", "comma-separated layer ids that stay dense in an MoE model, e.g. '0,1'")
+    moe_shared_ffn_dim: int = opt(0, "the shared expert's hidden size; 0: the dense FFN's", ge=0)
+    moe_shared_gate: bool = opt(False, "scale the shared expert's output by sigmoid(a learned linear) (Qwen2-MoE)")
+    moe_groups: int = opt(1, "expert groups for group-limited routing (DeepSeek-V3 n_group)", ge=1)
+    moe_topk_groups: int = opt(1, "groups a token may route into (DeepSeek-V3 topk_group)", ge=1)
+    moe_route_scale: float = opt(1.0, "multiply the routed experts' gates by this (DeepSeek-V3)", gt=0)
+    q_lora_rank: int = opt(0, "latent attention: rank of the query's low-rank projection; 0: a full one", ge=0)
+    kv_lora_rank: int = opt(0, "latent attention (DeepSeek MLA, models/latent_attention.py); 0: off", ge=0)
+    qk_rope_head_dim: int = opt(0, "latent attention: the rotated part of each q/k head", ge=0)
+    v_head_dim: int = opt(0, "latent attention: width of a value head", ge=0)
+    rope_interleave: bool = opt(False, "latent attention: rotary pairs stored interleaved (DeepSeek-V3)")
 
 
 @dataclass
@@ -593,6 +615,20 @@ def pad_problems(cfg: Config) -> list[str]:
     return out
 
 
+def dense_layer_ids(text: str, n_layers: int) -> tuple[int, ...]:
+    """model.moe_dense_layers ('0,1') as layer ids; a ConfigError naming the value for anything else."""
+    try:
+        ids = tuple(int(i) for i in text.split(",") if i.strip())
+    except ValueError:
+        ids = (-1,)
+    if any(not 0 <= i < n_layers for i in ids):
+        raise ConfigError(
+            f"model.moe_dense_layers={text!r}: give comma-separated layer ids between 0 and model.n_layers - 1 = "
+            f"{n_layers - 1}, e.g. '0,1'"
+        )
+    return ids
+
+
 def model_args(cfg: Config):
     """The ``[model]`` section as ``models.llama.ModelArgs`` (with ``MoEArgs`` for an MoE model)."""
     from models.llama import ModelArgs
@@ -616,6 +652,11 @@ def model_args(cfg: Config):
             m.rope_low_freq_factor,
             m.rope_high_freq_factor,
             m.rope_original_max_seq_len,
+            m.rope_beta_fast,
+            m.rope_beta_slow,
+            m.rope_mscale,
+            m.rope_mscale_all_dim,
+            m.rope_truncate,
         ),
         max_seq_len=m.max_seq_len,
         moe_every=m.moe_every,
@@ -626,6 +667,13 @@ def model_args(cfg: Config):
         qk_norm=m.qk_norm,
         explicit_head_dim=m.head_dim,
         sliding_window=m.sliding_window,
+        qk_norm_full=m.qk_norm_full,
+        dense_layers=dense_layer_ids(m.moe_dense_layers, m.n_layers),
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_interleave=m.rope_interleave,
     )
     if m.n_experts:
         args.moe = MoEArgs(
@@ -638,6 +686,11 @@ def model_args(cfg: Config):
             aux_loss_coef=m.moe_aux_loss_coef,
             bias_update_rate=m.moe_bias_update_rate,
             capacity_factor=m.moe_capacity_factor,
+            shared_hidden_dim=m.moe_shared_ffn_dim,
+            shared_gate=m.moe_shared_gate,
+            n_groups=m.moe_groups,
+            topk_groups=m.moe_topk_groups,
+            route_scale=m.moe_route_scale,
             # the aux loss is summed per sequence and averaged over the global batch, whatever the layout
             aux_loss_scale=1.0 / cfg.training.global_batch,
         )

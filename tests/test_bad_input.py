@@ -188,10 +188,10 @@ CONFIG_ERRORS = [
     ("eval_without_split", 1, ["--eval.interval", "5"], ["eval.interval=5 needs a validation split"]),
     # RoPE scaling from scratch (runtime/config.py: _convert, check_values; models/rope.py)
     (
-        "rope_yarn",
+        "rope_longrope",
         1,
-        ["--model.rope_scaling", "yarn"],
-        ["model.rope_scaling='yarn' is not allowed", "none, linear, llama3"],
+        ["--model.rope_scaling", "longrope"],
+        ["model.rope_scaling='longrope' is not allowed", "none, linear, llama3, yarn"],
     ),
     (
         "rope_llama3_bands",
@@ -201,7 +201,7 @@ CONFIG_ERRORS = [
     ),
     # a transformers folder as checkpoint.init_from (checkpoint/hf_folder.py: unsupported, adopt_folder_config)
     ("hf_attention_bias", 1, init_from(attention_bias=True), ["attention_bias=True", "supports only False"]),
-    ("hf_mlp_bias", 1, init_from(mlp_bias=True), ["mlp_bias=True", "supports only False", "dense Llama"]),
+    ("hf_mlp_bias", 1, init_from(mlp_bias=True), ["mlp_bias=True", "supports only False", "Llama-family decoders"]),
     ("hf_sliding_window", 1, init_from(sliding_window=4096), ["sliding_window=4096", "full attention"]),
     (
         "hf_sliding_window_binds",
@@ -209,7 +209,7 @@ CONFIG_ERRORS = [
         init_from(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64),
         ["sliding window of 64 tokens", "training.seq_len=128 is longer", "set training.seq_len <= 64"],
     ),
-    ("hf_moe", 1, init_from(num_local_experts=8), ["num_local_experts=8 describes MoE layers", "dense Llama"]),
+    ("hf_moe", 1, init_from(num_local_experts=8), ["num_local_experts=8 describes MoE layers", "mixtral"]),
     ("hf_qk_norm", 1, init_from(use_qk_norm=True), ["use_qk_norm=True", "supports only False"]),
     ("hf_head_dim", 1, init_from(head_dim=15), ["head_dim=15", "an even number of channels"]),
     ("hf_hidden_act", 1, init_from(hidden_act="gelu"), ["hidden_act='gelu'", "supports only 'silu'"]),
@@ -220,10 +220,10 @@ CONFIG_ERRORS = [
         ["model_type='gemma'", "architectures=['GemmaForCausalLM']", "Qwen2ForCausalLM (model_type 'qwen2')"],
     ),
     (
-        "hf_rope_yarn",
+        "hf_rope_longrope",
         1,
-        init_from(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
-        ["RoPE type 'yarn' is not supported", "default (none), linear, llama3"],
+        init_from(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}),
+        ["RoPE type 'longrope' is not supported", "default (none), linear, llama3, yarn"],
     ),
     (
         "hf_flag_disagrees",

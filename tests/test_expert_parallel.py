@@ -180,10 +180,13 @@ def expert_shapes(overrides: dict, ep_within_dp_shard: bool = False) -> dict:
     model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
     experts = model.layers["0"].feed_forward.experts
     return {
-        "local": {n: tuple(p.to_local().shape) for n, p in experts.named_parameters()},
+        "local": {n: tuple(getattr(p, "to_local", lambda p=p: p)().shape) for n, p in experts.named_parameters()},
         "global": {n: tuple(p.shape) for n, p in experts.named_parameters()},
-        "ep_rank": meshes.ep.get_local_rank(),
+        "ep_rank": meshes.ep.get_local_rank() if meshes.ep is not None else None,
         "bytes": local_expert_bytes([model]),
+        "params": sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters()),
+        "total": sum(p.numel() for p in model.parameters()),
+        "norms": sum(p.numel() for n, p in model.named_parameters() if n.endswith("norm.weight")),
     }
 
 
@@ -198,10 +201,24 @@ def test_ep_borrowing_tp_gives_each_rank_one_expert():
     # one copy of the experts between the four ranks: each holds a quarter of one layer's expert bytes
     whole = 4 * sum(results[0]["bytes"].values())
     assert all(4 * sum(r["bytes"].values()) == whole for r in results)
+    # nothing of an MoE block is whole on a tp rank: the router and the shared expert are FSDP-sharded over
+    # dp_shard x tp (Meshes.token_split), so each rank holds a quarter of the model, plus at most its norms
+    # (replicated over tp by sequence parallelism's plan)
+    for r in results:
+        assert r["params"] <= r["total"] / 4 + r["norms"], (r["params"], r["total"])
     # the earlier layout, ep 2 within dp_shard: each rank holds two experts, the same two as its tp peer
     old = run_on_ranks(expert_shapes, 4, {**FOUR_EXPERTS, **DP2_TP2_EP4, "parallel.ep": 2}, True)
     assert [r["local"]["w1"][0] for r in old] == [2, 2, 2, 2]
     assert sum(sum(r["bytes"].values()) for r in old) == 2 * sum(sum(r["bytes"].values()) for r in results)
+
+
+def test_tp_alone_holds_no_moe_weight_whole():
+    # tp 2 on its own: the tp ranks route different tokens, so FSDP (over the one dp_shard rank and the two tp
+    # ranks) shards the experts, the router and the shared expert over them; each rank holds half, plus its
+    # norm weights (replicated over tp by sequence parallelism's plan)
+    results = run_on_ranks(expert_shapes, 2, {**FOUR_EXPERTS, "parallel.dp_shard": 1, "parallel.tp": 2})
+    for r in results:
+        assert r["params"] <= r["total"] / 2 + r["norms"], (r["params"], r["total"])
 
 
 @pytest.fixture(scope="module")

@@ -67,26 +67,28 @@ def test_llama3_8b_states_by_hand():
 def test_mixtral_states_by_hand():
     # Mixtral 8x7B with ep = 8 borrowed from dp_shard = 16 (experts FSDP-sharded over efsdp = 2). Experts per layer
     # 8 x 3 x 4096 x 14336 = 1,409,286,144, x 32 = 45,097,156,608, owned 1/16: 2,818,572,288. Attention per layer
-    # 2·4096² + 2·4096·1024 = 41,943,040, x 32 + embedding and head 2·32000·4096 = 262,144,000: 1,604,321,280,
-    # owned 1/16: 100,270,080. Whole (router 4096·8 and two norms 2·4096 per layer, the final norm) 32·40,960 +
-    # 4096 = 1,314,816, owned 1/16: 82,176. In all 2,918,924,544 parameters, 16 bytes each.
+    # 2·4096² + 2·4096·1024 = 41,943,040 and the router 4096·8 = 32,768 (split like attention: FSDP shards it over
+    # dp_shard x tp), x 32 + embedding and head 2·32000·4096 = 262,144,000: 1,605,369,856, owned 1/16:
+    # 100,335,616. Whole (two norms 2·4096 per layer, the final norm) 32·8,192 + 4096 = 266,240, owned 1/16:
+    # 16,640. In all 2,918,924,544 parameters, 16 bytes each.
     mixtral = PRESETS["mixtral-8x7b"]
     layout = MemoryLayout(dp_shard=16, ep=8, seq_len=4096)
     params = stage_parameters(mixtral, range(32), first=True, last=True)
-    assert params == {"tp": 1_604_321_280, "whole": 1_314_816, "experts": 45_097_156_608}
+    assert params == {"tp": 1_605_369_856, "whole": 266_240, "experts": 45_097_156_608}
     assert states_bytes(mixtral, layout, params) == 16 * 2_918_924_544
 
 
 def test_mixtral_states_with_ep_borrowing_tp():
     # The same model on tp 2 x dp_shard 8 with ep 8 borrowed from dp_shard x tp (mesh/dims.py): the experts are
     # split over efsdp x ep = dp_shard x tp = 16 ranks, none copied over tp, so they own the same 2,818,572,288
-    # as above; the attention, embedding and head are split over tp x dp_shard = 16 too (100,270,080); the whole
-    # parameters only over dp_shard = 8: 164,352. In all 2,919,006,720 parameters, 16 bytes each. (Counting the
-    # experts over dp_shard alone, as the estimate did while ep could not borrow tp, gives 2x their bytes.)
+    # as above; the attention, router, embedding and head are split over tp x dp_shard = 16 too (100,335,616); the
+    # norms only over dp_shard = 8: 33,280. In all 2,918,941,184 parameters, 16 bytes each. (Counting the
+    # experts over dp_shard alone, as the estimate did while ep could not borrow tp, gives 2x their bytes; the
+    # router whole on each tp rank, as before issue 39, 2,919,006,720.)
     mixtral = PRESETS["mixtral-8x7b"]
     layout = MemoryLayout(tp=2, dp_shard=8, ep=8, seq_len=4096)
     params = stage_parameters(mixtral, range(32), first=True, last=True)
-    assert states_bytes(mixtral, layout, params) == 16 * 2_919_006_720
+    assert states_bytes(mixtral, layout, params) == 16 * 2_918_941_184
 
 
 def measured_block_bytes(args: ModelArgs, batch: int, seq: int, dtype) -> int:
