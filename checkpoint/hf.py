@@ -176,7 +176,9 @@ def hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> dict[str, to
     return {hf_name(name, args.family): tensor}
 
 
-def hf_config(args: ModelArgs, eos_token_id: int | None = None, dtype: str = "float32", pad_token_id: int = -1) -> dict:
+def hf_config(
+    args: ModelArgs, eos_token_id: int | None = None, dtype: str = "float32", pad_token_id: int | None = None
+) -> dict:
     """A config.json that ``AutoModelForCausalLM.from_pretrained`` reads as this architecture.
 
     The family (``args.family``) gives model_type and architectures (checkpoint/hf_folder.py: FAMILIES); its
@@ -250,7 +252,7 @@ def hf_config(args: ModelArgs, eos_token_id: int | None = None, dtype: str = "fl
         "dtype": dtype,
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
-        **({"pad_token_id": pad_token_id} if pad_token_id >= 0 else {}),
+        **({"pad_token_id": pad} if (pad := args.pad_token_id if pad_token_id is None else pad_token_id) >= 0 else {}),
     }
 
 

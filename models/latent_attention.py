@@ -90,12 +90,17 @@ class LatentAttention(nn.Module):
     def query(self, x: torch.Tensor) -> torch.Tensor:
         return self.wq_b(self.q_a_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
-        """x (batch, seq, dim) -> (batch, seq, dim); ``cache``: a models/llama.LayerCache when generating."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents=None, cache=None
+    ) -> torch.Tensor:
+        """x (batch, seq, dim) -> (batch, seq, dim); ``documents``: each token's document id under document masks
+        (the tables are then per token: models/llama.Transformer.forward); ``cache``: a LayerCache when generating."""
         apply_rotary, causal_attention = self.rotate, self.local_attention
         bsz, seqlen, _ = x.shape
         start = 0 if cache is None else cache.start
-        cos, sin = cos[start : start + seqlen], sin[start : start + seqlen]
+        if cos.dim() == 2:
+            cos, sin = cos[start : start + seqlen], sin[start : start + seqlen]
+        masks = {} if documents is None else {"documents": documents}
         # 1. query, split per head (-1 heads: under TP, this rank's heads)
         q = self.query(x).view(bsz, seqlen, -1, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
@@ -114,12 +119,12 @@ class LatentAttention(nn.Module):
             q = q * self.softmax_gain
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if cache is None and self.attend is causal_attention:
-            out = self.attend(q, k, v)
+            out = self.attend(q, k, v, **masks)
         elif cache is None:
             # A kernel that attends across ranks (context parallelism) moves k and v as one tensor: v is padded
             # with zero channels to k's width (they add zero columns to the output, cut off again).
             v = torch.nn.functional.pad(v, (0, k.shape[-1] - self.v_dim))
-            out = self.attend(q, k, v)[..., : self.v_dim]
+            out = self.attend(q, k, v, **masks)[..., : self.v_dim]
         else:
             k, v = cache.update(k, v)
             out = causal_attention(q, k, v)

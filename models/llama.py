@@ -52,9 +52,10 @@ class ModelArgs:
     moe: MoEArgs | None = None  # None: a dense model
     moe_every: int = 1  # with moe: layers i where (i + 1) % moe_every == 0 are MoE, the others dense
     tie_embeddings: bool = False  # one weight for the embedding and the output head (see ``stored_name``)
-    # >= 0: the embedding lookup gives this row no gradient, as transformers' nn.Embedding(padding_idx) does
-    # (model.freeze_pad_embedding); -1: every row trains. Only the gradient: the row's value is the checkpoint's.
-    pad_token_id: int = -1
+    pad_token_id: int = -1  # the padding id a transformers folder declares (-1: none); written back on export
+    # True (with a pad id): the embedding lookup gives that row no gradient, as transformers' nn.Embedding(padding_idx)
+    # does (model.freeze_pad_embedding); False: every row trains. Only the gradient: the row's value is the checkpoint's.
+    freeze_pad_embedding: bool = False
     # The Llama-family variants transformers folders bring (checkpoint/hf_folder.py maps each config field):
     family: str = "llama"  # llama, mistral, qwen2, qwen3: what an export writes as model_type / architectures
     qkv_bias: bool = False  # Qwen2/2.5: wq, wk, wv have biases (wo has none)
@@ -420,7 +421,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        if args.pad_token_id >= 0:  # set after construction: nn.Embedding(padding_idx=) would zero the row's value
+        if (
+            args.freeze_pad_embedding and args.pad_token_id >= 0
+        ):  # set after construction: nn.Embedding(padding_idx=) would zero the row's value
             self.tok_embeddings.padding_idx = args.pad_token_id
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
