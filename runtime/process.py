@@ -262,7 +262,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def clock_reading(device: torch.device) -> float | torch.cuda.Event:
+def clock_reading(device: torch.device) -> float | torch.cuda.Event | HostEvent:
     """A point on the device's timeline without waiting for it: on CUDA an event recorded in the current stream,
     on CPU ``time.perf_counter()``. Two readings give seconds with ``seconds_between``."""
     if device.type == "cuda":
@@ -272,7 +272,26 @@ def clock_reading(device: torch.device) -> float | torch.cuda.Event:
     return time.perf_counter()
 
 
-def seconds_between(start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+class HostEvent:
+    """The CPU stand-in of ``torch.cuda.Event(enable_timing=True)``, with only the part of its API meshloom uses:
+    ``record``, ``synchronize`` and ``elapsed_time`` (milliseconds). It has no arithmetic, as a CUDA event has
+    none: code that times with ``clock_reading`` and runs on CPU with it runs on CUDA too (tests/test_throughput.py)."""
+
+    def __init__(self, enable_timing: bool = True):
+        self.at: float | None = None
+
+    def record(self, stream=None) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        assert self.at is not None, "synchronize() on an event never recorded"
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        assert self.at is not None and end.at is not None, "elapsed_time() needs two recorded events"
+        return (end.at - self.at) * 1000.0
+
+
+def seconds_between(start: float | torch.cuda.Event | HostEvent, end: float | torch.cuda.Event | HostEvent) -> float:
     """Seconds from ``start`` to ``end`` (``clock_reading``s); on CUDA it waits until the device has passed
     ``end``: read it where the host waits for the device anyway."""
     if isinstance(start, float):

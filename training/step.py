@@ -80,7 +80,8 @@ class StepParts:
     grad_clip: float = 1.0
     advice: str = ""  # what a DivergenceError suggests (``divergence_advice``)
     before_update: Callable[[], None] = lambda: None  # the checkpointer's wait for an async save's copy
-    unread: list = field(default_factory=list)  # the records not yet logged: (record, loss, norm, start, end)
+    unread: list = field(default_factory=list)  # records not yet logged: (record, loss, norm, since, start, end)
+    last_end: Any = None  # the previous step's end reading: tokens/s is timed from it (step 7)
     params: list = field(init=False)
     counted: list = field(init=False)
     moe_layer_ids: list[int] = field(init=False)
@@ -207,7 +208,7 @@ def read_step(s: StepParts, loss: torch.Tensor, norm: torch.Tensor, log: bool) -
     last); otherwise only whether both of this step's are finite, and nothing read."""
     if not log:
         return bool(torch.isfinite(torch.stack([loss, norm])).all()), []
-    pairs = [t for _, *pair, _, _ in s.unread for t in pair]
+    pairs = [t for _, loss_, norm_, *_ in s.unread for t in (loss_, norm_)]
     values = torch.stack([*(t.float() for t in pairs), loss.float(), norm.float()]).tolist()
     return math.isfinite(values[-2]) and math.isfinite(values[-1]), values
 
@@ -244,20 +245,30 @@ def train_step(s: StepParts, step: int, log: bool = True) -> dict:
         "grad_norm": None,
         "lr": lr,
         "tokens_per_s": None,
+        "window_tokens_per_s": None,
         "peak_mem_bytes": peak_memory_bytes(s.device),
         "tokens_consumed": s.loader.tokens_consumed,
         **load_metrics(moe_load),
     }
-    s.unread.append((record, loss, norm, start, end))
+    since = start if s.last_end is None else s.last_end  # the loop's whole iteration, as torchtitan times it
+    s.last_end = end
+    s.unread.append((record, loss, norm, since, start, end))
     if log:
         fill_records(s, values)
     return record
 
 
 def fill_records(s: StepParts, values: list[float]) -> None:
-    """Step 7 on a log step: the unlogged records and this one get their loss, norm and tokens/s."""
-    for index, (record, _, _, start, end) in enumerate(s.unread):
-        tokens_per_s = s.plan.global_tokens / seconds_between(start, end)
+    """Step 7 on a log step: the unlogged records and this one get their loss, norm and tokens/s.
+
+    ``tokens_per_s`` (and ``tflops``, ``mfu`` from it) is timed from the previous step's end to this step's end:
+    everything the loop does between two steps counts (validation, saves, the stop agreement, logging), as in
+    torchtitan. ``window_tokens_per_s`` times train_step alone (start to end), for measurements that leave the
+    rest out (measure/async_save.py)."""
+    for index, (record, _, _, since, start, end) in enumerate(s.unread):
+        tokens_per_s = s.plan.global_tokens / seconds_between(since, end)
+        window = s.plan.global_tokens / seconds_between(start, end)
         record.update(loss=values[2 * index], grad_norm=values[2 * index + 1], tokens_per_s=tokens_per_s)
+        record["window_tokens_per_s"] = window
         record.update(s.throughput.fields(tokens_per_s))
     s.unread.clear()
