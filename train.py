@@ -15,7 +15,7 @@ The file reads top to bottom as the algorithm:
    pipeline schedule, the optimizer, the data loaders, the checkpointer (restoring a resumed run), the
    metrics writer and the run's extras (extras/base.py: hooks the loop calls whichever extras are on);
 3. ``train``: for each step, ``train_step`` (training/step.py), then validation, a save, the agreement on
-   whether to stop, and the log line;
+   whether to stop (every ``run.agree_every`` steps and on log steps), and the log line;
 4. ``main``: the exit status of every way a run ends (the user-facing contract).
 """
 
@@ -211,7 +211,10 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     cfg, s, last = run.cfg, run.step, run.cfg.training.steps
     s.extras.begin_step(step)
     log = step % cfg.run.log_every == 0 or step == last or eval_due(step, cfg.eval.interval, last)
-    record = train_step(s, step, log)  # training/step.py; on a log step it reads the loss and grad norm
+    agree = log or step % cfg.run.agree_every == 0  # the stop agreement: not every step (run.agree_every)
+    # training/step.py; on a log step it reads the loss and grad norm; before an agreement or a save, the
+    # divergence flag (a non-finite step is never saved, and every rank stops on the same step)
+    record = train_step(s, step, log, check=agree or run.checkpoints.due(step))
     if eval_due(step, cfg.eval.interval, last):
         with phase(f"step {step}: validation", s.device_groups):
             record["val_loss"] = evaluate(
@@ -220,10 +223,12 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     run.records.append(record)
     with phase(f"saving step {step}", "checkpoint group, control plane"), named_range("checkpoint save"):
         run.checkpoints.maybe_save(step, s.parts, s.optimizers, s.loader)
-    with phase(f"step {step}: agreeing whether to stop", "control plane"):
-        # every rank's compute time rides on the agreement (extras/rank_balance.py, step 2)
-        signum, compute_times = signals.agreed_stop(run.control, run.balance.compute_s)
-    record.update(balance_fields(compute_times))
+    signum = None
+    if agree:
+        with phase(f"step {step}: agreeing whether to stop", "control plane"):
+            # every rank's compute time rides on the agreement (extras/rank_balance.py, step 2)
+            signum, compute_times = signals.agreed_stop(run.control, run.balance.compute_s)
+        record.update(balance_fields(compute_times))
     if log:
         run.writer.log(record)
         lines = s.extras.after_log(record)  # the rank-balance warning

@@ -179,6 +179,16 @@ class EvalConfig:
 class RunConfig:
     dir: str = opt("runs/default", "output folder: metrics.jsonl, tb/, checkpoints/")
     log_every: int = opt(1, "log every N steps (and the last)", ge=1)
+    # 5: the agreement is an all-gather over the whole world on the CPU control plane (its latency grows with
+    # the world size) and the step that holds it also reads the divergence flag from the device; every 5th
+    # step makes both a fifth of a per-step cost, while a SIGTERM still stops within 5 steps: ~15 s at the 8B
+    # anchor's ~3 s steps, inside SLURM's default 30 s between SIGTERM and SIGKILL. Log steps agree as well.
+    agree_every: int = opt(
+        5,
+        "agree whether to stop (a SIGTERM) and read the divergence flag every N steps and on log steps; a SIGTERM "
+        "stops within N steps",
+        ge=1,
+    )
     tensorboard: bool = opt(True, "write TensorBoard events to <run.dir>/tb")
     overwrite: bool = opt(False, "allow replacing the metrics of an earlier run in the same run.dir")
     pp_timeline: bool = opt(False, "pipeline runs: time F/B/W per rank on the last step, write bubble + SVG")
