@@ -144,8 +144,11 @@ class TrainingConfig:
     beta2: float = opt(0.95, "AdamW beta2", ge=0, lt=1)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0: no clipping (still logged)", ge=0)
     mixed_precision: Literal["fp32", "bf16"] = opt("fp32", "bf16: bf16 compute, fp32 master weights/reduction")
-    activation_checkpoint: Literal["none", "full", "selective"] = opt(
-        "none", "recompute activations in backward: all of a block, or all but matmuls/attention/collectives"
+    activation_checkpoint: Literal["none", "full", "selective", "selective_keep_mm"] = opt(
+        "none",
+        "recompute activations in backward: all of a block (full); all but every second matmul, attention and "
+        "collectives (selective: torchtitan's per-op policy); all but every matmul, attention and collectives "
+        "(selective_keep_mm); mesh/ac_policies.py",
     )
     compile: bool = opt(False, "torch.compile each transformer block")
     peak_tflops: float = opt(
