@@ -58,7 +58,15 @@ from planning.options import parallel_options
 from planning.plan import LayoutPlan
 from runtime.config import Config, ConfigError, help_text, load_config
 from runtime.failures import explain_failure, fail, is_communication_failure, phase, say_last
-from runtime.process import ControlPlane, destroy_process_group, memory_per_rank, rank_from_env, world_size_from_env
+from runtime.process import (
+    ControlPlane,
+    destroy_process_group,
+    enable_tf32,
+    memory_per_rank,
+    precision_banner,
+    rank_from_env,
+    world_size_from_env,
+)
 from runtime.run_dir import check_run_dir
 from runtime.signals import StopRequested, restart_attempt, resume_command
 from runtime.startup import start_process
@@ -111,6 +119,7 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     """Step 2 of the module docstring; everything that needs closing is closed by ``stack``, on every exit path."""
     t, timeout_s = cfg.training, cfg.parallel.collective_timeout_s
     device, control = start_process(cfg, run_folders(cfg, resume), plan.dims.world_size, plan.rank, stack)
+    tf32 = enable_tf32(device, t.mixed_precision)  # fp32 on CUDA: TF32 matmuls (runtime/process.py)
     torch.manual_seed(t.seed)
     meshes = build_mesh(
         plan.dims,
@@ -143,14 +152,15 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
         local = sum(
             p.to_local().numel() if hasattr(p, "to_local") else p.numel() for m in parts for p in m.parameters()
         )
-        print(plan.banner(mesh_banner(meshes.world), local, device, t.mixed_precision, data.description), flush=True)
+        precision = precision_banner(t.mixed_precision, tf32)
+        print(plan.banner(mesh_banner(meshes.world), local, device, precision, data.description), flush=True)
     metrics_from = checkpoints.resumed_step
     if metrics_from is None and restart_attempt() > 0 and resume.mode == "auto":
         metrics_from = 0  # a restart before the first checkpoint replays everything
     writer = open_metrics(cfg.run.dir, cfg.run.tensorboard, control, is_logger, metrics_from)
     stack.callback(writer.close)
     extras, balance = build_extras(cfg, plan, meshes, device, control, parts, stages, tied, start_step, stack)
-    peak = peak_tflops(t.peak_tflops, device, t.mixed_precision)
+    peak = peak_tflops(t.peak_tflops, device, "tf32" if tf32 else t.mixed_precision)
     throughput = Throughput(plan.model, t.seq_len, plan.dims.world_size, peak)
     step = StepParts(parts, schedule, plan, meshes, device, optimizers, loader, tied, throughput, extras)
     step.reduce_every_microbatch = cfg.parallel.grad_sync == "microbatch"  # else only the last micro-batch

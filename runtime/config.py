@@ -143,7 +143,11 @@ class TrainingConfig:
     beta1: float = opt(0.9, "AdamW beta1", ge=0, lt=1)
     beta2: float = opt(0.95, "AdamW beta2", ge=0, lt=1)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0: no clipping (still logged)", ge=0)
-    mixed_precision: Literal["fp32", "bf16"] = opt("fp32", "bf16: bf16 compute, fp32 master weights/reduction")
+    mixed_precision: Literal["auto", "fp32", "bf16"] = opt(
+        "auto",
+        "bf16: bf16 compute, fp32 master weights and reductions; auto: bf16 on CUDA, fp32 on CPU (runtime/process.py: "
+        "choose_precision); fp32 on CUDA runs its matmuls in TF32",
+    )
     activation_checkpoint: Literal["none", "full", "selective", "selective_keep_mm"] = opt(
         "none",
         "recompute activations in backward: all of a block (full); all but every second matmul, attention and "

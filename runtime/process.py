@@ -64,6 +64,46 @@ def select_device(requested: str = "auto") -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def device_type_of(requested: str = "auto", cuda_available: bool | None = None) -> str:
+    """The device type ``select_device`` will choose, decided without touching the device ("cuda" or "cpu")."""
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    return "cuda" if requested == "cuda" or (requested == "auto" and cuda) else "cpu"
+
+
+def choose_precision(requested: str, device_type: str, grad_compression: str = "none") -> str:
+    """``training.mixed_precision`` as the run uses it. ``auto``: bf16 on CUDA (bf16 compute with fp32 master
+    weights and fp32 gradient reductions: FSDP's policy, which meshloom applies on every layout, one rank
+    included), where tensor cores run bf16 at twice TF32's rate and the fused attention kernels need it; fp32
+    on CPU (bf16 is slower there, and every parity test is in fp32). PowerSGD's replicated model has no bf16
+    path (planning/layout_rules.py), so auto is fp32 with it."""
+    if requested != "auto":
+        return requested
+    return "bf16" if device_type == "cuda" and grad_compression != "powersgd" else "fp32"
+
+
+def enable_tf32(device: torch.device, precision: str) -> bool:
+    """fp32 on CUDA: let fp32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa inputs, fp32
+    accumulation), as torchtitan and most training code do; returns whether it did. Chosen by capability: the
+    per-backend ``fp32_precision`` setting where torch has it, else the older ``allow_tf32`` flags."""
+    if device.type != "cuda" or precision != "fp32":
+        return False
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    else:
+        matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
+def precision_banner(precision: str, tf32: bool) -> str:
+    """The banner's words for the run's precision (train.py)."""
+    if precision == "bf16":
+        return "bf16 compute, fp32 master weights and reductions"
+    return "fp32, TF32 matmuls" if tf32 else "fp32"
+
+
 def memory_per_rank(requested: str = "auto") -> tuple[int, str] | None:
     """The bytes one rank may use, and whose they are, for the memory check before allocation
     (planning/layout_rules.py: check_memory): the total memory of this rank's GPU, or on CPU the host's available
