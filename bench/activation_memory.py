@@ -40,7 +40,7 @@ def main_ac() -> None:
     for mode in POLICIES:  # mesh/ac_policies.py: none, full, selective (per-op), selective_keep_mm
         kept = kept_bytes(a, BATCH, SEQ, mode)
         none = none or kept
-        print(f"{mode:<31} {kept:>11,} {kept / bsh:>8.2f} {kept / none:>7.3f}  {POLICIES[mode].what}")
+        print(f"{mode:<31} {kept:>11,} {kept / bsh:>8.2f} {kept / none:>7.3f}")
 
 
 def main() -> None:

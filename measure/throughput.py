@@ -23,7 +23,7 @@ What is timed, per step (medians over steps > ``--warmup``):
 - meshloom layouts: ``train.train`` with the layout's overrides. ``full`` is the same start-to-start time
   (measured by wrapping ``training.step.clock_reading``, which train_step calls at the start and the end of each
   step's timed window), so it includes everything train.py does per step: logging, checkpoint checks, the
-  stop agreement. ``tokens_per_s`` in metrics.jsonl times only the window, and is printed as ``window``.
+  stop agreement. ``window_tokens_per_s`` in metrics.jsonl times only the window, and is printed as ``window``.
 
 For the one-process pair the bench also prints *CPU time* per step (``time.process_time`` at the same points):
 a one-process run's CPU time is the work its own code does, which other jobs on the machine barely change, so
