@@ -190,8 +190,8 @@ REASONS = {
         True,
         "on a step that is not logged but agrees on stopping or saves (run.agree_every, checkpoint.interval), "
         "only the divergence flag (the first non-finite step, kept on the device; the optimizer obeys it without "
-        "a read): a non-finite step is never saved and every rank stops on the same step. MoE models read it "
-        "every step (their bias update reads the expert load anyway); an ordinary dense step reads nothing",
+        "a read): a non-finite step is never saved and every rank stops on the same step; an ordinary step "
+        "reads nothing",
     ),
     STOP_AGREEMENT: (
         False,
@@ -210,7 +210,11 @@ REASONS = {
         "all_to_all_single takes its split sizes as host integers: one read per MoE layer and micro-batch "
         "(sent and received counts together)",
     ),
-    EXPERT_LOAD: (True, "the step's global expert load, for the metrics line and the bias update: once per step"),
+    EXPERT_LOAD: (
+        True,
+        "on a log step, the step's global expert load for the metrics line (the bias update uses it on the "
+        "device, every step, obeying the divergence flag)",
+    ),
     CAPACITY: (
         True,
         "with a capacity factor, the number of kept assignments sizes the experts' input: once per MoE layer "

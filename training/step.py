@@ -19,10 +19,11 @@
    step (the loss and norm themselves, of this step and of the unlogged steps before it, and the flag, in one
    ``tolist``; a non-finite step stops before its optimizer step), a stop-agreement step or a save step
    (train.py: the flag alone). So an ordinary step has no host read at all, a non-finite step is never saved,
-   and the run stops within ``run.agree_every`` steps. Optimizers that cannot obey the flag (1-bit Adam) and
-   MoE models (their bias update reads the expert load anyway) check every step.
+   and the run stops within ``run.agree_every`` steps. Optimizers that cannot obey the flag (1-bit Adam) check
+   every step.
 6. The optimizer step (after an async save's copy is taken: the step changes what it copies), then the MoE
-   layers' global expert load and their aux-loss-free bias update from it.
+   layers' global expert load and their aux-loss-free bias update from it (on the device, obeying the flag;
+   the load is read to the host on log steps only).
 7. The step's clock stops; the extras' ``after_step`` hooks run (extras/base.py); the record is returned. On a
    log step the records of the steps since the last log get their loss, norm and tokens/s (read in step 5 and
    from the clock, whose events the device has passed by then); on other steps they wait, so a record is
@@ -257,7 +258,7 @@ def train_step(s: StepParts, step: int, log: bool = True, check: bool = False) -
     loss, norm = global_loss_and_norm(s, accumulate_gradients(s, batch, step), step)
     found_inf = flag_non_finite(s, loss, norm, step)
     values: list[float] = []
-    if log or check or not s.optimizers.obeys_found_inf or s.moe_layer_ids:
+    if log or check or not s.optimizers.obeys_found_inf:
         bad, values = read_step(s, loss, norm, log)
         if bad:  # every rank read the same flag: all stop here, before this step's update or a save
             raise diverged(s, bad, step, (loss, norm), values)
@@ -270,7 +271,11 @@ def train_step(s: StepParts, step: int, log: bool = True, check: bool = False) -
     # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
     tp_label = ", then tp (its ranks split the tokens)" if s.plan.dims.tp > 1 else ""
     with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)" + tp_label):
-        moe_load = step_expert_load(s.parts, s.moe_layer_ids, s.meshes.loss, s.meshes.tp) if s.moe_layer_ids else {}
+        moe_load = (
+            step_expert_load(s.parts, s.moe_layer_ids, s.meshes.loss, s.meshes.tp, read=log, skip=found_inf)
+            if s.moe_layer_ids
+            else {}
+        )  # read on log steps only; the bias update obeys the divergence flag on the device
     end = clock_reading(s.device)
     s.extras.step_timed(time.perf_counter())
     s.extras.after_step(step)  # after the step is timed (a check step's throughput stays comparable)
