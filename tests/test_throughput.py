@@ -30,3 +30,26 @@ def test_the_throughput_check_measures_a_finite_mfu_with_event_readings():
         assert math.isfinite(run["mfu"]) and 0 < run["mfu"] < 1
         assert math.isfinite(run["tokens_per_s"]) and run["tokens_per_s"] > 0
     assert "MFU" in result["summary"]
+
+
+def test_tokens_per_s_is_timed_between_consecutive_steps_and_the_window_apart(tmp_path):
+    # one process, 4 steps, every step logged: a step's tokens_per_s runs from the previous step's end to its own
+    # end (the loop's whole iteration, torchtitan's way), so it is at most the window's
+    from launch.local_runs import run_training
+    from launch.spawn import run_on_ranks
+
+    records = run_on_ranks(run_training, 1, {"training.steps": 4, "model.n_layers": 1}, str(tmp_path))[0]
+    for r in records:
+        assert 0 < r["tokens_per_s"] <= r["window_tokens_per_s"]
+    assert any(r["tokens_per_s"] < r["window_tokens_per_s"] for r in records[1:])  # the loop's own time counts
+
+
+def test_a_micro_batch_goes_to_the_device_through_the_same_call_on_cpu():
+    # training/loaders.py: to_device pins and copies non-blocking on CUDA; on CPU the same call is the tensor
+    import torch
+
+    from training.loaders import to_device
+
+    x, y = torch.arange(6).view(2, 3), torch.ones(2, 3, dtype=torch.long)
+    a, b = to_device((x, y), torch.device("cpu"))
+    assert a is x and b is y
