@@ -74,11 +74,12 @@ def choose_precision(requested: str, device_type: str, grad_compression: str = "
     """``training.mixed_precision`` as the run uses it. ``auto``: bf16 on CUDA (bf16 compute with fp32 master
     weights and fp32 gradient reductions: FSDP's policy, which meshloom applies on every layout, one rank
     included), where tensor cores run bf16 at twice TF32's rate and the fused attention kernels need it; fp32
-    on CPU (bf16 is slower there, and every parity test is in fp32). PowerSGD's replicated model has no bf16
-    path (planning/layout_rules.py), so auto is fp32 with it."""
+    on CPU (bf16 is slower there, and every parity test is in fp32). PowerSGD's and 1-bit Adam's replicated
+    models have no bf16 path (planning/layout_rules.py, extras/onebit_adam.py), so auto is fp32 with them."""
     if requested != "auto":
         return requested
-    return "bf16" if device_type == "cuda" and grad_compression != "powersgd" else "fp32"
+    replicated = grad_compression in ("powersgd", "onebit_adam")
+    return "bf16" if device_type == "cuda" and not replicated else "fp32"
 
 
 def enable_tf32(device: torch.device, precision: str) -> bool:

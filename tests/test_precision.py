@@ -14,6 +14,8 @@ def test_auto_is_bf16_on_cuda_and_fp32_on_cpu_and_an_explicit_choice_stays():
     assert choose_precision("auto", "cpu") == "fp32"
     assert choose_precision("fp32", "cuda") == "fp32" and choose_precision("bf16", "cpu") == "bf16"
     assert choose_precision("auto", "cuda", "powersgd") == "fp32"  # PowerSGD's DDP model has no bf16 path
+    assert choose_precision("auto", "cuda", "onebit_adam") == "fp32"  # nor has 1-bit Adam's replicated one
+    assert choose_precision("auto", "cuda", "bf16") == "bf16"
     assert device_type_of("auto", cuda_available=True) == "cuda"
     assert device_type_of("cpu", cuda_available=True) == "cpu"
     assert device_type_of("auto", cuda_available=False) == "cpu"
