@@ -148,17 +148,18 @@ def throughput_1b(smoke: bool = False, event=None, peak_tflops: float = 0.0) -> 
 
 # The first step's loss (same weights, same batch) of a bf16 run against the plain loop's: bf16 keeps 8 bits of
 # mantissa (a relative step of 2**-8 = 0.4%) and the runs round at different places (autocast against a bf16
-# parameter copy), so a loss near ln(vocab) may move by a few tenths of a percent; 2% is far from that and far
-# below what a wrong model or data order gives (the loss of random logits differs by tens of percent).
+# parameter copy), so a loss near ln(vocab) may move by a few tenths of a percent; 2% is far from that, and a
+# wrong normalisation (by micro-batch or rank instead of the global token count) or a NaN fails it.
 LOSS_RTOL = 2e-2
 # Grouped GEMM against the per-expert loop, bf16, the largest difference over the output and each gradient
 # relative to that tensor's largest value: the two round the same products in a different order and at
-# different places (bf16's relative step 2**-8); 2% leaves room for sums over thousands of rows and fails a
-# wrong expert, offset or transpose, which move the result by the size of the result.
-GROUPED_RTOL = 2e-2
+# different places (bf16's relative step 2**-8); 3%, as tests/test_gpu_kernels.py allows, leaves room for
+# sums over thousands of rows and fails a wrong expert, offset or transpose, which move the result by its size.
+GROUPED_RTOL = 3e-2
 # Ring attention (one causal block through the fused kernel) against plain SDPA, bf16: the same kernel family
-# with and without the log-sum-exp merge; 2% as above. In fp32 (the CPU check) both agree to ~1e-6.
-RING_RTOL = 2e-2
+# with and without the log-sum-exp merge; 3% as above (tests/test_gpu_kernels.py's bf16 flash tolerance). In
+# fp32 (the CPU check) they agree to round-off.
+RING_RTOL = 3e-2
 
 
 def ring_attention_16k(seq: int = 16384, device_name: str = "cuda") -> dict:
