@@ -15,7 +15,7 @@ The file reads top to bottom as the algorithm:
    pipeline schedule, the optimizer, the data loaders, the checkpointer (restoring a resumed run), the
    metrics writer and the run's extras (extras/base.py: hooks the loop calls whichever extras are on);
 3. ``train``: for each step, ``train_step`` (training/step.py), then validation, a save, the agreement on
-   whether to stop, and the log line;
+   whether to stop (every ``run.agree_every`` steps and on log steps), and the log line;
 4. ``main``: the exit status of every way a run ends (the user-facing contract).
 """
 
@@ -58,7 +58,15 @@ from planning.options import parallel_options
 from planning.plan import LayoutPlan
 from runtime.config import Config, ConfigError, help_text, load_config
 from runtime.failures import explain_failure, fail, is_communication_failure, phase, say_last
-from runtime.process import ControlPlane, destroy_process_group, memory_per_rank, rank_from_env, world_size_from_env
+from runtime.process import (
+    ControlPlane,
+    destroy_process_group,
+    enable_tf32,
+    memory_per_rank,
+    precision_banner,
+    rank_from_env,
+    world_size_from_env,
+)
 from runtime.run_dir import RunFolderLost, check_run_dir, folder_lost
 from runtime.signals import StopRequested, loop_started, restart_attempt, resume_command
 from runtime.startup import start_process
@@ -114,6 +122,7 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     """Step 2 of the module docstring; everything that needs closing is closed by ``stack``, on every exit path."""
     t, timeout_s = cfg.training, cfg.parallel.collective_timeout_s
     device, control = start_process(cfg, run_folders(cfg, resume), plan.dims.world_size, plan.rank, stack)
+    tf32 = enable_tf32(device, t.mixed_precision)  # fp32 on CUDA: TF32 matmuls (runtime/process.py)
     torch.manual_seed(t.seed)
     meshes = build_mesh(
         plan.dims,
@@ -149,14 +158,15 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
         local = sum(
             p.to_local().numel() if hasattr(p, "to_local") else p.numel() for m in parts for p in m.parameters()
         )
-        print(plan.banner(mesh_banner(meshes.world), local, device, t.mixed_precision, data.description), flush=True)
+        precision = precision_banner(t.mixed_precision, tf32)
+        print(plan.banner(mesh_banner(meshes.world), local, device, precision, data.description), flush=True)
     metrics_from = checkpoints.resumed_step
     if metrics_from is None and restart_attempt() > 0 and resume.mode == "auto":
         metrics_from = 0  # a restart before the first checkpoint replays everything
     writer = open_metrics(cfg.run.dir, cfg.run.tensorboard, control, is_logger, metrics_from)
     stack.callback(writer.close)
     extras, balance = build_extras(cfg, plan, meshes, device, control, parts, stages, tied, start_step, stack)
-    peak = peak_tflops(t.peak_tflops, device, t.mixed_precision)
+    peak = peak_tflops(t.peak_tflops, device, "tf32" if tf32 else t.mixed_precision)
     throughput = Throughput(plan.model, t.seq_len, plan.dims.world_size, peak)
     step = StepParts(parts, schedule, plan, meshes, device, optimizers, loader, tied, throughput, extras)
     step.reduce_every_microbatch = cfg.parallel.grad_sync == "microbatch"  # else only the last micro-batch
@@ -221,7 +231,10 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     cfg, s, last = run.cfg, run.step, run.cfg.training.steps
     s.extras.begin_step(step)
     log = step % cfg.run.log_every == 0 or step == last or eval_due(step, cfg.eval.interval, last)
-    record = train_step(s, step, log)  # training/step.py; on a log step it reads the loss and grad norm
+    agree = log or step % cfg.run.agree_every == 0  # the stop agreement: not every step (run.agree_every)
+    # training/step.py; on a log step it reads the loss and grad norm; before an agreement or a save, the
+    # divergence flag (a non-finite step is never saved, and every rank stops on the same step)
+    record = train_step(s, step, log, check=agree or run.checkpoints.due(step))
     if eval_due(step, cfg.eval.interval, last):
         with phase(f"step {step}: validation", s.device_groups):
             record["val_loss"] = evaluate(
@@ -230,10 +243,12 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     run.records.append(record)
     with phase(f"saving step {step}", "checkpoint group, control plane"), named_range("checkpoint save"):
         run.checkpoints.maybe_save(step, s.parts, s.optimizers, s.loader)
-    with phase(f"step {step}: agreeing whether to stop", "control plane"):
-        # every rank's compute time rides on the agreement (extras/rank_balance.py, step 2)
-        signum, compute_times = signals.agreed_stop(run.control, run.balance.compute_s)
-    record.update(balance_fields(compute_times))
+    signum = None
+    if agree:
+        with phase(f"step {step}: agreeing whether to stop", "control plane"):
+            # every rank's compute time rides on the agreement (extras/rank_balance.py, step 2)
+            signum, compute_times = signals.agreed_stop(run.control, run.balance.compute_s)
+        record.update(balance_fields(compute_times))
     t = cfg.training
     wraps = passes_done(step, run.span, t.seq_len, t.global_batch)
     if run.is_logger and wraps > passes_done(step - 1, run.span, t.seq_len, t.global_batch):

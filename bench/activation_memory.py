@@ -24,6 +24,7 @@ from measure.activation_memory import (
     table,
 )
 from measure.saved_bytes import kept_bytes
+from mesh.ac_policies import POLICIES
 
 
 def main_ac() -> None:
@@ -36,7 +37,7 @@ def main_ac() -> None:
     )
     print(f"{'training.activation_checkpoint':<31} {'bytes kept':>11} {'/ 4·bsh':>8} {'/ none':>7}")
     none = None
-    for mode in ("none", "selective", "full"):
+    for mode in POLICIES:  # mesh/ac_policies.py: none, full, selective (per-op), selective_keep_mm
         kept = kept_bytes(a, BATCH, SEQ, mode)
         none = none or kept
         print(f"{mode:<31} {kept:>11,} {kept / bsh:>8.2f} {kept / none:>7.3f}")

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(path=DEBUG_CONFIG, overrides=overrides)
     tokens = cfg.training.global_batch * cfg.training.seq_len
     rank0 = results[0]
-    step_s = statistics.median(tokens / r["tokens_per_s"] for r in rank0["records"][WARMUP:])
+    step_s = statistics.median(tokens / r["window_tokens_per_s"] for r in rank0["records"][WARMUP:])
     # the slowest rank's check is what every rank waits for
     check_s = statistics.median(max(r["checks"][i] for r in results) for i in range(WARMUP, args.steps))
     layout = " ".join(f"{key.split('.')[1]}={value}" for key, value in LAYOUT.items())

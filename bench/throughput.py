@@ -105,7 +105,7 @@ def print_table(results: dict, runs: list, shape: dict, args) -> None:
     print(
         f"\nmodel dim {shape['model.dim']}, {shape['model.n_layers']} layers, seq {shape['training.seq_len']}, "
         f"{shape['training.global_batch']} sequences/step; {args.rounds} rounds x {args.steps} steps, median over "
-        f"steps > {args.warmup}; full = step start to next step start, window = metrics.jsonl's tokens_per_s; "
+        f"steps > {args.warmup}; full = step start to next step start, window = metrics.jsonl's window_tokens_per_s; "
         "CPU s = CPU time of rank 0's process per step"
     )
     header = f"{'layout':<18} {'ranks':>5} {'tok/s full':>10} {'window':>8} {'vs':>10} {'ratio':>6}  per round"

@@ -98,7 +98,7 @@ def train_and_time_stalls(overrides: dict, run_dir: str) -> dict:
         for name, method in originals.items():
             setattr(CheckpointManager, name, method)
     tokens = overrides["training.global_batch"] * overrides["training.seq_len"]
-    step_s = [tokens / r["tokens_per_s"] for r in records]  # train.py's timed window: the step without the save
+    step_s = [tokens / r["window_tokens_per_s"] for r in records]  # train.py's timed window: the step without the save
     return {"saves": saves, "finish_s": finish_s[0], "step_s": step_s, "last_step": records[-1]["step"]}
 
 

@@ -117,12 +117,26 @@ def gpu_tests() -> dict:
     return {"summary": summary, **counts}
 
 
-def throughput_1b() -> dict:
-    """measure/throughput.py's ``gpu_1b`` (bench/throughput.py --gpu-1b), one round, without the compiled run (its compile alone takes minutes)."""
+def throughput_1b(smoke: bool = False, event=None, peak_tflops: float = 0.0) -> dict:
+    """measure/throughput.py's ``gpu_1b`` (bench/throughput.py --gpu-1b), one round, without the compiled run (its
+    compile alone takes minutes). Passes only with a finite, positive tokens/s for every run, an MFU in (0, 1]
+    where a peak is known, and the first step's loss of every run within ``LOSS_RTOL`` of the plain loop's.
+    ``smoke``, ``event``, ``peak_tflops``: the CPU stand-in's run of this code path (tests/test_throughput.py)."""
+    import math
+
     from measure.throughput import gpu_1b
 
-    result = gpu_1b(rounds=1, no_compile=True)
+    result = gpu_1b(rounds=1, no_compile=True, smoke=smoke, event=event, peak_tflops_arg=peak_tflops)
     runs = result["runs"]
+    for name, run in runs.items():
+        if not (math.isfinite(run["tokens_per_s"]) and run["tokens_per_s"] > 0):
+            raise CheckFailed(f"{name}: tokens/s is {run['tokens_per_s']}")
+        if run["mfu"] is not None and not 0 < run["mfu"] <= 1:
+            raise CheckFailed(f"{name}: MFU {run['mfu']} is not in (0, 1]: the FLOP count or the peak is wrong")
+    plain = next(iter(runs.values()))["first_loss"]
+    for name, run in runs.items():
+        if not abs(run["first_loss"] - plain) <= LOSS_RTOL * abs(plain):
+            raise CheckFailed(f"{name}: first loss {run['first_loss']} vs the plain loop's {plain} (rtol {LOSS_RTOL})")
     best = runs.get("meshloom bf16, selective AC", next(iter(runs.values())))
     mfu = f", MFU {best['mfu']:.1%}" if best["mfu"] is not None else " (no peak known for this GPU: no MFU)"
     result["summary"] = (
@@ -130,6 +144,22 @@ def throughput_1b() -> dict:
         f"peak {best['peak_gib']:.1f} GiB"
     )
     return result
+
+
+# The first step's loss (same weights, same batch) of a bf16 run against the plain loop's: bf16 keeps 8 bits of
+# mantissa (a relative step of 2**-8 = 0.4%) and the runs round at different places (autocast against a bf16
+# parameter copy), so a loss near ln(vocab) may move by a few tenths of a percent; 2% is far from that, and a
+# wrong normalisation (by micro-batch or rank instead of the global token count) or a NaN fails it.
+LOSS_RTOL = 2e-2
+# Grouped GEMM against the per-expert loop, bf16, the largest difference over the output and each gradient
+# relative to that tensor's largest value: the two round the same products in a different order and at
+# different places (bf16's relative step 2**-8); 3%, as tests/test_gpu_kernels.py allows, leaves room for
+# sums over thousands of rows and fails a wrong expert, offset or transpose, which move the result by its size.
+GROUPED_RTOL = 3e-2
+# Ring attention (one causal block through the fused kernel) against plain SDPA, bf16: the same kernel family
+# with and without the log-sum-exp merge; 3% as above (tests/test_gpu_kernels.py's bf16 flash tolerance). In
+# fp32 (the CPU check) they agree to round-off.
+RING_RTOL = 3e-2
 
 
 def ring_attention_16k(seq: int = 16384, device_name: str = "cuda") -> dict:
@@ -140,9 +170,13 @@ def ring_attention_16k(seq: int = 16384, device_name: str = "cuda") -> dict:
     dtype = "bf16" if device_name == "cuda" else "fp32"
     result = measure([seq], device_name, dtype, cp=1, repeats=2)
     row = result["rows"][-1]
+    for key in ("out_rel_diff", "grad_rel_diff"):
+        if not row[key] <= RING_RTOL:
+            raise CheckFailed(f"ring attention vs SDPA: {key} {row[key]:.3g} > {RING_RTOL} at {row['s_cp']} tokens")
     result["summary"] = (
         f"{row['s_cp']:,} tokens, {dtype}: ring {row['ring_s']:.3f} s vs SDPA {row['sdpa_s']:.3f} s; peak "
-        f"{row['ring_bytes'] / 2**30:.2f} GiB vs {row['sdpa_bytes'] / 2**30:.2f} GiB ({row['ring_vs_sdpa']:.2f}x)"
+        f"{row['ring_bytes'] / 2**30:.2f} GiB vs {row['sdpa_bytes'] / 2**30:.2f} GiB ({row['ring_vs_sdpa']:.2f}x); "
+        f"max rel diff out {row['out_rel_diff']:.1e}, grads {row['grad_rel_diff']:.1e} (<= {RING_RTOL})"
     )
     return result
 
@@ -158,6 +192,10 @@ def moe_experts(rows: int = 65536, dim: int = 2048, hidden: int = 1408, rounds: 
     if device_name == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     row = measure(torch.device(device_name), torch.bfloat16, rows, 8, dim, hidden, rounds)
+    if row["grouped_mm_runs"]:
+        for key in ("forward_rel_diff", "backward_rel_diff"):
+            if not row[key] <= GROUPED_RTOL:
+                raise CheckFailed(f"grouped GEMM vs the loop: {key} {row[key]:.3g} > {GROUPED_RTOL}")
     result = {
         "device": device_name,
         "shape": {"tokens": rows, "experts": 8, "dim": dim, "hidden": hidden},
@@ -170,6 +208,12 @@ def moe_experts(rows: int = 65536, dim: int = 2048, hidden: int = 1408, rounds: 
     )
     result["summary"] = (
         f"{rows:,} rows, {dim}->{hidden}, {dtype}: loop {row['looped_rows_per_s']:,.0f} rows/s, {grouped}"
+        + (
+            f"; max rel diff forward {row['forward_rel_diff']:.1e}, backward {row['backward_rel_diff']:.1e} "
+            f"(<= {GROUPED_RTOL})"
+            if row["grouped_mm_runs"]
+            else ""
+        )
     )
     return result
 

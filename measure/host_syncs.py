@@ -153,6 +153,8 @@ SMALL = {
 LAYOUTS = {
     "one process": (1, DEBUG_CONFIG, {}),
     "log every 10": (1, DEBUG_CONFIG, {"run.log_every": 10}),  # the measured step is not a log step
+    "log every 10 bf16": (1, DEBUG_CONFIG, {"run.log_every": 10, "training.mixed_precision": "bf16"}),
+    "fsdp2 log every 10": (2, DEBUG_CONFIG, {"parallel.dp_shard": 2, "run.log_every": 10}),
     "fsdp2": (2, DEBUG_CONFIG, {"parallel.dp_shard": 2}),
     "tp2": (2, DEBUG_CONFIG, {"parallel.tp": 2, "parallel.dp_shard": 1}),
     "pp2": (2, DEBUG_CONFIG, {"parallel.pp": 2, "parallel.dp_shard": 1}),
@@ -165,13 +167,14 @@ LAYOUTS = {
     "moe one process": (1, MOE_CONFIG, {}),
     "moe capacity": (1, MOE_CONFIG, {"model.moe_capacity_factor": 1.25}),
     "moe ep2": (2, MOE_CONFIG, {"parallel.dp_shard": 2, "parallel.ep": 2}),
+    "moe log every 10": (1, MOE_CONFIG, {"run.log_every": 10}),
+    "moe log every 10 bf16": (1, MOE_CONFIG, {"run.log_every": 10, "training.mixed_precision": "bf16"}),
 }
 
 
 # Every site that syncs today: (waits for the device on a GPU, why it is there).
 LOSS = "training/step.py:read_step tolist"
 FINITE = "training/step.py:read_step _local_scalar_dense"
-OPTIMIZER = "training/optimizer.py:step _local_scalar_dense"
 STOP_AGREEMENT = "runtime/process.py:gather_floats tolist"
 EMBEDDING_MASK = "models/llama.py:forward boolean index"
 EP_SPLITS = "mesh/expert_parallel.py:_dispatch tolist"
@@ -185,17 +188,15 @@ REASONS = {
     ),
     FINITE: (
         True,
-        "on a step that is not logged, only whether the loss and gradient norm are finite: the divergence check "
-        "must know before the optimizer step (the step's one read; the values wait for the next log step)",
-    ),
-    OPTIMIZER: (
-        False,
-        "torch's AdamW (foreach) reads each parameter's step counter for its bias corrections, twice per "
-        "parameter tensor; torch keeps that counter on the host, so on a GPU this waits for nothing",
+        "on a step that is not logged but agrees on stopping or saves (run.agree_every, checkpoint.interval), "
+        "only the divergence flag (the first non-finite step, kept on the device; the optimizer obeys it without "
+        "a read): a non-finite step is never saved and every rank stops on the same step; an ordinary step "
+        "reads nothing",
     ),
     STOP_AGREEMENT: (
         False,
-        "every step, the ranks agree whether a signal asked them to stop, and share their step compute times "
+        "every run.agree_every steps and on log steps, the ranks agree whether a signal asked them to stop, and "
+        "share their step compute times "
         "(extras/rank_balance.py), in one all-gather over the CPU control-plane group (runtime/signals.py): "
         "a host tensor",
     ),
@@ -209,7 +210,11 @@ REASONS = {
         "all_to_all_single takes its split sizes as host integers: one read per MoE layer and micro-batch "
         "(sent and received counts together)",
     ),
-    EXPERT_LOAD: (True, "the step's global expert load, for the metrics line and the bias update: once per step"),
+    EXPERT_LOAD: (
+        True,
+        "on a log step, the step's global expert load for the metrics line (the bias update uses it on the "
+        "device, every step, obeying the divergence flag)",
+    ),
     CAPACITY: (
         True,
         "with a capacity factor, the number of kept assignments sizes the experts' input: once per MoE layer "

@@ -86,8 +86,10 @@ def measure(device: torch.device, dtype: torch.dtype, tokens: int, experts: int,
     if "grouped" in paths:
         row["grouped_speedup"] = row["looped_s"] / row["grouped_s"]
         (out_g, grads_g), (out_l, grads_l) = results["grouped"], results["looped"]
-        row["max_rel_diff"] = max(
+        rel = [
             ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
             for a, b in zip([out_g, *grads_g], [out_l, *grads_l], strict=True)
-        )
+        ]
+        row["forward_rel_diff"], row["backward_rel_diff"] = rel[0], max(rel[1:])
+        row["max_rel_diff"] = max(rel)
     return row

@@ -71,6 +71,13 @@ def seconds(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def relative_difference(got, want) -> float:
+    """The largest |got - want| over each pair of tensors, relative to that ``want``'s largest magnitude."""
+    return max(
+        ((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for g, w in zip(got, want, strict=True)
+    )
+
+
 def measure_length(tokens: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
     """Peak bytes and time of ring attention and of plain SDPA on this rank's s_cp tokens, forward + backward."""
     from mesh.context_parallel import ring_attention
@@ -91,7 +98,7 @@ def measure_length(tokens: int, device: torch.device, dtype: torch.dtype, repeat
         q.grad = k.grad = v.grad = None
         causal_attention(q, k, v).backward(grad)
 
-    return {
+    row = {
         "s_cp": tokens,
         "ring_bytes": peak_bytes(ring, device),
         "sdpa_bytes": peak_bytes(sdpa, device),
@@ -99,6 +106,15 @@ def measure_length(tokens: int, device: torch.device, dtype: torch.dtype, repeat
         "sdpa_s": seconds(sdpa, device, repeats),
         "score_bytes": 4 * BATCH * HEADS * tokens * tokens,
     }
+    if dist.get_world_size() == 1:  # one rank's ring is the whole attention: it must equal SDPA's (gpu_check)
+        ring()
+        ring_grads = [t.grad.clone() for t in (q, k, v)]
+        sdpa()
+        with torch.no_grad():
+            outs = ring_attention(q, k, v, group=dist.group.WORLD), causal_attention(q, k, v)
+        row["out_rel_diff"] = relative_difference([outs[0]], [outs[1]])
+        row["grad_rel_diff"] = relative_difference(ring_grads, (q.grad, k.grad, v.grad))
+    return row
 
 
 def measure_rank(lengths: list[int], device_name: str, dtype_name: str, repeats: int) -> list[dict]:

@@ -23,7 +23,7 @@ What is timed, per step (medians over steps > ``--warmup``):
 - meshloom layouts: ``train.train`` with the layout's overrides. ``full`` is the same start-to-start time
   (measured by wrapping ``training.step.clock_reading``, which train_step calls at the start and the end of each
   step's timed window), so it includes everything train.py does per step: logging, checkpoint checks, the
-  stop agreement. ``tokens_per_s`` in metrics.jsonl times only the window, and is printed as ``window``.
+  stop agreement. ``window_tokens_per_s`` in metrics.jsonl times only the window, and is printed as ``window``.
 
 For the one-process pair the bench also prints *CPU time* per step (``time.process_time`` at the same points):
 a one-process run's CPU time is the work its own code does, which other jobs on the machine barely change, so
@@ -161,21 +161,30 @@ def clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = False) -> dict:
+def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = False, event=None) -> dict:
     """Train with meshloom; per step: the start-to-start wall and CPU time and the window tokens/s of
     metrics.jsonl. ``paired``: after each meshloom step, one step of a PlainLoop in the same process (its time
-    is taken out of meshloom's), so the two alternate step by step under the same conditions."""
+    is taken out of meshloom's), so the two alternate step by step under the same conditions. ``event``: a class
+    with CUDA events' API (runtime/process.py: ``HostEvent``) that the step's clock records instead of the
+    device's own clock: the CPU stand-in of a GPU run, whose readings are events, not numbers."""
     import train
     import training.step
     from runtime.config import load_config
+    from runtime.process import seconds_between
 
-    calls: list[tuple[float, float]] = []  # (wall, cpu) at each clock_reading call: a step's start, then its end
+    calls: list[tuple] = []  # (clock reading, cpu) at each clock_reading call: a step's start, then its end
     plain_spans: list[tuple[float, float]] = []  # (wall, cpu) a plain step took, inside meshloom's step k
     plain = PlainLoop(config, overrides, run_dir + "-plain") if paired else None
     timed = training.step.clock_reading
+    if event is not None:
+
+        def timed(device):
+            reading = event(enable_timing=True)
+            reading.record()
+            return reading
 
     def recording(device):
-        now = timed(device)
+        now = timed(device)  # a float on CPU, an event on CUDA (read only through seconds_between)
         calls.append((now, time.process_time()))
         if plain is not None and len(calls) % 2 == 0:  # the end of meshloom's step: one plain step now
             wall, cpu = clock()
@@ -193,9 +202,9 @@ def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = Fa
     inserted = plain_spans or [(0.0, 0.0)] * len(records)
     result = {
         # step k: from its start to step k+1's start, less any plain step run in between
-        "full_s": [b[0] - a[0] - p[0] for a, b, p in zip(starts, starts[1:], inserted, strict=False)],
+        "full_s": [seconds_between(a[0], b[0]) - p[0] for a, b, p in zip(starts, starts[1:], inserted, strict=False)],
         "cpu_s": [b[1] - a[1] - p[1] for a, b, p in zip(starts, starts[1:], inserted, strict=False)],
-        "window_tokens_per_s": [r["tokens_per_s"] for r in records],
+        "window_tokens_per_s": [r["window_tokens_per_s"] for r in records],
         "loss": [r["loss"] for r in records],
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
     }
@@ -264,11 +273,13 @@ def gpu_1b(
     smoke: bool = False,
     no_compile: bool = False,
     overrides: list[str] | tuple[str, ...] = (),
+    event=None,
 ) -> dict:
     """Llama-3.2-1B's shape (planning/presets.py: PRESETS["llama3-1b"]) in bf16 on one GPU: meshloom vs the plain loop.
 
     Not run here (no GPU on the machine this was written on); ``--smoke`` runs the same path with one layer
-    and short sequences on whatever device there is, so the script itself is checked. Returns each run's
+    and short sequences on whatever device there is, so the script itself is checked; ``event`` (meshloom_steps)
+    times the meshloom runs with CUDA events' stand-in there. Returns each run's
     tokens/s, TFLOP/s, MFU (None without a known peak) and peak GiB (``python -m bench.gpu_check`` reports them).
     """
     import torch
@@ -324,7 +335,8 @@ def gpu_1b(
             if (smoke or no_compile) and "compile" in name:
                 continue
             with tempfile.TemporaryDirectory(prefix="meshloom-1b-") as run_dir:
-                result = run_on_ranks(body, 1, DEBUG, {**shape, **more, **extra}, run_dir, timeout=1800, gpus=on_gpu)[0]
+                args = (DEBUG, {**shape, **more, **extra}, run_dir) + ((False, event) if body is meshloom_steps else ())
+                result = run_on_ranks(body, 1, *args, timeout=1800, gpus=on_gpu)[0]
             rows.setdefault(name, []).append(result)
             print(f"  round {round_ + 1}: {name}", flush=True)
     from models.flops import flops_per_token
@@ -349,5 +361,6 @@ def gpu_1b(
             "tflops": tflops,
             "mfu": tflops / peak if peak else None,
             "peak_gib": peak_gib,
+            "first_loss": statistics.median(r["loss"][0] for r in results),  # same weights, same first batch
         }
     return {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "peak_tflops": peak, "runs": table}

@@ -1,8 +1,13 @@
 """Activation checkpointing: trade recomputation for activation memory, one transformer block at a time.
 
+What each ``training.activation_checkpoint`` policy keeps is one table, mesh/ac_policies.py (``POLICIES``),
+which planning/memory_estimate.py reads too. The selective policies below differ only in the matmuls:
+``selective`` (torchtitan's per-op policy, the default) keeps every second one (``_every_second_matmul``),
+``selective_keep_mm`` every one; what else is kept is the list that follows.
+
 - ``full``: a block keeps only its input during forward and recomputes everything inside it in backward
   (its collectives too: TP/SP all-gathers, EP all-to-alls run again).
-- ``selective``: a block saves the outputs of the ops that are expensive to redo, and recomputes the cheap,
+- ``selective``, ``selective_keep_mm``: a block saves the outputs of the ops that are expensive to redo, and recomputes the cheap,
   memory-hungry ones (norms, activations, rotary, elementwise products). Saved:
 
   1. matmuls (the MoE experts' grouped ones too) and every attention kernel (CPU, and CUDA's flash,
@@ -49,6 +54,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from mesh.ac_policies import POLICIES, SELECTIVE, keeps_matmul
 from mesh.private_api import checkpoint_wrapper, dtensor_local_storage
 from mesh.tensor_parallel import row_parallel_linears
 from models.moe import MoE
@@ -102,6 +108,28 @@ def _save_policy(row_linears: list[nn.Module]):
     return policy
 
 
+def _every_second_matmul(keep, mode: str):
+    """``mode``'s policy from ``keep`` (``_save_policy``'s): the same decisions, except that a kept matmul whose
+    1-based count in the block's forward ``keeps_matmul`` rejects (mesh/ac_policies.py: the even ones under
+    ``selective``) is recomputed. The count is kept apart for forward and for the recomputation (torch asks the
+    policy in both on some releases), and starts again with each call of the block (a new policy per call)."""
+    if POLICIES[mode].matmuls == "all":
+        return keep
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        decision = keep(ctx, op, *args, **kwargs)
+        if op in _MATMULS:
+            counts[bool(getattr(ctx, "is_recompute", False))] += 1
+            if decision == CheckpointPolicy.MUST_SAVE and not keeps_matmul(
+                mode, counts[bool(getattr(ctx, "is_recompute", False))]
+            ):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return decision
+
+    return policy
+
+
 @contextlib.contextmanager
 def _moe_stats_off(block: nn.Module):
     moes = [m for m in block.modules() if isinstance(m, MoE)]
@@ -114,11 +142,11 @@ def _moe_stats_off(block: nn.Module):
             moe.count_stats = True
 
 
-def _contexts(block: nn.Module, selective: bool, compiled: bool, row_linears: list[nn.Module]):
-    """(forward context, recompute context) for one checkpointed call of ``block``."""
+def _contexts(block: nn.Module, mode: str, compiled: bool, row_linears: list[nn.Module]):
+    """(forward context, recompute context) for one checkpointed call of ``block`` under ``mode``."""
     forward, recompute = (
-        create_selective_checkpoint_contexts(_save_policy([] if compiled else row_linears))
-        if selective
+        create_selective_checkpoint_contexts(_every_second_matmul(_save_policy([] if compiled else row_linears), mode))
+        if mode in SELECTIVE
         else (contextlib.nullcontext(),) * 2
     )
     if compiled:
@@ -135,7 +163,7 @@ def _recomputing(block: nn.Module, recompute):
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, compiled: bool = False) -> nn.Module:
-    """Wrap every block of ``model.layers`` according to ``mode`` (none | full | selective)."""
+    """Wrap every block of ``model.layers`` according to ``mode`` (mesh/ac_policies.py: ``POLICIES``)."""
     if mode == "none":
         return model
     for key, block in list(model.layers.items()):
@@ -144,6 +172,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, compiled: bool =
             continue
         # read before FSDP makes every weight a DTensor: TP's row-parallel linears, if TP was applied
         rows = row_parallel_linears(block)
-        context_fn = lambda block=block, rows=rows: _contexts(block, mode == "selective", compiled, rows)  # noqa: E731
+        context_fn = lambda block=block, rows=rows: _contexts(block, mode, compiled, rows)  # noqa: E731
         model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
     return model

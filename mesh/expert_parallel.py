@@ -137,7 +137,12 @@ def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:
 
 @torch.no_grad()
 def step_expert_load(
-    parts: list[nn.Module], moe_layer_ids: list[int], loss_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None
+    parts: list[nn.Module],
+    moe_layer_ids: list[int],
+    loss_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh | None = None,
+    read: bool = True,
+    skip: torch.Tensor | None = None,
 ) -> dict:
     """Global per-layer expert load of the step, on every rank; resets the counters.
 
@@ -148,8 +153,10 @@ def step_expert_load(
        their own rows; then over ``tp_mesh``: under TP each tp rank routed its own chunk of every sequence
        (mesh/tensor_parallel.TokenSplitMoE) and holds that chunk's share. Device-plane all-reduces.
     3. Apply the aux-loss-free bias update to this rank's layers from the *global* load, so every layout
-       updates identically.
-    Returns {layer id: {"tokens": [...], "dropped": n, "aux_loss": x}} for every MoE layer of the model.
+       updates identically; ``skip`` (the optimizer's ``found_inf``, a device scalar): where it is 1.0 the
+       update is multiplied by 0 on the device, so a non-finite step reaches the bias no more than the weights.
+    Returns {layer id: {"tokens": [...], "dropped": n, "aux_loss": x}} for every MoE layer of the model, read to
+    the host in one ``tolist``; with ``read`` False (a step that is not logged), {} and no host read.
     """
     if not moe_layer_ids:
         return {}
@@ -170,8 +177,11 @@ def step_expert_load(
         load = stats[row_of[layer_id], :-2]
         rate = moe.args.bias_update_rate
         if rate > 0:
-            moe.expert_bias += rate * torch.sign(load.mean() - load)
+            update = rate * torch.sign(load.mean() - load)
+            moe.expert_bias += update if skip is None else update * (1 - skip)
         moe.reset_stats()
+    if not read:
+        return {}
     return {
         str(layer_id): {"tokens": row[:-2], "dropped": int(row[-2]), "aux_loss": float(row[-1])}
         for layer_id, row in zip(moe_layer_ids, stats.tolist(), strict=True)

@@ -14,7 +14,13 @@ multiple of 16 bytes. Two traps, handled here:
    the incoming gradient contiguous;
 2. where it is missing, or refuses a dtype or a shape, the caller must loop over experts instead:
    ``grouped_mm_works`` finds out once per (device, dtype, weight shapes), by a tiny trial forward and
-   backward, and remembers the answer.
+   backward, and remembers the answer;
+3. on CUDA each group's rows must start at a 16-byte aligned offset: a multiple of 8 rows in bf16 (torchtitan
+   pads each expert's tokens the same way). ``padded_groups`` places each group at the next multiple of
+   ``alignment_rows`` rows, on the device and without a host read (the padded buffer is sized for the worst
+   case, rows + groups x (align - 1)); the padding rows are zeros, so they add nothing to any output row or
+   any gradient, and an expert with no tokens stays an empty group. On CPU (alignment 1) nothing is padded;
+   tests/test_gpu_kernels.py runs the padded path on CPU against the loop, forward and backward.
 """
 
 from __future__ import annotations
@@ -90,3 +96,22 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype, shapes: tuple[tup
             )
         _WORKS[key] = why is None
     return _WORKS[key]
+
+
+def alignment_rows(device: torch.device, dtype: torch.dtype) -> int:
+    """The row multiple each group of ``torch._grouped_mm`` must start on: 16 bytes of rows on CUDA (8 in bf16,
+    4 in fp32), 1 (no padding) elsewhere."""
+    return max(1, 16 // dtype.itemsize) if device.type == "cuda" else 1
+
+
+def padded_groups(counts: torch.Tensor, align: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of ``rows`` grouped rows (``counts`` per group, in order) goes when every group is padded to a
+    multiple of ``align`` rows: (destination row of each row, the padded groups' int32 cumulative ends, the
+    padded buffer's row count, an upper bound that needs no host read)."""
+    padded = (counts + align - 1) // align * align  # a group of 0 rows stays 0
+    offs = padded.cumsum(0, dtype=torch.int32)
+    groups = torch.arange(counts.numel(), device=counts.device)
+    group_of_row = torch.repeat_interleave(groups, counts, output_size=rows)  # output_size: no host read
+    shift = (offs - padded) - (counts.cumsum(0) - counts)  # padded start minus packed start, per group
+    dest = torch.arange(rows, device=counts.device) + shift[group_of_row]
+    return dest, offs, rows + counts.numel() * (align - 1)

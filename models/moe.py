@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.feed_forward import FeedForward  # the dense SwiGLU, reused as the shared expert
-from models.kernels import grouped_mm, grouped_mm_works
+from models.kernels import alignment_rows, grouped_mm, grouped_mm_works, padded_groups
 from models.routers import choose_experts
 
 
@@ -107,7 +107,13 @@ class GroupedExperts(nn.Module):
         return self.looped(x, counts, w1, w2, w3)
 
     @staticmethod
-    def grouped(x, counts, w1, w2, w3) -> torch.Tensor:
+    def grouped(x, counts, w1, w2, w3, align: int | None = None) -> torch.Tensor:
+        align = alignment_rows(x.device, x.dtype) if align is None else align
+        if align > 1:  # CUDA: each expert's rows start on an aligned row (models/kernels.py, 3)
+            dest, offs, capacity = padded_groups(counts, align, x.shape[0])
+            padded = x.new_zeros(capacity, x.shape[1]).index_copy(0, dest, x)
+            hidden = F.silu(grouped_mm(padded, w1, offs)) * grouped_mm(padded, w3, offs)
+            return grouped_mm(hidden, w2, offs).index_select(0, dest)
         offs = counts.cumsum(0, dtype=torch.int32)  # where each expert's rows end
         hidden = F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs)
         return grouped_mm(hidden, w2, offs)

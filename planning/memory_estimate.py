@@ -88,6 +88,7 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
 
+from mesh.ac_policies import SELECTIVE, keeps_matmul
 from mesh.dims import ParallelDims
 
 if TYPE_CHECKING:  # (no planning.plan import, even here: planning/plan.py may import this module)
@@ -298,13 +299,20 @@ def layer_activation_terms(args: ModelArgs, layer_id: int, layout: MemoryLayout,
     )
     if mode == "full":
         return {"input": n * h * w / shard}
-    if mode == "selective":
+    if mode in SELECTIVE:
+        # the block's matmuls in forward order, (output bytes on this rank, row-parallel), and which of them the
+        # policy keeps (mesh/ac_policies.py: the table the policy itself reads); under TP a row-parallel output
+        # is recomputed, as the collective after it is saved (a whole partial sum)
+        matmuls = [(n * h * w / t, False), (kv_tokens * g * w / t, False), (kv_tokens * g * w / t, False)]
+        matmuls.append((n * h * w, t > 1))  # wo
+        if not moe:  # w1, w3, w2 (an MoE layer's matmuls: selective_ffn_bytes)
+            matmuls += [(n * args.hidden_dim * w / t, False)] * 2 + [(n * h * w, t > 1)]
+        kept = [b for i, (b, row) in enumerate(matmuls, start=1) if keeps_matmul(mode, i, row)]
         terms = {
             "input": n * h * w / shard,
-            "attention": ((2 * n * h + 2 * kv_tokens * g) * w + 4 * n * a) / t,  # wq, wk, wv, attention's output, lse
-            # wo's (and w2's) output; under TP recomputed, as the collective after it is saved (a whole partial sum)
-            "row_outputs": n * h * w * (1 if moe else 2) if t == 1 else 0.0,
-            "ffn": selective_ffn_bytes(args, layer_id, layout),
+            "attention": (n * h * w + 4 * n * a) / t,  # attention's output and its log-sum-exp
+            "matmuls": sum(kept),
+            "ffn": selective_ffn_bytes(args, layer_id, layout, mode),
         }
         if t > 1:  # collectives' outputs: SP's all-gathers (whole), the reduce-scatters' (sharded) or all-reduces'
             gathers = (1 if moe else 2) if sp else (1 if moe else 0)  # without SP, an MoE layer gathers its chunks
@@ -334,18 +342,24 @@ def ffn_activation_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout) -
     return n / t * per_token + routed * (3 * args.dim * w + 4 * m.hidden_dim * w + ROUTING_BYTES) + shared
 
 
-def selective_ffn_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout) -> float:
-    """The FFN's share under selective checkpointing: w1's and w3's outputs (w2's is a row output); for an MoE
-    layer the router's output, topk's values and indices, each routed pair's expert matmul outputs, the
-    all-to-alls' outputs under EP, and the shared expert's matmul outputs."""
+def selective_ffn_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout, mode: str = "selective_keep_mm") -> float:
+    """An MoE layer's share under a selective ``mode``: the router's output, topk's values and indices, each
+    routed pair's expert matmul outputs, the all-to-alls' outputs under EP, and the shared expert's matmul
+    outputs, the matmuls as ``mode`` keeps them (a dense layer: 0, its matmuls are in the block's list)."""
     n, w, t, h = layout.tokens, layout.dtype_bytes, layout.tp, args.dim
     if not args.is_moe_layer(layer_id):
-        return 2 * n * args.hidden_dim * w / t
+        return 0.0
     m = args.moe
     routed = n / t * m.top_k
     exchanged = 2 * h * w if layout.ep > 1 else 0.0  # dispatched and combined tokens
-    shared = (2 * args.hidden_dim + h) * n / t * w if m.n_shared_experts else 0.0
-    return n / t * m.n_experts * w + routed * ((2 * m.hidden_dim + h) * w + 12 + exchanged) + shared
+    # the block's 5th matmul is the router's, then the shared expert's w1, w3, w2 (the 1st-4th: attention's);
+    # the experts' grouped matmuls are kept by every selective policy (mesh/ac_policies.py)
+    router = n / t * m.n_experts * w if keeps_matmul(mode, 5) else 0.0
+    shared = 0.0
+    if m.n_shared_experts:
+        widths = (args.hidden_dim, args.hidden_dim, h)
+        shared = sum(width * n / t * w for i, width in enumerate(widths, start=6) if keeps_matmul(mode, i))
+    return router + routed * ((2 * m.hidden_dim + h) * w + 12 + exchanged) + shared
 
 
 def layer_activation_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout, mode: str | None = None) -> float:

@@ -32,6 +32,7 @@ from planning.layout_rules import batch_split, layout_errors
 from planning.memory_estimate import MemoryLayout
 from planning.pipeline_split import split_layers
 from runtime.config import Config, ConfigError, check_values, model_args
+from runtime.process import choose_precision, device_type_of
 
 if TYPE_CHECKING:
     from models.llama import ModelArgs
@@ -68,6 +69,8 @@ class LayoutPlan:
         """Steps 1-4 of the module docstring; raises ConfigError on a misfit."""
         check_values(cfg)  # every field in its range first: the rules below assume it
         p, t = cfg.parallel, cfg.training
+        # training.mixed_precision=auto becomes what this machine runs: bf16 on CUDA, fp32 on CPU
+        t.mixed_precision = choose_precision(t.mixed_precision, device_type_of(t.device), p.grad_compression)
         degrees = {name: getattr(p, name) for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
         dims = ParallelDims.resolve(world_size, **degrees)
         args = model_args(cfg)

@@ -236,9 +236,16 @@ class TrainingConfig:
     beta1: float = opt(0.9, "AdamW beta1", ge=0, lt=1)
     beta2: float = opt(0.95, "AdamW beta2", ge=0, lt=1)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0: no clipping (still logged)", ge=0)
-    mixed_precision: Literal["fp32", "bf16"] = opt("fp32", "bf16: bf16 compute, fp32 master weights/reduction")
-    activation_checkpoint: Literal["none", "full", "selective"] = opt(
-        "none", "recompute activations in backward: all of a block, or all but matmuls/attention/collectives"
+    mixed_precision: Literal["auto", "fp32", "bf16"] = opt(
+        "auto",
+        "bf16: bf16 compute, fp32 master weights and reductions; auto: bf16 on CUDA, fp32 on CPU (runtime/process.py: "
+        "choose_precision); fp32 on CUDA runs its matmuls in TF32",
+    )
+    activation_checkpoint: Literal["none", "full", "selective", "selective_keep_mm"] = opt(
+        "none",
+        "recompute activations in backward: all of a block (full); all but every second matmul, attention and "
+        "collectives (selective: torchtitan's per-op policy); all but every matmul, attention and collectives "
+        "(selective_keep_mm); mesh/ac_policies.py",
     )
     compile: bool = opt(False, "torch.compile each transformer block")
     peak_tflops: float = opt(
@@ -286,6 +293,16 @@ class EvalConfig:
 class RunConfig:
     dir: str = opt("runs/default", "output folder: metrics.jsonl, tb/, checkpoints/", path="required")
     log_every: int = opt(1, "log every N steps (and the last)", ge=1)
+    # 5: the agreement is an all-gather over the whole world on the CPU control plane (its latency grows with
+    # the world size) and the step that holds it also reads the divergence flag from the device; every 5th
+    # step makes both a fifth of a per-step cost, while a SIGTERM still stops within 5 steps: ~15 s at the 8B
+    # anchor's ~3 s steps, inside SLURM's default 30 s between SIGTERM and SIGKILL. Log steps agree as well.
+    agree_every: int = opt(
+        5,
+        "agree whether to stop (a SIGTERM) and read the divergence flag every N steps and on log steps; a SIGTERM "
+        "stops within N steps",
+        ge=1,
+    )
     tensorboard: bool = opt(True, "write TensorBoard events to <run.dir>/tb")
     overwrite: bool = opt(False, "allow replacing the metrics of an earlier run in the same run.dir")
     pp_timeline: bool = opt(False, "pipeline runs: time F/B/W per rank on the last step, write bubble + SVG")

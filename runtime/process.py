@@ -64,6 +64,47 @@ def select_device(requested: str = "auto") -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def device_type_of(requested: str = "auto", cuda_available: bool | None = None) -> str:
+    """The device type ``select_device`` will choose, decided without touching the device ("cuda" or "cpu")."""
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    return "cuda" if requested == "cuda" or (requested == "auto" and cuda) else "cpu"
+
+
+def choose_precision(requested: str, device_type: str, grad_compression: str = "none") -> str:
+    """``training.mixed_precision`` as the run uses it. ``auto``: bf16 on CUDA (bf16 compute with fp32 master
+    weights and fp32 gradient reductions: FSDP's policy, which meshloom applies on every layout, one rank
+    included), where tensor cores run bf16 at twice TF32's rate and the fused attention kernels need it; fp32
+    on CPU (bf16 is slower there, and every parity test is in fp32). PowerSGD's and 1-bit Adam's replicated
+    models have no bf16 path (planning/layout_rules.py, extras/onebit_adam.py), so auto is fp32 with them."""
+    if requested != "auto":
+        return requested
+    replicated = grad_compression in ("powersgd", "onebit_adam")
+    return "bf16" if device_type == "cuda" and not replicated else "fp32"
+
+
+def enable_tf32(device: torch.device, precision: str) -> bool:
+    """fp32 on CUDA: let fp32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa inputs, fp32
+    accumulation), as torchtitan and most training code do; returns whether it did. Chosen by capability: the
+    per-backend ``fp32_precision`` setting where torch has it, else the older ``allow_tf32`` flags."""
+    if device.type != "cuda" or precision != "fp32":
+        return False
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    else:
+        matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
+def precision_banner(precision: str, tf32: bool) -> str:
+    """The banner's words for the run's precision (train.py)."""
+    if precision == "bf16":
+        return "bf16 compute, fp32 master weights and reductions"
+    return "fp32, TF32 matmuls" if tf32 else "fp32"
+
+
 def memory_per_rank(requested: str = "auto") -> tuple[int, str] | None:
     """The bytes one rank may use, and whose they are, for the memory check before allocation
     (planning/layout_rules.py: check_memory): the total memory of this rank's GPU, or on CPU the host's available
@@ -312,7 +353,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def clock_reading(device: torch.device) -> float | torch.cuda.Event:
+def clock_reading(device: torch.device) -> float | torch.cuda.Event | HostEvent:
     """A point on the device's timeline without waiting for it: on CUDA an event recorded in the current stream,
     on CPU ``time.perf_counter()``. Two readings give seconds with ``seconds_between``."""
     if device.type == "cuda":
@@ -322,7 +363,26 @@ def clock_reading(device: torch.device) -> float | torch.cuda.Event:
     return time.perf_counter()
 
 
-def seconds_between(start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+class HostEvent:
+    """The CPU stand-in of ``torch.cuda.Event(enable_timing=True)``, with only the part of its API meshloom uses:
+    ``record``, ``synchronize`` and ``elapsed_time`` (milliseconds). It has no arithmetic, as a CUDA event has
+    none: code that times with ``clock_reading`` and runs on CPU with it runs on CUDA too (tests/test_throughput.py)."""
+
+    def __init__(self, enable_timing: bool = True):
+        self.at: float | None = None
+
+    def record(self, stream=None) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        assert self.at is not None, "synchronize() on an event never recorded"
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        assert self.at is not None and end.at is not None, "elapsed_time() needs two recorded events"
+        return (end.at - self.at) * 1000.0
+
+
+def seconds_between(start: float | torch.cuda.Event | HostEvent, end: float | torch.cuda.Event | HostEvent) -> float:
     """Seconds from ``start`` to ``end`` (``clock_reading``s); on CUDA it waits until the device has passed
     ``end``: read it where the host waits for the device anyway."""
     if isinstance(start, float):

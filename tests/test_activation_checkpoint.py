@@ -101,7 +101,8 @@ def block_collectives(kind: str, mode: str, move_bias: bool = False) -> dict:
 
 
 def collectives_by_mode(kind: str) -> dict:
-    return {mode: run_on_ranks(block_collectives, 2, kind, mode)[0] for mode in ("none", "selective", "full")}
+    modes = ("none", "selective", "selective_keep_mm", "full")
+    return {mode: run_on_ranks(block_collectives, 2, kind, mode)[0] for mode in modes}
 
 
 @pytest.fixture(scope="module")
@@ -118,16 +119,17 @@ def ep_counts():
 def test_selective_checkpointing_repeats_no_collective(kind, request):
     by_mode = request.getfixturevalue(f"{kind}_counts")
     none, selective, full = by_mode["none"], by_mode["selective"], by_mode["full"]
-    assert selective["forward"] == none["forward"]
-    assert selective["backward"] == none["backward"], f"{kind}: selective AC repeated a forward collective"
+    for name in ("selective", "selective_keep_mm"):  # both selective policies (mesh/ac_policies.py)
+        assert by_mode[name]["forward"] == none["forward"]
+        assert by_mode[name]["backward"] == none["backward"], f"{kind}: {name} AC repeated a forward collective"
     # Full checkpointing does repeat them: the counter sees it, so the assertion above can fail.
     if kind == "tp":  # SP: the block's sequence all-gathers run again when the block is fully recomputed
         assert full["backward"]["all_gather_into_tensor"] > none["backward"].get("all_gather_into_tensor", 0)
     else:  # EP: count exchange + tokens out + outputs back, all again under full recompute
         assert full["backward"]["all_to_all_single"] == none["backward"]["all_to_all_single"] + 3
     # Recomputation changes nothing numerically: the same loss, every gradient bitwise.
-    assert selective["loss"] == none["loss"] == full["loss"]
-    for mode in (selective, full):
+    assert selective["loss"] == none["loss"] == full["loss"] == by_mode["selective_keep_mm"]["loss"]
+    for mode in (selective, by_mode["selective_keep_mm"], full):
         assert mode["grads"].keys() == none["grads"].keys()
         for name, grad in none["grads"].items():
             torch.testing.assert_close(mode["grads"][name], grad, rtol=0, atol=0, msg=name)
@@ -135,7 +137,7 @@ def test_selective_checkpointing_repeats_no_collective(kind, request):
 
 def test_moe_counts_survive_recompute(ep_counts):
     tokens, top_k = 2 * SEQ, 2
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "selective", "selective_keep_mm", "full"):
         # each token counted once (top_k assignments), not again when the block is recomputed
         assert ep_counts[mode]["counted"] == tokens * top_k, mode
         torch.testing.assert_close(ep_counts[mode]["grad"], ep_counts["none"]["grad"], rtol=0, atol=0)

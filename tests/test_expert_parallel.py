@@ -232,7 +232,17 @@ def test_ep_borrowing_tp_matches_one_process(four_experts_one_process, shared_ru
     # fp32 throughout; the same tokens meet the same experts, only the order of sums differs (all-to-all
     # regrouping, FSDP's reduce-scatter, the tp all-reduce of the router): LOSS_RTOL = 1e-5 as for every layout
     assert_same_curve(run, four_experts_one_process)
-    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in four_experts_one_process]
+    # The first step routes with the same initial weights: the same load, expert by expert. After it the weights
+    # differ by round-off (fused AdamW, training/optimizer.py, rounds in another place than foreach did: the one-
+    # process loss at step 3 moved from 5.8279839 to 5.8279829), and a token whose two best experts' scores tie
+    # within round-off may change sides: measured, one assignment of 2,048 moved at step 4 (layer 3). Every
+    # layer still routes the same number of assignments, and no expert's count moves by more than 2.
+    ours, theirs = [r["expert_load"] for r in run], [r["expert_load"] for r in four_experts_one_process]
+    assert ours[0] == theirs[0]
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True), start=1):
+        for layer in b:
+            assert sum(a[layer]) == sum(b[layer]), (step, layer)
+            assert max(abs(x - y) for x, y in zip(a[layer], b[layer], strict=True)) <= 2, (step, layer, a, b)
 
 
 @pytest.mark.compat

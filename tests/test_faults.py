@@ -443,3 +443,36 @@ def test_a_checkpoint_folder_made_read_only_mid_run_fails_the_save_naming_the_pe
     assert "Make the folder writable for this user again" in line and "--checkpoint.resume auto" in line
     assert "Free space" not in line and "removed the partial" not in line and "could not remove" not in line
     assert "Traceback" not in text and not list(folder.glob("step-*"))
+
+
+def sigterm_at_step_5(run_dir: str) -> tuple[str, list[int]]:
+    """Rank body: SIGTERM to this process during step 5 of a run that agrees every 4 steps and logs only at the
+    end; (the stop's message, the saved steps)."""
+    import train
+    from launch.local_runs import run_training
+    from runtime.signals import StopRequested
+
+    plain = train.train_step
+
+    def signalled(s, step, *args, **kwargs):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return plain(s, step, *args, **kwargs)
+
+    train.train_step = signalled
+    overrides = {"training.steps": 20, "run.log_every": 100, "run.agree_every": 4, "checkpoint.interval": 100}
+    try:
+        run_training(overrides, run_dir)
+    except StopRequested as exc:
+        return str(exc), sorted(published(Path(run_dir) / "checkpoints"))
+    raise AssertionError("the run did not stop")
+
+
+def test_sigterm_between_agreements_stops_at_the_next_one_and_saves_it(tmp_path):
+    # run.agree_every 4: the ranks agree after steps 4, 8, ... (and on log steps); a SIGTERM during step 5 stops
+    # the run after step 8, within agree_every steps, and step 8 is saved
+    from launch.spawn import run_on_ranks
+
+    for message, saved in run_on_ranks(sigterm_at_step_5, 2, str(tmp_path), timeout=180):
+        assert message.startswith("stopped by SIGTERM after step 8; step 8 is saved"), message
+        assert saved == [8]

@@ -230,3 +230,6 @@ def test_the_kernel_checks_run_at_a_small_size_on_the_cpu():
     assert ring["rows"][0]["s_cp"] == 256 and ring["rows"][0]["ring_s"] > 0 and "256 tokens" in ring["summary"]
     moe = moe_experts(rows=512, dim=32, hidden=16, rounds=2, device_name="cpu")
     assert moe["rows"][0]["looped_rows_per_s"] > 0 and "512 rows" in moe["summary"]
+    # each check asserts its numerics (gpu_check: RING_RTOL, GROUPED_RTOL) and reports them
+    assert ring["rows"][0]["out_rel_diff"] <= 3e-2 and ring["rows"][0]["grad_rel_diff"] <= 3e-2
+    assert moe["rows"][0]["forward_rel_diff"] <= 3e-2 and moe["rows"][0]["backward_rel_diff"] <= 3e-2

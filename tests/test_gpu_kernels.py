@@ -81,11 +81,18 @@ def test_cuda_grouped_experts_equal_the_loop():
     x = torch.randn(1000, 256, device=device, generator=gen).to(dtype)
     w1, w3 = (torch.randn(8, 256, 512, device=device, generator=gen).div(16).to(dtype) for _ in "13")
     w2 = torch.randn(8, 512, 256, device=device, generator=gen).div(512**0.5).to(dtype)
-    counts = torch.tensor([0, 300, 100, 0, 250, 150, 100, 100], device=device)
-    grouped = GroupedExperts.grouped(x, counts, w1, w2, w3).float()
-    looped = GroupedExperts.looped(x, counts, w1, w2, w3).float()
-    # bf16 products summed in another order by another kernel: a few bf16 steps of the largest value
-    assert ((grouped - looped).abs().max() / looped.abs().max()).item() < 3e-2
+    counts = torch.tensor([0, 300, 100, 0, 250, 150, 100, 100], device=device)  # 300, 150, 250: not multiples of 8
+    grad = torch.randn(1000, 256, device=device, generator=gen).to(dtype)
+    results = []
+    for run in (GroupedExperts.grouped, GroupedExperts.looped):  # grouped: rows padded to 8 (models/kernels.py)
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, w3)]
+        out = run(leaves[0], counts, *leaves[1:])
+        out.backward(grad)
+        results.append([out.detach().float()] + [t.grad.float() for t in leaves])
+    # bf16 products summed in another order by another kernel: a few bf16 steps of the largest value, forward
+    # (the output) and backward (the input's and every weight's gradient)
+    for got, want in zip(*results, strict=True):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 3e-2
 
 
 def test_ring_attention_memory_grows_linearly_on_one_gpu():

@@ -13,6 +13,8 @@ from data.loader import GlobalBatchLoader
 from mesh.context_parallel import load_balanced_positions
 
 if TYPE_CHECKING:
+    import torch
+
     from mesh.dims import Meshes
     from planning.plan import LayoutPlan
 
@@ -33,3 +35,11 @@ def batch_loader(tokens, plan: LayoutPlan, meshes: Meshes, document_starts=None)
         vocab_size=plan.model.vocab_size,  # every step's ids checked on the host (data/loader.py)
         document_starts=document_starts,
     )
+
+
+def to_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A micro-batch's tensors on ``device`` without a host wait: on CUDA each is copied into pinned host memory
+    and from there with ``non_blocking`` (the copy is queued on the stream; from pageable memory the host would
+    wait for it). On CPU the same call, where the copy is the tensor itself (CPU-only torch cannot pin)."""
+    pin = device.type == "cuda"
+    return tuple((t.pin_memory() if pin else t).to(device, non_blocking=True) for t in tensors)

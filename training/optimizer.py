@@ -47,7 +47,9 @@ class Optimizers:
         t = cfg.training
         self.parts = parts
         adamw = {"lr": t.lr, "betas": (t.beta1, t.beta2), "foreach": True}
-        if cfg.parallel.grad_compression == "onebit_adam":
+        # 1-bit Adam has no found_inf: the step reads the divergence flag before every update instead
+        self.obeys_found_inf = cfg.parallel.grad_compression != "onebit_adam"
+        if not self.obeys_found_inf:
             from extras.onebit_adam import OneBitAdam
 
             self.optimizers = [
@@ -60,7 +62,11 @@ class Optimizers:
                 for part in parts
             ]
         else:
-            self.optimizers = [torch.optim.AdamW(param_groups(part, t.weight_decay), **adamw) for part in parts]
+            # fused: one kernel per group, its step counter on the device (no host read for the bias correction),
+            # and found_inf, which skips the update on the device (training/step.py, step 5); on CPU it
+            # computes what foreach computes (bit for bit on torch 2.13's CPU kernels)
+            fused = {**adamw, "foreach": None, "fused": True}
+            self.optimizers = [torch.optim.AdamW(param_groups(part, t.weight_decay), **fused) for part in parts]
         schedule = lambda step: lr_factor(step, t.warmup_steps, t.steps, t.min_lr_ratio)  # noqa: E731
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, schedule) for opt in self.optimizers]
 
@@ -80,6 +86,14 @@ class Optimizers:
             if hasattr(opt, "agree_on_norm"):
                 norm = opt.agree_on_norm(norm)
         return norm
+
+    def skip_if(self, found_inf: torch.Tensor) -> None:
+        """The next ``step`` is skipped on the device where ``found_inf`` (a device scalar, 1.0 or 0.0) is 1.0,
+        without a host read: fused AdamW's GradScaler hook (the update is not applied, its step counter rolled
+        back). Only where ``obeys_found_inf``."""
+        assert self.obeys_found_inf, "this optimizer cannot skip a step on the device"
+        for opt in self.optimizers:
+            opt.found_inf = found_inf
 
     def step(self) -> None:
         """Apply the gradients, clear them, and advance the LR schedule."""

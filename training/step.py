@@ -11,13 +11,19 @@
 4. The step's global numbers, before anything changes: the loss is the global mean (sum the token-loss sums
    over the dp and cp ranks and the pp stages; only last-stage ranks hold a non-zero sum), the gradient norm
    the norm of the whole model's gradient (clipped to ``grad_clip``).
-5. A loss or norm that is not finite stops every rank together, before the step reaches the weights
-   (``DivergenceError``): every rank holds the same global numbers. This is the step's one host read
-   (``read_step``): on a log step the loss and norm themselves, of this step and of the unlogged steps before it,
-   in one ``tolist``; on any other step only whether both are finite. The guard needs the answer before the
-   optimizer step, so it is one read per step, never two.
+5. A loss or norm that is not finite never reaches the weights, and stops every rank together
+   (``DivergenceError``): every rank holds the same global numbers. The decision is made on the device: the
+   flag ``first_bad`` (the first non-finite step, 0 while none) is updated without a host read, and the
+   optimizer step obeys it (``found_inf``, as fused AdamW does under a GradScaler: the step is skipped and its
+   counter rolled back; every later step too). The host reads it only on a *check* step (``read_step``): a log
+   step (the loss and norm themselves, of this step and of the unlogged steps before it, and the flag, in one
+   ``tolist``; a non-finite step stops before its optimizer step), a stop-agreement step or a save step
+   (train.py: the flag alone). So an ordinary step has no host read at all, a non-finite step is never saved,
+   and the run stops within ``run.agree_every`` steps. Optimizers that cannot obey the flag (1-bit Adam) check
+   every step.
 6. The optimizer step (after an async save's copy is taken: the step changes what it copies), then the MoE
-   layers' global expert load and their aux-loss-free bias update from it.
+   layers' global expert load and their aux-loss-free bias update from it (on the device, obeying the flag;
+   the load is read to the host on log steps only).
 7. The step's clock stops; the extras' ``after_step`` hooks run (extras/base.py); the record is returned. On a
    log step the records of the steps since the last log get their loss, norm and tokens/s (read in step 5 and
    from the clock, whose events the device has passed by then); on other steps they wait, so a record is
@@ -26,7 +32,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +46,7 @@ from mesh.pipeline import build_pipeline_schedule, run_schedule
 from mesh.tensor_parallel import loss_context, loss_value, reduce_partial_gradients, sum_token_split_gradients
 from runtime.failures import phase
 from runtime.process import clock_reading, seconds_between, sum_over
+from training.loaders import to_device
 from training.loss import LossDivisor, divisor, token_loss_sum
 from training.metrics import peak_memory_bytes
 from training.profiling import named_range
@@ -80,7 +86,9 @@ class StepParts:
     grad_clip: float = 1.0
     advice: str = ""  # what a DivergenceError suggests (``divergence_advice``)
     before_update: Callable[[], None] = lambda: None  # the checkpointer's wait for an async save's copy
-    unread: list = field(default_factory=list)  # the records not yet logged: (record, loss, norm, start, end)
+    unread: list = field(default_factory=list)  # records not yet logged: (record, loss, norm, since, start, end)
+    last_end: Any = None  # the previous step's end reading: tokens/s is timed from it (step 7)
+    first_bad: Any = None  # step 5's flag on the device: the first non-finite step, 0 while none
     params: list = field(init=False)
     counted: list = field(init=False)
     moe_layer_ids: list[int] = field(init=False)
@@ -180,7 +188,7 @@ def accumulate_gradients(s: StepParts, batch, step: int) -> torch.Tensor:
         for index, (inputs, targets) in enumerate(batch):
             reduce = s.reduce_every_microbatch or index == len(batch) - 1
             with reduction_window(s.parts, reduce=reduce, hsdp=dims.dp_replicate > 1):
-                inputs, targets = inputs.to(s.device), targets.to(s.device)
+                inputs, targets = to_device((inputs, targets), s.device)  # pinned, non-blocking on CUDA
                 trained = s.loader.trained_tokens  # the global count of trained targets (data/loader.py)
                 docs = None if s.loader.documents is None else s.loader.documents[index].to(s.device)
                 loss_sum += forward_backward(
@@ -207,40 +215,73 @@ def global_loss_and_norm(s: StepParts, loss_sum: torch.Tensor, step: int) -> tup
         return loss_sum / divisor(s.loader.trained_tokens), grad_norm
 
 
-def read_step(s: StepParts, loss: torch.Tensor, norm: torch.Tensor, log: bool) -> tuple[bool, list[float]]:
-    """Step 5's one host read: (the step is finite, the losses and norms read). On a log step, the loss and norm
-    of every unlogged step and of this one, in one ``tolist`` (the unlogged steps' pairs first, this step's
-    last); otherwise only whether both of this step's are finite, and nothing read."""
+def read_step(s: StepParts, loss: torch.Tensor, norm: torch.Tensor, log: bool) -> tuple[int, list[float]]:
+    """Step 5's one host read on a check step: (the first non-finite step or 0, the losses and norms read). On a
+    log step, the loss and norm of every unlogged step and of this one, then the flag, in one ``tolist`` (the
+    unlogged steps' pairs first, this step's last); otherwise the flag alone, and nothing else read."""
     if not log:
-        return bool(torch.isfinite(torch.stack([loss, norm])).all()), []
-    pairs = [t for _, *pair, _, _ in s.unread for t in pair]
-    values = torch.stack([*(t.float() for t in pairs), loss.float(), norm.float()]).tolist()
-    return math.isfinite(values[-2]) and math.isfinite(values[-1]), values
+        return int(s.first_bad), []
+    pairs = [t for _, loss_, norm_, *_ in s.unread for t in (loss_, norm_)]
+    # float64: the flag is a step number, exact in float64, and the loss and norm lose nothing
+    values = torch.stack([*(t.double() for t in (*pairs, loss, norm)), s.first_bad.double()]).tolist()
+    return int(values.pop()), values
 
 
-def train_step(s: StepParts, step: int, log: bool = True) -> dict:
+def flag_non_finite(s: StepParts, loss: torch.Tensor, norm: torch.Tensor, step: int) -> torch.Tensor:
+    """Step 5 on the device: ``first_bad`` becomes ``step`` if this step is the first non-finite one; returns the
+    optimizer's ``found_inf`` (1.0 once any step was non-finite: nothing from then on is applied)."""
+    if s.first_bad is None:
+        s.first_bad = torch.zeros((), dtype=torch.int64, device=loss.device)
+    finite = torch.isfinite(loss) & torch.isfinite(norm)
+    s.first_bad = torch.where(finite | (s.first_bad > 0), s.first_bad, torch.full_like(s.first_bad, step))
+    return (s.first_bad > 0).float()
+
+
+def diverged(s: StepParts, bad: int, step: int, pair: tuple, values: list[float]) -> DivergenceError:
+    """The error for the first non-finite step ``bad`` (<= ``step``, whose loss and norm are ``pair``), with
+    that step's loss and norm: from ``values`` (a log step's read) or read now (the run stops anyway)."""
+    steps = [r["step"] for r, *_ in s.unread] + [step]
+    index = steps.index(bad)
+    if values:
+        bad_loss, bad_norm = values[2 * index : 2 * index + 2]
+    else:
+        pairs = [(loss, norm) for _, loss, norm, *_ in s.unread] + [pair]
+        bad_loss, bad_norm = torch.stack([t.double() for t in pairs[index]]).tolist()
+    return DivergenceError(
+        f"at step {bad} the loss is {bad_loss} and the gradient norm {bad_norm}; the step was not applied "
+        f"and nothing was saved after step {bad - 1}. {s.advice}"
+    )
+
+
+def train_step(s: StepParts, step: int, log: bool = True, check: bool = False) -> dict:
     """Steps 1-7 of the module docstring; returns the step's record (metrics.jsonl's fields so far). ``log``: the
-    loop logs this step, so the step reads its loss and norm (and those of the unlogged steps before it)."""
+    loop logs this step, so the step reads its loss and norm (and those of the unlogged steps before it);
+    ``check``: the loop agrees on stopping or saves after this step, so the step reads the divergence flag."""
     start = clock_reading(s.device)
     s.extras.step_started(time.perf_counter())
     with named_range("data loading"):
         batch = s.loader.next_batch()
     loss, norm = global_loss_and_norm(s, accumulate_gradients(s, batch, step), step)
-    finite, values = read_step(s, loss, norm, log)
-    if not finite:  # step 5: nothing has changed yet
-        bad_loss, bad_norm = values[-2:] if values else torch.stack([loss.float(), norm.float()]).tolist()
-        raise DivergenceError(
-            f"at step {step} the loss is {bad_loss} and the gradient norm {bad_norm}; the step was not applied "
-            f"and nothing was saved after step {step - 1}. {s.advice}"
-        )
+    found_inf = flag_non_finite(s, loss, norm, step)
+    values: list[float] = []
+    if log or check or not s.optimizers.obeys_found_inf:
+        bad, values = read_step(s, loss, norm, log)
+        if bad:  # every rank read the same flag: all stop here, before this step's update or a save
+            raise diverged(s, bad, step, (loss, norm), values)
     lr = s.optimizers.lr
     s.before_update()  # an async save's copy: the step changes the weights and Adam state it copies
     with named_range("optimizer"):
+        if s.optimizers.obeys_found_inf:
+            s.optimizers.skip_if(found_inf)  # skipped on the device once a step was non-finite (step 5)
         s.optimizers.step()
     # MoE: global expert load of the step (metrics), and the aux-loss-free bias update from it.
     tp_label = ", then tp (its ranks split the tokens)" if s.plan.dims.tp > 1 else ""
     with phase(f"step {step}: MoE expert load", "device plane: the loss mesh (pp x dp x cp)" + tp_label):
-        moe_load = step_expert_load(s.parts, s.moe_layer_ids, s.meshes.loss, s.meshes.tp) if s.moe_layer_ids else {}
+        moe_load = (
+            step_expert_load(s.parts, s.moe_layer_ids, s.meshes.loss, s.meshes.tp, read=log, skip=found_inf)
+            if s.moe_layer_ids
+            else {}
+        )  # read on log steps only; the bias update obeys the divergence flag on the device
     end = clock_reading(s.device)
     s.extras.step_timed(time.perf_counter())
     s.extras.after_step(step)  # after the step is timed (a check step's throughput stays comparable)
@@ -250,20 +291,30 @@ def train_step(s: StepParts, step: int, log: bool = True) -> dict:
         "grad_norm": None,
         "lr": lr,
         "tokens_per_s": None,
+        "window_tokens_per_s": None,
         "peak_mem_bytes": peak_memory_bytes(s.device),
         "tokens_consumed": s.loader.tokens_consumed,
         **load_metrics(moe_load),
     }
-    s.unread.append((record, loss, norm, start, end))
+    since = start if s.last_end is None else s.last_end  # the loop's whole iteration, as torchtitan times it
+    s.last_end = end
+    s.unread.append((record, loss, norm, since, start, end))
     if log:
         fill_records(s, values)
     return record
 
 
 def fill_records(s: StepParts, values: list[float]) -> None:
-    """Step 7 on a log step: the unlogged records and this one get their loss, norm and tokens/s."""
-    for index, (record, _, _, start, end) in enumerate(s.unread):
-        tokens_per_s = s.plan.global_tokens / seconds_between(start, end)
+    """Step 7 on a log step: the unlogged records and this one get their loss, norm and tokens/s.
+
+    ``tokens_per_s`` (and ``tflops``, ``mfu`` from it) is timed from the previous step's end to this step's end:
+    everything the loop does between two steps counts (validation, saves, the stop agreement, logging), as in
+    torchtitan. ``window_tokens_per_s`` times train_step alone (start to end), for measurements that leave the
+    rest out (measure/async_save.py)."""
+    for index, (record, _, _, since, start, end) in enumerate(s.unread):
+        tokens_per_s = s.plan.global_tokens / seconds_between(since, end)
+        window = s.plan.global_tokens / seconds_between(start, end)
         record.update(loss=values[2 * index], grad_norm=values[2 * index + 1], tokens_per_s=tokens_per_s)
+        record["window_tokens_per_s"] = window
         record.update(s.throughput.fields(tokens_per_s))
     s.unread.clear()
