@@ -9,6 +9,7 @@ from the script's own ``#SBATCH`` lines), and its ARGS run through the dry run: 
 
 import contextlib
 import io
+import os
 import re
 import shlex
 import subprocess
@@ -108,6 +109,31 @@ def launch_commands() -> dict[str, tuple[int, list[str]]]:
 COMMANDS = launch_commands()
 
 
+def folder_writers() -> dict[str, str]:
+    """README's ``python -c`` commands that write a transformers folder (``save_pretrained("P")``), by P: a later
+    command's ``--checkpoint.init_from P`` takes its model from that folder."""
+    readme = (ROOT / "README.md").read_text()
+    writers = {}
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        for words in shell_commands(block):
+            code = words[-1] if words[:2] == ["python", "-c"] or words[-2:-1] == ["-c"] else ""
+            for folder in re.findall(r'save_pretrained\("([^"]+)"\)', code):
+                writers[folder] = code
+    return writers
+
+
+def written_folder(args: list[str], tmp_path) -> list[str]:
+    """``args`` with an ``init_from`` folder that README writes first (and that does not exist yet) written by that
+    README command, run as pasted, under ``tmp_path``."""
+    folder = option(args, "--checkpoint.init_from")
+    code = folder_writers().get(folder or "")
+    if code is None or (ROOT / folder).exists():
+        return args
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=300)
+    return [str(tmp_path / folder) if a == folder else a for a in args]
+
+
 def dry_run(world: int, args: list[str]) -> tuple[int, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -126,7 +152,7 @@ def test_the_commands_are_found():
 def test_every_launch_command_passes_the_dry_run(place, monkeypatch, tmp_path):
     world, args = COMMANDS[place]
     monkeypatch.chdir(ROOT)  # the commands name configs/ relative to the repository root
-    code, printed = dry_run(world, args)
+    code, printed = dry_run(world, written_folder(args, tmp_path))
     assert code == 0, f"{place}: {' '.join(args)}\n{printed}"
     assert f"meshloom dry run | world {world} |" in printed
     assert not dist.is_initialized()  # no process group
