@@ -1,0 +1,345 @@
+"""Simulate before you rent: ``python train.py --simulate --world-size N [--config F] [--key value ...]``.
+
+The planner (planning/memory_estimate.py) is arithmetic; this runs meshloom's own code at the world size it is
+meant for, in one CPU process, and measures what one rank of each pipeline stage holds and sends:
+
+1. Split the simulation's flags off the command line (``parse_simulate``): ``--simulate``, ``--world-size N``,
+   ``--pp-ranks 0,15`` (default: every pipeline rank; the other coordinates of a pipeline rank are symmetric),
+   ``--simulate-out FILE`` (the report as JSON) and ``--simulate-routing balanced`` (the only routing today).
+2. Refuse what cannot be simulated, naming what and why (``refusals``): anything that reads a value on the host
+   inside the step (MoE capacity dropping sizes its tensors from a host read), host memory (CPU offload), a
+   torch.compile'd block, DDP-replicated layouts (PowerSGD, 1-bit Adam).
+3. Per pipeline rank: a fake world of N ranks in which this process plays the first rank of that pipeline stage
+   (``fake_world``: every collective returns at once), the DeviceMesh built outside fake mode (FSDP2 with TP or
+   EP concatenates meshes with ``nonzero()``, which fake tensors cannot run); then, under ``FakeTensorMode``
+   (shapes and dtypes only, no bytes), the real build (mesh/parallelize.py: TP/SP, EP, AC, FSDP2, weights), the
+   pipeline schedule with its static stage metadata, the optimizer, and two real training steps (step 1 creates
+   the optimizer states) on token batches of the right shape (no data file). Expert parallelism routes by
+   ``balanced_split_sizes`` (mesh/expert_parallel.py): balanced routing is assumed, not read.
+4. Meter it (planning/sim_accounting.py): the peak of live bytes and its split by category, and the collectives
+   of step 2 per mesh dim; then the planner's estimate for the same rank beside it, and ``why`` when they differ
+   by more than 10%.
+
+The memory is CPU-style: no allocator rounding or fragmentation, CUDA context, kernel workspaces or NCCL buffers.
+Not run: the step's host reads (loss and norm read, MoE load statistics: each a small all-reduce) and the
+pipeline's start-up vote (stages are static, so the vote's answer is known).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from planning.dry_run import size
+from planning.memory_estimate import MemoryLayout, rank_memory, rank_parameters, stage_parameters
+from planning.plan import LayoutPlan
+from runtime.config import ConfigError
+
+if False:  # pragma: no cover  (type names only)
+    from runtime.config import Config
+
+SIMULATE, PP_RANKS, OUT, ROUTING, WORLD_SIZE = (
+    "--simulate",
+    "--pp-ranks",
+    "--simulate-out",
+    "--simulate-routing",
+    "--world-size",
+)
+ROUTINGS = ("balanced",)
+DEBUG = False
+TOLERANCE = 0.10  # a difference beyond this gets a ``why``
+NOT_MODELLED = (
+    "CPU-style memory: no allocator rounding or fragmentation, CUDA context, kernel workspaces or NCCL buffers"
+)
+
+
+@dataclass
+class SimulateArgs:
+    world_size: int
+    pp_ranks: list[int] | None  # None: every pipeline rank
+    out: str | None
+    routing: str = "balanced"
+
+
+def parse_simulate(argv: list[str]) -> tuple[SimulateArgs | None, list[str]]:
+    """Step 1: (the simulation's arguments, or None without ``--simulate``; the remaining arguments). Without
+    ``--simulate`` the arguments are returned untouched (``--world-size`` then belongs to ``--dry-run``)."""
+    if SIMULATE not in argv:
+        for flag in (PP_RANKS, OUT, ROUTING):
+            if any(a == flag or a.startswith(flag + "=") for a in argv):
+                raise ConfigError(f"{flag} only goes with {SIMULATE}, e.g. {SIMULATE} --world-size 1024 {flag} ...")
+        return None, argv
+    values: dict[str, str] = {}
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        flag = arg.partition("=")[0]
+        if arg == SIMULATE:
+            pass
+        elif flag in (PP_RANKS, OUT, ROUTING, WORLD_SIZE):
+            if "=" in arg:
+                values[flag] = arg.partition("=")[2]
+            else:
+                values[flag] = argv[i + 1] if i + 1 < len(argv) else ""
+                i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    world = values.get(WORLD_SIZE, "")
+    if not world.isdigit() or int(world) < 1:
+        raise ConfigError(
+            f"{WORLD_SIZE} {world!r}: {SIMULATE} needs the number of ranks to simulate, e.g. --world-size 1024."
+        )
+    pp_ranks = None
+    if PP_RANKS in values:
+        text = values[PP_RANKS]
+        if not text or not all(p.strip().isdigit() for p in text.split(",")):
+            raise ConfigError(f"{PP_RANKS} {text!r}: give pipeline ranks separated by commas, e.g. {PP_RANKS} 0,15.")
+        pp_ranks = sorted({int(p) for p in text.split(",")})
+    routing = values.get(ROUTING, "balanced")
+    if routing not in ROUTINGS:
+        raise ConfigError(
+            f"{ROUTING} {routing!r}: the simulation can route MoE tokens {', '.join(ROUTINGS)} only "
+            "(real routing needs real numbers: the split sizes are read on the host)."
+        )
+    return SimulateArgs(int(world), pp_ranks, values.get(OUT), routing), rest
+
+
+def refusals(cfg: Config, plan: LayoutPlan) -> list[str]:
+    """Step 2: what this config does that a simulation cannot run, each with its reason."""
+    p, t, m = cfg.parallel, cfg.training, plan.model
+    found = []
+    if m.moe is not None and m.moe.capacity_factor > 0:
+        found.append(
+            f"model.capacity_factor={m.moe.capacity_factor}: the kept assignments are counted on the host to size "
+            "the experts' input (models/moe.py, step 3); fake tensors hold no counts. Simulate the dropless "
+            "layer (capacity_factor=0)."
+        )
+    if p.fsdp_cpu_offload:
+        found.append("parallel.fsdp_cpu_offload=true: the states live in host memory, which the meter does not split.")
+    if t.compile:
+        found.append("training.compile=true: a compiled block is traced, not run op by op; simulate it eagerly.")
+    if p.grad_compression in ("powersgd", "onebit_adam"):
+        found.append(
+            f"parallel.grad_compression={p.grad_compression}: its replicated model communicates through DDP's "
+            "buckets and reads its state on the host."
+        )
+    return found
+
+
+class SimulatedLoader:
+    """Token batches of the right shape and no data: what ``train_step`` reads from data/loader.py."""
+
+    def __init__(self, plan: LayoutPlan):
+        self.plan = plan
+        self.trained_tokens = plan.global_tokens
+        self.tokens_consumed = 0
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        plan = self.plan
+        shape = (plan.micro_batch, plan.seq_len // plan.dims.cp)
+        self.tokens_consumed += plan.global_tokens
+        return [(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))] * plan.accumulation
+
+
+def group_dims(meshes) -> dict[str, str]:
+    """Process group name -> the mesh dim (or named view) it serves."""
+    names = {}
+    world = meshes.world
+    for dim in world.mesh_dim_names:
+        names.setdefault(world[dim].get_group().group_name, dim)
+    for view, mesh in meshes.all().items():
+        if mesh.ndim == 1:
+            names.setdefault(mesh.get_group().group_name, view)
+    import torch.distributed as dist
+
+    names.setdefault(dist.group.WORLD.group_name, "world")
+    return names
+
+
+def rank_owners(params: list, optimizers) -> tuple[set, set, set]:
+    """The storage keys, now, of the parameters' local shards, their gradients and the optimizer states."""
+    from planning.sim_accounting import storage_keys
+
+    states = [v for opt in optimizers.optimizers for s in opt.state.values() for v in s.values()]
+    return (
+        storage_keys(params),
+        storage_keys(p.grad for p in params),
+        storage_keys(v for v in states if isinstance(v, torch.Tensor)),
+    )
+
+
+def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True) -> dict:
+    """Steps 3-4 for one pipeline rank: its measured peak by category and step 2's collectives (``fake=False``:
+    the same with real tensors, on a fake world: for tests at small shapes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from extras.base import Extras
+    from measure.schedule_ir import fake_world
+    from mesh.dims import build_mesh
+    from mesh.expert_parallel import balanced_split_sizes, use_split_sizes
+    from mesh.parallelize import build_model_parts
+    from mesh.private_api import meshes_outside_fake_mode, own_fake_mode_for_sharding_propagation, skip_warm_up_vote
+    from mesh.tied_embeddings import TiedEmbeddings
+    from planning.options import parallel_options
+    from planning.sim_accounting import Collectives, LiveBytes
+    from training.optimizer import Optimizers
+    from training.step import StepParts, accumulate_gradients, global_loss_and_norm, pipeline_schedule
+
+    first = LayoutPlan.resolve(cfg, world_size, rank=0)
+    rank = pp_rank * (world_size // first.dims.pp)
+    plan = LayoutPlan.resolve(cfg, world_size, rank=rank)
+    device, timeout_s = torch.device("cpu"), cfg.parallel.collective_timeout_s
+    started = time.perf_counter()
+    with fake_world(world_size, rank), contextlib.ExitStack() as stack:
+        meshes = build_mesh(
+            plan.dims,
+            device,
+            timeout_s,
+            has_experts=plan.model.moe is not None,
+            fsdp_with_tp=plan.fsdp and plan.dims.tp > 1,
+        )
+        fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True)) if fake else None
+        stack.enter_context(own_fake_mode_for_sharding_propagation())
+        stack.enter_context(meshes_outside_fake_mode())
+        stack.enter_context(use_split_sizes(balanced_split_sizes))
+        memory = stack.enter_context(LiveBytes(plan.model.vocab_size // plan.dims.tp, fake_mode))
+        stack.enter_context(memory.following_resizes())
+        comms = stack.enter_context(Collectives(group_dims(meshes)))
+        comms.counting = False
+        torch.manual_seed(cfg.training.seed)
+        options = parallel_options(cfg, plan, meshes, device)
+        parts = build_model_parts(plan.model, plan.stage_layers, plan.stage_ids, meshes, options, device)
+        schedule, _ = pipeline_schedule(parts, plan, meshes, device)
+        if schedule is not None:
+            skip_warm_up_vote(schedule)
+        tied = TiedEmbeddings.build(parts, meshes, timeout_s)
+        optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
+        loader = SimulatedLoader(plan)
+        step = StepParts(parts, schedule, plan, meshes, device, optimizers, loader, tied, None, Extras())
+        step.reduce_every_microbatch = cfg.parallel.grad_sync == "microbatch"
+        step.grad_clip = cfg.training.grad_clip
+        memory.owners = lambda: rank_owners(step.params, optimizers)
+        for n in (1, 2):  # step 1 creates the optimizer states; step 2 is the steady state
+            comms.counting = n == 2
+            loss = accumulate_gradients(step, loader.next_batch(), n)
+            global_loss_and_norm(step, loss, n)
+            optimizers.step()
+            if DEBUG:
+                print("step", n, "live", memory.live, "peak", memory.peak, memory.peak_categories)
+        comms.counting = False
+        categories = memory.finish()
+        peak = memory.peak
+    return {
+        "pp_rank": pp_rank,
+        "rank": rank,
+        "stages": list(plan.stage_ids),
+        "simulated_peak_bytes": peak,
+        "categories": categories,
+        "collectives": comms.table(),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def estimate(cfg: Config, world_size: int, pp_rank: int) -> tuple[float, dict[str, float]]:
+    """The planner's bytes for the same rank, split the way the simulation splits them."""
+    first = LayoutPlan.resolve(cfg, world_size, rank=0)
+    plan = LayoutPlan.resolve(cfg, world_size, rank=pp_rank * (world_size // first.dims.pp))
+    layout, m, stages = MemoryLayout.of_plan(plan, cfg), plan.model, plan.stage_ids
+    memory = rank_memory(m, layout, plan.stage_layers, pp_rank, stages)
+    layers = [i for s in stages for i in plan.stage_layers[s]]
+    owned = rank_parameters(m, layout, stage_parameters(m, layers, 0 in stages, plan.n_stages - 1 in stages))
+    per = memory.states / 16 if owned else 0.0  # states are 16 bytes per owned parameter: 4 + 4 + 8
+    split = {
+        "parameters": 4 * per,
+        "gradients": 4 * per,
+        "optimizer_states": 8 * per,
+        "activations_and_temporaries": memory.gathered + memory.activations,
+        "logits": memory.logits,
+    }
+    return memory.total, split
+
+
+def why(simulated: float, estimated: float, sim: dict, est: dict) -> str | None:
+    """The reason for a difference beyond TOLERANCE: the categories that differ most, and what neither counts."""
+    if estimated and abs(simulated - estimated) <= TOLERANCE * estimated:
+        return None
+    gaps = sorted(((sim[k] - est[k], k) for k in sim), key=lambda g: -abs(g[0]))
+    named = "; ".join(
+        f"{k.replace('_', ' ')} {size(sim[k])} simulated vs {size(est[k])} estimated" for gap, k in gaps[:2] if gap
+    )
+    return (
+        f"{named}. The estimate leaves out the optimizer step's temporaries and the peak's overlaps of "
+        f"gathered weights with activations; the simulation is {NOT_MODELLED}."
+    )
+
+
+def simulate(cfg: Config, args: SimulateArgs) -> dict:
+    """Steps 2-4 for every pipeline rank asked for; the report (``--simulate-out``'s JSON)."""
+    plan = LayoutPlan.resolve(cfg, args.world_size, rank=0)
+    problems = refusals(cfg, plan)
+    if problems:
+        raise ConfigError("the simulation cannot run this config:\n  - " + "\n  - ".join(problems))
+    pp = plan.dims.pp
+    ranks = args.pp_ranks if args.pp_ranks is not None else list(range(pp))
+    bad = [r for r in ranks if r >= pp]
+    if bad:
+        raise ConfigError(f"{PP_RANKS} {bad}: this layout has pp {pp}, so pipeline ranks 0..{pp - 1}.")
+    rows = []
+    for pp_rank in ranks:
+        row = simulate_rank(cfg, args.world_size, pp_rank)
+        total, split = estimate(cfg, args.world_size, pp_rank)
+        row["estimated_bytes"] = round(total)
+        row["estimated_categories"] = {k: round(v) for k, v in split.items()}
+        row["why"] = why(row["simulated_peak_bytes"], total, row["categories"], split)
+        rows.append(row)
+    routing = "balanced (assumed, not read)" if plan.model.moe is not None else "no MoE layers"
+    return {
+        "world_size": args.world_size,
+        "layout": plan.dims.describe(),
+        "mixed_precision": cfg.training.mixed_precision,
+        "routing": routing,
+        "memory_model": NOT_MODELLED,
+        "ranks": rows,
+    }
+
+
+def format_report(report: dict) -> str:
+    """The two tables per pipeline rank: memory by category (simulated, estimated, difference), collectives."""
+    lines = [
+        f"meshloom simulation | world {report['world_size']} | {report['layout']} | {report['mixed_precision']} | "
+        f"MoE routing: {report['routing']}",
+        f"  one process, fake world, fake tensors; {report['memory_model']}",
+    ]
+    for row in report["ranks"]:
+        sim, est = row["categories"], row["estimated_categories"]
+        total_s, total_e = row["simulated_peak_bytes"], row["estimated_bytes"]
+        lines += [
+            f"  pp rank {row['pp_rank']} (rank {row['rank']}, stages {row['stages']}; {row['seconds']} s)",
+            f"    {'memory at the peak':<30} {'simulated':>12} {'estimated':>12} {'difference':>11}",
+        ]
+        for key in sim:
+            diff = (sim[key] - est[key]) / est[key] if est[key] else 0.0
+            lines.append(f"    {key.replace('_', ' '):<30} {size(sim[key]):>12} {size(est[key]):>12} {diff:>+10.1%}")
+        diff = (total_s - total_e) / total_e if total_e else 0.0
+        lines.append(f"    {'total':<30} {size(total_s):>12} {size(total_e):>12} {diff:>+10.1%}")
+        if row["why"]:
+            lines.append(f"    why: {row['why']}")
+        lines.append(f"    {'collectives of step 2':<30} {'count':>7} {'bytes/rank':>12} {'on the wire':>12}")
+        for c in row["collectives"]:
+            name = f"{c['dim']} {c['kind']}"
+            lines.append(f"    {name:<30} {c['count']:>7} {size(c['bytes']):>12} {size(c['wire_bytes']):>12}")
+    return "\n".join(lines)
+
+
+def run_simulation(cfg: Config, args: SimulateArgs) -> str:
+    """``train.py --simulate``: the report printed (and written as JSON with ``--simulate-out``)."""
+    report = simulate(cfg, args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return format_report(report)
