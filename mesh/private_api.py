@@ -297,28 +297,6 @@ def meshes_outside_fake_mode():
         DeviceMesh._concatenate = staticmethod(concatenate)
 
 
-@contextlib.contextmanager
-def meshes_outside_fake_mode():
-    """DeviceMeshes made while a fake mode is active are computed on real tensors, outside every mode.
-
-    FSDP2 with TP or EP concatenates meshes (``DeviceMesh._concatenate``) inside ``fully_shard``; the new mesh
-    finds this rank's coordinates with ``(mesh == rank).nonzero()``, whose output shape fake tensors cannot know.
-    """
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    concatenate = DeviceMesh._concatenate
-
-    def outside(device_mesh_list):
-        with _disable_current_modes():
-            return concatenate(device_mesh_list)
-
-    DeviceMesh._concatenate = staticmethod(outside)
-    try:
-        yield
-    finally:
-        DeviceMesh._concatenate = staticmethod(concatenate)
-
-
 # ---- activation checkpointing ----------------------------------------------------------------------------
 def checkpoint_wrapper(module, **kwargs):
     """torch's non-reentrant activation-checkpoint wrapper (its module path is private in 2.13)."""
