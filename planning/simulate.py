@@ -50,7 +50,6 @@ SIMULATE, PP_RANKS, OUT, ROUTING, WORLD_SIZE = (
     "--world-size",
 )
 ROUTINGS = ("balanced",)
-DEBUG = False
 TOLERANCE = 0.10  # a difference beyond this gets a ``why``
 NOT_MODELLED = (
     "CPU-style memory: no allocator rounding or fragmentation, CUDA context, kernel workspaces or NCCL buffers"
@@ -89,6 +88,8 @@ def parse_simulate(argv: list[str]) -> tuple[SimulateArgs | None, list[str]]:
         else:
             rest.append(arg)
         i += 1
+    if "--dry-run" in rest:
+        raise ConfigError(f"{SIMULATE} and --dry-run: choose one (the simulation includes the dry run's checks).")
     world = values.get(WORLD_SIZE, "")
     if not world.isdigit() or int(world) < 1:
         raise ConfigError(
@@ -207,7 +208,9 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True)
         stack.enter_context(own_fake_mode_for_sharding_propagation())
         stack.enter_context(meshes_outside_fake_mode())
         stack.enter_context(use_split_sizes(balanced_split_sizes))
-        memory = stack.enter_context(LiveBytes(plan.model.vocab_size // plan.dims.tp, fake_mode))
+        memory = stack.enter_context(
+            LiveBytes(plan.model.vocab_size // plan.dims.tp if plan.n_stages - 1 in plan.stage_ids else -1, fake_mode)
+        )
         stack.enter_context(memory.following_resizes())
         comms = stack.enter_context(Collectives(group_dims(meshes)))
         comms.counting = False
@@ -229,8 +232,6 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True)
             loss = accumulate_gradients(step, loader.next_batch(), n)
             global_loss_and_norm(step, loss, n)
             optimizers.step()
-            if DEBUG:
-                print("step", n, "live", memory.live, "peak", memory.peak, memory.peak_categories)
         comms.counting = False
         categories = memory.finish()
         peak = memory.peak
@@ -243,6 +244,16 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True)
         "collectives": comms.table(),
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def in_fresh_process(fn, *args):
+    """``fn(*args)`` in a spawned process of its own: torch caches what a fake world's groups are called (DTensor's
+    sharding propagation, meshes), and the next pipeline rank's world reuses the names for other groups."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def estimate(cfg: Config, world_size: int, pp_rank: int) -> tuple[float, dict[str, float]]:
@@ -291,7 +302,7 @@ def simulate(cfg: Config, args: SimulateArgs) -> dict:
         raise ConfigError(f"{PP_RANKS} {bad}: this layout has pp {pp}, so pipeline ranks 0..{pp - 1}.")
     rows = []
     for pp_rank in ranks:
-        row = simulate_rank(cfg, args.world_size, pp_rank)
+        row = in_fresh_process(simulate_rank, cfg, args.world_size, pp_rank)
         total, split = estimate(cfg, args.world_size, pp_rank)
         row["estimated_bytes"] = round(total)
         row["estimated_categories"] = {k: round(v) for k, v in split.items()}
