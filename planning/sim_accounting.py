@@ -58,11 +58,10 @@ class LiveBytes(TorchDispatchMode):
                 if isinstance(inner, torch.Tensor):
                     self._add(inner)
             return
-        if _is_fake(t):
-            if t.fake_mode is not self.fake_mode:
-                return  # another fake mode's tensor: DTensor's sharding propagation (global shapes), not memory
-        elif t.device.type == "meta":
-            return  # a fake mode's inner meta computation: not memory
+        if t.device.type == "meta":
+            return  # the meta-device model before its weights exist, or a fake mode's inner computation
+        if _is_fake(t) and t.fake_mode is not self.fake_mode:
+            return  # another fake mode's tensor: DTensor's sharding propagation (global shapes), not memory
         storage = t.untyped_storage()
         key = _key(storage)
         if key in self.sizes:
@@ -116,6 +115,12 @@ class LiveBytes(TorchDispatchMode):
             else:
                 split["activations_and_temporaries"] += nbytes
         self.peak_categories = split
+
+    def reset_peak(self) -> int:
+        """Start a new peak from the live bytes now; returns the old peak (the build's: materialising the weights
+        holds the largest parameter in full, once, at start-up)."""
+        old, self.peak, self._rising = self.peak, self.live, False
+        return old
 
     def finish(self) -> dict[str, int]:
         """The peak's split by category (taken now if the peak is the current state)."""

@@ -116,7 +116,7 @@ def refusals(cfg: Config, plan: LayoutPlan) -> list[str]:
     found = []
     if m.moe is not None and m.moe.capacity_factor > 0:
         found.append(
-            f"model.capacity_factor={m.moe.capacity_factor}: the kept assignments are counted on the host to size "
+            f"model.moe_capacity_factor={m.moe.capacity_factor}: the kept assignments are counted on the host to size "
             "the experts' input (models/moe.py, step 3); fake tensors hold no counts. Simulate the dropless "
             "layer (capacity_factor=0)."
         )
@@ -227,6 +227,7 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True)
         step.reduce_every_microbatch = cfg.parallel.grad_sync == "microbatch"
         step.grad_clip = cfg.training.grad_clip
         memory.owners = lambda: rank_owners(step.params, optimizers)
+        build_peak = memory.reset_peak()  # the build's peak (one full parameter at a time), reported beside
         for n in (1, 2):  # step 1 creates the optimizer states; step 2 is the steady state
             comms.counting = n == 2
             loss = accumulate_gradients(step, loader.next_batch(), n)
@@ -240,6 +241,7 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True)
         "rank": rank,
         "stages": list(plan.stage_ids),
         "simulated_peak_bytes": peak,
+        "build_peak_bytes": build_peak,
         "categories": categories,
         "collectives": comms.table(),
         "seconds": round(time.perf_counter() - started, 1),
@@ -330,7 +332,8 @@ def format_report(report: dict) -> str:
         sim, est = row["categories"], row["estimated_categories"]
         total_s, total_e = row["simulated_peak_bytes"], row["estimated_bytes"]
         lines += [
-            f"  pp rank {row['pp_rank']} (rank {row['rank']}, stages {row['stages']}; {row['seconds']} s)",
+            f"  pp rank {row['pp_rank']} (rank {row['rank']}, stages {row['stages']}; {row['seconds']} s); "
+            f"the build peaks at {size(row['build_peak_bytes'])} (materialising the largest weight in full)",
             f"    {'memory at the peak':<30} {'simulated':>12} {'estimated':>12} {'difference':>11}",
         ]
         for key in sim:
