@@ -7,8 +7,9 @@ meant for, in one CPU process, and measures what one rank of each pipeline stage
    ``--pp-ranks 0,15`` (default: every pipeline rank; the other coordinates of a pipeline rank are symmetric),
    ``--simulate-out FILE`` (the report as JSON) and ``--simulate-routing balanced`` (the only routing today).
 2. Refuse what cannot be simulated, naming what and why (``refusals``): anything that reads a value on the host
-   inside the step (MoE capacity dropping sizes its tensors from a host read), host memory (CPU offload), a
-   torch.compile'd block, DDP-replicated layouts (PowerSGD, 1-bit Adam).
+   inside the step (MoE capacity dropping sizes its tensors from a host read), MoE in fp32 (the grouped matmul's
+   shape function takes bf16 only), host memory (CPU offload), a torch.compile'd block, DDP-replicated layouts
+   (PowerSGD, 1-bit Adam).
 3. Per pipeline rank: a fake world of N ranks in which this process plays the first rank of that pipeline stage
    (``fake_world``: every collective returns at once), the DeviceMesh built outside fake mode (FSDP2 with TP or
    EP concatenates meshes with ``nonzero()``, which fake tensors cannot run); then, under ``FakeTensorMode``
@@ -120,6 +121,12 @@ def refusals(cfg: Config, plan: LayoutPlan) -> list[str]:
             "the experts' input (models/moe.py, step 3); fake tensors hold no counts. Simulate the dropless "
             "layer (capacity_factor=0)."
         )
+    if m.moe is not None and t.mixed_precision == "fp32":
+        found.append(
+            "training.mixed_precision=fp32 with MoE layers: torch's shape function for the experts' grouped matmul "
+            "(aten._grouped_mm) accepts bf16 only (the CUDA kernel's rule), though the CPU kernel runs fp32. "
+            "Simulate it with training.mixed_precision=bf16."
+        )
     if p.fsdp_cpu_offload:
         found.append("parallel.fsdp_cpu_offload=true: the states live in host memory, which the meter does not split.")
     if t.compile:
@@ -174,17 +181,24 @@ def rank_owners(params: list, optimizers) -> tuple[set, set, set]:
     )
 
 
-def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True) -> dict:
+def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True, comm_debug: bool = False) -> dict:
     """Steps 3-4 for one pipeline rank: its measured peak by category and step 2's collectives (``fake=False``:
-    the same with real tensors, on a fake world: for tests at small shapes)."""
+    the same with real tensors, on a fake world: for tests at small shapes; ``comm_debug``: also torch's
+    CommDebugMode counts of step 2)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from extras.base import Extras
     from measure.schedule_ir import fake_world
     from mesh.dims import build_mesh
     from mesh.expert_parallel import balanced_split_sizes, use_split_sizes
     from mesh.parallelize import build_model_parts
-    from mesh.private_api import meshes_outside_fake_mode, own_fake_mode_for_sharding_propagation, skip_warm_up_vote
+    from mesh.private_api import (
+        eager_functional_collectives,
+        meshes_outside_fake_mode,
+        own_fake_mode_for_sharding_propagation,
+        skip_warm_up_vote,
+    )
     from mesh.tied_embeddings import TiedEmbeddings
     from planning.options import parallel_options
     from planning.sim_accounting import Collectives, LiveBytes
@@ -207,6 +221,7 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True)
         fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True)) if fake else None
         stack.enter_context(own_fake_mode_for_sharding_propagation())
         stack.enter_context(meshes_outside_fake_mode())
+        stack.enter_context(eager_functional_collectives())
         stack.enter_context(use_split_sizes(balanced_split_sizes))
         memory = stack.enter_context(
             LiveBytes(plan.model.vocab_size // plan.dims.tp if plan.n_stages - 1 in plan.stage_ids else -1, fake_mode)
@@ -228,11 +243,16 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True)
         step.grad_clip = cfg.training.grad_clip
         memory.owners = lambda: rank_owners(step.params, optimizers)
         build_peak = memory.reset_peak()  # the build's peak (one full parameter at a time), reported beside
+        torch_counts = {}
         for n in (1, 2):  # step 1 creates the optimizer states; step 2 is the steady state
             comms.counting = n == 2
-            loss = accumulate_gradients(step, loader.next_batch(), n)
-            global_loss_and_norm(step, loss, n)
-            optimizers.step()
+            # torch's own collective counter beside ours on step 2, for tests (it does not count send/recv)
+            with CommDebugMode() if comm_debug and n == 2 else contextlib.nullcontext() as counter:
+                loss = accumulate_gradients(step, loader.next_batch(), n)
+                global_loss_and_norm(step, loss, n)
+                optimizers.step()
+            if counter is not None:
+                torch_counts = {str(op): c for op, c in counter.get_comm_counts().items()}
         comms.counting = False
         categories = memory.finish()
         peak = memory.peak
@@ -244,6 +264,7 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True)
         "build_peak_bytes": build_peak,
         "categories": categories,
         "collectives": comms.table(),
+        **({"torch_comm_counts": torch_counts} if comm_debug else {}),
         "seconds": round(time.perf_counter() - started, 1),
     }
 
