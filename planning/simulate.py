@@ -307,8 +307,8 @@ def why(simulated: float, estimated: float, sim: dict, est: dict) -> str | None:
         f"{k.replace('_', ' ')} {size(sim[k])} simulated vs {size(est[k])} estimated" for gap, k in gaps[:2] if gap
     )
     return (
-        f"{named}. The estimate leaves out the optimizer step's temporaries and the peak's overlaps of "
-        f"gathered weights with activations; the simulation is {NOT_MODELLED}."
+        f"{named}. Neither counts the CUDA context, NCCL's buffers or the allocator's rounding; the estimate also "
+        "leaves out the optimizer step's temporaries (planning/memory_estimate.py)."
     )
 
 
