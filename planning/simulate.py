@@ -8,8 +8,8 @@ meant for, in one CPU process, and measures what one rank of each pipeline stage
    ``--simulate-out FILE`` (the report as JSON) and ``--simulate-routing balanced`` (the only routing today).
 2. Refuse what cannot be simulated, naming what and why (``refusals``): anything that reads a value on the host
    inside the step (MoE capacity dropping sizes its tensors from a host read), MoE in fp32 (the grouped matmul's
-   shape function takes bf16 only), host memory (CPU offload), a torch.compile'd block, DDP-replicated layouts
-   (PowerSGD, 1-bit Adam).
+   shape function takes bf16 only), layouts with neither FSDP nor TP (torch cannot swap plain fake parameters when materialising),
+   host memory (CPU offload), a torch.compile'd block, DDP-replicated layouts (PowerSGD, 1-bit Adam).
 3. Per pipeline rank: a fake world of N ranks in which this process plays the first rank of that pipeline stage
    (``fake_world``: every collective returns at once), the DeviceMesh built outside fake mode (FSDP2 with TP or
    EP concatenates meshes with ``nonzero()``, which fake tensors cannot run); then, under ``FakeTensorMode``
@@ -126,6 +126,13 @@ def refusals(cfg: Config, plan: LayoutPlan) -> list[str]:
             "training.mixed_precision=fp32 with MoE layers: torch's shape function for the experts' grouped matmul "
             "(aten._grouped_mm) accepts bf16 only (the CUDA kernel's rule), though the CPU kernel runs fp32. "
             "Simulate it with training.mixed_precision=bf16."
+        )
+    if not plan.fsdp and plan.dims.tp == 1:
+        found.append(
+            "a layout with neither FSDP nor TP (fp32, dp_shard = dp_replicate = cp = tp = 1): materialising its plain "
+            "meta-device weights swaps each parameter for a new one (nn.Module.to_empty), which torch refuses for "
+            "fake tensors (FSDP's and TP's parameters are DTensors, which it swaps). "
+            "Simulate it with training.mixed_precision=bf16 (FSDP then holds the weights, as at scale)."
         )
     if p.fsdp_cpu_offload:
         found.append("parallel.fsdp_cpu_offload=true: the states live in host memory, which the meter does not split.")

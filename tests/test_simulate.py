@@ -24,10 +24,14 @@ MOE_8 = [  # world 8: pp 2 (interleaved, 2 stages per rank) x dp_shard 2 x tp 2,
     "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_microbatches", "4",
     "--training.activation_checkpoint", "full", "--training.mixed_precision", "bf16",
 ]  # fmt: skip
-DENSE_64 = [  # world 64: pp 2 x dp_shard 8 x tp 4, fp32, selective AC (row-parallel matmuls recomputed), tied
+DENSE_8 = [  # world 8: pp 2 x dp_shard 2 x tp 2, fp32, selective AC (the row-parallel matmuls recomputed)
+    "--config", "configs/debug.toml", "--model.vocab_size", "320", "--parallel.pp", "2",
+    "--parallel.dp_shard", "2", "--parallel.tp", "2", "--training.activation_checkpoint", "selective",
+]  # fmt: skip
+DENSE_64 = [  # world 64: pp 2 x dp_shard 8 x tp 4, fp32, full AC, tied embeddings
     "--config", "configs/debug.toml", "--model.vocab_size", "320", "--parallel.pp", "2",
     "--parallel.dp_shard", "8", "--parallel.tp", "4", "--training.global_batch", "16",
-    "--training.activation_checkpoint", "selective", "--model.tie_embeddings", "true",
+    "--training.activation_checkpoint", "full", "--model.tie_embeddings", "true",
 ]  # fmt: skip
 
 
@@ -39,7 +43,9 @@ MOE_8_NO_PP = [  # world 8: dp_shard 4 x tp 2, experts over ep 4, bf16 (CommDebu
 
 
 @pytest.mark.parametrize(
-    "argv, world, pp_rank", [(MOE_8, 8, 0), (MOE_8, 8, 1), (DENSE_64, 64, 1)], ids=["w8-pp0", "w8-pp1", "w64-pp1"]
+    "argv, world, pp_rank",
+    [(MOE_8, 8, 0), (MOE_8, 8, 1), (DENSE_8, 8, 1), (DENSE_64, 64, 1)],
+    ids=["moe-w8-pp0", "moe-w8-pp1", "selective-w8-pp1", "w64-pp1"],
 )
 def test_fake_and_real_tensors_give_the_same_accounting_and_collectives(argv, world, pp_rank):
     cfg = load_config(argv)
@@ -70,9 +76,10 @@ def test_the_last_stage_keeps_no_logits_of_other_microbatches():
     a merged copy) until the next step. With 8 micro-batches of one 128-token sequence and 320 fp32 logits each,
     keeping them all is 8 x 164 KB; the peak around one micro-batch's loss is a few copies of one."""
     argv = ["--config", "configs/debug.toml", "--model.vocab_size", "320", "--parallel.pp", "2"]
-    argv += ["--parallel.pp_microbatches", "8", "--parallel.pp_schedule", "GPipe"]
+    argv += ["--parallel.dp_shard", "2", "--training.global_batch", "16"]
+    argv += ["--parallel.pp_microbatches", "8", "--parallel.pp_schedule", "1F1B"]  # one micro-batch at a time
     one = 128 * 320 * 4
-    row = in_fresh_process(simulate_rank, load_config(argv), 2, 1)
+    row = in_fresh_process(simulate_rank, load_config(argv), 4, 1)
     assert 0 < row["categories"]["logits"] < 8 * one
 
 
@@ -133,6 +140,9 @@ def test_parse_simulate_and_refusals():
     # what cannot be simulated is refused, naming the field and why: exit 2 before anything runs
     argv = ["--simulate", "--world-size", "2", "--config", "configs/debug_moe.toml", "--model.moe_capacity_factor", "1"]
     assert main(argv) == 2
+    assert (
+        main(["--simulate", "--world-size", "1", "--config", "configs/debug.toml"]) == 2
+    )  # fp32 on 1 rank: no FSDP, no TP
 
 
 def test_simulate_writes_the_report_as_json(tmp_path, capsys):
