@@ -13,7 +13,9 @@
    last stage share rank 0). GPipe and 1F1B have one stage per rank.
 3. **Parallelize.** Each stage module is then parallelized like a whole model: TP over ``tp``, FSDP over
    the data-parallel dims (mesh/parallelize.py: build_model_parts), giving the 3-D layout pp x dp x tp.
-4. **Schedule.** ``PipelineStage`` wraps each stage with the pp process group; the schedule splits each
+4. **Schedule.** ``PipelineStage`` wraps each stage with the pp process group and static metadata from the plan
+   (``StageShapes``: what the stage receives and sends, so the first step infers no shapes and exchanges no
+   metadata); the schedule splits each
    local batch into ``pp_microbatches`` micro-batches and orders their forward (F), backward (B, or I and
    W when zero-bubble schedules split it into input- and weight-gradient halves) and point-to-point
    sends. The loss function returns each micro-batch's token-loss sum divided by the *global* token count,

@@ -35,6 +35,12 @@ DENSE_64 = [  # world 64: pp 2 x dp_shard 8 x tp 4, fp32, full AC, tied embeddin
 ]  # fmt: skip
 
 
+def fake_and_real(cfg, world: int, pp_rank: int, comm_debug: bool) -> tuple[dict, dict]:
+    """One rank simulated with fake tensors, then run with real ones, in one process (a spawned one: see
+    planning/simulate.py, in_fresh_process): the same world and rank, so torch's caches stay valid."""
+    return simulate_rank(cfg, world, pp_rank, True, comm_debug), simulate_rank(cfg, world, pp_rank, False, comm_debug)
+
+
 MOE_8_NO_PP = [  # world 8: dp_shard 4 x tp 2, experts over ep 4, bf16 (CommDebugMode's module hooks break on
     # pipeline stages, so torch's own counter is compared without pipelining)
     "--config", "configs/debug_moe.toml", "--model.vocab_size", "320", "--parallel.dp_shard", "4",
@@ -48,9 +54,7 @@ MOE_8_NO_PP = [  # world 8: dp_shard 4 x tp 2, experts over ep 4, bf16 (CommDebu
     ids=["moe-w8-pp0", "moe-w8-pp1", "selective-w8-pp1", "w64-pp1"],
 )
 def test_fake_and_real_tensors_give_the_same_accounting_and_collectives(argv, world, pp_rank):
-    cfg = load_config(argv)
-    fake = in_fresh_process(simulate_rank, cfg, world, pp_rank, True)
-    real = in_fresh_process(simulate_rank, cfg, world, pp_rank, False)
+    fake, real = in_fresh_process(fake_and_real, load_config(argv), world, pp_rank, False)
     # exact: the same ops allocate the same shapes; only the bytes behind them differ (none for fake tensors)
     assert fake["categories"] == real["categories"]
     assert fake["simulated_peak_bytes"] == real["simulated_peak_bytes"] > 0
@@ -60,9 +64,7 @@ def test_fake_and_real_tensors_give_the_same_accounting_and_collectives(argv, wo
 
 
 def test_the_simulated_collectives_are_those_torch_counts():
-    cfg = load_config(MOE_8_NO_PP)
-    fake = in_fresh_process(simulate_rank, cfg, 8, 0, True, True)
-    real = in_fresh_process(simulate_rank, cfg, 8, 0, False, True)
+    fake, real = in_fresh_process(fake_and_real, load_config(MOE_8_NO_PP), 8, 0, True)
     assert fake["collectives"] == real["collectives"]
     # every collective of the real step as torch's CommDebugMode counts them, by op (it leaves out send/recv)
     ours = sum(c["count"] for c in real["collectives"] if c["kind"] not in ("send", "recv"))
