@@ -69,6 +69,7 @@ from training.loaders import batch_loader
 from training.metrics import MetricsWriter, format_step, open_metrics
 from training.optimizer import Optimizers
 from training.profiling import named_range, step_profiler
+from training.simulated_rank import simulate_rank
 from training.step import StepParts, divergence_advice, pipeline_schedule, train_step
 from training.throughput import Throughput, peak_tflops
 
@@ -265,7 +266,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv)
         if simulation:
             adopt_folder_config(cfg)
-            print(run_simulation(cfg, simulation), flush=True)
+            print(run_simulation(cfg, simulation, simulate_rank), flush=True)
             return 0
         if dry:
             adopt_folder_config(cfg)  # the config and the layout for world_size ranks, then stop (planning/dry_run.py)

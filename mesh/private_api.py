@@ -275,6 +275,22 @@ def own_fake_mode_for_sharding_propagation():
         _sharding_prop.detect_fake_mode = original
 
 
+# ---- fake worlds (the simulation, measure/schedule_ir.py) ---------------------------------------------------
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """A process group of ``world_size`` in which this process plays ``rank`` and nothing is ever sent (torch's
+    testing backend ``fake``, registered by importing ``FakeStore``)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world needs a process without a process group (run it outside torchrun)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @contextlib.contextmanager
 def meshes_outside_fake_mode():
     """DeviceMeshes made while a fake mode is active are computed on real tensors, outside every mode.

@@ -10,14 +10,14 @@ meant for, in one CPU process, and measures what one rank of each pipeline stage
    inside the step (MoE capacity dropping sizes its tensors from a host read), MoE in fp32 (the grouped matmul's
    shape function takes bf16 only), layouts with neither FSDP nor TP (torch cannot swap plain fake parameters when materialising),
    host memory (CPU offload), a torch.compile'd block, DDP-replicated layouts (PowerSGD, 1-bit Adam).
-3. Per pipeline rank: a fake world of N ranks in which this process plays the first rank of that pipeline stage
+3. Per pipeline rank (training/simulated_rank.py, in a fresh process each): a fake world of N ranks in which this process plays the first rank of that pipeline stage
    (``fake_world``: every collective returns at once), the DeviceMesh built outside fake mode (FSDP2 with TP or
    EP concatenates meshes with ``nonzero()``, which fake tensors cannot run); then, under ``FakeTensorMode``
    (shapes and dtypes only, no bytes), the real build (mesh/parallelize.py: TP/SP, EP, AC, FSDP2, weights), the
    pipeline schedule with its static stage metadata, the optimizer, and two real training steps (step 1 creates
    the optimizer states) on token batches of the right shape (no data file). Expert parallelism routes by
    ``balanced_split_sizes`` (mesh/expert_parallel.py): balanced routing is assumed, not read.
-4. Meter it (planning/sim_accounting.py): the peak of live bytes and its split by category, and the collectives
+4. Meter it (planning/sim_accounting.py, step 3's meters): the peak of live bytes and its split by category, and the collectives
    of step 2 per mesh dim; then the planner's estimate for the same rank beside it, and ``why`` when they differ
    by more than 10%.
 
@@ -28,12 +28,8 @@ pipeline's start-up vote (stages are static, so the vote's answer is known).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import time
 from dataclasses import dataclass
-
-import torch
 
 from planning.dry_run import size
 from planning.memory_estimate import MemoryLayout, rank_memory, rank_parameters, stage_parameters
@@ -146,136 +142,6 @@ def refusals(cfg: Config, plan: LayoutPlan) -> list[str]:
     return found
 
 
-class SimulatedLoader:
-    """Token batches of the right shape and no data: what ``train_step`` reads from data/loader.py."""
-
-    def __init__(self, plan: LayoutPlan):
-        self.plan = plan
-        self.trained_tokens = plan.global_tokens
-        self.tokens_consumed = 0
-
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        plan = self.plan
-        shape = (plan.micro_batch, plan.seq_len // plan.dims.cp)
-        self.tokens_consumed += plan.global_tokens
-        return [(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))] * plan.accumulation
-
-
-def group_dims(meshes) -> dict[str, str]:
-    """Process group name -> the mesh dim (or named view) it serves."""
-    names = {}
-    world = meshes.world
-    for dim in world.mesh_dim_names:
-        names.setdefault(world[dim].get_group().group_name, dim)
-    for view, mesh in meshes.all().items():
-        if mesh.ndim == 1:
-            names.setdefault(mesh.get_group().group_name, view)
-    import torch.distributed as dist
-
-    names.setdefault(dist.group.WORLD.group_name, "world")
-    return names
-
-
-def rank_owners(params: list, optimizers) -> tuple[set, set, set]:
-    """The storage keys, now, of the parameters' local shards, their gradients and the optimizer states."""
-    from planning.sim_accounting import storage_keys
-
-    states = [v for opt in optimizers.optimizers for s in opt.state.values() for v in s.values()]
-    return (
-        storage_keys(params),
-        storage_keys(p.grad for p in params),
-        storage_keys(v for v in states if isinstance(v, torch.Tensor)),
-    )
-
-
-def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True, comm_debug: bool = False) -> dict:
-    """Steps 3-4 for one pipeline rank: its measured peak by category and step 2's collectives (``fake=False``:
-    the same with real tensors, on a fake world: for tests at small shapes; ``comm_debug``: also torch's
-    CommDebugMode counts of step 2)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    from extras.base import Extras
-    from measure.schedule_ir import fake_world
-    from mesh.dims import build_mesh
-    from mesh.expert_parallel import balanced_split_sizes, use_split_sizes
-    from mesh.parallelize import build_model_parts
-    from mesh.private_api import (
-        eager_functional_collectives,
-        meshes_outside_fake_mode,
-        own_fake_mode_for_sharding_propagation,
-        skip_warm_up_vote,
-    )
-    from mesh.tied_embeddings import TiedEmbeddings
-    from planning.options import parallel_options
-    from planning.sim_accounting import Collectives, LiveBytes
-    from training.optimizer import Optimizers
-    from training.step import StepParts, accumulate_gradients, global_loss_and_norm, pipeline_schedule
-
-    first = LayoutPlan.resolve(cfg, world_size, rank=0)
-    rank = pp_rank * (world_size // first.dims.pp)
-    plan = LayoutPlan.resolve(cfg, world_size, rank=rank)
-    device, timeout_s = torch.device("cpu"), cfg.parallel.collective_timeout_s
-    started = time.perf_counter()
-    with fake_world(world_size, rank), contextlib.ExitStack() as stack:
-        meshes = build_mesh(
-            plan.dims,
-            device,
-            timeout_s,
-            has_experts=plan.model.moe is not None,
-            fsdp_with_tp=plan.fsdp and plan.dims.tp > 1,
-        )
-        fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True)) if fake else None
-        stack.enter_context(own_fake_mode_for_sharding_propagation())
-        stack.enter_context(meshes_outside_fake_mode())
-        stack.enter_context(eager_functional_collectives())
-        stack.enter_context(use_split_sizes(balanced_split_sizes))
-        memory = stack.enter_context(
-            LiveBytes(plan.model.vocab_size // plan.dims.tp if plan.n_stages - 1 in plan.stage_ids else -1, fake_mode)
-        )
-        stack.enter_context(memory.following_resizes())
-        comms = stack.enter_context(Collectives(group_dims(meshes)))
-        comms.counting = False
-        torch.manual_seed(cfg.training.seed)
-        options = parallel_options(cfg, plan, meshes, device)
-        parts = build_model_parts(plan.model, plan.stage_layers, plan.stage_ids, meshes, options, device)
-        schedule, _ = pipeline_schedule(parts, plan, meshes, device)
-        if schedule is not None:
-            skip_warm_up_vote(schedule)
-        tied = TiedEmbeddings.build(parts, meshes, timeout_s)
-        optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
-        loader = SimulatedLoader(plan)
-        step = StepParts(parts, schedule, plan, meshes, device, optimizers, loader, tied, None, Extras())
-        step.reduce_every_microbatch = cfg.parallel.grad_sync == "microbatch"
-        step.grad_clip = cfg.training.grad_clip
-        memory.owners = lambda: rank_owners(step.params, optimizers)
-        build_peak = memory.reset_peak()  # the build's peak (one full parameter at a time), reported beside
-        torch_counts = {}
-        for n in (1, 2):  # step 1 creates the optimizer states; step 2 is the steady state
-            comms.counting = n == 2
-            # torch's own collective counter beside ours on step 2, for tests (it does not count send/recv)
-            with CommDebugMode() if comm_debug and n == 2 else contextlib.nullcontext() as counter:
-                loss = accumulate_gradients(step, loader.next_batch(), n)
-                global_loss_and_norm(step, loss, n)
-                optimizers.step()
-            if counter is not None:
-                torch_counts = {str(op): c for op, c in counter.get_comm_counts().items()}
-        comms.counting = False
-        categories = memory.finish()
-        peak = memory.peak
-    return {
-        "pp_rank": pp_rank,
-        "rank": rank,
-        "stages": list(plan.stage_ids),
-        "simulated_peak_bytes": peak,
-        "build_peak_bytes": build_peak,
-        "categories": categories,
-        "collectives": comms.table(),
-        **({"torch_comm_counts": torch_counts} if comm_debug else {}),
-        "seconds": round(time.perf_counter() - started, 1),
-    }
-
-
 def in_fresh_process(fn, *args):
     """``fn(*args)`` in a spawned process of its own: torch caches what a fake world's groups are called (DTensor's
     sharding propagation, meshes), and the next pipeline rank's world reuses the names for other groups."""
@@ -319,8 +185,10 @@ def why(simulated: float, estimated: float, sim: dict, est: dict) -> str | None:
     )
 
 
-def simulate(cfg: Config, args: SimulateArgs) -> dict:
-    """Steps 2-4 for every pipeline rank asked for; the report (``--simulate-out``'s JSON)."""
+def simulate(cfg: Config, args: SimulateArgs, run_rank) -> dict:
+    """Steps 2-4 for every pipeline rank asked for; the report (``--simulate-out``'s JSON). ``run_rank(cfg,
+    world_size, pp_rank)`` is step 3 (training/simulated_rank.py: ``simulate_rank``, handed in by train.py: the
+    plan's room does not import the training loop)."""
     plan = LayoutPlan.resolve(cfg, args.world_size, rank=0)
     problems = refusals(cfg, plan)
     if problems:
@@ -332,7 +200,7 @@ def simulate(cfg: Config, args: SimulateArgs) -> dict:
         raise ConfigError(f"{PP_RANKS} {bad}: this layout has pp {pp}, so pipeline ranks 0..{pp - 1}.")
     rows = []
     for pp_rank in ranks:
-        row = in_fresh_process(simulate_rank, cfg, args.world_size, pp_rank)
+        row = in_fresh_process(run_rank, cfg, args.world_size, pp_rank)
         total, split = estimate(cfg, args.world_size, pp_rank)
         row["estimated_bytes"] = round(total)
         row["estimated_categories"] = {k: round(v) for k, v in split.items()}
@@ -378,9 +246,9 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_simulation(cfg: Config, args: SimulateArgs) -> str:
+def run_simulation(cfg: Config, args: SimulateArgs, run_rank) -> str:
     """``train.py --simulate``: the report printed (and written as JSON with ``--simulate-out``)."""
-    report = simulate(cfg, args)
+    report = simulate(cfg, args, run_rank)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from planning.simulate import SimulateArgs, in_fresh_process, parse_simulate, simulate_rank
+from planning.simulate import SimulateArgs, in_fresh_process, parse_simulate
 from runtime.config import ConfigError, load_config
 from train import main
+from training.simulated_rank import simulate_rank
 
 # Tiny shapes whose vocabulary shard (320 / tp) matches no other width, so logits are told apart by their width.
 MOE_8 = [  # world 8: pp 2 (interleaved, 2 stages per rank) x dp_shard 2 x tp 2, experts over ep 2, full AC, bf16
