@@ -170,3 +170,25 @@ def test_simulate_writes_the_report_as_json(tmp_path, capsys):
 def test_shipped_configs_pass_the_dry_run_at_their_world_size(config, world, capsys):
     assert main(["--dry-run", "--world-size", str(world), "--config", f"configs/{config}.toml"]) == 0
     assert f"world {world}" in capsys.readouterr().out
+
+
+FAMILIES = {  # world 4, bf16: the layout families the tests above do not run
+    "hsdp": (["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"], 0, {"dp_replicate", "dp_shard"}),
+    "zbv": (["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.dp_shard", "2"], 0, {"pp"}),
+    "dualpipev": (
+        ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV", "--parallel.pp_microbatches", "4"],
+        1,
+        {"pp"},
+    ),
+    "cp-allgather": (["--parallel.cp", "2", "--parallel.dp_shard", "2"], 0, {"cp", "fsdp"}),
+    "cp-ring": (["--parallel.cp", "2", "--parallel.cp_attention", "ring", "--parallel.dp_shard", "2"], 0, {"cp"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_layout_family_simulates(family):
+    extra, pp_rank, dims = FAMILIES[family]
+    argv = ["--config", "configs/debug.toml", "--model.vocab_size", "320", "--training.mixed_precision", "bf16"]
+    row = in_fresh_process(simulate_rank, load_config(argv + extra), 4, pp_rank)
+    assert row["simulated_peak_bytes"] > 0 and dims <= {c["dim"] for c in row["collectives"]}
