@@ -1,29 +1,23 @@
 """Simulate before you rent: ``python train.py --simulate --world-size N [--config F] [--key value ...]``.
 
 The planner (planning/memory_estimate.py) is arithmetic; this runs meshloom's own code at the world size it is
-meant for, in one CPU process, and measures what one rank of each pipeline stage holds and sends:
+meant for, on one CPU, and measures what one rank of each pipeline stage holds and sends:
 
 1. Split the simulation's flags off the command line (``parse_simulate``): ``--simulate``, ``--world-size N``,
    ``--pp-ranks 0,15`` (default: every pipeline rank; the other coordinates of a pipeline rank are symmetric),
    ``--simulate-out FILE`` (the report as JSON) and ``--simulate-routing balanced`` (the only routing today).
-2. Refuse what cannot be simulated, naming what and why (``refusals``): anything that reads a value on the host
-   inside the step (MoE capacity dropping sizes its tensors from a host read), MoE in fp32 (the grouped matmul's
-   shape function takes bf16 only), layouts with neither FSDP nor TP (torch cannot swap plain fake parameters when materialising),
-   host memory (CPU offload), a torch.compile'd block, DDP-replicated layouts (PowerSGD, 1-bit Adam).
-3. Per pipeline rank (training/simulated_rank.py, in a fresh process each): a fake world of N ranks in which this process plays the first rank of that pipeline stage
-   (``fake_world``: every collective returns at once), the DeviceMesh built outside fake mode (FSDP2 with TP or
-   EP concatenates meshes with ``nonzero()``, which fake tensors cannot run); then, under ``FakeTensorMode``
-   (shapes and dtypes only, no bytes), the real build (mesh/parallelize.py: TP/SP, EP, AC, FSDP2, weights), the
-   pipeline schedule with its static stage metadata, the optimizer, and two real training steps (step 1 creates
-   the optimizer states) on token batches of the right shape (no data file). Expert parallelism routes by
-   ``balanced_split_sizes`` (mesh/expert_parallel.py): balanced routing is assumed, not read.
-4. Meter it (planning/sim_accounting.py, step 3's meters): the peak of live bytes and its split by category, and the collectives
-   of step 2 per mesh dim; then the planner's estimate for the same rank beside it, and ``why`` when they differ
-   by more than 10%.
+2. Refuse what cannot be simulated, naming what and why (``refusals``): MoE token dropping (a host read sizes the
+   experts' input), MoE in fp32 (the grouped matmul's shape function takes bf16 only), layouts with neither FSDP
+   nor TP (torch cannot swap plain fake parameters when materialising), CPU offload, a compiled block, and the
+   DDP-replicated layouts (PowerSGD, 1-bit Adam).
+3. Per pipeline rank, in a fresh process each (``in_fresh_process``): ``run_rank``, which train.py hands in
+   (training/simulated_rank.py: the real build and two real training steps on a fake world of N ranks under fake
+   tensors, metered by planning/sim_accounting.py). Expert parallelism routes by ``balanced_split_sizes``
+   (mesh/expert_parallel.py): balanced routing is assumed, not read.
+4. The planner's estimate for the same rank beside the measured peak, category by category, and ``why`` when
+   they differ by more than 10%; the collectives of step 2 per mesh dim; printed, and written as JSON.
 
 The memory is CPU-style: no allocator rounding or fragmentation, CUDA context, kernel workspaces or NCCL buffers.
-Not run: the step's host reads (loss and norm read, MoE load statistics: each a small all-reduce) and the
-pipeline's start-up vote (stages are static, so the vote's answer is known).
 """
 
 from __future__ import annotations
@@ -222,7 +216,7 @@ def format_report(report: dict) -> str:
     lines = [
         f"meshloom simulation | world {report['world_size']} | {report['layout']} | {report['mixed_precision']} | "
         f"MoE routing: {report['routing']}",
-        f"  one process, fake world, fake tensors; {report['memory_model']}",
+        f"  one process per pipeline rank, fake world, fake tensors; {report['memory_model']}",
     ]
     for row in report["ranks"]:
         sim, est = row["categories"], row["estimated_categories"]
