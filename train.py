@@ -3,6 +3,7 @@
     python train.py                                   # the embedded default, one process
     torchrun --standalone --nproc-per-node 4 train.py --config configs/debug.toml --parallel.dp_shard 4
     python train.py --dry-run --world-size 16 --config configs/debug.toml --parallel.tp 4   # check a layout
+    python train.py --simulate --world-size 1024 --config configs/llama3_70b.toml --pp-ranks 0,15  # measure it
 
 Every layout trains the same model as one process: the initial weights are a function of (seed, name),
 each data-parallel rank reads its slice of the same global batches, and the loss is the sum of token
@@ -56,6 +57,7 @@ from planning.dry_run import dry_run, parse_dry_run
 from planning.layout_rules import check_memory
 from planning.options import parallel_options
 from planning.plan import LayoutPlan
+from planning.simulate import parse_simulate, run_simulation
 from runtime.config import Config, ConfigError, help_text, load_config
 from runtime.failures import explain_failure, fail, is_communication_failure, phase, say_last
 from runtime.process import (
@@ -75,6 +77,7 @@ from training.loaders import batch_loader
 from training.metrics import MetricsWriter, Progress, format_step, open_metrics
 from training.optimizer import Optimizers
 from training.profiling import named_range, step_profiler
+from training.simulated_rank import simulate_rank
 from training.step import StepParts, divergence_advice, pipeline_schedule, train_step
 from training.throughput import Throughput, peak_tflops
 
@@ -294,8 +297,13 @@ def main(argv: list[str]) -> int:
         return 0
     cfg = None
     try:
+        simulation, argv = parse_simulate(argv)  # --simulate --world-size N ... (planning/simulate.py)
         dry, world_size, argv = parse_dry_run(argv)
         cfg = load_config(argv)
+        if simulation:
+            adopt_folder_config(cfg)
+            print(run_simulation(cfg, simulation, simulate_rank), flush=True)
+            return 0
         if dry:
             adopt_folder_config(cfg)  # the config and the layout for world_size ranks, then stop (planning/dry_run.py)
             print(dry_run(cfg, world_size), flush=True)

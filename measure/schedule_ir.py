@@ -18,14 +18,13 @@ when torch fixes it.
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mesh.pipeline import SCHEDULE_FAMILIES
+from mesh.private_api import fake_world  # torch's testing backend, wrapped where private APIs live
 
 
 class Action(NamedTuple):
@@ -39,20 +38,6 @@ def stage_ids(schedule: str, pp: int, v: int, rank: int) -> list[int]:
     if schedule in ("ZBVZeroBubble", "DualPipeV"):
         return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(v)]
-
-
-@contextlib.contextmanager
-def fake_world(world_size: int, rank: int = 0):
-    """A process group of ``world_size`` in which this process plays ``rank`` and nothing is ever sent."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    if dist.is_initialized():
-        raise RuntimeError("fake_world needs a process without a process group (run it outside torchrun)")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def raw_pipeline_order(schedule: str, pp: int, microbatches: int, v: int) -> dict[int, list]:

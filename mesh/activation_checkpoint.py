@@ -83,12 +83,12 @@ SAVE_OPS = {
 _MATMULS = {_aten.mm.default, _aten.addmm.default}  # how a row-parallel linear runs on its local shard
 
 
-def _storage_ptr(t) -> int:
-    return (
-        dtensor_local_storage(t).untyped_storage().data_ptr()
-        if isinstance(t, DTensor)
-        else (t.untyped_storage().data_ptr())
-    )
+def _storage_id(t) -> int:
+    """Which storage ``t`` views (a DTensor: its local shard's): the storage object's own identity, valid for real
+    and fake tensors alike. Not ``data_ptr()``: 0 for every fake tensor (and for an empty storage), so under fake
+    tensors every operand would match no weight, or all would."""
+    local = dtensor_local_storage(t) if isinstance(t, DTensor) else t
+    return local.untyped_storage()._cdata
 
 
 def _save_policy(row_linears: list[nn.Module]):
@@ -99,9 +99,8 @@ def _save_policy(row_linears: list[nn.Module]):
         if op not in SAVE_OPS:
             return CheckpointPolicy.PREFER_RECOMPUTE
         if row_linears and op in _MATMULS:
-            weights = {_storage_ptr(m.weight) for m in row_linears}  # now: FSDP may have regathered them
-            weights.discard(0)
-            if any(isinstance(a, torch.Tensor) and _storage_ptr(a) in weights for a in args):
+            weights = {_storage_id(m.weight) for m in row_linears}  # now: FSDP may have regathered them
+            if any(isinstance(a, torch.Tensor) and _storage_id(a) in weights for a in args):
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
 

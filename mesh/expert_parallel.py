@@ -8,7 +8,9 @@ count per expert; then:
 1. count tokens per expert (the block already did: ``counts``, length n_experts, in expert order);
 2. exchange the counts with ``all_to_all_single``: rank r learns how many tokens each peer sends to each of
    r's local experts. The token all-to-all takes its split sizes as host integers, so the host reads the
-   per-rank sums here, sent and received in one read: the one host sync of an expert-parallel layer;
+   per-rank sums here, sent and received in one read: the one host sync of an expert-parallel layer. The
+   split sizes come from a provider (``host_split_sizes`` by default); ``use_split_sizes`` swaps in another,
+   such as ``balanced_split_sizes`` (balanced routing assumed, no host read: the simulation uses it);
 3. permute tokens by destination rank: sorting by global expert id already groups them by owner, so the
    send splits are just the per-rank sums of ``counts``;
 4. ``all_to_all_single`` the tokens (autograd-aware: its backward is the reverse all-to-all of the
@@ -37,6 +39,7 @@ saves their outputs, so recomputing a block in backward never repeats them (mesh
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import TYPE_CHECKING
 
@@ -53,6 +56,47 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
+def host_split_sizes(counts: torch.Tensor, received: torch.Tensor, rows: int) -> tuple[torch.Tensor, list, list]:
+    """Step 2's split sizes from the real routing: ``all_to_all_single`` takes them as host integers, so the
+    host reads the per-rank sums sent and received, both lists in one read: the one host sync of an
+    expert-parallel layer (a device sync on a GPU). Returns (received counts, sent per rank, received per rank)."""
+    ep = received.shape[0]
+    sent_per_rank, recv_per_rank = torch.stack([counts.view(ep, -1).sum(1), received.sum(1)]).tolist()
+    return received, sent_per_rank, recv_per_rank
+
+
+def balanced_split_sizes(counts: torch.Tensor, received: torch.Tensor, rows: int) -> tuple[torch.Tensor, list, list]:
+    """Balanced routing assumed instead of read: this rank's ``rows`` routed tokens go evenly to the ep ranks, and
+    each peer (routing as many) sends as many back, spread evenly over the local experts. Nothing is read on the
+    host, so it runs under fake tensors (a simulation) and could feed a fused dispatch that never syncs. The
+    count exchange itself still runs, so the collectives are those of a real step."""
+    ep, n_local = received.shape
+    per_rank = [rows // ep + (1 if r < rows % ep else 0) for r in range(ep)]
+    cells = [[n // n_local + (1 if e < n % n_local else 0) for e in range(n_local)] for n in per_rank]
+    balanced = torch.tensor(cells, dtype=received.dtype, device=received.device)
+    return balanced, per_rank, per_rank
+
+
+class _SplitSizes:
+    """The split-size provider every ExpertParallel layer asks (``use_split_sizes`` swaps it)."""
+
+    provider = staticmethod(host_split_sizes)
+
+
+SPLIT_SIZES = _SplitSizes()
+
+
+@contextlib.contextmanager
+def use_split_sizes(provider):
+    """Route with ``provider`` (e.g. ``balanced_split_sizes``) instead of reading the real counts, inside the block."""
+    previous = SPLIT_SIZES.provider
+    SPLIT_SIZES.provider = provider
+    try:
+        yield
+    finally:
+        SPLIT_SIZES.provider = previous
+
+
 class ExpertParallel(ParallelStyle):
     """Shard GroupedExperts over a 1-D ep mesh and route tokens to their experts' ranks (module docstring)."""
 
@@ -66,9 +110,7 @@ class ExpertParallel(ParallelStyle):
         group, ep = mesh.get_group(), mesh.size()
         # 2. exchange counts: row r of `received` = tokens peer r sends to each of my local experts
         received = all_to_all_functional(counts, group).view(ep, -1)  # (source rank, local expert)
-        # all_to_all_single takes its split sizes as host integers: both lists in one read, the one host sync
-        # of an expert-parallel layer
-        sent_per_rank, recv_per_rank = torch.stack([counts.view(ep, -1).sum(1), received.sum(1)]).tolist()
+        received, sent_per_rank, recv_per_rank = SPLIT_SIZES.provider(counts, received, x.shape[0])
         # 3-4. tokens are already grouped by destination rank; exchange them
         routed = all_to_all_autograd(x, recv_per_rank, sent_per_rank, group)
         # 5. regroup from (source rank, local expert) order to (local expert, source rank) order

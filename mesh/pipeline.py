@@ -13,7 +13,9 @@
    last stage share rank 0). GPipe and 1F1B have one stage per rank.
 3. **Parallelize.** Each stage module is then parallelized like a whole model: TP over ``tp``, FSDP over
    the data-parallel dims (mesh/parallelize.py: build_model_parts), giving the 3-D layout pp x dp x tp.
-4. **Schedule.** ``PipelineStage`` wraps each stage with the pp process group; the schedule splits each
+4. **Schedule.** ``PipelineStage`` wraps each stage with the pp process group and static metadata from the plan
+   (``StageShapes``: what the stage receives and sends, so the first step infers no shapes and exchanges no
+   metadata); the schedule splits each
    local batch into ``pp_microbatches`` micro-batches and orders their forward (F), backward (B, or I and
    W when zero-bubble schedules split it into input- and weight-gradient halves) and point-to-point
    sends. The loss function returns each micro-batch's token-loss sum divided by the *global* token count,
@@ -34,7 +36,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from mesh.private_api import after_shape_inference, no_warm_up_messages_to_self
+from mesh.private_api import after_shape_inference, no_warm_up_messages_to_self, step_without_outputs
 from models.llama import ModelArgs, Transformer
 
 
@@ -105,6 +107,46 @@ def build_stage_module(args: ModelArgs, layers: list[int], is_first: bool, is_la
     return stage
 
 
+@dataclass(frozen=True)
+class StageShapes:
+    """What flows between stages, known from the plan (step 4's static metadata): per pipeline micro-batch
+    ``microbatch`` sequences of ``seq`` tokens on this rank (seq_len / cp), hidden states of width ``dim`` in
+    ``dtype`` (the compute dtype), ``seq / tp`` of them under sequence parallelism, and logits of ``vocab`` (the
+    last stage's output: a vocabulary-sharded DTensor over ``tp_mesh`` under TP, for the vocab-parallel loss)."""
+
+    microbatch: int
+    seq: int
+    dim: int
+    vocab: int
+    dtype: torch.dtype
+    sequence_split: int = 1  # tp under sequence parallelism, else 1
+    tp_mesh: object = None  # the tp DeviceMesh when tp > 1
+
+    def examples(self, is_first: bool, is_last: bool) -> dict:
+        """Meta tensors shaped like the stage's inputs, outputs and their gradients (PipelineStage's static
+        ``input_args``/``output_args``/``input_grads``/``output_grads``)."""
+        hidden = torch.empty(
+            self.microbatch, self.seq // self.sequence_split, self.dim, dtype=self.dtype, device="meta"
+        )
+        if is_first:
+            inputs, input_grads = torch.empty(self.microbatch, self.seq, dtype=torch.long, device="meta"), None
+        else:
+            inputs, input_grads = hidden.requires_grad_(), hidden.detach()
+        if not is_last:
+            outputs = hidden.detach().requires_grad_()
+        elif self.tp_mesh is None:
+            outputs = torch.empty(self.microbatch, self.seq, self.vocab, dtype=self.dtype, device="meta")
+        else:
+            from torch.distributed.tensor import DTensor, Shard
+
+            tp = self.tp_mesh.size()
+            local = torch.empty(self.microbatch, self.seq, self.vocab // tp, dtype=self.dtype, device="meta")
+            outputs = DTensor.from_local(local, self.tp_mesh, (Shard(2),), run_check=False)
+        output_grads = outputs.detach()
+        outputs = outputs.requires_grad_()
+        return {"input_args": inputs, "output_args": outputs, "input_grads": input_grads, "output_grads": output_grads}
+
+
 def forget_metadata_inference_statistics(stage: PipelineStage) -> None:
     """Reset the MoE load counters after torch's metadata inference, so they count real micro-batches only.
 
@@ -131,10 +173,22 @@ def build_pipeline_schedule(
     pp_group,
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    shapes: StageShapes | None = None,
 ):
-    """Wrap each local stage in a PipelineStage and build ``schedule`` over them."""
+    """Wrap each local stage in a PipelineStage and build ``schedule`` over them.
+
+    With ``shapes`` every stage gets static metadata (what it receives and sends, from the plan), so the first
+    step runs no shape inference: no extra forward and backward of the first micro-batch, no metadata messages
+    between the stages (torch's warm-up then only votes that every stage is static)."""
     stages = [
-        PipelineStage(module, stage_id, n_stages, device, group=pp_group)
+        PipelineStage(
+            module,
+            stage_id,
+            n_stages,
+            device,
+            group=pp_group,
+            **(shapes.examples(stage_id == 0, stage_id == n_stages - 1) if shapes else {}),
+        )
         for module, stage_id in zip(stage_modules, stage_ids, strict=True)
     ]
     for stage in stages:
@@ -165,7 +219,9 @@ def run_schedule(
     """
     losses: list[torch.Tensor] = []
     is_first, is_last = 0 in stage_ids, n_stages - 1 in stage_ids
-    run = schedule.eval if forward_only else schedule.step
+    # training keeps no outputs: the last stage would otherwise hold every micro-batch's logits (and a merged copy)
+    # until the next step, which nothing here reads (the losses come through ``losses``)
+    run = schedule.eval if forward_only else step_without_outputs(schedule)
     # The loader's inputs and targets are slices of one (b, s + 1) window: torch 2.11 checks each micro-batch's
     # strides against those it inferred and refuses a slice, so the stages get dense tensors.
     inputs, targets = inputs.contiguous(), targets.contiguous()

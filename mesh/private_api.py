@@ -69,8 +69,10 @@ matmul) is wrapped in models/kernels.py, because models/ is single-device code t
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -221,6 +223,113 @@ def no_warm_up_messages_to_self(stage) -> None:
         return
     me = dist.get_rank()
     stage._get_init_p2p_neighbors_ops = lambda: [op for op in warm_up() if op.peer != me]
+
+
+def step_without_outputs(schedule):
+    """``schedule.step`` that keeps no last-stage outputs: ``return_outputs=False`` where the release has it.
+
+    With the default (True) the last stage keeps every micro-batch's output (the logits) and returns them merged,
+    alive until the next step; training reads only the losses. Chosen by capability: a release whose ``step``
+    lacks the keyword gets the plain call.
+    """
+    if "return_outputs" in inspect.signature(schedule.step).parameters:
+        return functools.partial(schedule.step, return_outputs=False)
+    return schedule.step
+
+
+def skip_warm_up_vote(schedule) -> None:
+    """Simulation only: every stage has static metadata, so set torch's warm-up vote's result without voting.
+
+    torch 2.13's first step runs a vote over send/recv (every stage static or not) and reads it with ``.item()``;
+    on a fake world nothing is received (the vote reads 0: "dynamic") and under fake tensors nothing can be read.
+    On a real run the vote goes ahead and finds every stage static. A release without the vote (2.11: the
+    legacy neighbour warm-up) keeps its own.
+    """
+    if not hasattr(schedule, "_warmup_p2p"):
+        return
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def static(stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = static
+
+
+@contextlib.contextmanager
+def own_fake_mode_for_sharding_propagation():
+    """DTensor's sharding propagation computes output metadata under the *ambient* fake mode if there is one
+    (``detect_fake_mode() or FakeTensorMode()`` in torch/distributed/tensor/_sharding_prop.py); a memory meter
+    beside that fake mode would count its global-shape temporaries as this rank's memory. Inside this context
+    each propagation gets a fresh fake mode of its own."""
+    from torch.distributed.tensor import _sharding_prop
+
+    if not hasattr(_sharding_prop, "detect_fake_mode"):  # a release that never reuses it
+        yield
+        return
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
+# ---- fake worlds (the simulation, measure/schedule_ir.py) ---------------------------------------------------
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """A process group of ``world_size`` in which this process plays ``rank`` and nothing is ever sent (torch's
+    testing backend ``fake``, registered by importing ``FakeStore``)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world needs a process without a process group (run it outside torchrun)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def meshes_outside_fake_mode():
+    """DeviceMeshes made while a fake mode is active are computed on real tensors, outside every mode.
+
+    FSDP2 with TP or EP concatenates meshes (``DeviceMesh._concatenate``) inside ``fully_shard``; the new mesh
+    finds this rank's coordinates with ``(mesh == rank).nonzero()``, whose output shape fake tensors cannot know.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    concatenate = DeviceMesh._concatenate
+
+    def outside(device_mesh_list):
+        with _disable_current_modes():
+            return concatenate(device_mesh_list)
+
+    DeviceMesh._concatenate = staticmethod(outside)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(concatenate)
+
+
+@contextlib.contextmanager
+def eager_functional_collectives():
+    """Functional collectives take an ambient fake mode for tracing (``_are_we_tracing`` in
+    torch/distributed/_functional_collectives.py) and then wait at once instead of returning an async tensor.
+    Selective checkpointing saves what the ops return, so a fake-tensor simulation would keep other tensors than
+    a real rank does (measured: 15% more activation bytes at tp 2). Inside this context they run their eager path."""
+    from torch.distributed import _functional_collectives as funcol
+
+    tracing = getattr(funcol, "_are_we_tracing", None)
+    if tracing is None:  # a release without the check: nothing to change
+        yield
+        return
+    funcol._are_we_tracing = lambda: False
+    try:
+        yield
+    finally:
+        funcol._are_we_tracing = tracing
 
 
 # ---- activation checkpointing ----------------------------------------------------------------------------

@@ -26,8 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from mesh.dims import ParallelDims
-from mesh.pipeline import default_microbatches, stage_ids_of_rank, stages_per_rank
+from mesh.pipeline import StageShapes, default_microbatches, stage_ids_of_rank, stages_per_rank
 from planning.layout_rules import batch_split, layout_errors
 from planning.memory_estimate import MemoryLayout
 from planning.pipeline_split import split_layers
@@ -55,6 +57,8 @@ class LayoutPlan:
     stage_layers: tuple[tuple[int, ...], ...]  # layer ids of every stage
     stage_ids: tuple[int, ...]  # the stages this rank runs
     fsdp: bool  # whether FSDP2 wraps the model (mesh/parallelize.py)
+    sequence_parallel: bool = True  # parallel.sequence_parallel (under tp > 1)
+    mixed_precision: str = "fp32"  # training.mixed_precision: the compute dtype between pipeline stages
 
     @property
     def global_tokens(self) -> int:
@@ -103,6 +107,21 @@ class LayoutPlan:
             stage_layers=tuple(tuple(ls) for ls in layers),
             stage_ids=tuple(stage_ids),
             fsdp=fsdp,
+            sequence_parallel=p.sequence_parallel,
+            mixed_precision=t.mixed_precision,
+        )
+
+    def stage_shapes(self, tp_mesh) -> StageShapes:
+        """What flows between this rank's pipeline stages (mesh/pipeline.py: static stage metadata)."""
+        tp = self.dims.tp
+        return StageShapes(
+            microbatch=self.micro_batch // self.pp_microbatches,
+            seq=self.seq_len // self.dims.cp,
+            dim=self.model.dim,
+            vocab=self.model.vocab_size,
+            dtype=torch.bfloat16 if self.mixed_precision == "bf16" else torch.float32,
+            sequence_split=tp if tp > 1 and self.sequence_parallel else 1,
+            tp_mesh=tp_mesh if tp > 1 else None,
         )
 
     def batch_line(self) -> str:

@@ -592,10 +592,14 @@ def help_text() -> str:
     lines = [
         "usage: [torchrun --standalone --nproc-per-node N] train.py [--config FILE.toml] [--section.key VALUE ...]",
         "       python train.py --dry-run --world-size N [--config FILE.toml] [--section.key VALUE ...]",
+        "       python train.py --simulate --world-size N [--config FILE.toml] [--section.key VALUE ...]",
         "",
         "--dry-run --world-size N: check the config and the layout for N ranks and print the banner (mesh, parameters",
         "and memory per rank, batch split) without a process group or any data, checkpoint or run.dir file; exit 0, or",
         "2 listing every broken rule.",
+        "--simulate --world-size N [--pp-ranks 0,15] [--simulate-out FILE]: build and run two training steps of one",
+        "rank per pipeline stage on a fake world of N ranks under fake tensors; peak memory by category beside the",
+        "estimate, collectives per mesh dim (planning/simulate.py).",
         "",
         "Every key below can be set in a TOML file ([section] key = value) or overridden on the command line.",
     ]

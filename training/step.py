@@ -136,6 +136,7 @@ def pipeline_schedule(parts, plan: LayoutPlan, meshes: Meshes, device: torch.dev
         pp_group=meshes.pp.get_group(),
         device=device,
         loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / scale.tokens,
+        shapes=plan.stage_shapes(meshes.tp),  # static stage metadata: no shape inference at the first step
     )
     schedule.loss_divisor = scale
     return schedule, stages

@@ -1,0 +1,249 @@
+"""Simulate before you rent: ``python train.py --simulate --world-size N [--config F] [--key value ...]``.
+
+The planner (planning/memory_estimate.py) is arithmetic; this runs meshloom's own code at the world size it is
+meant for, on one CPU, and measures what one rank of each pipeline stage holds and sends:
+
+1. Split the simulation's flags off the command line (``parse_simulate``): ``--simulate``, ``--world-size N``,
+   ``--pp-ranks 0,15`` (default: every pipeline rank; the other coordinates of a pipeline rank are symmetric),
+   ``--simulate-out FILE`` (the report as JSON) and ``--simulate-routing balanced`` (the only routing today).
+2. Refuse what cannot be simulated, naming what and why (``refusals``): MoE token dropping (a host read sizes the
+   experts' input), MoE in fp32 (the grouped matmul's shape function takes bf16 only), layouts with neither FSDP
+   nor TP (torch cannot swap plain fake parameters when materialising), CPU offload, a compiled block, and the
+   DDP-replicated layouts (PowerSGD, 1-bit Adam).
+3. Per pipeline rank, in a fresh process each (``in_fresh_process``): ``run_rank``, which train.py hands in
+   (training/simulated_rank.py: the real build and two real training steps on a fake world of N ranks under fake
+   tensors, metered by planning/sim_accounting.py). Expert parallelism routes by ``balanced_split_sizes``
+   (mesh/expert_parallel.py): balanced routing is assumed, not read.
+4. The planner's estimate for the same rank beside the measured peak, category by category, and ``why`` when
+   they differ by more than 10%; the collectives of step 2 per mesh dim; printed, and written as JSON.
+
+The memory is CPU-style: no allocator rounding or fragmentation, CUDA context, kernel workspaces or NCCL buffers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from planning.dry_run import size
+from planning.memory_estimate import MemoryLayout, rank_memory, rank_parameters, stage_parameters
+from planning.plan import LayoutPlan
+from runtime.config import ConfigError
+
+if False:  # pragma: no cover  (type names only)
+    from runtime.config import Config
+
+SIMULATE, PP_RANKS, OUT, ROUTING, WORLD_SIZE = (
+    "--simulate",
+    "--pp-ranks",
+    "--simulate-out",
+    "--simulate-routing",
+    "--world-size",
+)
+ROUTINGS = ("balanced",)
+TOLERANCE = 0.10  # a difference beyond this gets a ``why``
+NOT_MODELLED = (
+    "CPU-style memory: no allocator rounding or fragmentation, CUDA context, kernel workspaces or NCCL buffers"
+)
+
+
+@dataclass
+class SimulateArgs:
+    world_size: int
+    pp_ranks: list[int] | None  # None: every pipeline rank
+    out: str | None
+    routing: str = "balanced"
+
+
+def parse_simulate(argv: list[str]) -> tuple[SimulateArgs | None, list[str]]:
+    """Step 1: (the simulation's arguments, or None without ``--simulate``; the remaining arguments). Without
+    ``--simulate`` the arguments are returned untouched (``--world-size`` then belongs to ``--dry-run``)."""
+    if SIMULATE not in argv:
+        for flag in (PP_RANKS, OUT, ROUTING):
+            if any(a == flag or a.startswith(flag + "=") for a in argv):
+                raise ConfigError(f"{flag} only goes with {SIMULATE}, e.g. {SIMULATE} --world-size 1024 {flag} ...")
+        return None, argv
+    values: dict[str, str] = {}
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        flag = arg.partition("=")[0]
+        if arg == SIMULATE:
+            pass
+        elif flag in (PP_RANKS, OUT, ROUTING, WORLD_SIZE):
+            if "=" in arg:
+                values[flag] = arg.partition("=")[2]
+            else:
+                values[flag] = argv[i + 1] if i + 1 < len(argv) else ""
+                i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    if "--dry-run" in rest:
+        raise ConfigError(f"{SIMULATE} and --dry-run: choose one (the simulation includes the dry run's checks).")
+    world = values.get(WORLD_SIZE, "")
+    if not world.isdigit() or int(world) < 1:
+        raise ConfigError(
+            f"{WORLD_SIZE} {world!r}: {SIMULATE} needs the number of ranks to simulate, e.g. --world-size 1024."
+        )
+    pp_ranks = None
+    if PP_RANKS in values:
+        text = values[PP_RANKS]
+        if not text or not all(p.strip().isdigit() for p in text.split(",")):
+            raise ConfigError(f"{PP_RANKS} {text!r}: give pipeline ranks separated by commas, e.g. {PP_RANKS} 0,15.")
+        pp_ranks = sorted({int(p) for p in text.split(",")})
+    routing = values.get(ROUTING, "balanced")
+    if routing not in ROUTINGS:
+        raise ConfigError(
+            f"{ROUTING} {routing!r}: the simulation can route MoE tokens {', '.join(ROUTINGS)} only "
+            "(real routing needs real numbers: the split sizes are read on the host)."
+        )
+    return SimulateArgs(int(world), pp_ranks, values.get(OUT), routing), rest
+
+
+def refusals(cfg: Config, plan: LayoutPlan) -> list[str]:
+    """Step 2: what this config does that a simulation cannot run, each with its reason."""
+    p, t, m = cfg.parallel, cfg.training, plan.model
+    found = []
+    if m.moe is not None and m.moe.capacity_factor > 0:
+        found.append(
+            f"model.moe_capacity_factor={m.moe.capacity_factor}: the kept assignments are counted on the host to size "
+            "the experts' input (models/moe.py, step 3); fake tensors hold no counts. Simulate the dropless "
+            "layer (capacity_factor=0)."
+        )
+    if m.moe is not None and t.mixed_precision == "fp32":
+        found.append(
+            "training.mixed_precision=fp32 with MoE layers: torch's shape function for the experts' grouped matmul "
+            "(aten._grouped_mm) accepts bf16 only (the CUDA kernel's rule), though the CPU kernel runs fp32. "
+            "Simulate it with training.mixed_precision=bf16."
+        )
+    if not plan.fsdp and plan.dims.tp == 1:
+        found.append(
+            "a layout with neither FSDP nor TP (fp32, dp_shard = dp_replicate = cp = tp = 1): materialising its plain "
+            "meta-device weights swaps each parameter for a new one (nn.Module.to_empty), which torch refuses for "
+            "fake tensors (FSDP's and TP's parameters are DTensors, which it swaps). "
+            "Simulate it with training.mixed_precision=bf16 (FSDP then holds the weights, as at scale)."
+        )
+    if p.fsdp_cpu_offload:
+        found.append("parallel.fsdp_cpu_offload=true: the states live in host memory, which the meter does not split.")
+    if t.compile:
+        found.append("training.compile=true: a compiled block is traced, not run op by op; simulate it eagerly.")
+    if p.grad_compression in ("powersgd", "onebit_adam"):
+        found.append(
+            f"parallel.grad_compression={p.grad_compression}: its replicated model communicates through DDP's "
+            "buckets and reads its state on the host."
+        )
+    return found
+
+
+def in_fresh_process(fn, *args):
+    """``fn(*args)`` in a spawned process of its own: torch caches what a fake world's groups are called (DTensor's
+    sharding propagation, meshes), and the next pipeline rank's world reuses the names for other groups."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def estimate(cfg: Config, world_size: int, pp_rank: int) -> tuple[float, dict[str, float]]:
+    """The planner's bytes for the same rank, split the way the simulation splits them."""
+    first = LayoutPlan.resolve(cfg, world_size, rank=0)
+    plan = LayoutPlan.resolve(cfg, world_size, rank=pp_rank * (world_size // first.dims.pp))
+    layout, m, stages = MemoryLayout.of_plan(plan, cfg), plan.model, plan.stage_ids
+    memory = rank_memory(m, layout, plan.stage_layers, pp_rank, stages)
+    layers = [i for s in stages for i in plan.stage_layers[s]]
+    owned = rank_parameters(m, layout, stage_parameters(m, layers, 0 in stages, plan.n_stages - 1 in stages))
+    per = memory.states / 16 if owned else 0.0  # states are 16 bytes per owned parameter: 4 + 4 + 8
+    split = {
+        "parameters": 4 * per,
+        "gradients": 4 * per,
+        "optimizer_states": 8 * per,
+        "activations_and_temporaries": memory.gathered + memory.activations,
+        "logits": memory.logits,
+    }
+    return memory.total, split
+
+
+def why(simulated: float, estimated: float, sim: dict, est: dict) -> str | None:
+    """The reason for a difference beyond TOLERANCE: the categories that differ most, and what neither counts."""
+    if estimated and abs(simulated - estimated) <= TOLERANCE * estimated:
+        return None
+    gaps = sorted(((sim[k] - est[k], k) for k in sim), key=lambda g: -abs(g[0]))
+    named = "; ".join(
+        f"{k.replace('_', ' ')} {size(sim[k])} simulated vs {size(est[k])} estimated" for gap, k in gaps[:2] if gap
+    )
+    return (
+        f"{named}. Neither counts the CUDA context, NCCL's buffers or the allocator's rounding; the estimate also "
+        "leaves out the optimizer step's temporaries (planning/memory_estimate.py)."
+    )
+
+
+def simulate(cfg: Config, args: SimulateArgs, run_rank) -> dict:
+    """Steps 2-4 for every pipeline rank asked for; the report (``--simulate-out``'s JSON). ``run_rank(cfg,
+    world_size, pp_rank)`` is step 3 (training/simulated_rank.py: ``simulate_rank``, handed in by train.py: the
+    plan's room does not import the training loop)."""
+    plan = LayoutPlan.resolve(cfg, args.world_size, rank=0)
+    problems = refusals(cfg, plan)
+    if problems:
+        raise ConfigError("the simulation cannot run this config:\n  - " + "\n  - ".join(problems))
+    pp = plan.dims.pp
+    ranks = args.pp_ranks if args.pp_ranks is not None else list(range(pp))
+    bad = [r for r in ranks if r >= pp]
+    if bad:
+        raise ConfigError(f"{PP_RANKS} {bad}: this layout has pp {pp}, so pipeline ranks 0..{pp - 1}.")
+    rows = []
+    for pp_rank in ranks:
+        row = in_fresh_process(run_rank, cfg, args.world_size, pp_rank)
+        total, split = estimate(cfg, args.world_size, pp_rank)
+        row["estimated_bytes"] = round(total)
+        row["estimated_categories"] = {k: round(v) for k, v in split.items()}
+        row["why"] = why(row["simulated_peak_bytes"], total, row["categories"], split)
+        rows.append(row)
+    routing = "balanced (assumed, not read)" if plan.model.moe is not None else "no MoE layers"
+    return {
+        "world_size": args.world_size,
+        "layout": plan.dims.describe(),
+        "mixed_precision": cfg.training.mixed_precision,
+        "routing": routing,
+        "memory_model": NOT_MODELLED,
+        "ranks": rows,
+    }
+
+
+def format_report(report: dict) -> str:
+    """The two tables per pipeline rank: memory by category (simulated, estimated, difference), collectives."""
+    lines = [
+        f"meshloom simulation | world {report['world_size']} | {report['layout']} | {report['mixed_precision']} | "
+        f"MoE routing: {report['routing']}",
+        f"  one process per pipeline rank, fake world, fake tensors; {report['memory_model']}",
+    ]
+    for row in report["ranks"]:
+        sim, est = row["categories"], row["estimated_categories"]
+        total_s, total_e = row["simulated_peak_bytes"], row["estimated_bytes"]
+        lines += [
+            f"  pp rank {row['pp_rank']} (rank {row['rank']}, stages {row['stages']}; {row['seconds']} s); "
+            f"the build peaks at {size(row['build_peak_bytes'])} (materialising the largest weight in full)",
+            f"    {'memory at the peak':<30} {'simulated':>12} {'estimated':>12} {'difference':>11}",
+        ]
+        for key in sim:
+            diff = (sim[key] - est[key]) / est[key] if est[key] else 0.0
+            lines.append(f"    {key.replace('_', ' '):<30} {size(sim[key]):>12} {size(est[key]):>12} {diff:>+10.1%}")
+        diff = (total_s - total_e) / total_e if total_e else 0.0
+        lines.append(f"    {'total':<30} {size(total_s):>12} {size(total_e):>12} {diff:>+10.1%}")
+        if row["why"]:
+            lines.append(f"    why: {row['why']}")
+        lines.append(f"    {'collectives of step 2':<30} {'count':>7} {'bytes/rank':>12} {'on the wire':>12}")
+        for c in row["collectives"]:
+            name = f"{c['dim']} {c['kind']}"
+            lines.append(f"    {name:<30} {c['count']:>7} {size(c['bytes']):>12} {size(c['wire_bytes']):>12}")
+    return "\n".join(lines)
+
+
+def run_simulation(cfg: Config, args: SimulateArgs, run_rank) -> str:
+    """``train.py --simulate``: the report printed (and written as JSON with ``--simulate-out``)."""
+    report = simulate(cfg, args, run_rank)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return format_report(report)

@@ -1,0 +1,159 @@
+"""One rank of a simulated run: meshloom's real build and two real training steps on a fake world under fake tensors.
+
+planning/simulate.py (``train.py --simulate``) calls this once per pipeline rank, each in a fresh process:
+
+1. A fake world of N ranks in which this process plays the first rank of the pipeline stage (every collective
+   returns at once), and the DeviceMesh built outside fake mode (FSDP2 with TP or EP concatenates meshes with
+   ``nonzero()``, which fake tensors cannot run).
+2. Under ``FakeTensorMode`` (shapes and dtypes, no bytes; ``fake=False``: real tensors, for tests at small shapes)
+   and the meters of planning/sim_accounting.py: the real build (mesh/parallelize.py), the pipeline schedule with
+   static stage metadata, the optimizer, then two training steps (step 1 creates the optimizer states) of
+   training/step.py on token batches of the right shape. Expert parallelism routes by ``balanced_split_sizes``.
+3. Return the training peak by category, the build's peak, and step 2's collectives per mesh dim.
+
+Not run: the step's host reads (``read_step``; the MoE load statistics, each a small all-reduce) and the pipeline's
+start-up vote (every stage is static, so its answer is known).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from planning.plan import LayoutPlan
+
+if TYPE_CHECKING:
+    from runtime.config import Config
+
+
+class SimulatedLoader:
+    """Token batches of the right shape and no data: what ``train_step`` reads from data/loader.py."""
+
+    def __init__(self, plan: LayoutPlan):
+        self.plan = plan
+        self.trained_tokens = plan.global_tokens
+        self.tokens_consumed = 0
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        plan = self.plan
+        shape = (plan.micro_batch, plan.seq_len // plan.dims.cp)
+        self.tokens_consumed += plan.global_tokens
+        return [(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))] * plan.accumulation
+
+
+def group_dims(meshes) -> dict[str, str]:
+    """Process group name -> the mesh dim (or named view) it serves."""
+    names = {}
+    world = meshes.world
+    for dim in world.mesh_dim_names:
+        names.setdefault(world[dim].get_group().group_name, dim)
+    for view, mesh in meshes.all().items():
+        if mesh.ndim == 1:
+            names.setdefault(mesh.get_group().group_name, view)
+    import torch.distributed as dist
+
+    names.setdefault(dist.group.WORLD.group_name, "world")
+    return names
+
+
+def rank_owners(params: list, optimizers) -> tuple[set, set, set]:
+    """The storage keys, now, of the parameters' local shards, their gradients and the optimizer states."""
+    from planning.sim_accounting import storage_keys
+
+    states = [v for opt in optimizers.optimizers for s in opt.state.values() for v in s.values()]
+    return (
+        storage_keys(params),
+        storage_keys(p.grad for p in params),
+        storage_keys(v for v in states if isinstance(v, torch.Tensor)),
+    )
+
+
+def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True, comm_debug: bool = False) -> dict:
+    """Steps 1-3 for one pipeline rank: its measured peak by category and step 2's collectives (``fake=False``:
+    the same with real tensors, on a fake world: for tests at small shapes; ``comm_debug``: also torch's
+    CommDebugMode counts of step 2)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from extras.base import Extras
+    from mesh.dims import build_mesh
+    from mesh.expert_parallel import balanced_split_sizes, use_split_sizes
+    from mesh.parallelize import build_model_parts
+    from mesh.private_api import (
+        eager_functional_collectives,
+        fake_world,
+        meshes_outside_fake_mode,
+        own_fake_mode_for_sharding_propagation,
+        skip_warm_up_vote,
+    )
+    from mesh.tied_embeddings import TiedEmbeddings
+    from planning.options import parallel_options
+    from planning.sim_accounting import Collectives, LiveBytes
+    from training.optimizer import Optimizers
+    from training.step import StepParts, accumulate_gradients, global_loss_and_norm, pipeline_schedule
+
+    first = LayoutPlan.resolve(cfg, world_size, rank=0)
+    rank = pp_rank * (world_size // first.dims.pp)
+    plan = LayoutPlan.resolve(cfg, world_size, rank=rank)
+    device, timeout_s = torch.device("cpu"), cfg.parallel.collective_timeout_s
+    started = time.perf_counter()
+    with fake_world(world_size, rank), contextlib.ExitStack() as stack:
+        meshes = build_mesh(
+            plan.dims,
+            device,
+            timeout_s,
+            has_experts=plan.model.moe is not None,
+            fsdp_with_tp=plan.fsdp and plan.dims.tp > 1,
+        )
+        fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True)) if fake else None
+        stack.enter_context(own_fake_mode_for_sharding_propagation())
+        stack.enter_context(meshes_outside_fake_mode())
+        stack.enter_context(eager_functional_collectives())
+        stack.enter_context(use_split_sizes(balanced_split_sizes))
+        memory = stack.enter_context(
+            LiveBytes(plan.model.vocab_size // plan.dims.tp if plan.n_stages - 1 in plan.stage_ids else -1, fake_mode)
+        )
+        stack.enter_context(memory.following_resizes())
+        comms = stack.enter_context(Collectives(group_dims(meshes)))
+        comms.counting = False
+        torch.manual_seed(cfg.training.seed)
+        options = parallel_options(cfg, plan, meshes, device)
+        parts = build_model_parts(plan.model, plan.stage_layers, plan.stage_ids, meshes, options, device)
+        schedule, _ = pipeline_schedule(parts, plan, meshes, device)
+        if schedule is not None:
+            skip_warm_up_vote(schedule)
+        tied = TiedEmbeddings.build(parts, meshes, timeout_s)
+        optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
+        loader = SimulatedLoader(plan)
+        step = StepParts(parts, schedule, plan, meshes, device, optimizers, loader, tied, None, Extras())
+        step.reduce_every_microbatch = cfg.parallel.grad_sync == "microbatch"
+        step.grad_clip = cfg.training.grad_clip
+        memory.owners = lambda: rank_owners(step.params, optimizers)
+        build_peak = memory.reset_peak()  # the build's peak (one full parameter at a time), reported beside
+        torch_counts = {}
+        for n in (1, 2):  # step 1 creates the optimizer states; step 2 is the steady state
+            comms.counting = n == 2
+            # torch's own collective counter beside ours on step 2, for tests (it does not count send/recv)
+            with CommDebugMode() if comm_debug and n == 2 else contextlib.nullcontext() as counter:
+                loss = accumulate_gradients(step, loader.next_batch(), n)
+                global_loss_and_norm(step, loss, n)
+                optimizers.step()
+            if counter is not None:
+                torch_counts = {str(op): c for op, c in counter.get_comm_counts().items()}
+        comms.counting = False
+        categories = memory.finish()
+        peak = memory.peak
+    return {
+        "pp_rank": pp_rank,
+        "rank": rank,
+        "stages": list(plan.stage_ids),
+        "simulated_peak_bytes": peak,
+        "build_peak_bytes": build_peak,
+        "categories": categories,
+        "collectives": comms.table(),
+        **({"torch_comm_counts": torch_counts} if comm_debug else {}),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
