@@ -225,10 +225,12 @@ def init_process_group(device: torch.device, timeout_s: float) -> ControlPlane:
     if not dist.is_initialized():
         if "RANK" in os.environ:
             check_launch_env(store=True)  # every variable the store and the group read, before they read them
-        if "RANK" not in os.environ:  # plain `python train.py`: a world of one
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         kwargs = {"device_id": device} if device.type == "cuda" else {}
+        if "RANK" not in os.environ:
+            # plain `python train.py`: a world of one on a free port, given to torch directly; written into
+            # os.environ it would outlive this run in the process (a test's later run, or a command it starts,
+            # would inherit a port that is no longer ours)
+            kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         timeout = datetime.timedelta(seconds=timeout_s)
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # under torchrun: one store prefix per restart attempt
             rank, world = rank_from_env(), world_size_from_env()
