@@ -36,7 +36,12 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from mesh.private_api import after_shape_inference, no_warm_up_messages_to_self, step_without_outputs
+from mesh.private_api import (
+    after_shape_inference,
+    no_warm_up_messages_to_self,
+    static_stage_arguments,
+    step_without_outputs,
+)
 from models.llama import ModelArgs, Transformer
 
 
@@ -187,7 +192,7 @@ def build_pipeline_schedule(
             n_stages,
             device,
             group=pp_group,
-            **(shapes.examples(stage_id == 0, stage_id == n_stages - 1) if shapes else {}),
+            **(static_stage_arguments(shapes.examples(stage_id == 0, stage_id == n_stages - 1)) if shapes else {}),
         )
         for module, stage_id in zip(stage_modules, stage_ids, strict=True)
     ]

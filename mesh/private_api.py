@@ -575,3 +575,22 @@ def contiguous_block(param) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     if any(type(p) not in (Shard, Replicate) for p in param.placements):
         return None
     return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+
+
+def static_stage_arguments(examples: dict) -> dict:
+    """The static-metadata arguments of ``examples`` that this torch's ``PipelineStage`` takes: ``input_args`` and
+    ``output_args`` on every supported release; ``input_grads`` and ``output_grads`` only where they exist
+    (torch 2.13 has them, 2.11 does not: there the stage derives its gradient metadata from the inputs)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    accepted = inspect.signature(PipelineStage.__init__).parameters
+    return {name: value for name, value in examples.items() if name in accepted}
+
+
+def mesh_ranks(mesh: DeviceMesh) -> frozenset[int]:
+    """The global ranks of ``mesh``, read outside any fake mode: ``DeviceMesh.mesh`` finds this rank's coordinates
+    with ``(mesh == rank).nonzero()``, whose output shape fake tensors cannot know (a simulation's step)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return frozenset(mesh.mesh.flatten().tolist())

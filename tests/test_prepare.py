@@ -534,6 +534,7 @@ def test_a_flipped_byte_in_the_token_file_stops_every_rank_with_the_file_and_off
     damaged = tmp_path / "damaged"
     damaged.mkdir()
     (damaged / HEADER).write_text((byte_dataset / HEADER).read_text())
+    (damaged / "documents.bin").write_bytes((byte_dataset / "documents.bin").read_bytes())  # the folder's, whole
     raw = bytearray((byte_dataset / TOKENS).read_bytes())
     raw[2 * 700 + 1] ^= 0x01  # the high byte of token 700: an id of 256 or more, in rank 1's windows of step 1
     (damaged / TOKENS).write_bytes(bytes(raw))

@@ -36,6 +36,7 @@ class SimulatedLoader:
         self.plan = plan
         self.trained_tokens = plan.global_tokens
         self.tokens_consumed = 0
+        self.documents = None  # no document masks: the simulation reads no data, so it knows no document starts
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         plan = self.plan
