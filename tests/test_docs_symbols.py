@@ -45,7 +45,7 @@ SAME = {
     "H": "ffn hidden swiglu expert",
     "a": "heads n_heads attention",
     "d": "head_dim head width",
-    "t": "tp tensor degree",
+    "t": "tp tensor degree ranks",
     "m": "micro-batches microbatches micro accumulated",
     "v": "stages per rank looped interleaved",
     "n": "ranks group world",
@@ -243,22 +243,26 @@ def first_met() -> dict[str, tuple[str, int, str]]:
     found = {}
     for line in glossary_text().splitlines():
         m = re.match(
-            r"^\| (?P<symbols>[^|]+?) \|.*\[chapter \w+, section (?P<section>\d+)\]\((?P<file>[\w.]+\.md)\) \|$", line
+            r"^\| (?P<symbols>[^|]+?) \|.*\[chapter \w+, (?:section (?P<section>\d+)|opening)\]\((?P<file>[\w.]+\.md)\) \|$",
+            line,
         )
         if m:
             for symbol in re.split(r",\s*", m["symbols"]):
-                found[symbol] = (m["file"], int(m["section"]), line)
+                found[symbol] = (m["file"], int(m["section"] or 0), line)
     return found
 
 
 def section(text: str, number: int) -> str:
+    """Section ``number`` of a chapter ('## N. ...'); 0 is its opening, before section 1."""
+    if number == 0:
+        return re.split(r"^## 1\. ", text, maxsplit=1, flags=re.M)[0]
     m = re.search(rf"^## {number}\. .*?(?=^## |\Z)", text, re.S | re.M)
     return "" if m is None else m.group(0)
 
 
 def uses(text: str, symbol: str) -> bool:
     """The symbol stands in the prose as a letter of its own (not a word, not code)."""
-    return re.search(rf"(?<![\w'’-]){re.escape(symbol)}(?![\w'’-])", prose(text)) is not None
+    return re.search(rf"(?<![\w'’/-]){re.escape(symbol)}(?![\w'’/-])", prose(text)) is not None
 
 
 def test_every_first_met_link_points_at_the_first_section_that_uses_the_letter():
@@ -284,5 +288,5 @@ def test_every_symbol_table_row_says_where_it_is_first_met():
     """The glossary's model-size table names the section each letter is first met in; a row without it fails."""
     table = glossary_text().split("## Sizes of the model and the batch")[1].split("\n## ")[0]
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| symbol")]
-    missing = [row.split("|")[1].strip() for row in rows if "section" not in row.split("|")[-2]]
+    missing = [row.split("|")[1].strip() for row in rows if not re.search(r"section|opening", row.split("|")[-2])]
     assert not missing, f"glossary rows without the section they are first met in: {missing}"
