@@ -141,3 +141,91 @@ def test_every_marked_printout_still_reads_as_the_chapter_quotes(command):
     output = run(command)
     errors = [f"{q.where}: {e}" for q in all_printed() if q.command == command for e in mismatches(q, output)]
     assert not errors, "\n".join(errors)
+
+
+# ---- 3. the one-process reference --------------------------------------------------------------------------
+
+INCLUDE = DOCS / "_includes" / "one_process_losses.md"
+REFERENCE_MARKER = re.compile(r"^<!-- one process: (?P<run>(?:debug_moe, )?\d+ steps) -->$")
+RUNS = {  # the include's columns: the command that logs each
+    "20 steps": "python train.py --config configs/debug.toml --training.steps 20",
+    "10 steps": "python train.py --config configs/debug.toml --training.steps 10",
+    "debug_moe, 10 steps": "python train.py --config configs/debug_moe.toml --training.steps 10",
+}
+REFERENCE_COLUMN = ("1 process", "fp32")  # the headers of a column that quotes the one-process run
+
+
+def include_losses(text: str | None = None) -> dict[str, dict[int, str]]:
+    """Run ('20 steps', ...) -> {step: loss as the include prints it}."""
+    text = INCLUDE.read_text() if text is None else text
+    table = text.split("<!-- one-process reference: generated -->")[1].strip().splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    return {run: {int(r[0]): r[j] for r in rows if r[j]} for j, run in enumerate(header) if j}
+
+
+def reference_columns(name: str, text: str) -> tuple[list[tuple[str, str, dict[int, str]]], list[str]]:
+    """(where, run length, {step: quoted loss}) for every table with a one-process column, and the tables
+    that quote one without saying which run (the marker on the line before the table)."""
+    lines, found, unmarked = text.splitlines(), [], []
+    for i, line in enumerate(lines):
+        if not (line.startswith("| step |") and i + 1 < len(lines) and lines[i + 1].startswith("|---")):
+            continue
+        header = [c.strip() for c in line.strip("|").split("|")]
+        columns = [j for j, cell in enumerate(header) if cell in REFERENCE_COLUMN]
+        if not columns:
+            continue
+        marker = next((REFERENCE_MARKER.match(lines[k]) for k in (i - 1, i - 2) if k >= 0 and lines[k].strip()), None)
+        if marker is None:
+            unmarked.append(f"{name}:{i + 1}: a one-process column without '<!-- one process: N steps -->' above")
+            continue
+        quoted = {}
+        for row in lines[i + 2 :]:
+            if not row.startswith("|"):
+                break
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            if cells[0].isdigit():  # a summary row ('max over 10 steps') quotes no loss
+                quoted[int(cells[0])] = cells[columns[0]]
+        found.append((f"{name}:{i + 1}", marker["run"], quoted))
+    return found, unmarked
+
+
+def reference_errors_in(pages: dict[str, str], reference: dict[str, dict[int, str]]) -> list[str]:
+    errors = []
+    for name, text in pages.items():
+        found, unmarked = reference_columns(name, text)
+        errors += unmarked
+        for where, steps, quoted in found:
+            for step, loss in quoted.items():
+                if reference[steps].get(step) != loss:
+                    errors.append(
+                        f"{where}: step {step} of the one-process run ({steps}) quoted as {loss}; "
+                        f"docs/_includes/one_process_losses.md gives {reference[steps].get(step)}"
+                    )
+    return errors
+
+
+def test_every_one_process_column_quotes_the_one_reference():
+    errors = reference_errors_in({p.name: p.read_text() for p in CHAPTERS}, include_losses())
+    assert not errors, "\n".join(errors)
+
+
+def test_the_reference_check_fails_on_a_retyped_digit():
+    table = "<!-- one process: 20 steps -->\n| step | 1 process | tp 2 |\n|---|---|---|\n| 10 | {} | 3.2815852 |\n"
+    good = include_losses()["20 steps"][10]
+    assert reference_errors_in({"x.md": table.format(good)}, include_losses()) == []
+    assert "step 10" in reference_errors_in({"x.md": table.format("3.2815800")}, include_losses())[0]
+    assert "without" in reference_errors_in({"x.md": table.replace("<!-- one process: 20 steps -->\n", "")}, {})[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", sorted(RUNS))
+def test_the_one_process_reference_is_what_train_py_logs(steps, tmp_path):
+    """Exact digits: one process, fp32, OMP_NUM_THREADS=1 on one machine is deterministic; another CPU (another
+    kernel choice) may move the 7th decimal, and then the include is regenerated, with every chapter's column."""
+    import json
+
+    run(f"{RUNS[steps]} --run.dir {tmp_path} --run.tensorboard false")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: f"{r['loss']:.7f}" for r in records if "loss" in r}
+    assert logged == include_losses()[steps], f"train.py now logs {logged}: regenerate {INCLUDE}"
