@@ -241,6 +241,16 @@ def throughput_layers() -> int:
     return SHAPE["model.n_layers"]
 
 
+@cache
+def pp_split(split: str) -> tuple[list[int], list[float]]:
+    """(layers per stage, each rank's peak in GiB) of chapter 4's picture (docs/figures/pp_split.py):
+    split is 'equal layers', 'pp_split params' or 'pp_split memory'."""
+    from docs.figures.pp_split import pp_split_rows
+
+    sizes, ranks = next((sizes, ranks) for name, sizes, ranks in pp_split_rows() if name == split)
+    return sizes, [m.total / 2**30 for m in ranks]
+
+
 def as_dtype(x: float, dtype: str) -> float:
     """``x`` rounded to the nearest number of ``dtype`` ('bfloat16')."""
     import torch
