@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 import re
 import shlex
@@ -33,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from launch.local_runs import ROOT
-from tests.test_docs import Quoted, blocks, mismatches, quoted_lines
+from tests.test_docs import Quoted, mismatches, quoted_lines
 
 DOCS = ROOT / "docs"
 CHAPTERS = sorted(DOCS.glob("*.md"))
@@ -87,19 +88,42 @@ def test_the_reference_check_fails_on_a_test_that_is_gone():
 # ---- 2. printouts ------------------------------------------------------------------------------------------
 
 MARKER = re.compile(r"^<!-- printed: (?P<command>[^|]+?) \| (?P<mode>exact|shape|rtol=[\d.e-]+|not rerun: .+) -->$")
-FAST = {  # one process, seconds each: re-run in the default suite
-    "python train.py --config configs/debug.toml --dry-run",
-    "python train.py --config configs/debug_moe.toml --dry-run --world-size 8 --parallel.dp_shard 4 --parallel.ep 4",
-    "python train.py --config configs/debug.toml --dry-run --world-size 8 --parallel.dp_shard 2 --parallel.cp 2"
-    " --parallel.tp 2",
+PP4 = (
+    "python train.py --dry-run --world-size 4 --config configs/debug.toml --parallel.pp 4 --parallel.dp_shard 1"
+    " --model.n_layers 8 --parallel.pp_microbatches 4 --parallel.pp_split memory"
+)
+MOE = "python train.py --dry-run --config configs/debug_moe.toml"
+FAST = {  # one process, a second or two each (dry runs, configuration errors): re-run in the default suite
+    PP4,
+    PP4 + " --training.activation_checkpoint full",
+    MOE + " --world-size 3 --parallel.dp_shard 3 --parallel.ep 2 --training.global_batch 6",
+    MOE + " --world-size 3 --parallel.dp_shard 3 --parallel.ep 3 --training.global_batch 6",
+    MOE + " --world-size 2 --parallel.dp_shard 2 --parallel.ep 2 --model.n_experts 0",
+    MOE + " --world-size 2 --parallel.dp_shard 1 --parallel.tp 2 --parallel.ep 4",
 }
+
+
+def fenced(text: str) -> list[tuple[int, list[str]]]:
+    """Like tests/test_docs.py's blocks, but a fence may be indented (an exercise's answer is a list item)."""
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        if lines[i].lstrip().startswith("```"):
+            indent = len(lines[i]) - len(lines[i].lstrip())
+            j = i + 1
+            while j < len(lines) and not lines[j].lstrip().startswith("```"):
+                j += 1
+            out.append((i, [line[indent:] for line in lines[i + 1 : j]]))
+            i = j + 1
+        else:
+            i += 1
+    return out
 
 
 def printed(path: Path) -> list[Quoted]:
     lines = path.read_text().splitlines()
     out = []
-    for start, body in blocks(path.read_text()):
-        before = [line for line in lines[max(0, start - 3) : start] if line.strip()]
+    for start, body in fenced(path.read_text()):
+        before = [line.strip() for line in lines[max(0, start - 3) : start] if line.strip()]
         marker = MARKER.match(before[-1]) if before else None
         if marker:
             out.append(Quoted(f"{path.name}:{start + 1}", marker["command"].strip(), marker["mode"], body))
@@ -229,3 +253,44 @@ def test_the_one_process_reference_is_what_train_py_logs(steps, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged = {r["step"]: f"{r['loss']:.7f}" for r in records if "loss" in r}
     assert logged == include_losses()[steps], f"train.py now logs {logged}: regenerate {INCLUDE}"
+
+
+# ---- 4. banners and layout strings -------------------------------------------------------------------------
+
+LAYOUT = re.compile(r"\bpp=\d+(?: (?:dp_replicate|dp_shard|cp|tp|ep)=\d+)+")
+DIM_LINE = re.compile(r"^\s+(?P<dim>pp|dp_replicate|dp_shard|cp|tp)\s+size\s+\d+")
+
+
+def banner_errors(pages: dict[str, str]) -> list[str]:
+    """Every layout string a page quotes ('pp=1 dp_replicate=2 ... ep=1', in banners, resume lines and errors)
+    is what `mesh/dims.py: ParallelDims.describe` prints for those degrees, and a banner's mesh lines name
+    every dim of `MESH_DIMS`, in order (a banner may stop early at '...')."""
+    from mesh.dims import MESH_DIMS, ParallelDims
+
+    errors = []
+    for name, text in pages.items():
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            for m in LAYOUT.finditer(line):
+                degrees = {k: int(v) for k, v in (kv.split("=") for kv in m.group(0).split())}
+                now = ParallelDims(**degrees, world_size=1).describe()
+                if m.group(0) != now:
+                    errors.append(f"{name}:{i + 1}: {m.group(0)!r}; the code prints {now!r}")
+            if DIM_LINE.match(line) and (i == 0 or not DIM_LINE.match(lines[i - 1])):
+                dims = [DIM_LINE.match(x)["dim"] for x in itertools.takewhile(DIM_LINE.match, lines[i:])]
+                rest = lines[i + len(dims)] if i + len(dims) < len(lines) else ""
+                complete = dims == list(MESH_DIMS) or (rest.strip() == "..." and dims == list(MESH_DIMS[: len(dims)]))
+                if not complete:
+                    errors.append(f"{name}:{i + 1}: a banner's mesh lines {dims}; the code prints {list(MESH_DIMS)}")
+    return errors
+
+
+def test_every_quoted_layout_and_banner_is_what_the_code_prints():
+    errors = banner_errors({p.name: p.read_text() for p in PAGES})
+    assert not errors, "\n".join(errors)
+
+
+def test_the_banner_check_fails_on_a_missing_field():
+    page = "meshloom | world 4 | pp=1 dp_replicate=2 dp_shard=2 tp=1 | fp32\n  pp  size   1\n  tp  size   1\nx\n"
+    errors = banner_errors({"x.md": page})
+    assert len(errors) == 2 and "ep=1" in errors[0] and "MESH_DIMS" not in errors[1], errors
