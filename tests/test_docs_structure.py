@@ -134,3 +134,21 @@ def test_readme_time_follows_from_the_word_counts(name):
 def test_every_chapter_has_its_commands_timed_and_its_exercises_counted():
     assert {file for _, file, _ in chapters()} == set(COMMAND_MIN)
     assert exercises("## 5. Exercises\n\n1. a\n   ```\n   2. not an item\n   ```\n2. b\n## Appendix\n3. c\n") == 2
+
+
+TEST_NAME = re.compile(r"(?<![/\w])test_\w+(?![\w.])")
+
+
+def cited_tests(core: str) -> list[str]:
+    """The test names a chapter core cites (code blocks and comments aside): they belong in the appendix."""
+    return TEST_NAME.findall(COMMENT.sub("", FENCE.sub("", core)))
+
+
+def test_no_chapter_core_cites_a_test_by_name():
+    offenders = {}
+    for _, name, _ in chapters():
+        core, _ = split((ROOT / "docs" / name).read_text())
+        if found := cited_tests(core):
+            offenders[name] = found
+    assert not offenders, f"test names in chapter cores (move them to an appendix): {offenders}"
+    assert cited_tests("see `tests/test_x.py::test_y` (and `tests/test_x.py`)\n") == ["test_y"]
