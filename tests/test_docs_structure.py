@@ -166,7 +166,7 @@ PAREN_ALLOWANCE = {
     "pipeline_parallel.md": 3,
     "expert_parallel.md": 3,
     "mixed_precision.md": 12,
-    "combining.md": 9,
+    "combining.md": 8,
     "checkpointing.md": 3,
     "profiling.md": 3,
     "troubleshooting.md": 1,
