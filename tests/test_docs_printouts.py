@@ -93,7 +93,9 @@ PP4 = (
     " --model.n_layers 8 --parallel.pp_microbatches 4 --parallel.pp_split memory"
 )
 MOE = "python train.py --dry-run --config configs/debug_moe.toml"
-FAST = {  # one process, a second or two each (dry runs, configuration errors): re-run in the default suite
+FAST = {  # one process, seconds each (dry runs, configuration errors, examples): re-run in the default suite
+    "python examples/trainer/step1_single_process.py",
+    "python examples/mixed_precision_fp16.py",
     PP4,
     PP4 + " --training.activation_checkpoint full",
     MOE + " --world-size 3 --parallel.dp_shard 3 --parallel.ep 2 --training.global_batch 6",
@@ -137,9 +139,10 @@ def all_printed() -> list[Quoted]:
 def run(command: str) -> str:
     """The command as the chapter gives it, from the repository root, stdout and stderr together."""
     args = shlex.split(command)
-    assert args[0] == "python", command
+    assert args[0] in ("python", "torchrun"), command
+    launcher = [sys.executable] if args[0] == "python" else [sys.executable, "-m", "torch.distributed.run"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, *args[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([*launcher, *args[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     return out.stdout + out.stderr
 
 
