@@ -96,6 +96,8 @@ MOE = "python train.py --dry-run --config configs/debug_moe.toml"
 FAST = {  # one process, seconds each (dry runs, configuration errors, examples): re-run in the default suite
     "python examples/trainer/step1_single_process.py",
     "python examples/mixed_precision_fp16.py",
+    'python -c "from mesh.context_parallel import load_balanced_positions as p; x = p(32, 1, 4);'
+    ' print(x.tolist(), int((x + 1).sum()))"',
     PP4,
     PP4 + " --training.activation_checkpoint full",
     MOE + " --world-size 3 --parallel.dp_shard 3 --parallel.ep 2 --training.global_batch 6",
