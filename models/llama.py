@@ -144,7 +144,7 @@ class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm's forward and backward, saving only what backward needs: the input in its own dtype and the fp32
     rsqrt(mean(x^2) + eps) per token (Megatron's and Apex's fused RMSNorm keep the same two). Composed of
     plain ops, autograd would keep an fp32 copy of a bf16 input and the normalised activation besides:
-    3 bytes per element more in bf16 (docs/mixed_precision.md, section 7). The arithmetic is in fp32 either way,
+    4 bytes per element more in bf16 (docs/tensor_parallel.md, section 6). The arithmetic is in fp32 either way,
     so the forward is bit for bit the composed one (and transformers' LlamaRMSNorm)."""
 
     @staticmethod

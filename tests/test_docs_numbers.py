@@ -197,6 +197,60 @@ def saved_chunks(shape, saved, loaded) -> dict:
     return dcp_reads(shape, saved, loaded)
 
 
+def rmsnorm_extra_bytes(dtype: str = "bfloat16") -> float:
+    """Bytes per element that an RMSNorm composed of plain ops saves for backward beyond
+    `models/llama.py: _RMSNormFunction`, measured with saved-tensor hooks (each saved storage counted once)."""
+    import torch
+
+    from models.llama import _RMSNormFunction
+
+    def saved_bytes(norm) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(8, 64, dtype=getattr(torch, dtype), requires_grad=True)
+        weight = torch.ones(64, dtype=getattr(torch, dtype), requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            norm(x, weight)
+        # the input and the weight are the caller's anyway when both keep them; count what each adds
+        return sum(storages.values()) - (weight.numel() * weight.element_size())
+
+    def composed(x, weight):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x) * weight
+
+    fused = saved_bytes(lambda x, w: _RMSNormFunction.apply(x, w, 1e-5))
+    return (saved_bytes(composed) - fused) / (8 * 64)
+
+
+def sp_regathers(n_layers: int) -> int:
+    """All-gathers `parallel.sp_regather` adds to a step: one per sub-layer whose TP plan regathers its input in
+    backward (`mesh/tensor_parallel.py: GatherSavingShard`), in each of ``n_layers`` blocks."""
+    from mesh.tensor_parallel import GatherSavingShard, block_plan
+
+    return n_layers * sum(isinstance(style, GatherSavingShard) for style in block_plan(True, True).values())
+
+
+def throughput_layers() -> int:
+    """Blocks of the model `python -m bench.throughput` trains."""
+    from bench.throughput import SHAPE
+
+    return SHAPE["model.n_layers"]
+
+
+@cache
+def pp_split(split: str) -> tuple[list[int], list[float]]:
+    """(layers per stage, each rank's peak in GiB) of chapter 4's picture (docs/figures/pp_split.py):
+    split is 'equal layers', 'pp_split params' or 'pp_split memory'."""
+    from docs.figures.pp_split import pp_split_rows
+
+    sizes, ranks = next((sizes, ranks) for name, sizes, ranks in pp_split_rows() if name == split)
+    return sizes, [m.total / 2**30 for m in ranks]
+
+
 def as_dtype(x: float, dtype: str) -> float:
     """``x`` rounded to the nearest number of ``dtype`` ('bfloat16')."""
     import torch

@@ -134,3 +134,69 @@ def test_readme_time_follows_from_the_word_counts(name):
 def test_every_chapter_has_its_commands_timed_and_its_exercises_counted():
     assert {file for _, file, _ in chapters()} == set(COMMAND_MIN)
     assert exercises("## 5. Exercises\n\n1. a\n   ```\n   2. not an item\n   ```\n2. b\n## Appendix\n3. c\n") == 2
+
+
+TEST_NAME = re.compile(r"(?<![/\w])test_\w+(?![\w.])")
+
+
+def cited_tests(core: str) -> list[str]:
+    """The test names a chapter core cites (code blocks and comments aside): they belong in the appendix."""
+    return TEST_NAME.findall(COMMENT.sub("", FENCE.sub("", core)))
+
+
+def test_no_chapter_core_cites_a_test_by_name():
+    offenders = {}
+    for _, name, _ in chapters():
+        core, _ = split((ROOT / "docs" / name).read_text())
+        if found := cited_tests(core):
+            offenders[name] = found
+    assert not offenders, f"test names in chapter cores (move them to an appendix): {offenders}"
+    assert cited_tests("see `tests/test_x.py::test_y` (and `tests/test_x.py`)\n") == ["test_y"]
+
+
+# A parenthetical: '(' after a space or a line start, holding words (not a formula's brackets).
+PAREN = re.compile(r"(?:(?<=\s)|^)\(([^()]*(?:\([^()]*\)[^()]*)*)\)", re.M)
+# Chapters whose cores still hold sentences with three parentheticals or more: the count may only fall. A chapter
+# not listed allows none.
+PAREN_ALLOWANCE = {
+    "00_foundations.md": 1,
+    "data_parallel.md": 3,
+    "dp_savers.md": 5,
+    "tensor_parallel.md": 5,
+    "pipeline_parallel.md": 3,
+    "expert_parallel.md": 3,
+    "mixed_precision.md": 12,
+    "combining.md": 8,
+    "checkpointing.md": 3,
+    "profiling.md": 3,
+    "troubleshooting.md": 1,
+    "data.md": 6,
+}
+
+
+def crowded_sentences(core: str) -> list[str]:
+    """Sentences of a core (code, comments, tables and inline code aside) with more than two parentheticals."""
+    text = re.sub(r"`[^`\n]*`", "C", COMMENT.sub("", FENCE.sub("", core)))
+    out = []
+    for para in re.split(r"\n\s*\n", text):
+        if para.lstrip().startswith(("|", "#", ">", "!")):
+            continue
+        for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z*(C])", " ".join(para.split())):
+            words = [m for m in PAREN.findall(sentence) if re.search(r"[A-Za-z]{4,}", m)]
+            if len(words) > 2:
+                out.append(sentence)
+    return out
+
+
+def test_no_core_sentence_carries_more_than_two_parentheticals():
+    over = {}
+    for _, name, _ in chapters():
+        core, _ = split((ROOT / "docs" / name).read_text())
+        found = crowded_sentences(core)
+        if len(found) > PAREN_ALLOWANCE.get(name, 0):
+            over[name] = f"{len(found)} > {PAREN_ALLOWANCE.get(name, 0)}: " + " || ".join(s[:120] for s in found[:3])
+    assert not over, "sentences to split (one parenthetical or two at most):\n" + "\n".join(
+        f"{k}: {v}" for k, v in over.items()
+    )
+    assert len(crowded_sentences("A (one word) b (two words) c (three words) d.\n")) == 1
+    assert crowded_sentences("A (one word) b (two words) and f(x) + (a + b).\n") == []
