@@ -75,11 +75,11 @@ from runtime.startup import start_process
 from training.evaluation import eval_due, evaluate
 from training.loaders import batch_loader
 from training.metrics import MetricsWriter, Progress, format_step, open_metrics
+from training.mfu import Throughput, peak_tflops
 from training.optimizer import Optimizers
 from training.profiling import named_range, step_profiler
 from training.simulated_rank import simulate_rank
 from training.step import StepParts, divergence_advice, pipeline_schedule, train_step
-from training.throughput import Throughput, peak_tflops
 
 
 def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPlan, Resume]:

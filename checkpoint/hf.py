@@ -632,7 +632,7 @@ def import_safetensors(parts: list[nn.Module], path: str | Path, sliced: bool = 
     """Overwrite every parameter of ``parts`` with the stored value; each rank reads only its own piece.
 
     Files are opened once each (a sharded folder: in index order); ``sliced=False`` reads each full tensor
-    (bench/hf_import_memory.py compares the two).
+    (measure/hf_import_memory.py compares the two).
     """
     files = tensor_files(path)
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}

@@ -57,7 +57,7 @@ Asynchronous saves (``checkpoint.async``): the training thread waits only for th
 3. A writing thread (DCP's) writes the staged copy, then the publishing thread hashes and publishes it
    (steps 3-4 above); the next save or the end of training waits for that (``wait``, step 5).
 
-bench/async_save.py measures the training thread's stall of a synchronous and an asynchronous save.
+measure/async_save.py measures the training thread's stall of a synchronous and an asynchronous save.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class GlobalBatchLoader:
         self.positions = positions  # the positions of each window this rank trains on; None: all of them
         self.vocab_size = vocab_size  # every id read must be below it (None: not checked)
         # The ids as the check reads them: an in-memory corpus (always on the host) through a numpy view made
-        # once here, so that no torch op on the step's path reads a tensor back (bench/host_syncs.py).
+        # once here, so that no torch op on the step's path reads a tensor back (measure/host_syncs.py).
         self.host_ids = self.tokens.numpy() if isinstance(self.tokens, torch.Tensor) else self.tokens
         self.tokens_consumed = 0  # position in the global stream, identical on every rank
         # A masked global batch with no trained target is an error (a silent step of loss 0), unless allowed
@@ -108,7 +108,7 @@ class GlobalBatchLoader:
         """The global batch at ``position`` as contiguous [first, stop) token ranges: consecutive windows
         overlap by one token, so there is one range, or two or more where the stream wraps.
 
-        Plain Python integers: nothing on the step's path reads a torch tensor back (bench/host_syncs.py).
+        Plain Python integers: nothing on the step's path reads a torch tensor back (measure/host_syncs.py).
         """
         wrap = self.num_tokens - self.seq_len
         offsets = [(position + i * self.seq_len) % wrap for i in range(self.global_batch)]

@@ -32,7 +32,7 @@ loss mask beside the tokens: the assistant's turns only, or every token with ``-
 ``2 x workers`` chunks of ``CHUNK_BYTES`` of text in the workers, plus one piece of a long document and its
 encoding here (a piece's encoding costs a few hundred bytes per token while it lives). A text file is
 streamed; a single JSONL or Parquet record is held whole while it is tokenized in pieces (its parser needs
-all of it), so a record of N bytes adds a few times N. ``python -m bench.prepare_memory`` measures the peak
+all of it), so a record of N bytes adds a few times N. ``python -m measure.prepare_memory`` measures the peak
 for one long line against ordinary lines (default 200 MB each): with the 4,096-token BPE, one process
 (``workers=1``) added 26-27 MiB to its imports for a 10, 50 or 200 MB single-line file alike, and 82 MiB
 for JSONL documents (docs/data.md, section 3).

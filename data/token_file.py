@@ -38,7 +38,7 @@ a folder with a header is a complete dataset and a killed ``data.prepare`` leave
 checks the header against the file (dtype, size) before anything is mapped, and ``open_tokens`` returns
 a ``TokenMap``: a read-only memory map whose pages are read from disk when a batch touches them and given
 back right after, so a process's memory does not grow with the dataset, nor with how much of it a run
-has read (bench/loader_memory.py measures it).
+has read (measure/loader_memory.py measures it).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ that something other than training changed a replica. (Ranks on different kinds 
 round differently; meshloom does not support mixing them.)
 
 Cost: one pass over this rank's parameters (an integer copy of each, one at a time) plus one small
-all-reduce per replica group and one control-plane scalar: bench/replica_check.py prints it against the step
+all-reduce per replica group and one control-plane scalar: measure/replica_check.py prints it against the step
 time (docs/troubleshooting.md, "Replicas that disagree").
 """
 

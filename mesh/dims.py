@@ -152,7 +152,7 @@ def build_mesh(
     ``fsdp_with_tp``: FSDP will shard TP-sharded weights; add the flattened (dp_shard, cp, tp) group their
     gradient norm is reduced over (below); with ``has_experts`` that group is also what FSDP shards the MoE
     blocks' router and shared expert over (``Meshes.token_split``).
-    ``ep_within_dp_shard``: the earlier expert layout, kept for comparison (bench/ep_placement.py): ep carved
+    ``ep_within_dp_shard``: the earlier expert layout, kept for comparison (measure/ep_placement.py): ep carved
     from dp_shard alone, every expert replicated over tp (and cp > 1 not possible).
     """
     options = mesh_backend_options(device, timeout_s, host_tensors)

@@ -1,4 +1,4 @@
-"""The one table of GPU figures: dense peaks for MFU (training/throughput.py), and what the layout planner
+"""The one table of GPU figures: dense peaks for MFU (training/mfu.py), and what the layout planner
 (planning/plan_layout.py) needs for the GPUs it plans for.
 
 Peaks are dense (no sparsity) tensor-core figures from NVIDIA's data sheets, looked up by the device's name,

@@ -76,7 +76,7 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    after the other).
 5. **Logits** (``logits_bytes``), on the rank holding the last stage: 12 bytes per logit at the peak around
    the loss (bf16 logits 2, their fp32 copy 4, the fp32 log-softmax 4, the gradient; measured by
-   bench/logits_memory.py), plus 4 bytes per logit (the saved log-softmax) for every other micro-batch the
+   measure/logits_memory.py), plus 4 bytes per logit (the saved log-softmax) for every other micro-batch the
    last stage holds in flight; logits are split over tp by the vocabulary-parallel loss.
 
 Not counted: the CUDA context and kernels' workspaces, NCCL's buffers, the allocator's fragmentation, the
@@ -97,7 +97,7 @@ if TYPE_CHECKING:  # (no planning.plan import, even here: planning/plan.py may i
 
 STATE_BYTES = 16  # fp32 weights 4 + fp32 gradients 4 + Adam m, v 8, per owned parameter
 COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
-LOGIT_PEAK_BYTES = 12  # per logit around the loss: bench/logits_memory.py measures 10.0 forward, 12.0 backward
+LOGIT_PEAK_BYTES = 12  # per logit around the loss: measure/logits_memory.py measures 10.0 forward, 12.0 backward
 LOGIT_KEPT_BYTES = 4  # per logit of a micro-batch waiting for its backward: the fp32 log-softmax
 ROUTING_BYTES = 32  # per routed (token, expert) pair: three int64 indices, two fp32 gates (models/moe.py: MoE)
 

@@ -7,7 +7,7 @@
         ffn_dim=14336,n_experts=8,top_k=2,moe_ffn_dim=14336 --gpu h800 --gpus 64          # any shape, MoE too
     python -m planning.plan_layout --validate [--markdown]   # the planner beside published runs, error per row
 
-Arithmetic only, in three modules (``python -m bench.plan_layout`` runs the same command, and its ``--ac``
+Arithmetic only, in three modules (``python -m planning.plan_layout`` runs the same command, and its ``--ac``
 measures what activation checkpointing keeps):
 
 1. **Memory** per rank, planning/memory_estimate.py (the library the dry run and the pre-allocation check use too):

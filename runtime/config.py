@@ -249,7 +249,7 @@ class TrainingConfig:
     )
     compile: bool = opt(False, "torch.compile each transformer block")
     peak_tflops: float = opt(
-        0.0, "peak TFLOP/s of one device for MFU; 0: from the GPU table in training/throughput.py (CPU: no MFU)", ge=0
+        0.0, "peak TFLOP/s of one device for MFU; 0: from the GPU table in training/mfu.py (CPU: no MFU)", ge=0
     )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: this rank's GPU when CUDA is available")
 

@@ -126,7 +126,7 @@ def allreduce_share(n: int) -> float:
 
 
 def state_bytes(p: int, n: int = 1) -> dict[str, float]:
-    """bench/memory_table.py: bytes per rank of the full state and the ZeRO stages (bf16 + Adam, k = 12)."""
+    """measure/memory_table.py: bytes per rank of the full state and the ZeRO stages (bf16 + Adam, k = 12)."""
     from measure.memory_table import bytes_per_rank
 
     return bytes_per_rank(p, n)
@@ -139,7 +139,7 @@ def fsdp_bytes(p: int, n: int) -> float:
 
 
 def cp_bytes(cp: int, algorithm: str) -> int:
-    """Bytes sent per layer and rank by context parallelism at the bench's size (bench/context_parallel.py)."""
+    """Bytes sent per layer and rank by context parallelism at the bench's size (measure/context_parallel.py)."""
     from measure.context_parallel import BATCH, BENCH_ARGS, SEQ, formula_comm
 
     return formula_comm(BENCH_ARGS, BATCH, SEQ, cp, algorithm)

@@ -197,14 +197,14 @@ def test_search_ranks_layouts_that_fit_and_meshloom_accepts_the_best(name, gpus,
 
 def run_cli(*argv: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.plan_layout", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "planning.plan_layout", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
 def test_layout_and_json_from_the_command_line_dense_and_moe():
-    """README's contract: ``python -m bench.plan_layout ... --gpu G --layout tp=..,cp=..,pp=..,dp=..,ep=.. --json``."""
+    """README's contract: ``python -m planning.plan_layout ... --gpu G --layout tp=..,cp=..,pp=..,dp=..,ep=.. --json``."""
     dense = json.loads(
         run_cli(
             *("--model", "llama3-405b", "--gpu", "h100", "--global-batch-tokens", "16777216"),

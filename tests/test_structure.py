@@ -5,7 +5,7 @@ program's `import config` or `import data` can never find meshloom's. Imports ar
 (every `import` and `from ... import`, including those inside functions), and two graphs are checked:
 
 1. the top-level parts (train.py, generate.py, mesh/, models/, runtime/, training/, data/, checkpoint/,
-   launch/, bench/, tests/, docs/, examples/): a part may import a part "below" it, never one that imports it
+   launch/, measure/, tests/, docs/, examples/): a part may import a part "below" it, never one that imports it
    back, so each part can be read without the ones above it;
 2. the modules themselves, so that no two files need each other (for instance models/llama.py and
    models/moe.py).
@@ -152,3 +152,25 @@ def test_a_missing_dev_dependency_fails_its_tests_instead_of_skipping_them():
                 if {"ImportError", "ModuleNotFoundError"} & set(names):
                     found.append(f"{file.name}:{node.lineno} except {'/'.join(names)}")
     assert found == [], "tests that skip or work around a missing dependency"
+
+
+LIBRARY = {"models", "mesh", "planning", "checkpoint", "data", "runtime", "training", "extras", "train", "generate"}
+
+
+def test_no_library_room_imports_the_measurement_room():
+    """measure/ only observes: a run never needs it, so a library room importing it is a room in the wrong place."""
+    found = sorted(
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        if part_of(module) in LIBRARY
+        for target in targets
+        if part_of(target) in {"measure", "bench"}
+    )
+    assert found == [], "library modules that import the measurement room"
+
+
+def test_there_is_one_measurement_room():
+    """bench/ was merged into measure/ (one module per measurement, each with its CLI ``python -m measure.NAME``)."""
+    assert not (ROOT / "bench").exists() or {p.name for p in (ROOT / "bench").iterdir()} <= {"README.md"}
+    names = [p.stem for p in ROOT.glob("*/*.py") if p.stem != "__init__" and p.parts[-2] not in {"tests", "docs"}]
+    assert "throughput" not in names, "a module named `throughput`: say which throughput (tokens_per_second, mfu)"

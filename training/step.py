@@ -60,8 +60,8 @@ if TYPE_CHECKING:
     from mesh.tied_embeddings import TiedEmbeddings
     from planning.plan import LayoutPlan
     from runtime.config import Config
+    from training.mfu import Throughput
     from training.optimizer import Optimizers
-    from training.throughput import Throughput
 
 
 class DivergenceError(FloatingPointError):

@@ -1,6 +1,6 @@
 """Bytes per logit around the loss: a bf16 output head, then train.py's fp32 cross-entropy (one process, CPU).
 
-    python -m bench.logits_memory        # docs/combining.md, section 6: the planner's 12 bytes per logit
+    python -m measure.logits_memory        # docs/combining.md, section 6: the planner's 12 bytes per logit
 
 planning/memory_estimate.py charges the last pipeline stage 12·s·V/tp bytes for the logits. This measures what the
 head and ``training/loss.py: token_loss_sum`` (``.float()`` then cross-entropy with a sum) keep alive: a dispatch mode

@@ -1,7 +1,7 @@
 """Peak memory of ``data.prepare``: one 200 MB line against 200 MB of ordinary lines, and against JSONL.
 
-    .venv/bin/python -m bench.prepare_memory            # 200 MB files
-    .venv/bin/python -m bench.prepare_memory --mb 50    # smaller, faster
+    .venv/bin/python -m measure.prepare_memory            # 200 MB files
+    .venv/bin/python -m measure.prepare_memory --mb 50    # smaller, faster
 
 1. Train a 4,096-token byte-level BPE (data/train_tokenizer.py) on 20 files of the default corpus.
 2. Write three files of ``--mb`` MB from the default corpus (the standard library's sources, repeated):
@@ -101,7 +101,7 @@ def main() -> None:
             cmd = [
                 sys.executable,
                 "-m",
-                "bench.prepare_memory",
+                "measure.prepare_memory",
                 "--child",
                 str(path),
                 str(tokenizer),

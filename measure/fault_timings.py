@@ -1,6 +1,6 @@
 """How long each fault of docs/troubleshooting.md takes to end a run, measured on the real command line.
 
-    python -m bench.fault_timings          # three torchrun launches, about 2 minutes
+    python -m measure.fault_timings          # three torchrun launches, about 2 minutes
 
 1. ``stall``: dp_shard 2 x tp 2 with a 15 s collective timeout; after step 3 one worker gets SIGSTOP. Prints
    when each surviving rank reported (seconds after the stall) and when the job ended.

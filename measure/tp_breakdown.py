@@ -1,9 +1,9 @@
 """Where a TP 2 step's time goes, next to one process: a profiled breakdown (docs/profiling.md, Appendix A.1).
 
-    python -m bench.tp_breakdown                 # about 2 minutes on 2 CPU cores
-    python -m bench.tp_breakdown --set parallel.sp_regather=true --set training.activation_checkpoint=none
+    python -m measure.tp_breakdown                 # about 2 minutes on 2 CPU cores
+    python -m measure.tp_breakdown --set parallel.sp_regather=true --set training.activation_checkpoint=none
 
-Trains bench/throughput.py's model (dim 256, 6 layers, seq 512, 8 sequences, selective AC) for 4 steps on one
+Trains measure/tokens_per_second.py's model (dim 256, 6 layers, seq 512, 8 sequences, selective AC) for 4 steps on one
 process and on tp=2 (SP), profiles steps 3 and 4 (``profile.enabled``), and splits each rank's training
 thread time, per step, into:
 
@@ -29,7 +29,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from measure.throughput import DEBUG, SHAPE
+from measure.tokens_per_second import DEBUG, SHAPE
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm")
 DISPATCH = (
@@ -149,7 +149,7 @@ def breakdown(path: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     from launch.spawn import run_on_ranks
 
-    parser = argparse.ArgumentParser(prog="python -m bench.tp_breakdown", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m measure.tp_breakdown", description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", action="append", default=[], help="extra override for both runs, key=value")
     args = parser.parse_args(argv)
     base = {
@@ -185,6 +185,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from bench import tp_breakdown
+    from measure import tp_breakdown
 
     tp_breakdown.main()

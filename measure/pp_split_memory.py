@@ -1,6 +1,6 @@
 """Peak memory per pipeline rank under ``parallel.pp_split params`` against ``memory``, measured on pp 4.
 
-    python -m bench.pp_split_memory        # from the repository root, about a minute on 2 cores
+    python -m measure.pp_split_memory        # from the repository root, about a minute on 2 cores
 
 The debug model with 8 layers (fp32, no FSDP: pp 4 is the whole world), 1F1B with 4 micro-batches of 2
 sequences, built and stepped on 4 gloo ranks as train.py does (``model_parts``,
@@ -132,7 +132,7 @@ def main() -> dict[str, list[dict]]:
 
 
 if __name__ == "__main__":
-    # Run as `python -m bench.pp_split_memory`: the ranks get the function under its importable name.
-    from bench import pp_split_memory
+    # Run as `python -m measure.pp_split_memory`: the ranks get the function under its importable name.
+    from measure import pp_split_memory
 
     pp_split_memory.main()

@@ -1,6 +1,6 @@
 """The vocabulary matrices as their own FSDP units: peak gathered bytes per rank, before and after.
 
-    .venv/bin/python -m bench.vocab_units        # from the repository root, about a minute on 2 cores
+    .venv/bin/python -m measure.vocab_units        # from the repository root, about a minute on 2 cores
 
 A wide-vocabulary model (dim 64, 2 layers, vocabulary 32,768: the embedding and the head are 2.1M
 parameters each, the two blocks 0.1M) is sharded over dp_shard = 4 gloo ranks as train.py shards it
@@ -108,6 +108,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from bench import vocab_units
+    from measure import vocab_units
 
     vocab_units.main()

@@ -1,8 +1,8 @@
 """Grouped-query attention: SDPA reading the k/v heads (``enable_gqa``) against repeating them first.
 
-    python -m bench.attention_gqa            # about a minute on one CPU core
+    python -m measure.attention_gqa            # about a minute on one CPU core
 
-One ``models.llama.Attention`` at bench/throughput.py's shape (batch 8, sequence 512, dim 256, 16 heads, 4
+One ``models.llama.Attention`` at measure/tokens_per_second.py's shape (batch 8, sequence 512, dim 256, 16 heads, 4
 key/value heads), forward and backward, fp32, one process. The two paths are the model's own:
 ``sdpa_reads_grouped_kv`` decides, and the "repeat" rows force its answer to False, which is what meshloom did
 before (``repeat_interleave`` of k and v, then SDPA on n_heads). Timings alternate between the two paths,
@@ -39,7 +39,7 @@ def run(attention, x, cos, sin, grouped: bool, saved: SavedBytes | None = None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.attention_gqa", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m measure.attention_gqa", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args(argv)
     torch.manual_seed(0)

@@ -1,11 +1,11 @@
 """What a DCP checkpoint of meshloom holds on disk.
 
-    python -m bench.dcp_files            # docs/checkpointing.md, section 2 (about 30 s)
+    python -m measure.dcp_files            # docs/checkpointing.md, section 2 (about 30 s)
 
 The first form trains the debug model for 4 steps on dp_shard = 4 gloo ranks, saving at step 4, then lists
 the checkpoint's files with their sizes, counts ``.metadata``'s entries (tensors and small Python values) and
 prints the saved chunks of one weight (offsets and sizes in the full tensor) next to a one-process save.
-How long training stands still per save, synchronous against asynchronous: bench/async_save.py.
+How long training stands still per save, synchronous against asynchronous: measure/async_save.py.
 """
 
 from __future__ import annotations
@@ -61,6 +61,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from bench import dcp_files  # the ranks need an importable name, not __main__
+    from measure import dcp_files  # the ranks need an importable name, not __main__
 
     dcp_files.main()

@@ -1,7 +1,7 @@
 """The loader's resident memory with a token file 10x larger: flat for the memory map, 10x for an in-memory copy.
 
-    .venv/bin/python -m bench.loader_memory                  # 20M and 200M tokens (40 MB and 400 MB files)
-    .venv/bin/python -m bench.loader_memory --tokens 5000000 # smaller
+    .venv/bin/python -m measure.loader_memory                  # 20M and 200M tokens (40 MB and 400 MB files)
+    .venv/bin/python -m measure.loader_memory --tokens 5000000 # smaller
 
 1. Write two prepared folders (data/token_file.py: tokens.bin + header.json) of N and 10N random uint16
    tokens into a temporary folder, in chunks (this process never holds a whole file).
@@ -83,7 +83,7 @@ def child(folder: str, mode: str) -> dict:
 
 
 def measure(folder: Path, mode: str) -> dict:
-    cmd = [sys.executable, "-m", "bench.loader_memory", "--child", str(folder), "--mode", mode]
+    cmd = [sys.executable, "-m", "measure.loader_memory", "--child", str(folder), "--mode", mode]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     return json.loads(out.stdout.splitlines()[-1])
 

@@ -1,6 +1,6 @@
 """What gloo does when a rank misbehaves: the troubleshooting table of docs/combining.md, Appendix C.
 
-    python -m bench.failure_modes        # four 2-rank torchrun launches, about a minute
+    python -m measure.failure_modes        # four 2-rank torchrun launches, about a minute
 
 1. ``mismatch``: rank 0 all-reduces a tensor of shape [2], rank 1 one of shape [3];
 2. the same with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``;
@@ -61,7 +61,7 @@ def main() -> None:
             "--nproc-per-node",
             "2",
             "-m",
-            "bench.failure_modes",
+            "measure.failure_modes",
             "--worker",
             scenario,
         ]

@@ -1,7 +1,7 @@
 """The replica check's cost (extras/replica_check.py) against the training step, from one run.
 
-    .venv/bin/python -m bench.replica_check               # 4 gloo ranks, dp_replicate 2 x tp 2, 12 steps
-    .venv/bin/python -m bench.replica_check --steps 20 --dim 256 --layers 8
+    .venv/bin/python -m measure.replica_check               # 4 gloo ranks, dp_replicate 2 x tp 2, 12 steps
+    .venv/bin/python -m measure.replica_check --steps 20 --dim 256 --layers 8
 
 One run of configs/debug.toml (or the sizes given) on a layout where both kinds of replica exist: every
 parameter is replicated over ``dp_replicate`` (HSDP's replicas), and the norm weights also over ``tp``. The

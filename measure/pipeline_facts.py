@@ -1,7 +1,7 @@
-"""The numbers of docs/pipeline_parallel.md that are not in bench/pipeline_bubble.py, one command each.
+"""The numbers of docs/pipeline_parallel.md that are not in measure/pipeline_bubble.py, one command each.
 
-    python -m bench.pipeline_facts split          # section 1: stage contents and layers per stage
-    python -m bench.pipeline_facts scale-grads    # section 7: what torch's default scale_grads=True would do
+    python -m measure.pipeline_facts split          # section 1: stage contents and layers per stage
+    python -m measure.pipeline_facts scale-grads    # section 7: what torch's default scale_grads=True would do
     python -m docs.figures pipeline --pp 4 --microbatches 8   # sections 3-4: activations in flight (and bubbles)
 
 ``split`` is arithmetic on ``mesh/pipeline.py: split_layers`` and ``build_stage_module``. ``scale-grads`` trains
@@ -108,6 +108,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from bench import pipeline_facts  # the ranks need an importable name, not __main__
+    from measure import pipeline_facts  # the ranks need an importable name, not __main__
 
     pipeline_facts.main()

@@ -1,6 +1,6 @@
 """Every pipeline schedule side by side: measured idle fraction vs the textbook bubble, and a timeline each.
 
-    python -m bench.pipeline_bubble [--pp 2] [--microbatches 4] [--out docs/img] [--details]
+    python -m measure.pipeline_bubble [--pp 2] [--microbatches 4] [--out docs/img] [--details]
 
 Runs one short training (3 steps) per schedule on ``pp`` gloo ranks with ``run.pp_timeline true`` and reports
 the last step: the idle fraction against the textbook prediction and the idealized run of the same schedule
@@ -86,6 +86,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from bench import pipeline_bubble  # the ranks need an importable name, not __main__
+    from measure import pipeline_bubble  # the ranks need an importable name, not __main__
 
     pipeline_bubble.main()

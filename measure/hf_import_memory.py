@@ -1,7 +1,7 @@
 """Peak host memory per rank while importing safetensors under FSDP 4: each rank's slice vs the full tensor.
 
-    .venv/bin/python -m bench.hf_import_memory                   # vocabulary 131,072 x dim 512: 256 MiB in fp32
-    .venv/bin/python -m bench.hf_import_memory --vocab 32768     # smaller
+    .venv/bin/python -m measure.hf_import_memory                   # vocabulary 131,072 x dim 512: 256 MiB in fp32
+    .venv/bin/python -m measure.hf_import_memory --vocab 32768     # smaller
 
 1. Write a model folder whose largest tensors (the embedding and the output head, vocab x dim in fp32) are
    much larger than one rank's piece of them (a quarter, under FSDP 4): checkpoint/hf.export_safetensors

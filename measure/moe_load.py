@@ -1,6 +1,6 @@
 """Expert load with no balancing, with the aux loss, and with the aux-loss-free bias: a table and a plot.
 
-    python -m bench.moe_load [--steps 40] [--aux-coef 0.01] [--bias-rate 0.005] [--runs none,aux,bias]
+    python -m measure.moe_load [--steps 40] [--aux-coef 0.01] [--bias-rate 0.005] [--runs none,aux,bias]
                              [--out docs/img/moe_load.svg]
 
 Trains configs/debug_moe.toml (8 experts, top-2, 4 MoE layers) on one process, once per balancing scheme,

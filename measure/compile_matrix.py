@@ -1,7 +1,7 @@
 """Which layouts ``training.compile`` runs: each eagerly and compiled, 3 steps, the loss compared (docs/profiling.md Appendix A.5).
 
-    python -m bench.compile_matrix                 # about 10 minutes on 2 CPU cores (compiling is most of it)
-    python -m bench.compile_matrix one,tp2         # some of them
+    python -m measure.compile_matrix                 # about 10 minutes on 2 CPU cores (compiling is most of it)
+    python -m measure.compile_matrix one,tp2         # some of them
 
 For every layout: train ``configs/debug.toml`` (or ``debug_moe.toml``) for 3 steps eagerly and with
 ``training.compile=true`` on gloo ranks, and print the largest relative difference of the two loss curves, or

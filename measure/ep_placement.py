@@ -1,6 +1,6 @@
 """Where the experts live: expert bytes per rank with ep borrowing tp, against ep carved from dp_shard alone.
 
-    .venv/bin/python -m bench.ep_placement        # from the repository root, about a minute on 2 cores
+    .venv/bin/python -m measure.ep_placement        # from the repository root, about a minute on 2 cores
 
 The MoE debug model (configs/debug_moe.toml: 4 MoE layers, dim 128, expert hidden 128) with 4 experts is
 parallelized on 4 gloo ranks, dp_shard 2 x tp 2, as train.py parallelizes it (planning/options.py:
@@ -82,6 +82,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from bench import ep_placement
+    from measure import ep_placement
 
     ep_placement.main()
