@@ -152,7 +152,7 @@ def powersgd_elements(shapes: list[tuple[int, ...]], rank: int) -> int:
 
 
 def llama8b_shapes() -> list[tuple[int, ...]]:
-    from planning.presets import PRESETS
+    from cluster.presets import PRESETS
 
     args = PRESETS["llama3-8b"]
     head_dim = args.dim // args.n_heads

@@ -1,7 +1,7 @@
 """What one rank holds in GPU memory at the peak of a training step: an estimate in bytes, arithmetic only.
 
 Nothing here builds a model or a process group, so a layout can be judged before anything is allocated: the
-layout planner (planning/plan_layout.py) adds a search and a time model on top, and the same functions serve a
+layout planner (cluster/plan_layout.py) adds a search and a time model on top, and the same functions serve a
 dry run, a "will it fit" check before allocation, and a memory-balanced pipeline split. Inputs: a
 ``ModelArgs`` (models/llama.py; MoE layers through ``args.moe``), the degrees, the batch and sequence, the
 pipeline schedule, the activation checkpointing mode and the precision, gathered in ``MemoryLayout``.

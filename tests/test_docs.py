@@ -269,7 +269,9 @@ def quoted_outputs(path: Path) -> tuple[list[Quoted], list[str]]:
             not line.strip() or re.match(r"\s*(\$ |#|python|torchrun|\.venv|OMP_|pip|HF_|printf|ls|\S+=)", line)
             for line in body
         )
-        says_bench = re.search(r"[Oo]utput of `?(?:\.venv/bin/)?python -m measure\.|`python -m measure\.\w+`[^`]*:$", intro)
+        says_bench = re.search(
+            r"[Oo]utput of `?(?:\.venv/bin/)?python -m measure\.|`python -m measure\.\w+`[^`]*:$", intro
+        )
         if (says_bench or (body and body[0].startswith("$ python -m measure"))) and not commands_only:
             unmarked.append(f"{where}: bench output without a <!-- bench: ... --> marker")
     return marked, unmarked

@@ -74,7 +74,7 @@ def capacity(cf: float, seq: int, k: int, experts: int) -> int:
 
 def preset(name: str):
     """A models/llama.py preset's ModelArgs ('llama3-8b')."""
-    from planning.presets import PRESETS
+    from cluster.presets import PRESETS
 
     return PRESETS[name]
 
@@ -115,7 +115,7 @@ def idle(schedule: str, p: int, m: int) -> float:
 
 def ring_share(n: int) -> float:
     """Bytes one rank sends in a ring all-gather or reduce-scatter, per byte of the whole tensor."""
-    from planning.step_time import ring
+    from cluster.step_time import ring
 
     return ring(1.0, n)
 
@@ -156,8 +156,8 @@ def cp_pairs(seq: int, cp: int, rank: int) -> int:
 @cache
 def layer_terms(preset: str = "llama3-8b", seq: int = 8192, tp: int = 1, precision: str = "bf16") -> dict:
     """Bytes one block keeps for backward, by term (`planning/memory_estimate.py: layer_activation_terms`)."""
+    from cluster.presets import PRESETS
     from planning.memory_estimate import MemoryLayout, layer_activation_terms
-    from planning.presets import PRESETS
 
     layout = MemoryLayout(seq_len=seq, tp=tp, mixed_precision=precision)
     return layer_activation_terms(PRESETS[preset], 0, layout, "none")
@@ -174,7 +174,7 @@ def korthikanti(s: int, h: int, b: int = 1) -> float:
 
 def fp32_norm_copies(preset: str = "llama3-8b", seq: int = 8192) -> float:
     """The fp32 copies of its input that meshloom's two RMSNorms per layer keep: 2 · 4 bytes · s · h."""
-    from planning.presets import PRESETS
+    from cluster.presets import PRESETS
 
     return 2 * 4 * seq * PRESETS[preset].dim
 

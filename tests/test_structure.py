@@ -174,3 +174,13 @@ def test_there_is_one_measurement_room():
     assert not (ROOT / "bench").exists() or {p.name for p in (ROOT / "bench").iterdir()} <= {"README.md"}
     names = [p.stem for p in ROOT.glob("*/*.py") if p.stem != "__init__" and p.parts[-2] not in {"tests", "docs"}]
     assert "throughput" not in names, "a module named `throughput`: say which throughput (tokens_per_second, mfu)"
+
+
+def test_the_cluster_planner_imports_the_run_and_never_the_reverse():
+    """cluster/ (runs not yet launched) reads planning/ (what a launched run decides); a run never needs the planner."""
+    graph = import_graph()
+    assert any(part_of(t) == "planning" for m, ts in graph.items() if part_of(m) == "cluster" for t in ts)
+    found = sorted(
+        f"{m} -> {t}" for m, ts in graph.items() if part_of(m) in LIBRARY for t in ts if part_of(t) == "cluster"
+    )
+    assert found == [], "library modules that import the cluster planner"

@@ -1,30 +1,30 @@
 """Plan a cluster run before renting it: memory, step time and throughput of each layout, for dense and MoE models.
 
-    python -m planning.plan_layout --model llama3-70b --gpu h100 --gpus 512              # search: fastest that fit
-    python -m planning.plan_layout --model llama3-405b --gpu h100 --gpus 8192 --global-batch-tokens 16777216 \\
+    python -m cluster.plan_layout --model llama3-70b --gpu h100 --gpus 512              # search: fastest that fit
+    python -m cluster.plan_layout --model llama3-405b --gpu h100 --gpus 8192 --global-batch-tokens 16777216 \\
         --layout tp=8,cp=1,pp=16,dp=64,ep=1,schedule=Interleaved1F1B --json    # one given layout
-    python -m planning.plan_layout --model-shape dim=4096,n_layers=32,n_heads=32,n_kv_heads=8,vocab_size=32000,\\
+    python -m cluster.plan_layout --model-shape dim=4096,n_layers=32,n_heads=32,n_kv_heads=8,vocab_size=32000,\\
         ffn_dim=14336,n_experts=8,top_k=2,moe_ffn_dim=14336 --gpu h800 --gpus 64          # any shape, MoE too
-    python -m planning.plan_layout --validate [--markdown]   # the planner beside published runs, error per row
+    python -m cluster.plan_layout --validate [--markdown]   # the planner beside published runs, error per row
 
-Arithmetic only, in three modules (``python -m planning.plan_layout`` runs the same command, and its ``--ac``
+Arithmetic only, in three modules (``python -m cluster.plan_layout`` runs the same command, and its ``--ac``
 measures what activation checkpointing keeps):
 
 1. **Memory** per rank, planning/memory_estimate.py (the library the dry run and the pre-allocation check use too):
    states, gathered weights, activations per layer (grouped-query attention's K/V at their own width; with and
    without SP; no s x s scores), micro-batches in flight per schedule, logits. A layout fits when its fullest
    rank's total is at most the GPU's memory, less ``HEADROOM`` for what the estimate leaves out.
-2. **Time** per step, planning/step_time.py: matmuls at one efficiency per GPU, memory-bound kernels at the
+2. **Time** per step, cluster/step_time.py: matmuls at one efficiency per GPU, memory-bound kernels at the
    memory bandwidth, exposed TP/CP/EP/PP/DP communication from message sizes and link bandwidths, the bubble
    per schedule, recomputation under activation checkpointing; uneven pipeline stages (the layers split by
    FLOPs, planning/pipeline_split.py: split_layers) are timed by the slowest.
-3. **The check against published runs**, planning/published_runs.py: Megatron-LM's Table 1 (Narayanan et al.
+3. **The check against published runs**, cluster/published_runs.py: Megatron-LM's Table 1 (Narayanan et al.
    2021, which sets the one derived number), torchtitan's H100 benchmark and Llama 3's Table 4 (neither used to
    tune anything), predicted beside published, with each row's error (``--validate``).
 
 For one set of degrees (``--layout``, and each candidate of the search) the planner chooses the schedule, the
 stages per rank, the sequences per micro-batch and the activation checkpointing, and says why; search mode walks
-the degrees too. Both are planning/search.py. ``--layout`` may fix any of schedule, v, mb, ac. dp is the
+the degrees too. Both are cluster/search.py. ``--layout`` may fix any of schedule, v, mb, ac. dp is the
 data-parallel degree dp_replicate x dp_shard, as everywhere. Each data-parallel rank runs m = B / dp
 micro-batches, B = global batch tokens / seq_len (rounded down to a multiple of dp: the batch a layout can use).
 Layouts that fit are ranked by tokens per second per GPU; the best one's meshloom command closes the output.
@@ -38,14 +38,8 @@ import argparse
 import json
 import sys
 
-from mesh.pipeline import SCHEDULE_FAMILIES
-from models.flops import flops_per_token
-from models.llama import ModelArgs
-from models.moe import MoEArgs
-from planning.gpus import PLANNER_GPUS
-from planning.memory_estimate import degrees
-from planning.presets import PRESETS
-from planning.published_runs import (
+from cluster.presets import PRESETS
+from cluster.published_runs import (
     derive_mamf_share,
     llama3_markdown,
     llama3_rows,
@@ -54,12 +48,18 @@ from planning.published_runs import (
     torchtitan_rows,
     validation_rows,
 )
-from planning.search import AC_MODES, GPUS_PER_NODE, HEADROOM, choose, search, with_split
-from planning.step_time import (
+from cluster.search import AC_MODES, GPUS_PER_NODE, HEADROOM, choose, search, with_split
+from cluster.step_time import (
     Layout,
     matmul_efficiency,
     planner_gpu,
 )
+from mesh.pipeline import SCHEDULE_FAMILIES
+from models.flops import flops_per_token
+from models.llama import ModelArgs
+from models.moe import MoEArgs
+from planning.gpus import PLANNER_GPUS
+from planning.memory_estimate import degrees
 
 _V = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, max_seq_len=8192)
 MODELS: dict[str, ModelArgs] = {

@@ -2,7 +2,7 @@
 checkpointing that run fastest within the memory; over all degrees, the layouts that fit, fastest first.
 
 1. ``evaluate`` prices one fully specified layout: memory per rank (planning/memory_estimate.py), time per step
-   (planning/step_time.py), throughput, and whether it fits (its fullest rank under ``HEADROOM`` of the GPU).
+   (cluster/step_time.py), throughput, and whether it fits (its fullest rank under ``HEADROOM`` of the GPU).
 2. ``choose`` completes one set of degrees (``choices``): every pipeline schedule torch ships that meshloom runs
    (mesh/pipeline.py: SCHEDULE_FAMILIES) with 1, 2 (V-shaped) or 2 and 4 (looped) stages per rank, 1, 2 or 4
    sequences per micro-batch, and no, selective or full activation checkpointing; it keeps the fastest variant
@@ -15,7 +15,7 @@ checkpointing that run fastest within the memory; over all degrees, the layouts 
    checkpointing (one sequence per micro-batch: the time model gains nothing from more), and the layouts that
    fit are ranked by tokens per second per GPU.
 
-The command around it (parsing, printing, the meshloom command line) is planning/plan_layout.py.
+The command around it (parsing, printing, the meshloom command line) is cluster/plan_layout.py.
 """
 
 from __future__ import annotations
@@ -23,11 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from mesh.pipeline import SCHEDULE_FAMILIES
-from models.flops import flops_per_token
-from planning.layout_rules import pipeline_errors
-from planning.memory_estimate import degrees, rank_memory
-from planning.step_time import (
+from cluster.step_time import (
     MESHLOOM,
     Layout,
     LlamaWorkload,
@@ -37,6 +33,10 @@ from planning.step_time import (
     stage_ids,
     step_time,
 )
+from mesh.pipeline import SCHEDULE_FAMILIES
+from models.flops import flops_per_token
+from planning.layout_rules import pipeline_errors
+from planning.memory_estimate import degrees, rank_memory
 
 if TYPE_CHECKING:
     from models.llama import ModelArgs

@@ -1,6 +1,6 @@
 """How long one training step takes on a cluster, and what it spends the time on: a model you can read.
 
-Arithmetic only; planning/plan_layout.py searches layouts with it, and planning/published_runs.py checks it against
+Arithmetic only; cluster/plan_layout.py searches layouts with it, and cluster/published_runs.py checks it against
 published runs. Per step, for the slowest pipeline rank (with no pipeline, any rank), in seconds:
 
 1. **Matmuls**: the model FLOPs of every block on the rank (models/flops.py: attention included, an MoE layer's
@@ -10,7 +10,7 @@ published runs. Per step, for the slowest pipeline rank (with no pipeline, any r
    on the last stage. They run at ``matmul_efficiency(gpu)`` x the GPU's dense peak:
    one figure per GPU, the GPU's largest measured matmul throughput (MAMF, planning/gpus.py: GPUS) times
    ``MAMF_SHARE``, the share of it a real training step's matmuls reached on the one published run where
-   matmuls are nearly everything (planning/published_runs.py: derive_mamf_share).
+   matmuls are nearly everything (cluster/published_runs.py: derive_mamf_share).
 2. **Memory-bound kernels**: norms, rotary, activations, residual adds, softmax and dropout where the scores
    are materialised, the loss: bytes each moves, counted kernel by kernel for the code that ran
    (``Workload.elementwise_bytes``), at the GPU's memory bandwidth. Backward moves twice a forward's bytes;
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 GPUS_PER_NODE = 8
 # The share of a GPU's maximum achievable matmul throughput that a training step's matmuls reached, derived once
-# from Megatron-LM's 1T-parameter run by planning/published_runs.py: derive_mamf_share (tests/test_plan_layout.py
+# from Megatron-LM's 1T-parameter run by cluster/published_runs.py: derive_mamf_share (tests/test_plan_layout.py
 # checks that this is what the derivation gives).
 MAMF_SHARE = 0.7930
 # AdamW reads the fp32 weight, gradient, m and v and writes weight, m and v (28 bytes); clipping by the global
@@ -131,7 +131,7 @@ class Layout(DegreesOf):
 
 class Workload(Protocol):
     """A model at a sequence length, as the time model sees it: FLOPs, parameters and bytes moved per token of
-    one rank's share. ``LlamaWorkload`` is meshloom's own model; planning/published_runs.py: MegatronGPT is the
+    one rank's share. ``LlamaWorkload`` is meshloom's own model; cluster/published_runs.py: MegatronGPT is the
     GPT Megatron-LM trained in 2021."""
 
     n_layers: int

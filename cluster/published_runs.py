@@ -1,7 +1,7 @@
 """The planner beside training runs that really happened: Megatron-LM's Table 1, torchtitan's H100 runs and
 Llama 3's Table 4, each row's error printed by one command.
 
-    python -m planning.plan_layout --validate [--markdown]
+    python -m cluster.plan_layout --validate [--markdown]
 
 **The runs.** Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (arXiv 2104.04473), Table 1: ten GPT models from 1.7B to 1T parameters on up to 3,072 A100 80GB
@@ -28,7 +28,7 @@ below): the planner predicts a step time, and the prediction is compared through
 count, FLOPs per step / (step time x GPUs).
 
 **One number derived, not fitted per row.** Every hardware figure is a data-sheet figure or a published
-measurement (planning/gpus.py: GPUS). The one derived number is ``MAMF_SHARE`` (planning/step_time.py):
+measurement (planning/gpus.py: GPUS). The one derived number is ``MAMF_SHARE`` (cluster/step_time.py):
 the share of the A100's maximum achievable matmul throughput (271.2 of 312 TFLOP/s) that Megatron-LM's
 matmuls reached inside a training step. ``derive_mamf_share`` finds it from the 1T row alone: the row whose
 step is most nearly all matmul (hidden size 25,600: attention's s x s terms and every other memory-bound
@@ -46,7 +46,7 @@ prints how much. It is the only check of an H100 figure here, and it is not a ti
 **A third check, not tuned on either: Llama 3 405B.** Table 4 of "The Llama 3 Herd of Models" (Llama Team,
 AI @ Meta, 2024, arXiv 2407.21783) lists three layouts of the 405B pre-training on 8,192 and 16,384 H100s (tp,
 cp, pp, dp, sequence length, sequences per dp rank, 16M tokens a step) and the TFLOP/s per GPU each reached.
-planning/plan_layout.py's ``llama3_rows`` gives the planner the degrees only: its ``choose`` picks the schedule,
+cluster/plan_layout.py's ``llama3_rows`` gives the planner the degrees only: its ``choose`` picks the schedule,
 stages per rank, micro-batch size and checkpointing, and the chosen variant's TFLOP/s stand beside Meta's.
 """
 
@@ -54,10 +54,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from cluster.presets import PRESETS
+from cluster.search import choose
+from cluster.step_time import MESHLOOM, Layout, LlamaWorkload, Stack, matmul_efficiency, planner_gpu, step_time
 from planning.memory_estimate import degrees
-from planning.presets import PRESETS
-from planning.search import choose
-from planning.step_time import MESHLOOM, Layout, LlamaWorkload, Stack, matmul_efficiency, planner_gpu, step_time
 
 VOCAB, SEQ = 51200, 2048
 A100 = planner_gpu("a100")
@@ -96,7 +96,7 @@ def megatron_flops_per_step(batch: int, seq_len: int, n_layers: int, dim: int, v
 
 @dataclass(frozen=True)
 class MegatronGPT:
-    """Megatron-LM's GPT of 2021 at one size, as planning/step_time.py: Workload sees it.
+    """Megatron-LM's GPT of 2021 at one size, as cluster/step_time.py: Workload sees it.
 
     Per token and layer: 72h² + 12·s·h model FLOPs (models/flops.py: gpt_layer_flops_per_token; forward 24h²
     + 4·s·h, the full scores; backward twice), 12h² + 13h parameters (the 7h biases of the column-parallel QKV and first MLP matmul split over tp).
@@ -352,7 +352,7 @@ LLAMA3_TABLE_4: tuple[Llama3Run, ...] = (
 
 def llama3_rows() -> list[dict]:
     """Each Llama 3 row: the published degrees, the schedule, micro-batches and checkpointing the planner chooses
-    for them (planning/search.py: choose), its TFLOP/s per GPU beside the published, and the error. Nothing
+    for them (cluster/search.py: choose), its TFLOP/s per GPU beside the published, and the error. Nothing
     here was tuned on these runs: the H100's figures are its data sheet's and MAMF, sigma comes from Table 1."""
     args = PRESETS["llama3-405b"]
     rows = []
