@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from extras.base import Extra
 from mesh.private_api import all_gather_into
+from models.local_tensor import local_tensor
 from runtime.failures import phase
 
 # Position weights repeat with this period (a prime, so that a period rarely lines up with a tensor's rows).
@@ -107,10 +108,6 @@ def replica_groups(param: torch.Tensor, world_mesh) -> list[ReplicaGroup]:
     return [_group_of(mesh, d) for d in dims if mesh.size(d) > 1]
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
 def _disagreeing(values: list[int]) -> tuple[list[int], list[int]]:
     """(coordinates that disagree, coordinates of the majority); a tie goes to the value coordinate 0 holds."""
     counts: dict[int, list[int]] = {}
@@ -141,7 +138,7 @@ def compare_replicas(
     for name, param, groups in entries:
         if not groups:
             continue
-        value = checksum(_local(param)).to(device)
+        value = checksum(local_tensor(param)).to(device)
         for g in groups:
             by_group.setdefault(g.ranks, (g, [], []))
             by_group[g.ranks][1].append(name)
@@ -151,7 +148,7 @@ def compare_replicas(
     local: dict[str, list[tuple[str, int]]] = {}
     for name, tensor, group in extra:
         if group.group is None:
-            local.setdefault(name, []).append((group.dim_name, int(checksum(_local(tensor)))))
+            local.setdefault(name, []).append((group.dim_name, int(checksum(local_tensor(tensor)))))
     for name, copies in local.items():
         if len({value for _, value in copies}) > 1:
             lines.append(

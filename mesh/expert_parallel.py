@@ -45,10 +45,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from mesh.private_api import all_to_all_autograd, all_to_all_functional
+from models.local_tensor import local_tensor
 from models.moe import MoE
 from runtime.process import sum_over
 
@@ -159,12 +160,8 @@ def local_expert_bytes(parts: list[nn.Module]) -> dict[str, int]:
     held = {}
     for layer_id, moe in moe_modules(parts).items():
         params = moe.experts.parameters()
-        held[layer_id] = sum(_local(p).numel() * p.element_size() for p in params)
+        held[layer_id] = sum(local_tensor(p).numel() * p.element_size() for p in params)
     return held
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:

@@ -49,6 +49,7 @@ from mesh.private_api import (
     dtensor_local_storage,
     outer_saved_tensors_hooks,
 )
+from models.local_tensor import local_tensor
 from models.moe import MoE
 
 if TYPE_CHECKING:
@@ -247,7 +248,7 @@ class TokenSplitMoE(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.sequence = SequenceChunks(device_mesh)
         if self.sequence_parallel:  # the input is this rank's shard (a DTensor from the SP norm)
-            module.register_forward_pre_hook(lambda _m, inputs: tuple(_local(x) for x in inputs))
+            module.register_forward_pre_hook(lambda _m, inputs: tuple(local_tensor(x) for x in inputs))
             return module
 
         def keep_chunk(_module, inputs):
@@ -263,10 +264,6 @@ class TokenSplitMoE(ParallelStyle):
         module.register_forward_pre_hook(keep_chunk)
         module.register_forward_hook(gather_chunks)
         return module
-
-
-def _local(x):
-    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def moe_plan(sequence_parallel: bool) -> dict:
@@ -286,7 +283,7 @@ def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, exper
     """
     tp_ranks = set(tp_mesh.mesh.flatten().tolist())
     grads = [
-        _local(p.grad)
+        local_tensor(p.grad)
         for part in parts
         for module in part.modules()
         if isinstance(module, MoE)

@@ -54,6 +54,7 @@ from torch import nn
 
 from models.feed_forward import FeedForward  # the dense SwiGLU, reused as the shared expert
 from models.kernels import alignment_rows, grouped_mm, grouped_mm_works, padded_groups
+from models.local_tensor import local_tensor
 from models.routers import choose_experts
 
 
@@ -74,12 +75,6 @@ class MoEArgs:
     n_groups: int = 1  # DeepSeek-V3 group-limited routing: experts in n_groups groups ...
     topk_groups: int = 1  # ... of which each token may use the best topk_groups (models/routers.py)
     route_scale: float = 1.0  # DeepSeek-V3 routed_scaling_factor: the gates times this
-
-
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's local data. Under expert parallelism the weights are sharded DTensors; duck typing keeps
-    this file free of torch.distributed."""
-    return param.to_local() if hasattr(param, "to_local") else param
 
 
 class GroupedExperts(nn.Module):
