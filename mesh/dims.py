@@ -181,7 +181,7 @@ def build_mesh(
         tp=world["tp"],
         pp=world["pp"],
         cp=world["cp"],
-        loss=flatten_mesh(world, ("pp", "dp_replicate", "dp_shard", "cp"), "pp_dp_cp", options),
+        loss=flatten_mesh(world, MESH_DIMS[:-1], "pp_dp_cp", options),  # every dim but tp (the last)
         ep=ep,
         expert_fsdp=expert_fsdp,
         experts_replicated_over_tp=ep is None or ep_within_dp_shard,

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from extras.reduce_once_per_step import reduction_window
+from mesh.dims import MESH_DIMS
 from mesh.expert_parallel import load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
 from mesh.pipeline import build_pipeline_schedule, run_schedule
@@ -103,7 +104,7 @@ class StepParts:
     def device_groups(self) -> str:
         """The device-plane groups a forward and backward uses (for runtime/failures.py's report)."""
         dims = self.plan.dims
-        names = [n for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, n) > 1]
+        names = [n for n in MESH_DIMS if getattr(dims, n) > 1]
         return "device plane: " + ", ".join(names) if names else "none (one process)"
 
 
