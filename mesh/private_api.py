@@ -78,6 +78,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from models.llama import cuda_flash_eligible
+
 
 # ---- DeviceMesh ------------------------------------------------------------------------------------------
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str, options) -> DeviceMesh:
@@ -432,11 +434,6 @@ def dtensor_local_storage(t: torch.Tensor) -> torch.Tensor:
 FUSED_KERNELS = ("cpu_flash", "flash", "efficient")
 
 
-@functools.cache
-def _cuda_flash_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 0)
-
-
 def fused_attention_kernel(q: torch.Tensor) -> str:
     """The fused kernel for queries like ``q`` (b, heads, n, d), decided from device, dtype and head size.
 
@@ -450,13 +447,7 @@ def fused_attention_kernel(q: torch.Tensor) -> str:
         return "cpu_flash"
     if q.device.type != "cuda":
         raise NotImplementedError(f"no fused attention kernel with a log-sum-exp wired for {q.device.type}")
-    d = q.shape[-1]
-    if (
-        q.dtype in (torch.bfloat16, torch.float16)
-        and d % 8 == 0
-        and d <= 256
-        and _cuda_flash_capable(q.device.index or 0)
-    ):
+    if cuda_flash_eligible(q):
         return "flash"
     return "efficient"
 
