@@ -54,6 +54,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from runtime.process import reduced_as_one, sum_in_place
+
 if TYPE_CHECKING:
     from mesh.dims import ParallelDims
     from runtime.config import Config
@@ -98,12 +100,9 @@ class OneBitAdam(torch.optim.AdamW):
             for g in grads:
                 g.mul_(self.replicas)
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
         # The one gradient all-reduce of a warm-up step, on the replicas' group (device plane).
-        dist.all_reduce(flat, group=self.group)
-        self.payload_bytes += flat.numel() * flat.element_size()
-        for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(summed.view_as(g))
+        sum_in_place(grads, self.group)
+        self.payload_bytes += sum(g.numel() * g.element_size() for g in grads)
 
     @torch.no_grad()
     def agree_on_norm(self, norm: torch.Tensor) -> torch.Tensor:
@@ -139,12 +138,15 @@ class OneBitAdam(torch.optim.AdamW):
                 work.append((p, group, q))
         if not work:
             return None
+
         # Step 6: one exchange per step for the whole model.
-        flat = torch.cat([q.reshape(-1) for _, _, q in work])
-        dist.all_reduce(flat, group=self.group)
-        flat.div_(self.replicas)
+        def mean_over_replicas(flat: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(flat, group=self.group)
+            return flat.div_(self.replicas)
+
+        means = reduced_as_one([q for _, _, q in work], mean_over_replicas)
         self.payload_bytes += sum(math.ceil(q.numel() / 8) + 4 for _, _, q in work)
-        for (p, group, _q), mean in zip(work, flat.split([q.numel() for _, _, q in work]), strict=True):
+        for (p, group, _q), mean in zip(work, means, strict=True):
             state = self.state[p]
             beta1, beta2 = group["betas"]
             m, v = state["exp_avg"], state["exp_avg_sq"]

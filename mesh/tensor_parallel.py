@@ -30,7 +30,6 @@ import contextlib
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -51,6 +50,7 @@ from mesh.private_api import (
 )
 from models.local_tensor import local_tensor
 from models.moe import MoE
+from runtime.process import reduced_as_one, sum_in_place
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -292,10 +292,7 @@ def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, exper
     ]
     for dtype in {g.dtype for g in grads}:
         same = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=tp_mesh.get_group())
-        for g, summed in zip(same, flat.split([g.numel() for g in same]), strict=True):
-            g.copy_(summed.view_as(g))
+        sum_in_place(same, tp_mesh.get_group())
 
 
 def _fsdp_over(param: torch.Tensor, ranks: set[int]) -> bool:
@@ -428,14 +425,17 @@ def reduce_partial_gradients(params: list[torch.Tensor]) -> None:
             for p in group:
                 p.grad = p.grad.redistribute(placements=replicated)
             continue
-        locals_ = [p.grad.to_local() for p in group]
-        flat = torch.cat([g.reshape(-1) for g in locals_])
-        for dim, pl in enumerate(placements):
-            if pl.is_partial():
+        partial_dims = [dim for dim, pl in enumerate(placements) if pl.is_partial()]
+
+        def reduce(flat: torch.Tensor, mesh=mesh, partial_dims=partial_dims) -> torch.Tensor:
+            for dim in partial_dims:
                 flat = all_reduce_functional(flat, mesh.get_group(dim))
-        for p, g, summed in zip(group, locals_, flat.split([g.numel() for g in locals_]), strict=True):
+            return flat
+
+        summed = reduced_as_one([p.grad.to_local() for p in group], reduce)
+        for p, total in zip(group, summed, strict=True):
             p.grad = DTensor.from_local(
-                summed.view_as(g), mesh, replicated, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
+                total, mesh, replicated, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
             )
 
 

@@ -346,6 +346,24 @@ def sum_over(tensor: torch.Tensor, mesh) -> torch.Tensor:
     return tensor
 
 
+def reduced_as_one(tensors: list[torch.Tensor], reduce) -> list[torch.Tensor]:
+    """Concatenate ``tensors``, reduce the flat buffer once (``reduce(flat) -> flat``: one collective instead of
+    one per tensor), split it back: the reduced values, each viewed like its input."""
+    flat = reduce(torch.cat([t.reshape(-1) for t in tensors]))
+    return [r.view_as(t) for t, r in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True)]
+
+
+def sum_in_place(tensors: list[torch.Tensor], group) -> None:
+    """Sum each of ``tensors`` over ``group``'s ranks with one all-reduce, written back into each tensor."""
+
+    def all_reduce(flat: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(flat, group=group)
+        return flat
+
+    for t, summed in zip(tensors, reduced_as_one(tensors, all_reduce), strict=True):
+        t.copy_(summed)
+
+
 # ---- timing ----------------------------------------------------------------------------------------------
 def synchronize(device: torch.device) -> None:
     """Wait until ``device`` finished the work queued so far (a no-op on CPU)."""
