@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from mesh.grad_clip import group_by_placement
 from mesh.private_api import (
     all_gather_stacked,
     all_reduce_functional,
@@ -414,12 +415,9 @@ def reduce_partial_gradients(params: list[torch.Tensor]) -> None:
     collective's fixed cost is paid once, not per weight). Under FSDP the gradient reduction already did this,
     and nothing is Partial.
     """
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for p in params:
-        grad = p.grad
-        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
-            groups.setdefault((grad.device_mesh, grad.placements), []).append(p)
-    for (mesh, placements), group in groups.items():
+    partial = [p for p in params if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)]
+    for group in group_by_placement(partial):
+        mesh, placements = group[0].grad.device_mesh, group[0].grad.placements
         replicated = [Replicate() if pl.is_partial() else pl for pl in placements]
         if any(pl.is_partial() and pl.reduce_op != "sum" for pl in placements):  # not a plain sum: one by one
             for p in group:
