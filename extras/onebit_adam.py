@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from mesh.data_parallel import sum_from_mean
 from runtime.process import reduced_as_one, sum_in_place
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class OneBitAdam(torch.optim.AdamW):
             return
         if self.compressing:
             for g in grads:
-                g.mul_(self.replicas)
+                sum_from_mean(g, self.replicas)
             return
         # The one gradient all-reduce of a warm-up step, on the replicas' group (device plane).
         sum_in_place(grads, self.group)

@@ -67,8 +67,15 @@ def vocabulary_units(model: nn.Module) -> list[list[nn.Module]]:
     return groups + ([last] if last else [])
 
 
+def sum_from_mean(mean: torch.Tensor, replicas: int) -> torch.Tensor:
+    """The rule, written once: gradients are *summed* over data-parallel replicas, never averaged, because each
+    rank's loss is already its share of the global mean (training/loss.py). A reduction that averages (DDP's
+    hooks) is multiplied back here, in place; so is a local gradient that stands for the replicas' sum."""
+    return mean.mul_(replicas)
+
+
 def sum_gradients_across_replicas(module: FSDPModule) -> None:
-    """Make FSDP reduce gradients with a plain SUM (no division by the data-parallel size)."""
+    """Make FSDP reduce gradients with a plain SUM (``sum_from_mean``'s rule: no division by the dp size)."""
     module.set_gradient_divide_factor(1.0)
     # A divide factor alone maps to PREMUL_SUM, which gloo lacks; forcing SUM comms keeps it portable.
     module.set_force_sum_reduction_for_comms(True)
