@@ -46,7 +46,7 @@ elements of 4 bytes). 34 sbh itself is for a GPT block: a 4h GeLU MLP (19 sbh wi
 Llama's SwiGLU keeps four tensors of H = 3.5h (28 sbh at the 8B shape), k and v at full width, and dropout masks. DTensor's ColwiseParallel saves the all-gathered input it multiplied, so with plain SP
 2 bsh stays. Megatron-LM's sequence parallelism keeps the *sharded* input of the first column-parallel matmul
 and all-gathers it again in backward, so there everything is divided by t (the "all / t" column);
-``parallel.sp_regather`` does the same here (mesh/tensor_parallel.GatherSavingShard), at the price of one more
+``parallel.sp_regather`` does the same here (mesh/sequence_parallel.GatherSavingShard), at the price of one more
 all-gather per sub-layer in backward.
 """
 

@@ -122,7 +122,7 @@ def apply_fsdp(
         # Under TP's token split every tp rank runs an MoE block on its own tokens, like a data-parallel rank:
         # its router and shared expert (and, without ep, its experts) are FSDP-sharded over dp_shard x cp x tp
         # in a unit of their own, so no tp rank holds them whole, and FSDP sums their gradients over the tp
-        # ranks too (mesh/tensor_parallel.sum_token_split_gradients then leaves them out).
+        # ranks too (mesh/moe_token_split.sum_token_split_gradients then leaves them out).
         for block in blocks:
             for module in block.modules():
                 if isinstance(module, MoE):

@@ -26,7 +26,7 @@ EP ranks are borrowed from the data-parallel shard, context-parallel and tensor-
 mesh is unflattened so that ``dp_shard x cp x tp = efsdp x ep`` within the same root (mesh/dims.build_mesh),
 ep taking the innermost ranks (tp first). Every rank of an ep group holds different tokens: dp_shard ranks
 read different sequences, cp ranks different chunks of them, and under TP each tp rank runs the MoE block on
-its own chunk of every sequence (mesh/tensor_parallel.TokenSplitMoE) and dispatches that chunk to the
+its own chunk of every sequence (mesh/moe_token_split.TokenSplitMoE) and dispatches that chunk to the
 experts' owners, so every (token, expert) pair is computed once. Expert weights are then FSDP-sharded over the
 remaining ``efsdp`` (and replicated over ``dp_replicate``), dense weights over dp_shard (x cp) as before; no
 expert weight, gradient or optimizer state is replicated over cp or tp. An expert's gradient sums the tokens
@@ -190,7 +190,7 @@ def step_expert_load(
        stage without MoE layers contributes only zeros, but still joins the reduction).
     2. Sum it over the ``loss`` mesh (pp x dp x cp): data- and context-parallel ranks add their tokens, stages fill
        their own rows; then over ``tp_mesh``: under TP each tp rank routed its own chunk of every sequence
-       (mesh/tensor_parallel.TokenSplitMoE) and holds that chunk's share. Device-plane all-reduces.
+       (mesh/moe_token_split.TokenSplitMoE) and holds that chunk's share. Device-plane all-reduces.
     3. Apply the aux-loss-free bias update to this rank's layers from the *global* load, so every layout
        updates identically; ``skip`` (the optimizer's ``found_inf``, a device scalar): where it is 1.0 the
        update is multiplied by 0 on the device, so a non-finite step reaches the bias no more than the weights.

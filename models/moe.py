@@ -36,7 +36,7 @@ reruns the forward inside backward, and the rerun must not count the same tokens
 
 **Sequences in chunks.** Capacity and the aux loss are per *sequence*. When the block sees only a chunk of
 each sequence (tensor parallelism splits every sequence across the tp ranks, and each rank routes its own
-chunk: mesh/tensor_parallel.TokenSplitMoE), ``self.sequence`` supplies the two per-sequence sums that need the
+chunk: mesh/moe_token_split.TokenSplitMoE), ``self.sequence`` supplies the two per-sequence sums that need the
 other chunks: how many tokens of the same sequence chose each expert in the chunks *before* this one (for
 the capacity ranking), and sums over all chunks (for the aux loss's fractions and mean probabilities). The
 default, ``WholeSequence``, is one chunk: nothing to add. The statistics buffers then hold this chunk's

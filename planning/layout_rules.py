@@ -155,7 +155,7 @@ def tensor_parallel_errors(dims: ParallelDims, cfg: Config, model: ModelArgs) ->
             + (f" (per cp rank: {t.seq_len // dims.cp})" if dims.cp > 1 else "")
             + " is not divisible by "
             f"parallel.tp={dims.tp}: under TP each tp rank runs the MoE layers on its own chunk of every sequence "
-            "(mesh/tensor_parallel.TokenSplitMoE); change seq_len."
+            "(mesh/moe_token_split.TokenSplitMoE); change seq_len."
         )
     if p.sp_regather and (cfg.training.activation_checkpoint != "none" or cfg.training.compile):
         errors.append(

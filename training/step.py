@@ -43,8 +43,9 @@ from extras.reduce_once_per_step import reduction_window
 from mesh.dims import MESH_DIMS
 from mesh.expert_parallel import load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
+from mesh.moe_token_split import sum_token_split_gradients
 from mesh.pipeline import build_pipeline_schedule, run_schedule
-from mesh.tensor_parallel import loss_context, loss_value, reduce_partial_gradients, sum_token_split_gradients
+from mesh.tensor_parallel import loss_context, loss_value, reduce_partial_gradients
 from runtime.failures import phase
 from runtime.process import clock_reading, seconds_between, sum_over
 from training.loaders import to_device
