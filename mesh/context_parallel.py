@@ -40,7 +40,7 @@ local tokens unchanged, and lets only attention communicate:
    whole, by the second local chunk only. Each off-diagonal step is half a block's work on every rank: the
    balance of step 1. So no block needs an explicit mask, and every block can go through a fused kernel.
 5. **Fused kernels, no (n, n) tensor.** Each block is one call of an attention kernel that also returns the
-   log-sum-exp of its rows (mesh/private_api.py: ``attention_with_lse``: the CPU flash kernel; on CUDA
+   log-sum-exp of its rows (mesh/lse_attention.py: ``attention_with_lse``: the CPU flash kernel; on CUDA
    flash, or memory-efficient for fp32): the kernel walks the keys in tiles and keeps only the running
    maximum and sum per row, so the scores of a block never exist as a tensor, in forward or backward, and
    bf16 inputs stay bf16 inside the kernel. Backward calls the kernel's backward per block with the
@@ -73,12 +73,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mesh.private_api import (
-    all_gather_functional,
-    attention_with_lse,
-    attention_with_lse_backward,
-    reduce_scatter_functional,
-)
+from mesh.lse_attention import attention_with_lse, attention_with_lse_backward
+from mesh.private_api import all_gather_functional, reduce_scatter_functional
 from models.latent_attention import LatentAttention
 from models.llama import Attention
 

@@ -28,7 +28,7 @@ pytestmark = [
     ],
 )
 def test_cuda_attention_with_lse_merges_blocks_into_sdpa(dtype, kernel, tolerance):
-    from mesh.private_api import fused_attention_kernel
+    from mesh.lse_attention import fused_attention_kernel
 
     if kernel == "flash" and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the flash kernel needs compute capability 8.0")
