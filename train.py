@@ -143,7 +143,7 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     with phase("building and parallelizing the model", "device plane"):
         options = parallel_options(cfg, plan, meshes, device)  # typed, from the config (planning/options.py)
         parts = build_model_parts(plan.model, plan.stage_layers, plan.stage_ids, meshes, options, device)
-    schedule, stages = pipeline_schedule(parts, plan, meshes, device)  # None, [] without pipelining
+    schedule, stages, loss_divisor = pipeline_schedule(parts, plan, meshes, device)  # None, [], None without pipelining
     # A tied embedding's two pipeline copies and their embedding group (every rank: it may create groups).
     tied = TiedEmbeddings.build(parts, meshes, timeout_s)
     optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
@@ -171,10 +171,23 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     extras, balance = build_extras(cfg, plan, meshes, device, control, parts, stages, tied, start_step, stack)
     peak = peak_tflops(t.peak_tflops, device, "tf32" if tf32 else t.mixed_precision)
     throughput = Throughput(plan.model, t.seq_len, plan.dims.world_size, peak)
-    step = StepParts(parts, schedule, plan, meshes, device, optimizers, loader, tied, throughput, extras)
-    step.reduce_every_microbatch = cfg.parallel.grad_sync == "microbatch"  # else only the last micro-batch
-    step.grad_clip, step.advice = t.grad_clip, divergence_advice(cfg)
-    step.before_update = checkpoints.wait_staged  # an async save's copy is taken before the weights change
+    step = StepParts(
+        parts,
+        schedule,
+        plan,
+        meshes,
+        device,
+        optimizers,
+        loader,
+        tied,
+        throughput,
+        extras,
+        loss_divisor,
+        reduce_every_microbatch=cfg.parallel.grad_sync == "microbatch",  # else only the last micro-batch
+        grad_clip=t.grad_clip,
+        advice=divergence_advice(cfg),
+        before_update=checkpoints.wait_staged,  # an async save's copy is taken before the weights change
+    )
     run = Run(cfg, step, control, checkpoints, val_loader, writer, balance, start_step, is_logger)
     run.progress = Progress(t.steps, start_step, t.global_batch * t.seq_len)
     run.span = stream_span(int(data.train.shape[0]), t.seq_len)
@@ -241,7 +254,14 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     if eval_due(step, cfg.eval.interval, last):
         with phase(f"step {step}: validation", s.device_groups):
             record["val_loss"] = evaluate(
-                s.parts, s.schedule, run.val_loader, s.plan, s.meshes, steps=cfg.eval.steps, device=s.device
+                s.parts,
+                s.schedule,
+                run.val_loader,
+                s.plan,
+                s.meshes,
+                steps=cfg.eval.steps,
+                device=s.device,
+                loss_divisor=s.loss_divisor,
             )
     run.records.append(record)
     with phase(f"saving step {step}", "checkpoint group, control plane"), named_range("checkpoint save"):

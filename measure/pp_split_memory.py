@@ -80,7 +80,7 @@ def step_peak(split: str) -> dict:
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), rank)
     meshes = build_mesh(plan.dims, device, timeout_s=120)
     parts = model_parts(cfg, plan, meshes, device)
-    schedule, _ = pipeline_schedule(parts, plan, meshes, device)  # the schedule train.py builds
+    schedule, _, _ = pipeline_schedule(parts, plan, meshes, device)  # the schedule train.py builds
     optimizers = Optimizers(parts, cfg)
     seq = cfg.training.seq_len
     tokens = torch.randint(0, plan.model.vocab_size, (plan.local_batch, seq + 1), generator=torch.Generator())
