@@ -44,11 +44,11 @@ from checkpoint.hf_folder import adopt_folder_config
 from checkpoint.manager import CheckpointManager, CheckpointSaveError
 from checkpoint.resume import Resume, find_resume
 from data.dataset import check_data, load_data, passes_done, resolve_epochs, stream_span
-from extras.base import Extras
-from extras.pipeline_timeline import PipelineTimelineExtra
+from extras import pipeline_timeline, rank_balance, replica_check
+from extras.base import Extras, RunContext
 from extras.rank_balance import RankBalance
 from extras.rank_balance import fields as balance_fields
-from extras.replica_check import ReplicaCheck, ReplicaMismatchError
+from extras.replica_check import ReplicaMismatchError
 from mesh.dims import build_mesh, mesh_banner
 from mesh.parallelize import build_model_parts
 from mesh.private_api import flight_recorder_dump
@@ -72,12 +72,13 @@ from runtime.process import (
 from runtime.run_dir import RunFolderLost, check_run_dir, folder_lost
 from runtime.signals import StopRequested, loop_started, restart_attempt, resume_command
 from runtime.startup import start_process
+from training import profiling
 from training.evaluation import eval_due, evaluate
 from training.loaders import batch_loader
 from training.metrics import MetricsWriter, Progress, format_step, open_metrics
 from training.mfu import Throughput, peak_tflops
 from training.optimizer import Optimizers
-from training.profiling import named_range, step_profiler
+from training.profiling import named_range
 from training.simulated_rank import simulate_rank
 from training.step import StepParts, divergence_advice, pipeline_schedule, train_step
 
@@ -202,19 +203,21 @@ def run_folders(cfg: Config, resume: Resume) -> list[tuple[str, Path]]:
     return folders
 
 
+# Each extra's ``for_run`` decides from the config whether it is on; the order is the hooks' order.
+EXTRAS = (profiling.for_run, rank_balance.for_run, pipeline_timeline.for_run, replica_check.for_run)
+
+
 def build_extras(
     cfg, plan, meshes, device, control, parts, stages, tied, start_step, stack
 ) -> tuple[Extras, RankBalance]:
     """The run's extras (extras/base.py), each one only when its config key asks for it; closed by ``stack``."""
+    ctx = RunContext(cfg, plan, meshes, device, control, parts, stages, tied, start_step)
     extras = Extras()
     stack.callback(extras.close)  # the profiler writes a trace still open when the run ends inside it
-    extras.add(step_profiler(cfg, plan.rank, device, first_step=start_step + 1))
-    balance = extras.add(RankBalance(plan.rank, device))  # always on: metrics.jsonl's compute_spread
-    if cfg.run.pp_timeline and stages:
-        extras.add(PipelineTimelineExtra(stages, plan, meshes.pp, control, cfg.run.dir, device))
-    if cfg.debug.check_replicas:
-        check = cfg.debug.check_replicas, cfg.debug.check_replicas_action
-        extras.add(ReplicaCheck(*check, parts, meshes.world, tied, device, control))
+    for on in EXTRAS:
+        if (extra := on(ctx)) is not None:
+            extras.add(extra)
+    balance = next(extra for extra in extras.extras if isinstance(extra, RankBalance))
     return extras, balance
 
 

@@ -31,6 +31,25 @@ exit path (the profiler writes a trace that is still open).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What an extra may be built from: the run's config and its built parts (train.py's ``build``). Each extra
+    module has a ``for_run(ctx)`` that returns the extra when the config switches it on, else None."""
+
+    cfg: Any
+    plan: Any
+    meshes: Any
+    device: Any
+    control: Any
+    parts: list
+    stages: list
+    tied: Any
+    start_step: int
+
 
 class Extra:
     """Every hook does nothing; an extra overrides the ones it needs (module docstring for when each runs)."""

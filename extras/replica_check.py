@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from extras.base import Extra
+from extras.base import Extra, RunContext
 from mesh.private_api import all_gather_into
 from models.local_tensor import local_tensor
 from runtime.failures import phase
@@ -231,6 +231,16 @@ def tied_replicas(copies: list[tuple[str, torch.Tensor]], group) -> list[tuple[s
         return [(name, param, ReplicaGroup((), kind, None)) for kind, param in copies]
     ranks = tuple(dist.get_process_group_ranks(group))
     return [(name, param, ReplicaGroup(ranks, "pp (tied embedding group)", group)) for _, param in copies]
+
+
+def for_run(ctx: RunContext) -> ReplicaCheck | None:
+    """On with ``debug.check_replicas`` (every that many steps)."""
+    d = ctx.cfg.debug
+    if not d.check_replicas:
+        return None
+    return ReplicaCheck(
+        d.check_replicas, d.check_replicas_action, ctx.parts, ctx.meshes.world, ctx.tied, ctx.device, ctx.control
+    )
 
 
 class ReplicaCheck(Extra):
