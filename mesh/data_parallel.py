@@ -15,7 +15,7 @@
 3. Mixed precision: with ``training.mixed_precision = bf16`` the all-gathered parameters and the compute are
    bf16, while gradients are reduced in fp32 and the sharded master weights and Adam states stay fp32.
    (``parallel.grad_compression = bf16`` reduces in bf16 instead, and ``parallel.fsdp_cpu_offload`` keeps the
-   shards in host memory: extras/bf16_reduction.py, extras/cpu_offload.py.)
+   shards in host memory: planning/options.py: reduce_dtype, offload_policy.)
 4. Gradients are *summed*, not averaged, across data-parallel ranks. The loss each rank backpropagates is
    already its share of the global mean (its token-loss sum divided by the global token count), so the sum
    of the ranks' gradients is exactly the gradient of the global mean: the scaling happens once, in the
@@ -94,7 +94,7 @@ def apply_fsdp(
     """Shard ``model`` over ``meshes.fsdp`` (see the module docstring for the steps).
 
     ``reduce_dtype`` (bf16 for ``parallel.grad_compression=bf16``) and ``offload`` (``CPUOffloadPolicy`` for
-    ``parallel.fsdp_cpu_offload``) come from extras/bf16_reduction.py and extras/cpu_offload.py.
+    ``parallel.fsdp_cpu_offload``) come from planning/options.py: reduce_dtype, offload_policy.
     """
     fsdp_mesh = meshes.fsdp
     policy = MixedPrecisionPolicy(

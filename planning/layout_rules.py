@@ -343,7 +343,7 @@ def batch_errors(dims: ParallelDims, cfg: Config, batch: BatchSplit) -> list[str
 
 
 def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> list[str]:
-    """Every gradient-sync, compression and offload setting (extras/reduce_once_per_step.py, bf16_reduction.py, powersgd.py, cpu_offload.py) that cannot work on this
+    """Every gradient-sync, compression and offload setting (extras/reduce_once_per_step.py, powersgd.py, planning/options.py) that cannot work on this
     layout.
 
     ``accumulation``: forward/backward calls of the training loop per step (None when the batch does not
