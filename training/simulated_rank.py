@@ -36,6 +36,7 @@ class SimulatedLoader:
         self.plan = plan
         self.trained_tokens = plan.global_tokens
         self.tokens_consumed = 0
+        self.documents = None  # no document masks: the step reads this like data/loader.py's
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         plan = self.plan
