@@ -53,6 +53,7 @@ from mesh.dims import build_mesh, mesh_banner
 from mesh.parallelize import build_model_parts
 from mesh.private_api import flight_recorder_dump
 from mesh.tied_embeddings import TiedEmbeddings
+from models.local_tensor import local_tensor
 from planning.dry_run import dry_run, parse_dry_run
 from planning.layout_rules import check_memory
 from planning.options import parallel_options
@@ -159,9 +160,7 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
         start_step = checkpoints.restore(parts, optimizers, loader)
     is_logger = dist.get_rank() == 0
     if is_logger:
-        local = sum(
-            p.to_local().numel() if hasattr(p, "to_local") else p.numel() for m in parts for p in m.parameters()
-        )
+        local = sum(local_tensor(p).numel() for m in parts for p in m.parameters())
         precision = precision_banner(t.mixed_precision, tf32)
         print(plan.banner(mesh_banner(meshes.world), local, device, precision, data.description), flush=True)
     metrics_from = checkpoints.resumed_step
