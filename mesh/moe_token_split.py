@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (
 from mesh.private_api import (
     all_gather_stacked,
     all_reduce_functional,
+    mesh_ranks,
 )
 from models.local_tensor import local_tensor
 from models.moe import MoE
@@ -122,7 +123,7 @@ def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, exper
     Local tensors are reduced: under FSDP each tp rank holds the same dp shard of a weight, so the sum of
     the shards is the shard of the sum; expert-parallel shards within dp_shard likewise.
     """
-    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
+    tp_ranks = mesh_ranks(tp_mesh)
     grads = [
         local_tensor(p.grad)
         for part in parts
@@ -139,4 +140,4 @@ def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, exper
 def _fsdp_over(param: torch.Tensor, ranks: set[int]) -> bool:
     """Whether ``param`` is sharded over a mesh holding all of ``ranks`` (mesh/data_parallel.py shards an MoE
     block's router and shared expert over dp_shard x cp x tp): FSDP's reduce-scatter already sums it there."""
-    return isinstance(param, DTensor) and ranks <= set(param.device_mesh.mesh.flatten().tolist())
+    return isinstance(param, DTensor) and ranks <= mesh_ranks(param.device_mesh)

@@ -252,6 +252,15 @@ def fake_world(world_size: int, rank: int = 0):
         dist.destroy_process_group()
 
 
+def mesh_ranks(mesh: DeviceMesh) -> set[int]:
+    """Every global rank of ``mesh``, read on real tensors outside every dispatch mode (under --simulate's fake
+    mode, ``tolist`` on the mesh tensor would need a data-dependent shape)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return set(mesh.mesh.flatten().tolist())
+
+
 @contextlib.contextmanager
 def meshes_outside_fake_mode():
     """DeviceMeshes made while a fake mode is active are computed on real tensors, outside every mode.
