@@ -44,15 +44,16 @@ from checkpoint.hf_folder import adopt_folder_config
 from checkpoint.manager import CheckpointManager, CheckpointSaveError
 from checkpoint.resume import Resume, find_resume
 from data.dataset import check_data, load_data, passes_done, resolve_epochs, stream_span
-from extras.base import Extras
-from extras.pipeline_timeline import PipelineTimelineExtra
+from extras import pipeline_timeline, rank_balance, replica_check
+from extras.base import Extras, RunContext
 from extras.rank_balance import RankBalance
 from extras.rank_balance import fields as balance_fields
-from extras.replica_check import ReplicaCheck, ReplicaMismatchError
+from extras.replica_check import ReplicaMismatchError
 from mesh.dims import build_mesh, mesh_banner
 from mesh.parallelize import build_model_parts
 from mesh.private_api import flight_recorder_dump
 from mesh.tied_embeddings import TiedEmbeddings
+from models.local_tensor import local_tensor
 from planning.dry_run import dry_run, parse_dry_run
 from planning.layout_rules import check_memory
 from planning.options import parallel_options
@@ -72,14 +73,15 @@ from runtime.process import (
 from runtime.run_dir import RunFolderLost, check_run_dir, folder_lost
 from runtime.signals import StopRequested, loop_started, restart_attempt, resume_command
 from runtime.startup import start_process
+from training import profiling
 from training.evaluation import eval_due, evaluate
 from training.loaders import batch_loader
 from training.metrics import MetricsWriter, Progress, format_step, open_metrics
+from training.mfu import Throughput, peak_tflops
 from training.optimizer import Optimizers
-from training.profiling import named_range, step_profiler
+from training.profiling import named_range
 from training.simulated_rank import simulate_rank
 from training.step import StepParts, divergence_advice, pipeline_schedule, train_step
-from training.throughput import Throughput, peak_tflops
 
 
 def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPlan, Resume]:
@@ -143,7 +145,7 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     with phase("building and parallelizing the model", "device plane"):
         options = parallel_options(cfg, plan, meshes, device)  # typed, from the config (planning/options.py)
         parts = build_model_parts(plan.model, plan.stage_layers, plan.stage_ids, meshes, options, device)
-    schedule, stages = pipeline_schedule(parts, plan, meshes, device)  # None, [] without pipelining
+    schedule, stages, loss_divisor = pipeline_schedule(parts, plan, meshes, device)  # None, [], None without pipelining
     # A tied embedding's two pipeline copies and their embedding group (every rank: it may create groups).
     tied = TiedEmbeddings.build(parts, meshes, timeout_s)
     optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
@@ -158,9 +160,7 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
         start_step = checkpoints.restore(parts, optimizers, loader)
     is_logger = dist.get_rank() == 0
     if is_logger:
-        local = sum(
-            p.to_local().numel() if hasattr(p, "to_local") else p.numel() for m in parts for p in m.parameters()
-        )
+        local = sum(local_tensor(p).numel() for m in parts for p in m.parameters())
         precision = precision_banner(t.mixed_precision, tf32)
         print(plan.banner(mesh_banner(meshes.world), local, device, precision, data.description), flush=True)
     metrics_from = checkpoints.resumed_step
@@ -171,10 +171,23 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     extras, balance = build_extras(cfg, plan, meshes, device, control, parts, stages, tied, start_step, stack)
     peak = peak_tflops(t.peak_tflops, device, "tf32" if tf32 else t.mixed_precision)
     throughput = Throughput(plan.model, t.seq_len, plan.dims.world_size, peak)
-    step = StepParts(parts, schedule, plan, meshes, device, optimizers, loader, tied, throughput, extras)
-    step.reduce_every_microbatch = cfg.parallel.grad_sync == "microbatch"  # else only the last micro-batch
-    step.grad_clip, step.advice = t.grad_clip, divergence_advice(cfg)
-    step.before_update = checkpoints.wait_staged  # an async save's copy is taken before the weights change
+    step = StepParts(
+        parts,
+        schedule,
+        plan,
+        meshes,
+        device,
+        optimizers,
+        loader,
+        tied,
+        throughput,
+        extras,
+        loss_divisor,
+        reduce_every_microbatch=cfg.parallel.grad_sync == "microbatch",  # else only the last micro-batch
+        grad_clip=t.grad_clip,
+        advice=divergence_advice(cfg),
+        before_update=checkpoints.wait_staged,  # an async save's copy is taken before the weights change
+    )
     run = Run(cfg, step, control, checkpoints, val_loader, writer, balance, start_step, is_logger)
     run.progress = Progress(t.steps, start_step, t.global_batch * t.seq_len)
     run.span = stream_span(int(data.train.shape[0]), t.seq_len)
@@ -189,19 +202,21 @@ def run_folders(cfg: Config, resume: Resume) -> list[tuple[str, Path]]:
     return folders
 
 
+# Each extra's ``for_run`` decides from the config whether it is on; the order is the hooks' order.
+EXTRAS = (profiling.for_run, rank_balance.for_run, pipeline_timeline.for_run, replica_check.for_run)
+
+
 def build_extras(
     cfg, plan, meshes, device, control, parts, stages, tied, start_step, stack
 ) -> tuple[Extras, RankBalance]:
     """The run's extras (extras/base.py), each one only when its config key asks for it; closed by ``stack``."""
+    ctx = RunContext(cfg, plan, meshes, device, control, parts, stages, tied, start_step)
     extras = Extras()
     stack.callback(extras.close)  # the profiler writes a trace still open when the run ends inside it
-    extras.add(step_profiler(cfg, plan.rank, device, first_step=start_step + 1))
-    balance = extras.add(RankBalance(plan.rank, device))  # always on: metrics.jsonl's compute_spread
-    if cfg.run.pp_timeline and stages:
-        extras.add(PipelineTimelineExtra(stages, plan, meshes.pp, control, cfg.run.dir, device))
-    if cfg.debug.check_replicas:
-        check = cfg.debug.check_replicas, cfg.debug.check_replicas_action
-        extras.add(ReplicaCheck(*check, parts, meshes.world, tied, device, control))
+    for on in EXTRAS:
+        if (extra := on(ctx)) is not None:
+            extras.add(extra)
+    balance = next(extra for extra in extras.extras if isinstance(extra, RankBalance))
     return extras, balance
 
 
@@ -241,7 +256,14 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     if eval_due(step, cfg.eval.interval, last):
         with phase(f"step {step}: validation", s.device_groups):
             record["val_loss"] = evaluate(
-                s.parts, s.schedule, run.val_loader, s.plan, s.meshes, steps=cfg.eval.steps, device=s.device
+                s.parts,
+                s.schedule,
+                run.val_loader,
+                s.plan,
+                s.meshes,
+                steps=cfg.eval.steps,
+                device=s.device,
+                loss_divisor=s.loss_divisor,
             )
     run.records.append(record)
     with phase(f"saving step {step}", "checkpoint group, control plane"), named_range("checkpoint save"):

@@ -48,6 +48,7 @@ from checkpoint.hf_folder import is_model_folder, weight_files
 from mesh.materialize import canonical_name
 from mesh.private_api import contiguous_block
 from models.llama import ModelArgs, Transformer
+from models.local_tensor import local_tensor
 
 TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -632,7 +633,7 @@ def import_safetensors(parts: list[nn.Module], path: str | Path, sliced: bool = 
     """Overwrite every parameter of ``parts`` with the stored value; each rank reads only its own piece.
 
     Files are opened once each (a sharded folder: in index order); ``sliced=False`` reads each full tensor
-    (bench/hf_import_memory.py compares the two).
+    (measure/hf_import_memory.py compares the two).
     """
     files = tensor_files(path)
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
@@ -659,5 +660,5 @@ def import_safetensors(parts: list[nn.Module], path: str | Path, sliced: bool = 
 
 
 def _copy(param: torch.Tensor, piece: torch.Tensor) -> None:
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = local_tensor(param)
     local.copy_(piece.to(device=local.device, dtype=local.dtype))

@@ -24,22 +24,7 @@ ConfigError (exit 2) naming the file and the token offset, instead of one rank d
 the others wait in a collective. Its cost is one max over the step's ``global_batch x seq_len + 1`` ids,
 read as a view of the memory map (no copy) or of the in-memory tensor; there is no device involved.
 
-**A loss mask** (chat data: tokens given as a ``MaskedTokens``, data/token_file.py) travels with the
-tokens: a target whose mask is 0 becomes ``IGNORE`` (-100, cross-entropy's ``ignore_index``), so it adds
-nothing to the token-loss sum, on every layout and inside TP's ``loss_parallel`` alike. The loss divisor
-is then the step's *global* number of trained targets, ``trained_tokens``, counted here on the host from
-the global batch's mask (``global_batch x seq_len`` bytes of the map, like the id check): every rank computes
-the same count from the same bytes with no collective, before any forward, whatever its own share of trained
-tokens is (a micro-batch may have none: its sum is 0 and its gradient 0). Without a mask
-``trained_tokens`` is ``global_batch x seq_len``, the divisor of every unmasked step.
-
-**Documents** (``document_starts``: where each document of the stream starts, data/token_file.py, when
-``data.document_mask`` is on): each step also gives, per micro-batch, every input position's place in its
-document (``documents``: 0 where a document starts, and at the window's first token, whose document may have
-begun in an earlier window), over the *whole* window even under context parallelism (every cp rank needs the
-documents of the keys other ranks hold). The model then rotates each token by that position and lets it
-attend only to its own document (models/llama.py: ``Transformer.forward``). Computed on the host with one
-``searchsorted`` over the window's positions; nothing is read from the token file.
+More in docs/data.md: "data/loader.py", at its end.
 """
 
 from __future__ import annotations
@@ -88,7 +73,7 @@ class GlobalBatchLoader:
         self.positions = positions  # the positions of each window this rank trains on; None: all of them
         self.vocab_size = vocab_size  # every id read must be below it (None: not checked)
         # The ids as the check reads them: an in-memory corpus (always on the host) through a numpy view made
-        # once here, so that no torch op on the step's path reads a tensor back (bench/host_syncs.py).
+        # once here, so that no torch op on the step's path reads a tensor back (measure/host_syncs.py).
         self.host_ids = self.tokens.numpy() if isinstance(self.tokens, torch.Tensor) else self.tokens
         self.tokens_consumed = 0  # position in the global stream, identical on every rank
         # A masked global batch with no trained target is an error (a silent step of loss 0), unless allowed
@@ -108,7 +93,7 @@ class GlobalBatchLoader:
         """The global batch at ``position`` as contiguous [first, stop) token ranges: consecutive windows
         overlap by one token, so there is one range, or two or more where the stream wraps.
 
-        Plain Python integers: nothing on the step's path reads a torch tensor back (bench/host_syncs.py).
+        Plain Python integers: nothing on the step's path reads a torch tensor back (measure/host_syncs.py).
         """
         wrap = self.num_tokens - self.seq_len
         offsets = [(position + i * self.seq_len) % wrap for i in range(self.global_batch)]

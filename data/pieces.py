@@ -24,7 +24,7 @@ prepends its marker to the first word) may also differ at a cut; the GPT-2 style
 (tests/test_prepare.py).
 
 Memory: one piece of text (``PIECE_CHARS``, up to 4 bytes a character) plus the tokenizer's encoding of it
-(measured: bench/prepare_memory.py), whatever the document's length.
+(measured: measure/prepare_memory.py), whatever the document's length.
 """
 
 from __future__ import annotations

@@ -2,13 +2,14 @@
 
 An extra is a feature a run may switch on that is not the algorithm itself: the profiler, the rank-balance
 clock, the pipeline timeline, the replica check. train.py builds the list of the run's extras once, from the
-config (``Extras``); the step and the loop call every hook at its place, whichever extras are in the list. A
+config: each extra module's ``for_run(RunContext)`` returns the extra when its config key switches it on
+(train.py: ``EXTRAS``); the step and the loop call every hook at its place, whichever extras are in the list. A
 hook an extra does not need is the base class's, which does nothing. The extras that change how gradients
 travel attach at the two other seams, and need no hook, a file each:
 
 - where the model is parallelized (planning/options.py builds mesh/parallelize.py's ``ParallelOptions``):
-  bf16_reduction.py (``parallel.grad_compression bf16``), powersgd.py (``powersgd``: a replicated model in
-  FSDP's place), cpu_offload.py (``parallel.fsdp_cpu_offload``);
+  powersgd.py (``powersgd``: a replicated model in FSDP's place); bf16 reduction and CPU offload are plain
+  FSDP options there (``reduce_dtype``, ``offload_policy``);
 - inside the step: reduce_once_per_step.py (``parallel.grad_sync step``: training/step.py runs each
   micro-batch in its ``reduction_window``), and onebit_adam.py (1-bit Adam replaces the optimizer:
   training/optimizer.py, ``Optimizers``).
@@ -30,6 +31,25 @@ exit path (the profiler writes a trace that is still open).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What an extra may be built from: the run's config and its built parts (train.py's ``build``). Each extra
+    module has a ``for_run(ctx)`` that returns the extra when the config switches it on, else None."""
+
+    cfg: Any
+    plan: Any
+    meshes: Any
+    device: Any
+    control: Any
+    parts: list
+    stages: list
+    tied: Any
+    start_step: int
 
 
 class Extra:

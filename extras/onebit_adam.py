@@ -26,24 +26,8 @@ Compression (every later step):
 3. Error feedback: ``c_i = m_i + e_i``, where ``e_i`` is what this rank's last compression left out.
 4. Compress: ``q_i = sign(c_i) * ||c_i|| / sqrt(n)`` per tensor (n elements; sign(0) = +1): one bit per
    element and one fp32 scale, with the same L2 norm as ``c_i``.
-5. Keep the error for the next step: ``e_i = c_i - q_i``.
-6. Exchange: the momentum becomes the mean of the ranks' ``q_i``, the same on every rank. This reference
-   all-reduces the decompressed fp32 values (one flat buffer per step), which gives the mean exactly; an
-   implementation for slow links sends the packed signs and the scales instead (DeepSpeed's compressed
-   all-reduce: each rank sends its packed chunks to their owners, which average, re-compress with an error
-   of their own, and all-gather the result). ``payload_bytes`` counts that compressed size:
-   ceil(n / 8) + 4 bytes per tensor, against 4n for fp32.
-7. AdamW's update with the frozen variance: ``p *= 1 - lr wd``, then
-   ``p -= lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^W)) + eps)``, W the warm-up steps.
 
-Checkpoints hold ``m``, ``v`` and the step count (AdamW's state, the same on every replica), not the error
-buffers, which are each rank's own: a run resumed after the warm-up restarts error feedback at zero, like
-PowerSGD's compressor (docs/dp_savers.md, section 3).
-
-Every replica applies the same ``m`` and the same frozen ``v``: the replicas stay bitwise equal (the replica
-check, extras/replica_check.py, holds under 1-bit Adam too). What cannot use it is refused before any process
-group exists (planning/layout_rules.py: ``saver_errors``): sharded states (dp_shard > 1, FSDP), TP, PP and CP
-(the momentum would be a shard, and the model is not a plain replica), bf16 and CPU offload (FSDP's).
+More in docs/dp_savers.md: "extras/onebit_adam.py", at its end.
 """
 
 from __future__ import annotations
@@ -53,6 +37,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from mesh.data_parallel import sum_from_mean
+from runtime.process import reduced_as_one, sum_in_place
 
 if TYPE_CHECKING:
     from mesh.dims import ParallelDims
@@ -96,14 +83,11 @@ class OneBitAdam(torch.optim.AdamW):
             return
         if self.compressing:
             for g in grads:
-                g.mul_(self.replicas)
+                sum_from_mean(g, self.replicas)
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
         # The one gradient all-reduce of a warm-up step, on the replicas' group (device plane).
-        dist.all_reduce(flat, group=self.group)
-        self.payload_bytes += flat.numel() * flat.element_size()
-        for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(summed.view_as(g))
+        sum_in_place(grads, self.group)
+        self.payload_bytes += sum(g.numel() * g.element_size() for g in grads)
 
     @torch.no_grad()
     def agree_on_norm(self, norm: torch.Tensor) -> torch.Tensor:
@@ -139,12 +123,15 @@ class OneBitAdam(torch.optim.AdamW):
                 work.append((p, group, q))
         if not work:
             return None
+
         # Step 6: one exchange per step for the whole model.
-        flat = torch.cat([q.reshape(-1) for _, _, q in work])
-        dist.all_reduce(flat, group=self.group)
-        flat.div_(self.replicas)
+        def mean_over_replicas(flat: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(flat, group=self.group)
+            return flat.div_(self.replicas)
+
+        means = reduced_as_one([q for _, _, q in work], mean_over_replicas)
         self.payload_bytes += sum(math.ceil(q.numel() / 8) + 4 for _, _, q in work)
-        for (p, group, _q), mean in zip(work, flat.split([q.numel() for _, _, q in work]), strict=True):
+        for (p, group, _q), mean in zip(work, means, strict=True):
             state = self.state[p]
             beta1, beta2 = group["betas"]
             m, v = state["exp_avg"], state["exp_avg_sq"]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from extras.base import Extra
+from extras.base import Extra, RunContext
 from mesh.pipeline import SCHEDULE_FAMILIES
 from runtime.process import ControlPlane, synchronize
 
@@ -225,6 +225,13 @@ def write_pipeline_timeline(
         print(f"  pp rank {r['rank']}: {busy}  idle {r['idle'] * 1000:7.1f} ms ({r['idle_fraction']:.1%})")
     shown = "n/a" if predicted is None else f"{predicted:.1%}"
     print(f"  bubble: measured {measured:.1%} (mean over ranks) vs predicted {shown}", flush=True)
+
+
+def for_run(ctx: RunContext) -> PipelineTimelineExtra | None:
+    """On with ``run.pp_timeline`` on a pipelined run."""
+    if not (ctx.cfg.run.pp_timeline and ctx.stages):
+        return None
+    return PipelineTimelineExtra(ctx.stages, ctx.plan, ctx.meshes.pp, ctx.control, ctx.cfg.run.dir, ctx.device)
 
 
 class PipelineTimelineExtra(Extra):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from mesh.data_parallel import sum_from_mean
 from mesh.private_api import replicate_with_ddp
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def apply_powersgd(model: nn.Module, replicate_mesh: DeviceMesh, rank: int, devi
     )
 
     def summed_powersgd(state, bucket):
-        return powersgd.powerSGD_hook(state, bucket).then(lambda fut: fut.value().mul_(size))
+        return powersgd.powerSGD_hook(state, bucket).then(lambda fut: sum_from_mean(fut.value(), size))
 
     hook = summed_powersgd
     if dist.get_backend(group) == "gloo":

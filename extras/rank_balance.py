@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from extras.base import Extra
+from extras.base import Extra, RunContext
 from runtime.process import device_time
 
 if TYPE_CHECKING:
@@ -56,6 +56,11 @@ def fields(times: list[float]) -> dict:
         "compute_s_min": fastest,
         "slowest_rank": slowest,
     }
+
+
+def for_run(ctx: RunContext) -> RankBalance:
+    """Always on: metrics.jsonl's compute_spread."""
+    return RankBalance(ctx.plan.rank, ctx.device)
 
 
 class RankBalance(Extra):

@@ -21,30 +21,8 @@ The algorithm, once per check:
    by its position (so that swapped elements count), summed in int64. Integer sums are exact and do not
    depend on the order in which a kernel adds them, so two ranks get the same checksum exactly when their
    values are bitwise equal (up to a checksum collision).
-2. For each replica group this rank belongs to, in one global order (sorted by the group's ranks, so that no
-   two ranks wait on each other's groups in opposite orders), stack the checksums of the parameters that
-   are replicated over it and all-reduce ``[c, -c]`` with MAX on that group: one collective gives the
-   largest and the smallest checksum of every parameter. They differ exactly where some replica disagrees.
-   The collective runs on the device plane, on the group the parameters live on (NCCL on GPUs), with the
-   checksums on the device.
-3. Only for a group with a mismatch, all-gather its checksums (the failure path) and name, for each
-   parameter that differs, the coordinates along that dim whose checksum differs from the majority's.
-4. Agree, over the control plane, on whether any rank found a mismatch; if one did, gather the lines, so
-   that every rank (also those outside the disagreeing groups, which would otherwise go on and wait in the
-   next collective) reports the same first line and stops or warns together.
 
-Exact comparison, not a tolerance: replicas are bitwise equal in every meshloom layout by construction. They
-start from the same bits (materialize_weights builds every parameter from (seed, name) on every rank), and
-each step applies the same bits to them: a gradient reduced by an all-reduce arrives bitwise identical on
-every rank of the group (the reduced chunks are computed once and copied around, in gloo and NCCL alike),
-the clipping coefficient is computed from the same all-reduced norm, and AdamW is elementwise and
-deterministic for equal inputs on the same kind of device. A difference of one bit therefore already means
-that something other than training changed a replica. (Ranks on different kinds of GPU in one job could
-round differently; meshloom does not support mixing them.)
-
-Cost: one pass over this rank's parameters (an integer copy of each, one at a time) plus one small
-all-reduce per replica group and one control-plane scalar: bench/replica_check.py prints it against the step
-time (docs/troubleshooting.md, "Replicas that disagree").
+More in docs/data_parallel.md: "extras/replica_check.py", at its end.
 """
 
 from __future__ import annotations
@@ -55,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from extras.base import Extra
+from extras.base import Extra, RunContext
 from mesh.private_api import all_gather_into
+from models.local_tensor import local_tensor
 from runtime.failures import phase
 
 # Position weights repeat with this period (a prime, so that a period rarely lines up with a tensor's rows).
@@ -107,10 +86,6 @@ def replica_groups(param: torch.Tensor, world_mesh) -> list[ReplicaGroup]:
     return [_group_of(mesh, d) for d in dims if mesh.size(d) > 1]
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
 def _disagreeing(values: list[int]) -> tuple[list[int], list[int]]:
     """(coordinates that disagree, coordinates of the majority); a tie goes to the value coordinate 0 holds."""
     counts: dict[int, list[int]] = {}
@@ -141,7 +116,7 @@ def compare_replicas(
     for name, param, groups in entries:
         if not groups:
             continue
-        value = checksum(_local(param)).to(device)
+        value = checksum(local_tensor(param)).to(device)
         for g in groups:
             by_group.setdefault(g.ranks, (g, [], []))
             by_group[g.ranks][1].append(name)
@@ -151,7 +126,7 @@ def compare_replicas(
     local: dict[str, list[tuple[str, int]]] = {}
     for name, tensor, group in extra:
         if group.group is None:
-            local.setdefault(name, []).append((group.dim_name, int(checksum(_local(tensor)))))
+            local.setdefault(name, []).append((group.dim_name, int(checksum(local_tensor(tensor)))))
     for name, copies in local.items():
         if len({value for _, value in copies}) > 1:
             lines.append(
@@ -234,6 +209,16 @@ def tied_replicas(copies: list[tuple[str, torch.Tensor]], group) -> list[tuple[s
         return [(name, param, ReplicaGroup((), kind, None)) for kind, param in copies]
     ranks = tuple(dist.get_process_group_ranks(group))
     return [(name, param, ReplicaGroup(ranks, "pp (tied embedding group)", group)) for _, param in copies]
+
+
+def for_run(ctx: RunContext) -> ReplicaCheck | None:
+    """On with ``debug.check_replicas`` (every that many steps)."""
+    d = ctx.cfg.debug
+    if not d.check_replicas:
+        return None
+    return ReplicaCheck(
+        d.check_replicas, d.check_replicas_action, ctx.parts, ctx.meshes.world, ctx.tied, ctx.device, ctx.control
+    )
 
 
 class ReplicaCheck(Extra):

@@ -7,7 +7,7 @@ Tests and benches both start runs this way, so it lives in neither of them:
 - ``run_train_cli(n, *args)`` runs ``python train.py ARGS`` (n = 1) or ``torchrun ... train.py ARGS`` to the
   end and returns the finished process;
 - ``TorchrunLaunch`` starts ``torchrun ... train.py ARGS`` in the background, with its output in a file that
-  the caller watches, signals and waits on (the fault tests and bench/fault_timings.py);
+  the caller watches, signals and waits on (the fault tests and measure/fault_timings.py);
 - ``read_metrics(run_dir)`` reads back the per-step records a run wrote to ``run_dir/metrics.jsonl``;
 - ``unprivileged(cmd)`` is ``cmd`` run the way a normal user's command runs as far as file permissions go:
   root's override of them (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH) dropped with ``setpriv``, so that a file

@@ -1,2 +1,2 @@
-"""Measurement helpers: the counters, saved-bytes hooks, formulas and fake process groups that the benches print
-and the tests assert on. A bench (bench/) imports from here and prints; a test imports from here and checks."""
+"""Measurements: one module per measurement, each with its CLI (``python -m measure.NAME``), and the counters,
+saved-bytes hooks and formulas that the tests assert on. No library room imports this one."""

@@ -1,6 +1,6 @@
 """Activation memory of one TransformerBlock per rank, under TP and SP, next to the formula derived from the code.
 
-    .venv/bin/python -m bench.activation_memory        # from the repository root
+    .venv/bin/python -m measure.activation_memory        # from the repository root
 
 "Activation memory" here is what autograd keeps from a block's forward for its backward. It is measured,
 not estimated: ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor an op saves, and
@@ -46,15 +46,18 @@ elements of 4 bytes). 34 sbh itself is for a GPT block: a 4h GeLU MLP (19 sbh wi
 Llama's SwiGLU keeps four tensors of H = 3.5h (28 sbh at the 8B shape), k and v at full width, and dropout masks. DTensor's ColwiseParallel saves the all-gathered input it multiplied, so with plain SP
 2 bsh stays. Megatron-LM's sequence parallelism keeps the *sharded* input of the first column-parallel matmul
 and all-gathers it again in backward, so there everything is divided by t (the "all / t" column);
-``parallel.sp_regather`` does the same here (mesh/tensor_parallel.GatherSavingShard), at the price of one more
+``parallel.sp_regather`` does the same here (mesh/sequence_parallel.GatherSavingShard), at the price of one more
 all-gather per sub-layer in backward.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from measure.saved_bytes import SavedBytes, storage_ptr
+from measure.saved_bytes import SavedBytes, kept_bytes, storage_ptr
+from mesh.ac_policies import POLICIES
 from models.llama import ModelArgs
 
 # Big enough that the (b, s, h) terms dominate the small ones: 2 x 256 tokens of width 256.
@@ -162,3 +165,73 @@ def table(args: ModelArgs = BENCH_ARGS, batch: int = BATCH, seq: int = SEQ, layo
         formula = formula_bytes(args, batch, seq, tp, sp, regather=rg)
         rows.append({"layout": name, "tp": tp, "sp": sp, "regather": rg, **result, "formula": formula})
     return rows
+
+
+def main_ac() -> None:
+    """``--ac``: the bytes one block keeps from forward for backward under each activation checkpointing mode."""
+    a = BENCH_ARGS
+    bsh = 4 * BATCH * SEQ * a.dim
+    print(
+        f"one TransformerBlock, fp32, CPU: b={BATCH} s={SEQ} h={a.dim} H={a.hidden_dim} heads={a.n_heads}; "
+        f"4·bsh = {bsh:,} bytes"
+    )
+    print(f"{'training.activation_checkpoint':<31} {'bytes kept':>11} {'/ 4·bsh':>8} {'/ none':>7}")
+    none = None
+    for mode in POLICIES:  # mesh/ac_policies.py: none, full, selective (per-op), selective_keep_mm
+        kept = kept_bytes(a, BATCH, SEQ, mode)
+        none = none or kept
+        print(f"{mode:<31} {kept:>11,} {kept / bsh:>8.2f} {kept / none:>7.3f}")
+
+
+def main() -> None:
+    if "--ac" in sys.argv[1:]:
+        main_ac()
+        return
+    args = BENCH_ARGS
+    b, s, h, hidden, a = BATCH, SEQ, args.dim, args.hidden_dim, args.n_heads
+    rows = table()
+    one = rows[0]["bytes"]
+    g = args.n_kv_heads * args.head_dim
+    print(
+        f"one TransformerBlock forward, fp32: b={b} s={s} h={h} g={g} H={hidden} heads={a} "
+        f"kv_heads={args.n_kv_heads}; bsh = {b * s * h:,} elements = {4 * b * s * h:,} bytes"
+    )
+    print("bytes autograd saves per rank (parameters and buffers excluded)")
+    print(f"{'layout':<13} {'measured':>11} {'/ 1 proc':>9} {'formula':>11} {'meas/form':>10} {'all / t':>8}")
+    for r in rows:
+        print(
+            f"{r['layout']:<13} {r['bytes']:>11,} {r['bytes'] / one:>9.4f} {r['formula']:>11,.0f} "
+            f"{r['bytes'] / r['formula']:>10.4f} {1 / r['tp']:>8.4f}"
+        )
+    bf16 = measure_block(args, b, s, dtype=torch.bfloat16)["bytes"]
+    paper = korthikanti_bytes(args, b, s)
+    print(
+        f"one process, bf16: measured {bf16:,}, formula {formula_bytes(args, b, s, dtype_bytes=2):,.0f}, "
+        f"Korthikanti's count for these kernels 2(6bsh + 2bsg + 4bsH) = {paper:,.0f}: {bf16 / paper:.4f}"
+    )
+    from cluster.presets import PRESETS
+
+    llama8b = PRESETS["llama3-8b"]
+    print(
+        f"Llama-3-8B shape, s=8192, bf16, per layer: formula {formula_bytes(llama8b, 1, 8192, dtype_bytes=2) / 1e9:.3f} GB, "
+        f"Korthikanti for these kernels {korthikanti_bytes(llama8b, 1, 8192) / 1e9:.3f} GB, "
+        f"the paper's 34sbh for a GPT block {34 * 8192 * 4096 / 1e9:.3f} GB"
+    )
+    print("formula, in elements (x 4 bytes):")
+    print("  one process  6bsh + 2bsg + 4bsH + 2bs + abs")
+    print("  TP, no SP    4bsh + 2bs + (2bsh + 2bsg + 4bsH + abs)/t")
+    print("  TP + SP      2bsh + (4bsh + 2bsg + 4bsH + 2bs + abs)/t")
+    print("  TP + SP, rg  (6bsh + 2bsg + 4bsH + 2bs + abs)/t   (parallel.sp_regather: the gathered inputs as shards)")
+    print(
+        "'all / t': Megatron-LM's SP (and SP+rg), which keeps the sharded, not the gathered, input of the first matmuls"
+    )
+    for r in rows:
+        counts: dict[tuple, int] = {}
+        for shape in r["shapes"]:
+            counts[shape] = counts.get(shape, 0) + 1
+        listing = ", ".join(f"{n} x {tuple(shape)}" if n > 1 else str(tuple(shape)) for shape, n in counts.items())
+        print(f"saved on rank 0, {r['layout']}: {listing}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,8 @@
 """How long the training thread stands still per checkpoint save: a synchronous save against an async one.
 
-    python -m bench.async_save                  # one process, an 18M-parameter model (1-2 minutes on 2 cores)
-    python -m bench.async_save --world 2        # fsdp2 on 2 ranks
-    python -m bench.async_save --gpu            # on a GPU, a 160M-parameter model (pinned staging, a side stream)
+    python -m measure.async_save                  # one process, an 18M-parameter model (1-2 minutes on 2 cores)
+    python -m measure.async_save --world 2        # fsdp2 on 2 ranks
+    python -m measure.async_save --gpu            # on a GPU, a 160M-parameter model (pinned staging, a side stream)
 
 Both runs train the same model for ``--steps`` steps with a save every ``--interval`` steps, once with
 ``checkpoint.async false`` and once with ``true``, in one invocation. The *stall* of a save is the time the
@@ -25,6 +25,7 @@ training for the same cores, and the async figure includes that; on a GPU the co
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -139,3 +140,30 @@ def measure(world: int, steps: int, interval: int, gpu: bool, timeout: float = 1
     results["ratio"] = results["sync"]["stall_s"] / max(results["async"]["stall_s"], 1e-9)
     results["state_bytes"] = state_bytes(shape)
     return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m measure.async_save", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=1, help="ranks (fsdp over all of them)")
+    parser.add_argument("--steps", type=int, default=7, help="steps per run (the last step always saves)")
+    parser.add_argument("--interval", type=int, default=2, help="save every N steps")
+    parser.add_argument("--gpu", action="store_true", help="train on cuda (one GPU per rank)")
+    args = parser.parse_args(argv)
+    r = measure(args.world, args.steps, args.interval, args.gpu)
+    print(
+        f"{'gpu' if args.gpu else 'cpu'}, world {args.world}: {r['state_bytes'] / 2**20:,.0f} MiB of fp32 weights "
+        f"and Adam moments per save (whole model), a save every {args.interval} of {args.steps} steps"
+    )
+    for mode in ("sync", "async"):
+        m = r[mode]
+        stalls = ", ".join(f"{s:.3f}" for s in m["stalls_s"])
+        print(
+            f"  {mode:<5}: stall per save {m['stall_s']:.3f} s (saves before the last: {stalls}); "
+            f"waiting for the last save at the end {m['finish_s']:.3f} s; step {m['step_s']:.2f} s"
+        )
+    print(f"training-thread stall per save, sync / async: {r['ratio']:.1f}x")
+    return r
+
+
+if __name__ == "__main__":
+    main()

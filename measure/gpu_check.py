@@ -1,7 +1,7 @@
 """One command for a GPU machine: every GPU check meshloom has, within 8 minutes on one GPU, with a report.
 
-    python3 -m bench.gpu_check --out "$OUT/gpu_check" --budget 480                     # from the repository root
-    python3 -m bench.gpu_check --out "$OUT/gpu_check" --only NAME1,NAME2 --budget 240  # rerun some, time left
+    python3 -m measure.gpu_check --out "$OUT/gpu_check" --budget 480                     # from the repository root
+    python3 -m measure.gpu_check --out "$OUT/gpu_check" --only NAME1,NAME2 --budget 240  # rerun some, time left
 
 ``--out DIR`` is required: the folder for the report and the logs, which on a lent GPU machine must lie under
 the folder the machine sends back (``$OUT``). Left out, it is ``$OUT/gpu_check`` when the environment variable
@@ -39,16 +39,16 @@ The checks:
 
 - ``gpu-tests``: ``pytest -m gpu`` (tests/test_gpu.py and any other test marked ``gpu``): GPU runs against the
   CPU reference, on one GPU (tests needing two skip on one).
-- ``throughput-1b``: measure/throughput.py ``gpu_1b`` (bench/throughput.py ``--gpu-1b``): a Llama-3.2-1B-shaped model in bf16, meshloom against a
+- ``throughput-1b``: measure/tokens_per_second.py ``gpu_1b`` (measure/tokens_per_second.py ``--gpu-1b``): a Llama-3.2-1B-shaped model in bf16, meshloom against a
   plain PyTorch loop, tokens/s, TFLOP/s, MFU (with a known peak) and peak memory.
-- ``ring-attention-16k``: measure/ring_attention.py (bench/ring_attention.py ``--cp 1``): ring attention as mesh/context_parallel.py runs
+- ``ring-attention-16k``: measure/ring_attention.py (measure/ring_attention.py ``--cp 1``): ring attention as mesh/context_parallel.py runs
   it (a one-rank ring on one GPU: one causal block through the fused kernel, no messages) against plain SDPA
   (models/llama.py: ``causal_attention``) on 16,384 tokens in bf16, forward and backward: time and peak
   memory.
-- ``moe-experts``: measure/moe_grouped_mm.py (bench/moe_grouped_mm.py): models/moe.py's experts as one grouped GEMM
+- ``moe-experts``: measure/moe_grouped_mm.py (measure/moe_grouped_mm.py): models/moe.py's experts as one grouped GEMM
   (``torch._grouped_mm``) against the per-expert loop, forward and backward on 65,536 routed rows, 8 experts of
   2048 -> 1408, bf16: rows per second of each.
-- ``async-save``: measure/async_save.py (bench/async_save.py ``--gpu``): the training thread's stall per save, synchronous against
+- ``async-save``: measure/async_save.py (measure/async_save.py ``--gpu``): the training thread's stall per save, synchronous against
   asynchronous.
 """
 
@@ -118,13 +118,13 @@ def gpu_tests() -> dict:
 
 
 def throughput_1b(smoke: bool = False, event=None, peak_tflops: float = 0.0) -> dict:
-    """measure/throughput.py's ``gpu_1b`` (bench/throughput.py --gpu-1b), one round, without the compiled run (its
+    """measure/tokens_per_second.py's ``gpu_1b`` (measure/tokens_per_second.py --gpu-1b), one round, without the compiled run (its
     compile alone takes minutes). Passes only with a finite, positive tokens/s for every run, an MFU in (0, 1]
     where a peak is known, and the first step's loss of every run within ``LOSS_RTOL`` of the plain loop's.
     ``smoke``, ``event``, ``peak_tflops``: the CPU stand-in's run of this code path (tests/test_throughput.py)."""
     import math
 
-    from measure.throughput import gpu_1b
+    from measure.tokens_per_second import gpu_1b
 
     result = gpu_1b(rounds=1, no_compile=True, smoke=smoke, event=event, peak_tflops_arg=peak_tflops)
     runs = result["runs"]
@@ -446,7 +446,7 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """The command line: ``CHECKS`` on the GPU ``gpu_description`` finds (the tests patch both)."""
     checks = CHECKS
-    parser = argparse.ArgumentParser(prog="python3 -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m measure.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--out",
         help="folder for report.json, report.md and each check's <name>.log; on a lent GPU machine one under the "
@@ -499,12 +499,12 @@ def main(argv: list[str] | None = None) -> int:
     redo = [e["name"] for e in report["checks"] if e["status"] not in ("passed", "not run")]
     if redo:
         print(
-            "gpu_check: to rerun what did not pass, in the time left: python3 -m bench.gpu_check "
+            "gpu_check: to rerun what did not pass, in the time left: python3 -m measure.gpu_check "
             f"--out {shlex.quote(args.out)} --only {','.join(redo)} --budget SECONDS",
             flush=True,
         )
     return 0 if all(e["status"] in ("passed", "not run") for e in report["checks"] if e.get("run") == run) else 1
 
 
-if __name__ == "__main__":  # the child processes of step 3 (the command is bench/gpu_check.py)
+if __name__ == "__main__":  # the child processes of step 3 (the command is measure/gpu_check.py)
     sys.exit(main())

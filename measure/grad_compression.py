@@ -1,8 +1,8 @@
 """Gradient compression measured: bytes per step and the loss gap to exact reduction.
 
-    .venv/bin/python -m bench.grad_compression               # 300 steps x 4 variants, a few minutes
-    .venv/bin/python -m bench.grad_compression --steps 100   # quicker
-    .venv/bin/python -m bench.grad_compression --links       # the bandwidth arithmetic only (no training)
+    .venv/bin/python -m measure.grad_compression               # 300 steps x 4 variants, a few minutes
+    .venv/bin/python -m measure.grad_compression --steps 100   # quicker
+    .venv/bin/python -m measure.grad_compression --links       # the bandwidth arithmetic only (no training)
 
 The embedded default run (the debug model, Ψ = 853,120) on a pure data-parallel layout of 2 gloo ranks
 (``parallel.dp_replicate 2``), trained ``--steps`` steps (the cosine schedule over those steps) once per
@@ -24,6 +24,7 @@ optimizer's own ``payload_bytes``: this reference all-reduces the decompressed v
 
 from __future__ import annotations
 
+import argparse
 import math
 import tempfile
 
@@ -151,7 +152,7 @@ def powersgd_elements(shapes: list[tuple[int, ...]], rank: int) -> int:
 
 
 def llama8b_shapes() -> list[tuple[int, ...]]:
-    from planning.presets import PRESETS
+    from cluster.presets import PRESETS
 
     args = PRESETS["llama3-8b"]
     head_dim = args.dim // args.n_heads
@@ -187,3 +188,20 @@ def link_table(n: int = 64) -> None:
     for name, payload in variants.items():
         cells = " ".join(f"{ring * payload / bw:>25.3g}s" for bw in LINKS.values())
         print(f"{name:<12} {payload / 1e9:>7.3f}GB {cells}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--links", action="store_true", help="print the bandwidth arithmetic only")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, among: " + ", ".join(VARIANTS))
+    args = parser.parse_args()
+    if args.links:
+        link_table()
+        return
+    names = ["exact", *(n.strip() for n in args.variants.split(",") if n.strip() != "exact")]  # exact: the baseline
+    print_table(summarize(run_variants(args.steps, {n: VARIANTS[n] for n in names})), args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """What ``parallel.grad_sync = step`` costs in memory: the gradients a rank holds between micro-batches.
 
-    .venv/bin/python -m bench.grad_sync_memory        # from the repository root, about a minute
+    .venv/bin/python -m measure.grad_sync_memory        # from the repository root, about a minute
 
 The debug model (Ψ = 853,120, fp32) built as train.py builds it, on 2 or 4 gloo ranks. One micro-batch's
 forward and backward runs inside ``extras.reduce_once_per_step.reduction_window`` with the reduction on (``microbatch``) or
@@ -84,3 +84,19 @@ def table() -> list[dict]:
             row["psi"] = per_rank[0]["psi"]
         rows.append(row)
     return rows
+
+
+def main() -> None:
+    rows = table()
+    psi = rows[0]["psi"]
+    print(f"debug model, Ψ = {psi:,}, fp32: gradient bytes a rank holds after a micro-batch's backward")
+    print(f"{'layout':<12} {'microbatch':>11} {'step':>11} {'step / 4Ψ':>10}   (4Ψ = {4 * psi:,}; 4Ψ/dp_shard below)")
+    for r in rows:
+        print(
+            f"{r['layout']:<12} {r['microbatch']:>11,} {r['step']:>11,} {r['step'] / (4 * psi):>10.3f}"
+            f"   4Ψ/dp_shard = {4 * psi // r['dp_shard']:,}"
+        )
+
+
+if __name__ == "__main__":
+    main()

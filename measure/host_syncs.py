@@ -1,6 +1,6 @@
 """Host syncs, counted: every op that makes the host wait for the device, per training step and layout, and why.
 
-    python -m bench.host_syncs            # about a minute on 2 cores; tests/test_host_syncs.py asserts the same
+    python -m measure.host_syncs            # about a minute on 2 cores; tests/test_host_syncs.py asserts the same
 
 A GPU runs ahead of Python: the host queues kernels and moves on, and the GPU works through the queue. An
 operation whose *result the host needs* (a number to print or branch on, a size to allocate) stops the host
@@ -35,8 +35,10 @@ until the queue has drained; the GPU then idles while the host catches up. docs/
 
 from __future__ import annotations
 
+import argparse
 import collections
 import inspect
+import json
 from pathlib import Path
 
 import torch
@@ -266,3 +268,33 @@ def measure(names: list[str], run_dir: str) -> dict[str, list[dict[str, int]]]:
         for name, _, _ in layouts:
             result[name] = [r[name] for r in ranks]
     return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="python -m measure.host_syncs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated names from LAYOUTS")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = measure(args.layouts.split(","), tmp)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return result
+    print("host syncs in one training step, per rank (debug model, 2 layers); * = waits for the device on a GPU")
+    for name, ranks in result.items():
+        totals = ", ".join(f"rank {r}: {sum(c.values())} ({device_syncs(c)}*)" for r, c in enumerate(ranks))
+        print(f"{name}: {totals}")
+        for rank, counts in enumerate(ranks):
+            for site, n in counts.items():
+                star = "*" if REASONS.get(site, (True,))[0] else " "
+                print(f"    rank {rank}  {n:3d}{star} {site}")
+    print("why each is there:")
+    for site, (waits, why) in REASONS.items():
+        print(f"  {site}{' *' if waits else ''}: {why}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,7 @@
 3. Mixed precision: with ``training.mixed_precision = bf16`` the all-gathered parameters and the compute are
    bf16, while gradients are reduced in fp32 and the sharded master weights and Adam states stay fp32.
    (``parallel.grad_compression = bf16`` reduces in bf16 instead, and ``parallel.fsdp_cpu_offload`` keeps the
-   shards in host memory: extras/bf16_reduction.py, extras/cpu_offload.py.)
+   shards in host memory: planning/options.py: reduce_dtype, offload_policy.)
 4. Gradients are *summed*, not averaged, across data-parallel ranks. The loss each rank backpropagates is
    already its share of the global mean (its token-loss sum divided by the global token count), so the sum
    of the ranks' gradients is exactly the gradient of the global mean: the scaling happens once, in the
@@ -67,8 +67,15 @@ def vocabulary_units(model: nn.Module) -> list[list[nn.Module]]:
     return groups + ([last] if last else [])
 
 
+def sum_from_mean(mean: torch.Tensor, replicas: int) -> torch.Tensor:
+    """The rule, written once: gradients are *summed* over data-parallel replicas, never averaged, because each
+    rank's loss is already its share of the global mean (training/loss.py). A reduction that averages (DDP's
+    hooks) is multiplied back here, in place; so is a local gradient that stands for the replicas' sum."""
+    return mean.mul_(replicas)
+
+
 def sum_gradients_across_replicas(module: FSDPModule) -> None:
-    """Make FSDP reduce gradients with a plain SUM (no division by the data-parallel size)."""
+    """Make FSDP reduce gradients with a plain SUM (``sum_from_mean``'s rule: no division by the dp size)."""
     module.set_gradient_divide_factor(1.0)
     # A divide factor alone maps to PREMUL_SUM, which gloo lacks; forcing SUM comms keeps it portable.
     module.set_force_sum_reduction_for_comms(True)
@@ -87,7 +94,7 @@ def apply_fsdp(
     """Shard ``model`` over ``meshes.fsdp`` (see the module docstring for the steps).
 
     ``reduce_dtype`` (bf16 for ``parallel.grad_compression=bf16``) and ``offload`` (``CPUOffloadPolicy`` for
-    ``parallel.fsdp_cpu_offload``) come from extras/bf16_reduction.py and extras/cpu_offload.py.
+    ``parallel.fsdp_cpu_offload``) come from planning/options.py: reduce_dtype, offload_policy.
     """
     fsdp_mesh = meshes.fsdp
     policy = MixedPrecisionPolicy(
@@ -115,7 +122,7 @@ def apply_fsdp(
         # Under TP's token split every tp rank runs an MoE block on its own tokens, like a data-parallel rank:
         # its router and shared expert (and, without ep, its experts) are FSDP-sharded over dp_shard x cp x tp
         # in a unit of their own, so no tp rank holds them whole, and FSDP sums their gradients over the tp
-        # ranks too (mesh/tensor_parallel.sum_token_split_gradients then leaves them out).
+        # ranks too (mesh/moe_token_split.sum_token_split_gradients then leaves them out).
         for block in blocks:
             for module in block.modules():
                 if isinstance(module, MoE):

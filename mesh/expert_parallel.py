@@ -22,19 +22,7 @@ count per expert; then:
 
 A rank that receives no tokens runs its experts on empty inputs and still joins both all-to-alls.
 
-EP ranks are borrowed from the data-parallel shard, context-parallel and tensor-parallel ranks: the world
-mesh is unflattened so that ``dp_shard x cp x tp = efsdp x ep`` within the same root (mesh/dims.build_mesh),
-ep taking the innermost ranks (tp first). Every rank of an ep group holds different tokens: dp_shard ranks
-read different sequences, cp ranks different chunks of them, and under TP each tp rank runs the MoE block on
-its own chunk of every sequence (mesh/tensor_parallel.TokenSplitMoE) and dispatches that chunk to the
-experts' owners, so every (token, expert) pair is computed once. Expert weights are then FSDP-sharded over the
-remaining ``efsdp`` (and replicated over ``dp_replicate``), dense weights over dp_shard (x cp) as before; no
-expert weight, gradient or optimizer state is replicated over cp or tp. An expert's gradient sums the tokens
-of its ep group (the all-to-all's backward brings their gradients home) and FSDP sums it over efsdp and
-dp_replicate: together every rank of the pipeline stage, each once.
-
-Both exchanges are functional collectives (they return new tensors): selective activation checkpointing
-saves their outputs, so recomputing a block in backward never repeats them (mesh/activation_checkpoint.py).
+More in docs/expert_parallel.md: "mesh/expert_parallel.py", at its end.
 """
 
 from __future__ import annotations
@@ -45,10 +33,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from mesh.private_api import all_to_all_autograd, all_to_all_functional
+from models.local_tensor import local_tensor
 from models.moe import MoE
 from runtime.process import sum_over
 
@@ -159,12 +148,8 @@ def local_expert_bytes(parts: list[nn.Module]) -> dict[str, int]:
     held = {}
     for layer_id, moe in moe_modules(parts).items():
         params = moe.experts.parameters()
-        held[layer_id] = sum(_local(p).numel() * p.element_size() for p in params)
+        held[layer_id] = sum(local_tensor(p).numel() * p.element_size() for p in params)
     return held
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:
@@ -193,7 +178,7 @@ def step_expert_load(
        stage without MoE layers contributes only zeros, but still joins the reduction).
     2. Sum it over the ``loss`` mesh (pp x dp x cp): data- and context-parallel ranks add their tokens, stages fill
        their own rows; then over ``tp_mesh``: under TP each tp rank routed its own chunk of every sequence
-       (mesh/tensor_parallel.TokenSplitMoE) and holds that chunk's share. Device-plane all-reduces.
+       (mesh/moe_token_split.TokenSplitMoE) and holds that chunk's share. Device-plane all-reduces.
     3. Apply the aux-loss-free bias update to this rank's layers from the *global* load, so every layout
        updates identically; ``skip`` (the optimizer's ``found_inf``, a device scalar): where it is 1.0 the
        update is multiplied by 0 on the device, so a non-finite step reaches the bias no more than the weights.

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from models.local_tensor import local_tensor
+
 # Prefixes that wrappers insert into parameter names; the canonical (checkpoint/init) name drops them.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -64,7 +66,7 @@ def materialize_weights(
 
 def on_device(tensor: torch.Tensor, device: torch.device) -> bool:
     """Whether ``tensor`` (a DTensor: its local shard) lives on ``device`` (``cuda`` without an index: any GPU)."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     return local.device.type == device.type and device.index in (None, local.device.index)
 
 
@@ -81,7 +83,7 @@ def misplaced_tensors(model: nn.Module, device: torch.device, host_params: bool 
     ):
         for name, tensor in tensors:
             if not on_device(tensor, expected):
-                actual = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).device
+                actual = local_tensor(tensor).device
                 wrong.append(f"{kind} {canonical_name(name)} is on {actual}, not {expected}")
     return wrong
 

@@ -25,46 +25,7 @@ has its own such place, measure/schedule_ir.py, for the pipeline schedules' acti
 selective activation checkpointing names ops of torch's ``_c10d_functional`` namespace, which are op
 identifiers, not Python APIs.)
 
-| what                                   | why no public API serves                                              |
-|----------------------------------------|-----------------------------------------------------------------------|
-| ``DeviceMesh._flatten``                | a 1-D view over several mesh dims (the dp ranks, the loss ranks)      |
-| ``DeviceMesh._unflatten``              | regroup the world as (pp, dp_replicate, efsdp, ep) in the *same* root |
-| ``DeviceMesh._concatenate``            | (dp_replicate, dp_shard x cp) as one 2-D mesh for HSDP with cp, from  |
-|                                        | existing groups (slicing a flattened dim from the root is deprecated) |
-| ``DeviceMesh._get_root_mesh``          | check that every mesh of a run shares one root (tests)                |
-| ``Backend.Options._timeout``           | DeviceMesh passes a sub-group's timeout only through its options      |
-| ``_functional_collectives``            | differentiable uneven all-to-all, and functional all-to-all,          |
-|                                        | all-gather and reduce-scatter that selective activation checkpointing |
-|                                        | can cache (c10d's in-place ops cannot be)                             |
-| ``PipelineStage._post_metadata_inference_cleanup`` | the only hook at the end of the stage's shape inference   |
-| (2.13+), ``PipelineStage._shape_inference`` (2.11) |                                                           |
-| ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` | activation checkpointing that keeps the module  |
-|                                        | tree (FSDP units and state-dict names see through it)                 |
-| ``torch.distributed._composable.replicate`` | DDP's reducer and communication hooks (PowerSGD) on the model    |
-|                                        | itself: no wrapper module, so names and attributes stay the model's   |
-| ``FSDPParam.offload_to_cpu``           | whether a unit really offloads (tests and the offload bench: on a CPU |
-|                                        | device an offloaded shard looks like any other)                       |
-| ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` | the CUDA allocator's history, the file that     |
-|                                        | pytorch.org/memory_viz opens (``profile.memory_snapshot``)            |
-| ``torch.profiler._memory_profiler._CATEGORY_TO_INDEX`` | the column order of the CPU memory timeline's JSON export  |
-| ``torch._C._autograd._top_saved_tensors_default_hooks`` | the saved-tensor hooks active now, so that SP's re-gather |
-|                                        | hooks hand every other tensor on to them (mesh/tensor_parallel.py)    |
-| ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU),          | one fused attention kernel call that  |
-| ``aten._scaled_dot_product_flash_attention`` and                     | also returns each query row's         |
-| ``aten._scaled_dot_product_efficient_attention`` (CUDA), and their   | log-sum-exp, and its backward given   |
-| ``_backward`` ops                                                    | a merged output and log-sum-exp: ring |
-|                                        | attention's blocks (mesh/context_parallel.py); SDPA returns neither   |
-| ``tensor._utils.compute_local_shape_and_global_offset`` | the block of the full tensor that this rank's   |
-|                                        | piece is (shape and offset), so an import reads only that block; DCP  |
-|                                        | uses it for the same purpose                                          |
-| ``DTensor._local_tensor``              | a DTensor's local shard without an autograd op, inside SP's re-gather |
-|                                        | pack hook (``dtensor_local_storage``)                                 |
-| ``torch._C._distributed_c10d._dump_fr_trace``, ``distributed_c10d._world.pg_names`` | the flight recorder's |
-|                                        | buffer on gloo (NCCL dumps it itself on a timeout), and every group's |
-|                                        | name and ranks, which gloo leaves out of the dump                     |
-
-One exception lives outside this file: ``torch._grouped_mm`` (all experts of an MoE layer in one grouped
-matmul) is wrapped in models/kernels.py, because models/ is single-device code that never imports mesh/.
+More in docs/combining.md: "mesh/private_api.py", at its end.
 """
 
 from __future__ import annotations
@@ -291,6 +252,15 @@ def fake_world(world_size: int, rank: int = 0):
         dist.destroy_process_group()
 
 
+def mesh_ranks(mesh: DeviceMesh) -> set[int]:
+    """Every global rank of ``mesh``, read on real tensors outside every dispatch mode (under --simulate's fake
+    mode, ``tolist`` on the mesh tensor would need a data-dependent shape)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return set(mesh.mesh.flatten().tolist())
+
+
 @contextlib.contextmanager
 def meshes_outside_fake_mode():
     """DeviceMeshes made while a fake mode is active are computed on real tensors, outside every mode.
@@ -425,115 +395,33 @@ def dtensor_local_storage(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor
 
 
-# ---- fused attention with its log-sum-exp ----------------------------------------------------------------
-# SDPA returns only the attention output. A block of ring attention also needs the log-sum-exp (LSE) of each
-# query row, to merge blocks (mesh/context_parallel.py), and a backward that takes the *merged* output and
-# LSE. The aten kernels behind SDPA give both; these two functions pick one and call it.
-FUSED_KERNELS = ("cpu_flash", "flash", "efficient")
+# ---- fused attention kernels that also return the log-sum-exp (mesh/lse_attention.py picks and calls) -----
+def sdpa_flash_cpu(q, k, v, causal: bool):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
 
 
-@functools.cache
-def _cuda_flash_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+def sdpa_flash_cpu_backward(grad_out, q, k, v, out, lse, causal: bool):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
 
 
-def fused_attention_kernel(q: torch.Tensor) -> str:
-    """The fused kernel for queries like ``q`` (b, heads, n, d), decided from device, dtype and head size.
-
-    - ``cpu_flash``: CPU, any float dtype (fp64 included); reads grouped k/v heads as they are.
-    - ``flash``: CUDA, bf16/fp16, head_dim a multiple of 8 up to 256, compute capability 8.0 or newer;
-      reads grouped k/v heads as they are.
-    - ``efficient``: any other CUDA case (fp32 included); needs as many k/v heads as query heads, so the
-      caller's k/v block is repeated per block (one block of keys at a time, never the whole sequence).
-    """
-    if q.device.type == "cpu":
-        return "cpu_flash"
-    if q.device.type != "cuda":
-        raise NotImplementedError(f"no fused attention kernel with a log-sum-exp wired for {q.device.type}")
-    d = q.shape[-1]
-    if (
-        q.dtype in (torch.bfloat16, torch.float16)
-        and d % 8 == 0
-        and d <= 256
-        and _cuda_flash_capable(q.device.index or 0)
-    ):
-        return "flash"
-    return "efficient"
+def sdpa_flash(q, k, v, causal: bool):
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
 
 
-def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """(b, kv_heads, m, d) -> (b, heads, m, d): each kv head serves heads / kv_heads consecutive query heads."""
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
-
-
-def _fold_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The gradient of ``_repeat_heads``: sum over the query heads that shared each kv head."""
-    return t if t.shape[1] == kv_heads else t.unflatten(1, (kv_heads, -1)).sum(2)
-
-
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """One fused attention call: (output, lse, state) for q (b, heads, nq, d), k and v (b, kv_heads, nk, d).
-
-    The output is in q's dtype and layout-aware (b, heads, nq, d); ``lse`` (b, heads, nq) is fp32 (fp64 for
-    fp64 inputs on CPU); ``causal`` masks key j > query i (aligned at the top left: the diagonal block of a
-    square). ``state`` is what ``attention_with_lse_backward`` needs besides the tensors: the kernel's name
-    and its own bookkeeping (CUDA flash: sequence lengths and RNG state; memory-efficient: RNG seed/offset).
-    """
-    kernel = fused_attention_kernel(q)
-    if kernel == "cpu_flash":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-        return out, lse, (kernel,)
-    if kernel == "flash":
-        out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal
-        )
-        return out, lse, (kernel, cum_q, cum_k, max_q, max_k, rng_state, unused)
-    heads = q.shape[1]
-    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, _repeat_heads(k, heads), _repeat_heads(v, heads), None, True, 0.0, causal
+def sdpa_flash_backward(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, causal: bool, rng_state, unused):
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused
     )
-    # The memory-efficient kernel pads the LSE's last dim (to a multiple of 32 on CUDA); keep the real rows,
-    # and the padded length for the backward.
-    return out, lse[..., : q.shape[2]], (kernel, seed, offset, lse.shape[-1])
 
 
-def attention_with_lse_backward(grad_out, q, k, v, out, lse, causal: bool, state):
-    """(dq, dk, dv) of one block, given the *merged* output and LSE of q's rows over all blocks.
+def sdpa_efficient(q, k, v, causal: bool):
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
 
-    The kernel's backward recomputes the block's probabilities as exp(scores - lse) with the final LSE, so
-    they are this block's share of the whole softmax, and it takes delta = rowsum(dO * O) from the merged
-    output: summed over blocks, the dq are the full attention's, and each block's dk, dv are exact.
-    dk, dv come back at k's kv heads.
-    """
-    kernel, *rest = state
-    lse = lse.contiguous()  # a row slice of the merged LSE; the kernels index it as dense
-    if kernel == "cpu_flash":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, causal
-        )
-    if kernel == "flash":
-        cum_q, cum_k, max_q, max_k, rng_state, unused = rest
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused
-        )
-    seed, offset, padded_len = rest
-    heads, kv_heads = q.shape[1], k.shape[1]
-    padded = torch.nn.functional.pad(lse, (0, padded_len - lse.shape[-1]))  # the kernel's own LSE layout
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out,
-        q,
-        _repeat_heads(k, heads),
-        _repeat_heads(v, heads),
-        None,
-        out,
-        padded,
-        seed,
-        offset,
-        0.0,
-        [True, True, True, False],
-        causal,
+
+def sdpa_efficient_backward(grad_out, q, k, v, out, lse, seed, offset, causal: bool):
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal
     )
-    return dq, _fold_heads(dk, kv_heads), _fold_heads(dv, kv_heads)
 
 
 # ---- flight recorder -------------------------------------------------------------------------------------
@@ -585,12 +473,3 @@ def static_stage_arguments(examples: dict) -> dict:
 
     accepted = inspect.signature(PipelineStage.__init__).parameters
     return {name: value for name, value in examples.items() if name in accepted}
-
-
-def mesh_ranks(mesh: DeviceMesh) -> frozenset[int]:
-    """The global ranks of ``mesh``, read outside any fake mode: ``DeviceMesh.mesh`` finds this rank's coordinates
-    with ``(mesh == rank).nonzero()``, whose output shape fake tensors cannot know (a simulation's step)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        return frozenset(mesh.mesh.flatten().tolist())

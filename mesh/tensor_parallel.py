@@ -30,7 +30,6 @@ import contextlib
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -43,14 +42,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from mesh.grad_clip import group_by_placement
+from mesh.moe_token_split import moe_plan
 from mesh.private_api import (
-    all_gather_stacked,
     all_reduce_functional,
-    dtensor_local_storage,
-    mesh_ranks,
-    outer_saved_tensors_hooks,
 )
+from mesh.sequence_parallel import GatherSavingShard
 from models.moe import MoE
+from runtime.process import reduced_as_one
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -101,211 +100,6 @@ def latent_plan() -> dict:
     plan = {f"attention.{n}": ColwiseParallel() for n in ("wq", "wq_b", "wkv_b")}
     plan.update({f"attention.{n}": ReplicatedDTensor() for n in ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm")})
     return plan
-
-
-class GatherSavingShard(PrepareModuleInput):
-    """SP: all-gather a sub-layer's input for its column-parallel matmuls, but let autograd keep only this rank's
-    sequence shard of it, and all-gather it again in backward (Megatron-LM's sequence parallelism).
-
-    With plain ``PrepareModuleInput`` the matmuls wq/wk/wv (or w1/w3) save the gathered (b, s, h) input for
-    their weight gradients: 2bsh per block that SP does not divide (docs/tensor_parallel.md, section 6). Here,
-    while the sub-layer runs forward, a saved-tensor hook recognises that gathered tensor (by its storage) and
-    saves the shard instead; the first matmul backward that needs it gathers it once more, and the others of
-    the sub-layer reuse that copy, which is freed with their graph nodes. Cost: one more all-gather of the
-    input per sub-layer in backward (``parallel.sp_regather``). Everything else goes to whatever saved-tensor
-    hooks were active outside (a memory probe, CPU offload), unchanged. Eager mode without activation
-    checkpointing only (config.check_values): a checkpointed block keeps no gathered input anyway, or keeps it
-    by policy, and its recomputation must see the same hooks as its forward.
-    """
-
-    def __init__(self):
-        super().__init__(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        active: list = []
-
-        def gather(_module, inputs):
-            x, *rest = inputs
-            shard = x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
-            full = shard.redistribute(placements=(Replicate(),))
-            hooks = torch.autograd.graph.saved_tensors_hooks(*_regather_hooks(shard.detach(), full))
-            hooks.__enter__()
-            active.append(hooks)
-            return (full, *rest)
-
-        def done(_module, _inputs, _output):
-            active.pop().__exit__(None, None, None)
-
-        module.register_forward_pre_hook(gather)
-        module.register_forward_hook(done)
-        return module
-
-
-class _Regathered:
-    """What autograd keeps of one gathered input: its shard (through the outer hooks), and the gathered copy
-    while the sub-layer's backward needs it."""
-
-    def __init__(self, shard: DTensor, outer):
-        self.outer, self.shard, self.packed, self.full = outer, shard, None, None
-
-    def pack(self) -> _Regathered:
-        if self.packed is None:  # the shard is saved once, however many views of the full tensor were
-            self.packed = self.outer[0](self.shard) if self.outer else self.shard
-            self.shard = None
-        return self
-
-    def local_full(self) -> torch.Tensor:
-        if self.full is None:
-            shard = self.outer[1](self.packed) if self.outer else self.packed
-            self.full = shard.redistribute(placements=(Replicate(),)).to_local()
-        return self.full
-
-
-def _regather_hooks(shard: DTensor, full: DTensor):
-    """(pack, unpack) for ``saved_tensors_hooks``: views of ``full``'s storage are saved as the shard plus their
-    geometry; everything else goes to the hooks that were active before (or is saved as itself)."""
-    ptr, mesh = full.to_local().untyped_storage().data_ptr(), full.device_mesh
-    outer = outer_saved_tensors_hooks()
-    record = _Regathered(shard, outer)
-
-    def pack(t: torch.Tensor):
-        if isinstance(t, DTensor) and dtensor_local_storage(t).untyped_storage().data_ptr() == ptr:
-            local = dtensor_local_storage(t)
-            return ("regather", record.pack(), local.size(), local.stride(), local.storage_offset())
-        return ("outer", outer[0](t) if outer else t)
-
-    def unpack(packed):
-        if packed[0] == "outer":
-            return outer[1](packed[1]) if outer else packed[1]
-        _, saved, size, stride, offset = packed
-        view = saved.local_full().as_strided(size, stride, offset)
-        return DTensor.from_local(view, mesh, (Replicate(),), run_check=False)
-
-    return pack, unpack
-
-
-class SequenceChunks:
-    """models/moe.py's ``MoE.sequence`` under TP: each tp rank holds chunk r of every sequence (rank order).
-
-    ``sum`` adds a per-sequence quantity over the tp ranks: an all-reduce forward, and the identity backward,
-    since every rank computes the same loss from the sum and back-propagates it itself (Megatron's "g").
-    ``before`` gives, per sequence and expert, how many tokens chose the expert in the chunks of the ranks
-    before this one: an all-gather of the (batch, E) counts. Both are functional collectives, so selective
-    activation checkpointing saves their results instead of repeating them.
-    """
-
-    def __init__(self, tp_mesh: DeviceMesh):
-        self.group, self.chunks, self.rank = tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank()
-
-    def sum(self, per_sequence: torch.Tensor) -> torch.Tensor:
-        return _SumOverRanks.apply(per_sequence, self.group)
-
-    def before(self, counts: torch.Tensor) -> torch.Tensor:
-        return all_gather_stacked(counts, self.group)[: self.rank].sum(0)
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """All-reduce forward, identity backward (see SequenceChunks.sum)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        return all_reduce_functional(x.contiguous(), group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class TokenSplitMoE(ParallelStyle):
-    """Under TP, an MoE block works on this tp rank's chunk of every sequence, like a data-parallel rank.
-
-    A dense MLP splits its *weights* over tp; an MoE block's cost is per (token, expert) pair, so here the
-    *tokens* are split instead, and each pair is computed exactly once across the tp ranks (before, every tp
-    rank ran the whole gathered sequence through the same experts: tp-fold redundant work).
-
-    1. Input: with SP the block's input already is this rank's sequence shard (no communication; before, it
-       was all-gathered). Without SP it is the full sequence on every rank, and the rank keeps its chunk.
-    2. Routing, capacity and the aux loss run on the chunk; the two per-sequence sums they need from the other
-       chunks come from ``SequenceChunks`` (models/moe.py, "Sequences in chunks").
-    3. Experts, EP dispatch/combine and the shared expert run on the chunk's tokens only.
-    4. Output: with SP it is this rank's shard already; without SP the chunks are all-gathered.
-    5. Each rank's gradient of the router and the shared expert covers only its tokens. Under FSDP they are
-       sharded over dp_shard x cp x tp (mesh/data_parallel.py: ``Meshes.token_split``), so no tp rank holds
-       them whole and FSDP's reduce-scatter sums them over tp (an MoE model under TP always uses FSDP:
-       planning/plan.uses_fsdp). Where they are whole on every tp rank (PowerSGD's and 1-bit Adam's replicated
-       models, if ever combined with TP) ``sum_token_split_gradients`` all-reduces them over tp once per step. With
-       expert parallelism the ep group borrows the tp ranks (mesh/dims.py), so each tp rank dispatches its chunk
-       to the experts' owners and holds other experts than its tp peers: FSDP sums those gradients over efsdp,
-       and the tp sum leaves them out. Without ep the experts go into the router's FSDP unit (over the tp
-       ranks too). The per-step expert-load statistics are summed over tp as well
-       (mesh/expert_parallel.step_expert_load).
-    """
-
-    def __init__(self, sequence_parallel: bool):
-        super().__init__()
-        self.sequence_parallel = sequence_parallel
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.sequence = SequenceChunks(device_mesh)
-        if self.sequence_parallel:  # the input is this rank's shard (a DTensor from the SP norm)
-            module.register_forward_pre_hook(lambda _m, inputs: tuple(_local(x) for x in inputs))
-            return module
-
-        def keep_chunk(_module, inputs):
-            x, *rest = inputs
-            chunk = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False).redistribute(
-                placements=(Shard(1),)
-            )
-            return (chunk.to_local(), *rest)
-
-        def gather_chunks(_module, _inputs, out):
-            return DTensor.from_local(out, device_mesh, (Shard(1),), run_check=False).full_tensor()
-
-        module.register_forward_pre_hook(keep_chunk)
-        module.register_forward_hook(gather_chunks)
-        return module
-
-
-def _local(x):
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
-def moe_plan(sequence_parallel: bool) -> dict:
-    """The feed-forward part of the plan for an MoE block: tokens split over tp (``TokenSplitMoE``); its
-    weights are not tp DTensors (expert parallelism may still shard the experts, mesh/expert_parallel.py)."""
-    return {"feed_forward": TokenSplitMoE(sequence_parallel)}
-
-
-@torch.no_grad()
-def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, experts: bool = True) -> None:
-    """Sum over tp the gradients of the MoE blocks' weights that every tp rank holds (``TokenSplitMoE``, step
-    5): one all-reduce. ``experts``: whether the experts are among them (``Meshes.experts_replicated_over_tp``);
-    when ep borrows the tp ranks each tp rank holds other experts, and summing would add unrelated gradients.
-
-    Local tensors are reduced: under FSDP each tp rank holds the same dp shard of a weight, so the sum of
-    the shards is the shard of the sum; expert-parallel shards within dp_shard likewise.
-    """
-    tp_ranks = mesh_ranks(tp_mesh)
-    grads = [
-        _local(p.grad)
-        for part in parts
-        for module in part.modules()
-        if isinstance(module, MoE)
-        for name, p in module.named_parameters()
-        if p.grad is not None and (experts or not name.startswith("experts.")) and not _fsdp_over(p, tp_ranks)
-    ]
-    for dtype in {g.dtype for g in grads}:
-        same = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=tp_mesh.get_group())
-        for g, summed in zip(same, flat.split([g.numel() for g in same]), strict=True):
-            g.copy_(summed.view_as(g))
-
-
-def _fsdp_over(param: torch.Tensor, ranks: set[int]) -> bool:
-    """Whether ``param`` is sharded over a mesh holding all of ``ranks`` (mesh/data_parallel.py shards an MoE
-    block's router and shared expert over dp_shard x cp x tp): FSDP's reduce-scatter already sums it there."""
-    return isinstance(param, DTensor) and ranks <= mesh_ranks(param.device_mesh)
 
 
 def block_plan(sequence_parallel: bool, regather: bool = False) -> dict:
@@ -421,25 +215,25 @@ def reduce_partial_gradients(params: list[torch.Tensor]) -> None:
     collective's fixed cost is paid once, not per weight). Under FSDP the gradient reduction already did this,
     and nothing is Partial.
     """
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for p in params:
-        grad = p.grad
-        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
-            groups.setdefault((grad.device_mesh, grad.placements), []).append(p)
-    for (mesh, placements), group in groups.items():
+    partial = [p for p in params if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)]
+    for group in group_by_placement(partial):
+        mesh, placements = group[0].grad.device_mesh, group[0].grad.placements
         replicated = [Replicate() if pl.is_partial() else pl for pl in placements]
         if any(pl.is_partial() and pl.reduce_op != "sum" for pl in placements):  # not a plain sum: one by one
             for p in group:
                 p.grad = p.grad.redistribute(placements=replicated)
             continue
-        locals_ = [p.grad.to_local() for p in group]
-        flat = torch.cat([g.reshape(-1) for g in locals_])
-        for dim, pl in enumerate(placements):
-            if pl.is_partial():
+        partial_dims = [dim for dim, pl in enumerate(placements) if pl.is_partial()]
+
+        def reduce(flat: torch.Tensor, mesh=mesh, partial_dims=partial_dims) -> torch.Tensor:
+            for dim in partial_dims:
                 flat = all_reduce_functional(flat, mesh.get_group(dim))
-        for p, g, summed in zip(group, locals_, flat.split([g.numel() for g in locals_]), strict=True):
+            return flat
+
+        summed = reduced_as_one([p.grad.to_local() for p in group], reduce)
+        for p, total in zip(group, summed, strict=True):
             p.grad = DTensor.from_local(
-                summed.view_as(g), mesh, replicated, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
+                total, mesh, replicated, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
             )
 
 

@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.local_tensor import local_tensor
+
 if TYPE_CHECKING:
     from mesh.dims import Meshes
 
@@ -72,12 +74,10 @@ def _local_piece(param: nn.Parameter) -> torch.Tensor:
     slice: no communication) makes the two copies' local pieces cover the same rows.
     """
     grad = param.grad
-    if not isinstance(grad, DTensor):
-        return grad
-    if grad.placements != param.placements:
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
         grad = grad.redistribute(device_mesh=param.device_mesh, placements=param.placements)
         param.grad = grad
-    return grad.to_local()
+    return local_tensor(grad)
 
 
 class TiedEmbeddings:

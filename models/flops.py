@@ -2,7 +2,7 @@
 
 "Model" FLOPs are the ones the model needs, whatever the implementation does on top: activation
 checkpointing's recomputation, tensor-parallel ranks repeating the same small ops, or padding do not count
-(counting them gives the hardware FLOP utilization, HFU). training/throughput.py turns them into TFLOP/s
+(counting them gives the hardware FLOP utilization, HFU). training/mfu.py turns them into TFLOP/s
 and MFU; planning/pipeline_split.py balances pipeline stages by them. The count, per token of a training step:
 
 1. **Matmul weights.** Every weight matrix a token passes through costs 2 FLOPs per element in forward

@@ -21,6 +21,7 @@ positions after the cached ones, so a prompt is run once and then one new token 
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -264,14 +265,25 @@ def sdpa_reads_grouped_kv(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """
     if q.device.type == "cpu":
         return True
+    return mask is None and cuda_flash_eligible(q)
+
+
+@functools.cache
+def _capability_at_least_ampere(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+def cuda_flash_eligible(q: torch.Tensor) -> bool:
+    """Whether CUDA's flash attention kernel takes queries like ``q`` (head_dim last): bf16/fp16, head_dim a
+    multiple of 8 up to 256, compute capability 8.0 or newer. The one statement of the rule (SDPA's grouped
+    k/v here, the log-sum-exp kernels of context parallelism in mesh/private_api.py)."""
     head_dim = q.shape[-1]
     return (
-        q.dtype in (torch.bfloat16, torch.float16)
-        and mask is None
-        and head_dim <= 256
+        q.device.type == "cuda"
+        and q.dtype in (torch.bfloat16, torch.float16)
         and head_dim % 8 == 0
-        and q.device.type == "cuda"
-        and torch.cuda.get_device_capability(q.device) >= (8, 0)
+        and head_dim <= 256
+        and _capability_at_least_ampere(q.device.index or 0)
     )
 
 

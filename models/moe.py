@@ -26,21 +26,8 @@ Load balancing, both optional:
   the fraction of the sequence's assignments that went to expert i and P_i the mean router probability of
   expert i. It is added to the training objective through ``AddAuxLoss`` (identity forward; backward feeds
   the aux gradient), summed over sequences and divided by ``aux_loss_scale``'s global sequence count.
-- **Aux-loss-free bias** (DeepSeek-V3 style): ``expert_bias`` shifts only the *selection*. After each
-  optimizer step the trainer nudges it by ``bias_update_rate * sign(mean_load - load_i)`` from the measured
-  global load (mesh/expert_parallel.step_expert_load), outside autograd.
 
-The block accumulates the per-expert token counts, dropped assignments and aux loss of a step in buffers
-that the trainer reads and resets for metrics. ``count_stats`` switches that off: activation checkpointing
-reruns the forward inside backward, and the rerun must not count the same tokens twice.
-
-**Sequences in chunks.** Capacity and the aux loss are per *sequence*. When the block sees only a chunk of
-each sequence (tensor parallelism splits every sequence across the tp ranks, and each rank routes its own
-chunk: mesh/tensor_parallel.TokenSplitMoE), ``self.sequence`` supplies the two per-sequence sums that need the
-other chunks: how many tokens of the same sequence chose each expert in the chunks *before* this one (for
-the capacity ranking), and sums over all chunks (for the aux loss's fractions and mean probabilities). The
-default, ``WholeSequence``, is one chunk: nothing to add. The statistics buffers then hold this chunk's
-share (the aux loss divided by the number of chunks), so summing them over every rank gives the whole.
+More in docs/expert_parallel.md: "models/moe.py", at its end.
 """
 
 from __future__ import annotations
@@ -54,6 +41,7 @@ from torch import nn
 
 from models.feed_forward import FeedForward  # the dense SwiGLU, reused as the shared expert
 from models.kernels import alignment_rows, grouped_mm, grouped_mm_works, padded_groups
+from models.local_tensor import local_tensor
 from models.routers import choose_experts
 
 
@@ -74,12 +62,6 @@ class MoEArgs:
     n_groups: int = 1  # DeepSeek-V3 group-limited routing: experts in n_groups groups ...
     topk_groups: int = 1  # ... of which each token may use the best topk_groups (models/routers.py)
     route_scale: float = 1.0  # DeepSeek-V3 routed_scaling_factor: the gates times this
-
-
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's local data. Under expert parallelism the weights are sharded DTensors; duck typing keeps
-    this file free of torch.distributed."""
-    return param.to_local() if hasattr(param, "to_local") else param
 
 
 class GroupedExperts(nn.Module):

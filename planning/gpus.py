@@ -1,5 +1,5 @@
-"""The one table of GPU figures: dense peaks for MFU (training/throughput.py), and what the layout planner
-(planning/plan_layout.py) needs for the GPUs it plans for.
+"""The one table of GPU figures: dense peaks for MFU (training/mfu.py), and what the layout planner
+(cluster/plan_layout.py) needs for the GPUs it plans for.
 
 Peaks are dense (no sparsity) tensor-core figures from NVIDIA's data sheets, looked up by the device's name,
 for bf16 and for fp32. The planner's rows also carry memory size and bandwidth, NVLink and network bandwidth
@@ -49,7 +49,7 @@ GPUS: tuple[GPU, ...] = (
     GPU("A100", 312.0, 19.5),
     GPU("L40S", 362.1, 91.6),
 )
-# The names ``python -m planning.plan_layout --gpu`` takes, and the row each one means.
+# The names ``python -m cluster.plan_layout --gpu`` takes, and the row each one means.
 PLANNER_GPUS = {"a100": "A100-SXM4-80GB", "h100": "H100", "h200": "H200", "h800": "H800"}
 
 

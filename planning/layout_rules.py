@@ -155,7 +155,7 @@ def tensor_parallel_errors(dims: ParallelDims, cfg: Config, model: ModelArgs) ->
             + (f" (per cp rank: {t.seq_len // dims.cp})" if dims.cp > 1 else "")
             + " is not divisible by "
             f"parallel.tp={dims.tp}: under TP each tp rank runs the MoE layers on its own chunk of every sequence "
-            "(mesh/tensor_parallel.TokenSplitMoE); change seq_len."
+            "(mesh/moe_token_split.TokenSplitMoE); change seq_len."
         )
     if p.sp_regather and (cfg.training.activation_checkpoint != "none" or cfg.training.compile):
         errors.append(
@@ -343,7 +343,7 @@ def batch_errors(dims: ParallelDims, cfg: Config, batch: BatchSplit) -> list[str
 
 
 def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> list[str]:
-    """Every gradient-sync, compression and offload setting (extras/reduce_once_per_step.py, bf16_reduction.py, powersgd.py, cpu_offload.py) that cannot work on this
+    """Every gradient-sync, compression and offload setting (extras/reduce_once_per_step.py, powersgd.py, planning/options.py) that cannot work on this
     layout.
 
     ``accumulation``: forward/backward calls of the training loop per step (None when the batch does not

@@ -1,7 +1,7 @@
 """What one rank holds in GPU memory at the peak of a training step: an estimate in bytes, arithmetic only.
 
 Nothing here builds a model or a process group, so a layout can be judged before anything is allocated: the
-layout planner (planning/plan_layout.py) adds a search and a time model on top, and the same functions serve a
+layout planner (cluster/plan_layout.py) adds a search and a time model on top, and the same functions serve a
 dry run, a "will it fit" check before allocation, and a memory-balanced pipeline split. Inputs: a
 ``ModelArgs`` (models/llama.py; MoE layers through ``args.moe``), the degrees, the batch and sequence, the
 pipeline schedule, the activation checkpointing mode and the precision, gathered in ``MemoryLayout``.
@@ -17,70 +17,8 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    then shards everything over dp_shard x cp (mesh/dims.py); with ep > 1 the experts over efsdp x ep =
    dp_shard x cp x tp (ep borrows tp ranks too, so no expert is copied over tp);
    dp_replicate (HSDP) holds copies. ``fsdp_cpu_offload`` moves the states to the host: 0 here.
-2. **Gathered weights** (``gathered_bytes``), only under FSDP, in the compute dtype (2 bytes in bf16, 4 in fp32):
-   without pipelining the final norm and head (one unit, mesh/data_parallel.py: vocabulary_units) stay
-   gathered from their forward to their backward, and at the start of backward two blocks are gathered (the
-   last one, kept, and the next one, prefetched); the head's unsharded gradient lives until its unit reduces,
-   and the block being reduced holds its unsharded gradient (in bf16 also the fp32 copy FSDP reduce-scatters:
-   2 + 4 bytes). The embedding, a unit of its own, is gathered only around its forward and its backward, where
-   its peak (the embedding, its gradient and a block's) is counted when it is the larger one. A tied embedding
-   and head are one unit with the norm, gathered with the whole vocabulary table. With pipelining torch keeps a stage's
-   units gathered and accumulates unsharded fp32 gradients until the step's last backward
-   (torch/distributed/pipelining/stage.py: backward_maybe_with_nosync): (compute dtype + 4) bytes for every
-   parameter of the rank's stages.
-3. **Activations** (``layer_activation_bytes``): what one block keeps from its forward for its backward,
-   for one micro-batch of n = sequences x seq_len / cp tokens on this rank. For models/llama.py's block
-   (h = dim, g = n_kv_heads x head_dim, H = the FFN's hidden size, a = n_heads, w = bytes of the compute
-   dtype, t = tp), counted from the ops that save tensors, the same list as measure/activation_memory.py:
 
-   - each RMSNorm: its input in the compute dtype and the fp32 rsqrt per token (models/llama.py's
-     ``_RMSNormFunction`` recomputes the normalised activation in backward): n·h·w + 4n, twice;
-   - the inputs of wq/wk/wv and of w1/w3 (the norms' outputs): 2·n·h·w;
-   - attention: q and the output n·h·w each; **k and v at their own n_kv_heads width**, 2·n·g·w (grouped-query
-     attention: SDPA reads each k/v head for its query heads, no repeated copies); the fp32 log-sum-exp
-     4·n·a; no s x s scores (a fused, flash-style kernel);
-   - the SwiGLU: w1's and w3's outputs, silu of w1's, and their product: 4·n·H·w;
-   - an MoE layer instead: the fp32 router scores and the gates' sum, n·(4E + 4); per routed (token, expert)
-     pair the dispatched token, the expert's output and its gated copy (3·h·w: the combining ``index_add_``
-     saves its source), the expert's SwiGLU (4·He·w), and three int64 indices and two fp32 gates (32 bytes);
-     plus the shared expert's 4·n·H·w.
-
-   Tensor parallelism divides the attention and FFN terms by t. Without sequence parallelism the norms and
-   the two gathered inputs are whole on every rank; with it the norms are divided by t, and the gathered
-   inputs too only with ``sp_regather`` (DTensor's column-parallel matmul saves the input it gathered). An MoE
-   layer under TP works on its rank's tokens only, so its terms divide by t, and its input is not gathered.
-   Context parallelism divides n, except that ``cp_attention = allgather`` saves the gathered K and V of the
-   whole sequence. Activation checkpointing (mesh/activation_checkpoint.py): ``full`` keeps only the block's
-   input (n·h·w, /t with SP), and backward rebuilds one block at a time (the largest block's ``none`` bytes
-   once per rank); ``selective`` keeps the block input and the outputs of the matmuls, of attention and of
-   the collectives (under TP: the gathered inputs are whole, the column-parallel outputs divide by t, and the
-   row-parallel matmuls' outputs are not kept, since the collective after each is), and rebuilds the
-   elementwise rest (and under TP wo and w2) one block at a time.
-4. **In flight** (``chunks_in_flight``): how many (stage, micro-batch) chunks a rank holds at once, from the
-   order in which each of torch's schedules runs its actions (``_get_warmup_ops`` and the V-schedules'
-   warm-up in torch/distributed/pipelining/schedules.py; docs/pipeline_parallel.md section 4 counts them
-   from torch's own action lists, and tests/test_memory_estimate.py checks every formula against them). With
-   m micro-batches, pp ranks, rank r and v stages per rank:
-
-   - GPipe: m; 1F1B: min(m, pp - r);
-   - Interleaved1F1B: min(v·m, (v - 1)·q + 2·(pp - 1 - r) + 1), q = m // max(1, m // pp) micro-batches
-     per round (the warm-up forwards, plus the first steady-state forward before the first backward);
-     LoopedBFS: v·m (all forwards first);
-   - InterleavedZeroBubble: min(v·m, (v - 1)·q + (pp - 1 - r) + 1) (counted until the input-gradient half;
-     a chunk keeps its matmul inputs a little longer, until its weight-gradient half);
-   - ZBVZeroBubble: min(2m, 2·pp, m + 1 + r); DualPipeV: min(2m, 2·pp + 1): with m >= 2·pp - 1 both are
-     flat across the ranks (2·pp and 2·pp + 1 chunks).
-
-   A chunk is one stage's layers for one micro-batch; a rank's activations are its chunks in flight times
-   its stages' mean chunk. Without pipelining a rank holds one micro-batch (accumulation runs them one
-   after the other).
-5. **Logits** (``logits_bytes``), on the rank holding the last stage: 12 bytes per logit at the peak around
-   the loss (bf16 logits 2, their fp32 copy 4, the fp32 log-softmax 4, the gradient; measured by
-   bench/logits_memory.py), plus 4 bytes per logit (the saved log-softmax) for every other micro-batch the
-   last stage holds in flight; logits are split over tp by the vocabulary-parallel loss.
-
-Not counted: the CUDA context and kernels' workspaces, NCCL's buffers, the allocator's fragmentation, the
-optimizer step's temporaries, the data loader, and anything torch.compile changes.
+More in docs/combining.md: "planning/memory_estimate.py", at its end.
 """
 
 from __future__ import annotations
@@ -97,7 +35,7 @@ if TYPE_CHECKING:  # (no planning.plan import, even here: planning/plan.py may i
 
 STATE_BYTES = 16  # fp32 weights 4 + fp32 gradients 4 + Adam m, v 8, per owned parameter
 COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
-LOGIT_PEAK_BYTES = 12  # per logit around the loss: bench/logits_memory.py measures 10.0 forward, 12.0 backward
+LOGIT_PEAK_BYTES = 12  # per logit around the loss: measure/logits_memory.py measures 10.0 forward, 12.0 backward
 LOGIT_KEPT_BYTES = 4  # per logit of a micro-batch waiting for its backward: the fp32 log-softmax
 ROUTING_BYTES = 32  # per routed (token, expert) pair: three int64 indices, two fp32 gates (models/moe.py: MoE)
 

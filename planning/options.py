@@ -14,8 +14,9 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
-from extras.bf16_reduction import reduce_dtype
-from extras.cpu_offload import offload_policy
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
 from extras.powersgd import apply_powersgd
 from mesh.parallelize import (
     ContextParallelOptions,
@@ -26,12 +27,25 @@ from mesh.parallelize import (
 )
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from mesh.dims import Meshes
     from planning.plan import LayoutPlan
     from runtime.config import Config
+
+
+def reduce_dtype(grad_compression: str) -> torch.dtype:
+    """The dtype FSDP reduces gradients in: bf16 for ``parallel.grad_compression=bf16`` (half the bytes, the sum
+    rounded to 8 significant bits; docs/dp_savers.md, section 3), else fp32."""
+    return torch.bfloat16 if grad_compression == "bf16" else torch.float32
+
+
+def offload_policy(enabled: bool, device: torch.device) -> OffloadPolicy:
+    """FSDP2's policy for ``parallel.fsdp_cpu_offload``: ``CPUOffloadPolicy`` (sharded parameters, gradients and
+    AdamW state in host memory, pinned when the device is a GPU; docs/dp_savers.md, section 4) or none."""
+    if not enabled:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
 def parallel_options(cfg: Config, plan: LayoutPlan, meshes: Meshes, device: torch.device) -> ParallelOptions:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mesh.dims import ParallelDims
+from mesh.dims import MESH_DIMS, ParallelDims
 from mesh.pipeline import StageShapes, default_microbatches, stage_ids_of_rank, stages_per_rank
 from planning.layout_rules import batch_split, layout_errors
 from planning.memory_estimate import MemoryLayout
@@ -75,7 +75,7 @@ class LayoutPlan:
         p, t = cfg.parallel, cfg.training
         # training.mixed_precision=auto becomes what this machine runs: bf16 on CUDA, fp32 on CPU
         t.mixed_precision = choose_precision(t.mixed_precision, device_type_of(t.device), p.grad_compression)
-        degrees = {name: getattr(p, name) for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+        degrees = {name: getattr(p, name) for name in (*MESH_DIMS, "ep")}
         dims = ParallelDims.resolve(world_size, **degrees)
         args = model_args(cfg)
         n_local = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank) if dims.pp > 1 else 1

@@ -199,7 +199,7 @@ class ParallelConfig:
     collective_timeout_s: int = opt(
         300, "seconds a collective may wait for a peer before the job fails", ge=1, le=MAX_TIMEOUT_S
     )
-    # Communication and memory savers (extras/: reduce_once_per_step, bf16_reduction, powersgd, cpu_offload; docs/dp_savers.md, sections 2-4).
+    # Communication and memory savers (extras/: reduce_once_per_step, powersgd; FSDP options in planning/options.py: bf16 reduction, cpu offload; docs/dp_savers.md, sections 2-4).
     grad_sync: Literal["microbatch", "step"] = opt(
         "microbatch", "reduce gradients after every micro-batch, or once per step (accumulate locally until the last)"
     )
@@ -249,7 +249,7 @@ class TrainingConfig:
     )
     compile: bool = opt(False, "torch.compile each transformer block")
     peak_tflops: float = opt(
-        0.0, "peak TFLOP/s of one device for MFU; 0: from the GPU table in training/throughput.py (CPU: no MFU)", ge=0
+        0.0, "peak TFLOP/s of one device for MFU; 0: from the GPU table in training/mfu.py (CPU: no MFU)", ge=0
     )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: this rank's GPU when CUDA is available")
 

@@ -24,19 +24,7 @@ collective into one of two planes:
    runs them from a background thread while the training thread uses the control plane, and two threads
    must never issue collectives on one group.
 
-Every group gets ``parallel.collective_timeout_s``: the default group, the control and checkpoint groups,
-and every DeviceMesh sub-group (mesh/dims.py: ``mesh_backend_options``). gloo's default is 30 minutes, far too long to
-notice that a peer died.
-
-Restarts: under ``torchrun --max-restarts N`` the restarted workers reuse the launcher's store, where the
-previous attempt's keys (the dead workers' gloo addresses) are still written, so ``init_process_group`` tried
-to connect to them and failed ("connectFullMesh ... Connection refused"; upstream pytorch/pytorch#167288).
-``init_process_group`` therefore puts each restart attempt's keys under a prefix of its own.
-
-Timing: CUDA kernels run asynchronously, so a wall-clock reading means nothing until the device caught up.
-``device_time`` synchronizes the device first; on CPU it is plain ``time.perf_counter``. The training step
-times itself without waiting: ``clock_reading`` records a CUDA event in the stream (on CPU, ``perf_counter``),
-and ``seconds_between`` reads two of them once the host waits anyway (a log step's read).
+More in docs/profiling.md: "runtime/process.py", at its end.
 """
 
 from __future__ import annotations
@@ -346,6 +334,24 @@ def sum_over(tensor: torch.Tensor, mesh) -> torch.Tensor:
     if mesh.size() > 1:
         dist.all_reduce(tensor, group=mesh.get_group())
     return tensor
+
+
+def reduced_as_one(tensors: list[torch.Tensor], reduce) -> list[torch.Tensor]:
+    """Concatenate ``tensors``, reduce the flat buffer once (``reduce(flat) -> flat``: one collective instead of
+    one per tensor), split it back: the reduced values, each viewed like its input."""
+    flat = reduce(torch.cat([t.reshape(-1) for t in tensors]))
+    return [r.view_as(t) for t, r in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True)]
+
+
+def sum_in_place(tensors: list[torch.Tensor], group) -> None:
+    """Sum each of ``tensors`` over ``group``'s ranks with one all-reduce, written back into each tensor."""
+
+    def all_reduce(flat: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(flat, group=group)
+        return flat
+
+    for t, summed in zip(tensors, reduced_as_one(tensors, all_reduce), strict=True):
+        t.copy_(summed)
 
 
 # ---- timing ----------------------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ def attention_parity(cp: int) -> dict:
             worst = max(worst, ((p.grad - ref.grad).abs().max() / ref.grad.abs().max()).item())
         result["model"][name] = worst
 
-    # bench/context_parallel.py's measurements at a small size: saved bytes of one block, bytes sent per layer
+    # measure/context_parallel.py's measurements at a small size: saved bytes of one block, bytes sent per layer
     from measure.context_parallel import measure_block, measure_comm
 
     result["saved"] = {name: measure_block(TINY, 2, 8 * cp, name)["bytes"] for name in ("allgather", "ring")}

@@ -7,7 +7,7 @@
 2. **Code pointers.** Every `` `path/file.py: name` `` names a file that exists and a name defined in it.
 3. **Bench numbers.** A block of a bench's printed output carries a marker on the line before its fence:
 
-       <!-- bench: python -m bench.fsdp_memory | exact -->
+       <!-- bench: python -m measure.fsdp_memory | exact -->
 
    naming the command that prints it and how a re-run is compared: ``exact`` (every quoted line, whitespace
    aside, is a line of the new output, in order: counts, bytes and arithmetic do not vary), ``rtol=X`` (the same
@@ -213,9 +213,9 @@ FENCE = re.compile(r"^```")
 # numbers as benches print them: 1,706,240  0.5499  -0.7%  2.4e-06  1.0x  0.14s  67.1 MB (a unit may follow)
 NUM = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?(?=(?:x|s|ms|%|[KMGT]?B)?(?![\w]))")
 FAST = {  # re-run in the default suite: seconds each
-    "python -m bench.memory_table",
-    "python -m bench.grad_compression --links",
-    "python -m bench.pipeline_facts split",
+    "python -m measure.memory_table",
+    "python -m measure.grad_compression --links",
+    "python -m measure.pipeline_facts split",
     "python -m docs.figures pipeline --pp 4 --microbatches 8",
     "python -m docs.figures mesh --dp-replicate 2 --dp-shard 2 --tp 2 --out mesh.svg",
     "python -m docs.figures mesh --pp 2 --dp-shard 2 --tp 2 --ep 2 --out mesh.svg",
@@ -269,8 +269,10 @@ def quoted_outputs(path: Path) -> tuple[list[Quoted], list[str]]:
             not line.strip() or re.match(r"\s*(\$ |#|python|torchrun|\.venv|OMP_|pip|HF_|printf|ls|\S+=)", line)
             for line in body
         )
-        says_bench = re.search(r"[Oo]utput of `?(?:\.venv/bin/)?python -m bench\.|`python -m bench\.\w+`[^`]*:$", intro)
-        if (says_bench or (body and body[0].startswith("$ python -m bench"))) and not commands_only:
+        says_bench = re.search(
+            r"[Oo]utput of `?(?:\.venv/bin/)?python -m measure\.|`python -m measure\.\w+`[^`]*:$", intro
+        )
+        if (says_bench or (body and body[0].startswith("$ python -m measure"))) and not commands_only:
             unmarked.append(f"{where}: bench output without a <!-- bench: ... --> marker")
     return marked, unmarked
 
@@ -354,13 +356,15 @@ def test_every_bench_output_carries_a_marker_naming_a_bench_that_exists():
 
 
 def test_the_bench_comparison_fails_on_a_changed_number():
-    q = Quoted("x.md:1", "python -m bench.x", "exact", ["$ python -m bench.x", "model  Ψ  1,706,240  0.5499", "..."])
+    q = Quoted(
+        "x.md:1", "python -m measure.x", "exact", ["$ python -m measure.x", "model  Ψ  1,706,240  0.5499", "..."]
+    )
     assert mismatches(q, "header\nmodel    Ψ   1,706,240   0.5499\n") == []
     assert mismatches(q, "model Ψ 1,706,241 0.5499\n") != []
-    shaped = Quoted("x.md:1", "python -m bench.x", "shape", ["tok/s 2,714 ratio 1.851x 0.14s"])
+    shaped = Quoted("x.md:1", "python -m measure.x", "shape", ["tok/s 2,714 ratio 1.851x 0.14s"])
     assert mismatches(shaped, "tok/s 2,093 ratio 1.412x 0.9s\n") == []
     assert mismatches(shaped, "tok/s 2,093 ratio 1.412x\n") != []
-    loose = Quoted("x.md:1", "python -m bench.x", "rtol=0.01", ["size 247,890 bytes"])
+    loose = Quoted("x.md:1", "python -m measure.x", "rtol=0.01", ["size 247,890 bytes"])
     assert mismatches(loose, "size 247,902 bytes\n") == [] and mismatches(loose, "size 250,902 bytes\n") != []
 
 

@@ -74,7 +74,7 @@ def capacity(cf: float, seq: int, k: int, experts: int) -> int:
 
 def preset(name: str):
     """A models/llama.py preset's ModelArgs ('llama3-8b')."""
-    from planning.presets import PRESETS
+    from cluster.presets import PRESETS
 
     return PRESETS[name]
 
@@ -115,7 +115,7 @@ def idle(schedule: str, p: int, m: int) -> float:
 
 def ring_share(n: int) -> float:
     """Bytes one rank sends in a ring all-gather or reduce-scatter, per byte of the whole tensor."""
-    from planning.step_time import ring
+    from cluster.step_time import ring
 
     return ring(1.0, n)
 
@@ -126,7 +126,7 @@ def allreduce_share(n: int) -> float:
 
 
 def state_bytes(p: int, n: int = 1) -> dict[str, float]:
-    """bench/memory_table.py: bytes per rank of the full state and the ZeRO stages (bf16 + Adam, k = 12)."""
+    """measure/memory_table.py: bytes per rank of the full state and the ZeRO stages (bf16 + Adam, k = 12)."""
     from measure.memory_table import bytes_per_rank
 
     return bytes_per_rank(p, n)
@@ -139,7 +139,7 @@ def fsdp_bytes(p: int, n: int) -> float:
 
 
 def cp_bytes(cp: int, algorithm: str) -> int:
-    """Bytes sent per layer and rank by context parallelism at the bench's size (bench/context_parallel.py)."""
+    """Bytes sent per layer and rank by context parallelism at the bench's size (measure/context_parallel.py)."""
     from measure.context_parallel import BATCH, BENCH_ARGS, SEQ, formula_comm
 
     return formula_comm(BENCH_ARGS, BATCH, SEQ, cp, algorithm)
@@ -156,8 +156,8 @@ def cp_pairs(seq: int, cp: int, rank: int) -> int:
 @cache
 def layer_terms(preset: str = "llama3-8b", seq: int = 8192, tp: int = 1, precision: str = "bf16") -> dict:
     """Bytes one block keeps for backward, by term (`planning/memory_estimate.py: layer_activation_terms`)."""
+    from cluster.presets import PRESETS
     from planning.memory_estimate import MemoryLayout, layer_activation_terms
-    from planning.presets import PRESETS
 
     layout = MemoryLayout(seq_len=seq, tp=tp, mixed_precision=precision)
     return layer_activation_terms(PRESETS[preset], 0, layout, "none")
@@ -174,7 +174,7 @@ def korthikanti(s: int, h: int, b: int = 1) -> float:
 
 def fp32_norm_copies(preset: str = "llama3-8b", seq: int = 8192) -> float:
     """The fp32 copies of its input that meshloom's two RMSNorms per layer keep: 2 · 4 bytes · s · h."""
-    from planning.presets import PRESETS
+    from cluster.presets import PRESETS
 
     return 2 * 4 * seq * PRESETS[preset].dim
 
@@ -228,15 +228,16 @@ def rmsnorm_extra_bytes(dtype: str = "bfloat16") -> float:
 
 def sp_regathers(n_layers: int) -> int:
     """All-gathers `parallel.sp_regather` adds to a step: one per sub-layer whose TP plan regathers its input in
-    backward (`mesh/tensor_parallel.py: GatherSavingShard`), in each of ``n_layers`` blocks."""
-    from mesh.tensor_parallel import GatherSavingShard, block_plan
+    backward (`mesh/sequence_parallel.py: GatherSavingShard`), in each of ``n_layers`` blocks."""
+    from mesh.sequence_parallel import GatherSavingShard
+    from mesh.tensor_parallel import block_plan
 
     return n_layers * sum(isinstance(style, GatherSavingShard) for style in block_plan(True, True).values())
 
 
 def throughput_layers() -> int:
-    """Blocks of the model `python -m bench.throughput` trains."""
-    from bench.throughput import SHAPE
+    """Blocks of the model `python -m measure.tokens_per_second` trains."""
+    from measure.tokens_per_second import SHAPE
 
     return SHAPE["model.n_layers"]
 

@@ -38,12 +38,12 @@ EXERCISE_MIN = 10  # one exercise: predict (on paper), run its command, compare 
 # 15-minute full bench of chapter 2 is not counted (the chapter offers `--steps 100`), nor are GPU-only commands.
 COMMAND_MIN = {
     "00_foundations.md": 5,  # ~10 examples/*.py under torchrun, seconds each; tests/test_examples.py about 40 s
-    "data_parallel.md": 5,  # bench.fsdp_memory about 25 s, memory_table seconds, 3 from-scratch scripts, the tests
-    "dp_savers.md": 8,  # bench.grad_sync_memory about a minute, grad_compression --steps 100 a few, the tests
-    "tensor_parallel.md": 4,  # bench.activation_memory about 15 s, tp_from_scratch, the listed tests
+    "data_parallel.md": 5,  # measure.fsdp_memory about 25 s, memory_table seconds, 3 from-scratch scripts, the tests
+    "dp_savers.md": 8,  # measure.grad_sync_memory about a minute, grad_compression --steps 100 a few, the tests
+    "tensor_parallel.md": 4,  # measure.activation_memory about 15 s, tp_from_scratch, the listed tests
     "pipeline_parallel.md": 8,  # scale-grads ~40 s, pipeline_bubble pp 4 78 s and pp 2, figures, 2 train runs, tests
     "expert_parallel.md": 5,  # ep_layer ~30 s, moe_grouped_mm ~30 s, moe_load ~1 min, the tests
-    "context_parallel.md": 5,  # bench.context_parallel 10-45 s, ring_attention ~1 min, the tests, the sketch
+    "context_parallel.md": 5,  # measure.context_parallel 10-45 s, ring_attention ~1 min, the tests, the sketch
     "mixed_precision.md": 4,  # mixed_precision_fp16 about 4 s, plan_layout --ac, two 20-step bf16/fp32 runs
     "combining.md": 3,  # the planner's and the logits bench's commands, seconds each
     "checkpointing.md": 5,  # save and resume runs on 2-4 ranks, tens of seconds each

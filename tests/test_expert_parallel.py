@@ -34,7 +34,7 @@ def test_ep_block_equals_single_device_block(ep, starve):
 
 def moe_tp_layer_vs_single_device(sequence_parallel: bool) -> dict:
     """The MoE block under TP (TokenSplitMoE) on 2 ranks against one device on the same whole sequences."""
-    from mesh.tensor_parallel import TokenSplitMoE, sum_token_split_gradients
+    from mesh.moe_token_split import TokenSplitMoE, sum_token_split_gradients
 
     rank, tp = dist.get_rank(), dist.get_world_size()
     # capacity (1.0: 3 per expert and sequence of 12) drops assignments; the aux loss is on: both need the

@@ -1,4 +1,4 @@
-"""``python -m bench.gpu_check``, the one command for a GPU machine, checked on a machine without one: it says
+"""``python -m measure.gpu_check``, the one command for a GPU machine, checked on a machine without one: it says
 so and exits 0 with every check "not run", run as a lent machine runs it (nothing installed, a clean
 environment); and its machinery (a process per check, a hard limit per check that kills the check's whole
 process group, each check's log and the report in the output folder as soon as they exist, a second call that
@@ -21,7 +21,7 @@ from measure.gpu_check import CHECKS, TOTAL_S, Check, main, run_checks
 @pytest.mark.compat
 def test_without_a_gpu_it_says_so_and_exits_0_with_nothing_run(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--out", str(tmp_path)],
+        [sys.executable, "-m", "measure.gpu_check", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -40,7 +40,7 @@ def test_a_lent_machine_runs_it_from_the_root_with_nothing_installed_and_a_clean
     # a lent machine: python3 from the repository root, meshloom not installed, no PYTHONPATH, no GPU here
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
     outside = subprocess.run(
-        [sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('bench'))"],
+        [sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('measure'))"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -50,7 +50,7 @@ def test_a_lent_machine_runs_it_from_the_root_with_nothing_installed_and_a_clean
     assert outside.stdout.strip() == "None", "meshloom is installed: this test would not show it runs without"
     out = tmp_path / "out" / "gpu_check"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--out", str(out)],
+        [sys.executable, "-m", "measure.gpu_check", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -66,7 +66,7 @@ def test_a_lent_machine_runs_it_from_the_root_with_nothing_installed_and_a_clean
 
 def test_at_module_level_it_imports_only_the_standard_library():
     # torch and pytest come inside the functions: the lent machine's versions (torch 2.11), nothing installed
-    code = "import sys, bench.gpu_check; print(sorted({'torch', 'pytest'} & set(sys.modules)))"
+    code = "import sys, measure.gpu_check; print(sorted({'torch', 'pytest'} & set(sys.modules)))"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

@@ -28,7 +28,7 @@ pytestmark = [
     ],
 )
 def test_cuda_attention_with_lse_merges_blocks_into_sdpa(dtype, kernel, tolerance):
-    from mesh.private_api import fused_attention_kernel
+    from mesh.lse_attention import fused_attention_kernel
 
     if kernel == "flash" and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the flash kernel needs compute capability 8.0")
@@ -96,7 +96,7 @@ def test_cuda_grouped_experts_equal_the_loop():
 
 
 def test_ring_attention_memory_grows_linearly_on_one_gpu():
-    """bench/ring_attention.py on one GPU: doubling the sequence doubles the peak bytes (no s_cp × s_cp tensor)."""
+    """measure/ring_attention.py on one GPU: doubling the sequence doubles the peak bytes (no s_cp × s_cp tensor)."""
     from measure.ring_attention import measure
 
     rows = measure([4096, 8192], "cuda", "bf16", cp=1, repeats=1)["rows"]

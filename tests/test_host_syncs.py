@@ -2,7 +2,7 @@
 
 measure/host_syncs.py trains each layout for 2 and for 3 steps under measure/host_syncs.HostSyncCounter and
 takes the difference: one step's syncs, by the meshloom line they come from. ``PER_STEP`` below is today's
-count on every rank; ``bench.host_syncs.REASONS`` says why each one is there (docs/profiling.md prints the
+count on every rank; ``measure.host_syncs.REASONS`` says why each one is there (docs/profiling.md prints the
 table). A new sync, or one more of an old kind, fails here; so does one fewer (then lower the number here
 and in the docs). The counter itself is checked on ops whose syncs are known.
 """
@@ -84,11 +84,11 @@ def test_host_syncs_per_step_are_as_documented(layout, measured):
     for rank, (counts, expected) in enumerate(zip(measured[layout], PER_STEP[layout], strict=True)):
         unexplained = set(counts) - set(REASONS)
         assert not unexplained, (
-            f"{layout}, rank {rank}: a sync with no reason in bench.host_syncs.REASONS: {unexplained}"
+            f"{layout}, rank {rank}: a sync with no reason in measure.host_syncs.REASONS: {unexplained}"
         )
         assert counts == expected, (
             f"{layout}, rank {rank}: host syncs per step changed; measured {counts}, documented {expected}. "
-            "Remove the new sync, or explain it in bench.host_syncs.REASONS and docs/profiling.md"
+            "Remove the new sync, or explain it in measure.host_syncs.REASONS and docs/profiling.md"
         )
 
 

@@ -11,7 +11,7 @@ def test_fsdp2_per_rank_state_matches_the_zero3_formula():
     held = [r["params"] + r["grads"] + r["optim"] for r in results]
     psi = results[0]["psi"]
     for rank, (r, h) in enumerate(zip(results, held, strict=True)):
-        # dim-0 padding can put a rank slightly above 1/N for uneven shapes (see bench/fsdp_memory.py);
+        # dim-0 padding can put a rank slightly above 1/N for uneven shapes (see measure/fsdp_memory.py);
         # 2% allows for that, while a replicated (unsharded) state would be 100% off.
         assert abs(h - formula_bytes(psi, n)) <= 0.02 * formula_bytes(psi, n), (rank, h)
         assert r["optim"] == 2 * r["params"], "AdamW keeps two fp32 moments per local parameter element"

@@ -6,6 +6,7 @@ measure/activation_memory.py's formula_bytes is this module's count).
 
 import pytest
 
+from cluster.presets import PRESETS
 from measure.saved_bytes import SavedBytes, kept_bytes, storage_ptr
 from measure.schedule_ir import activations_in_flight, schedule_actions
 from mesh.pipeline import SCHEDULE_FAMILIES, stage_ids_of_rank
@@ -20,7 +21,6 @@ from planning.memory_estimate import (
     stage_parameters,
     states_bytes,
 )
-from planning.presets import PRESETS
 
 LLAMA8B = PRESETS["llama3-8b"]
 

@@ -1,4 +1,4 @@
-"""planning/plan_layout.py and its time model: Megatron-LM's published runs, a step worked out by hand, the command
+"""cluster/plan_layout.py and its time model: Megatron-LM's published runs, a step worked out by hand, the command
 lines meshloom accepts (dense, MoE, uneven pipeline stages), and the measured activation-checkpointing bytes.
 
 The memory model itself is tested in tests/test_memory_estimate.py.
@@ -10,12 +10,7 @@ import sys
 
 import pytest
 
-from launch.local_runs import ROOT
-from measure.activation_memory import formula_bytes
-from measure.saved_bytes import kept_bytes
-from models.llama import ModelArgs
-from planning.gpus import PLANNER_GPUS
-from planning.plan_layout import (
+from cluster.plan_layout import (
     MODELS,
     command,
     gpu_markdown,
@@ -25,7 +20,7 @@ from planning.plan_layout import (
     overrides,
     parse_layout,
 )
-from planning.published_runs import (
+from cluster.published_runs import (
     CALIBRATION_ROW,
     LLAMA3_TABLE_4,
     MEGATRON_TABLE_1,
@@ -38,8 +33,13 @@ from planning.published_runs import (
     torchtitan_rows,
     validation_rows,
 )
-from planning.search import HEADROOM, choose, evaluate, search
-from planning.step_time import MAMF_SHARE, matmul_efficiency, planner_gpu
+from cluster.search import HEADROOM, choose, evaluate, search
+from cluster.step_time import MAMF_SHARE, matmul_efficiency, planner_gpu
+from launch.local_runs import ROOT
+from measure.activation_memory import formula_bytes
+from measure.saved_bytes import kept_bytes
+from models.llama import ModelArgs
+from planning.gpus import PLANNER_GPUS
 
 GOAL = 0.15
 
@@ -65,7 +65,7 @@ def test_megatron_table_1_within_the_goal():
 
 
 def test_mamf_share_is_what_the_1t_row_gives():
-    """planning/step_time.py stores the derived share; it must be what the derivation from the 1T row gives."""
+    """cluster/step_time.py stores the derived share; it must be what the derivation from the 1T row gives."""
     assert derive_mamf_share() == pytest.approx(MAMF_SHARE, abs=5e-5)
     # A100: 271.2 / 312 of the peak is achievable by a single matmul; the training step's matmuls reach 0.7930
     # of that, 0.689 of the peak, 215 TFLOP/s.
@@ -88,7 +88,7 @@ def test_the_megatron_rows_are_the_published_gpts():
 
 
 def test_docs_show_what_the_code_prints(capsys):
-    """docs/combining.md prints the tables ``python -m planning.plan_layout --validate --markdown`` writes, the GPU
+    """docs/combining.md prints the tables ``python -m cluster.plan_layout --validate --markdown`` writes, the GPU
     table, and the outputs of section 8's two commands, exactly."""
     chapter = (ROOT / "docs" / "combining.md").read_text()
     assert markdown_table() in chapter
@@ -197,14 +197,14 @@ def test_search_ranks_layouts_that_fit_and_meshloom_accepts_the_best(name, gpus,
 
 def run_cli(*argv: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.plan_layout", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "cluster.plan_layout", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
 def test_layout_and_json_from_the_command_line_dense_and_moe():
-    """README's contract: ``python -m bench.plan_layout ... --gpu G --layout tp=..,cp=..,pp=..,dp=..,ep=.. --json``."""
+    """README's contract: ``python -m cluster.plan_layout ... --gpu G --layout tp=..,cp=..,pp=..,dp=..,ep=.. --json``."""
     dense = json.loads(
         run_cli(
             *("--model", "llama3-405b", "--gpu", "h100", "--global-batch-tokens", "16777216"),
@@ -319,12 +319,12 @@ def test_llama3_table_4_beside_the_planner():
 
 
 def test_selective_recompute_under_tp_adds_the_row_parallel_matmuls():
-    """planning/step_time.py item 1: selective AC reruns the memory-bound kernels, and under tp > 1 also wo and w2
+    """cluster/step_time.py item 1: selective AC reruns the memory-bound kernels, and under tp > 1 also wo and w2
     (mesh/activation_checkpoint.py recomputes them): for Llama 3 8B that is 2h² + 2hH of a block's forward
     matmul FLOPs per token, about 35% of them (attention's score FLOPs left out of the share)."""
+    from cluster.presets import PRESETS
+    from cluster.step_time import MESHLOOM, Layout, LlamaWorkload, degrees, microbatch_seconds
     from models.flops import layer_matmul_params
-    from planning.presets import PRESETS
-    from planning.step_time import MESHLOOM, Layout, LlamaWorkload, degrees, microbatch_seconds
 
     args = PRESETS["llama3-8b"]
     work, gpu = LlamaWorkload(args, 8192), planner_gpu("h100")

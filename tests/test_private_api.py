@@ -248,7 +248,7 @@ def blockwise_attention_against_sdpa(device: str, dtype: torch.dtype) -> dict:
     """
     import torch.nn.functional as F
 
-    from mesh.private_api import attention_with_lse, attention_with_lse_backward
+    from mesh.lse_attention import attention_with_lse, attention_with_lse_backward
 
     gen = torch.Generator(device=device).manual_seed(0)
     b, heads, kv_heads, n, d = 2, 4, 2, 24, 16
@@ -289,7 +289,7 @@ def blockwise_attention_against_sdpa(device: str, dtype: torch.dtype) -> dict:
 
 
 def test_fused_attention_with_lse_merges_blocks_into_sdpa_on_cpu():
-    from mesh.private_api import fused_attention_kernel
+    from mesh.lse_attention import fused_attention_kernel
 
     assert fused_attention_kernel(torch.zeros(1, 1, 1, 8)) == "cpu_flash"
     # fp64: rounding only (~1e-16); 1e-12 fails on any wrong mask, scale or merge

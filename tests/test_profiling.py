@@ -1,4 +1,4 @@
-"""Profiling on demand, MFU and the communication share (training/profiling.py, models/flops.py, training/throughput.py, training/comm_share.py)."""
+"""Profiling on demand, MFU and the communication share (training/profiling.py, models/flops.py, training/mfu.py, training/comm_share.py)."""
 
 import json
 
@@ -10,8 +10,8 @@ from launch.local_runs import DEBUG_CONFIG, ROOT, train_on
 from models.flops import flops_per_token
 from planning.gpus import table_peak_tflops
 from runtime.config import ConfigError, check_values, load_config, model_args
+from training.mfu import Throughput, peak_tflops
 from training.profiling import RANGES, summarize_memory_timeline, trace_path
-from training.throughput import Throughput, peak_tflops
 
 MOE_CONFIG = str(ROOT / "configs" / "debug_moe.toml")
 

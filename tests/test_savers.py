@@ -1,4 +1,4 @@
-"""Communication and memory savers (extras/reduce_once_per_step.py, bf16_reduction.py, powersgd.py, cpu_offload.py;
+"""Communication and memory savers (extras/reduce_once_per_step.py, powersgd.py, planning/options.py;
 docs/dp_savers.md sections 2-4).
 
 - ``parallel.grad_sync=step``: parity with one process, and train.py's loop issuing k-1 fewer gradient
@@ -159,7 +159,7 @@ def test_step_sync_holds_the_unsharded_gradient_between_micro_batches():
     from measure.grad_sync_memory import held_after_backward
 
     layout = {"parallel.dp_shard": 2}
-    # Live tensor bytes after one micro-batch's backward (bench/grad_sync_memory.py): reduced, the rank keeps
+    # Live tensor bytes after one micro-batch's backward (measure/grad_sync_memory.py): reduced, the rank keeps
     # its gradient shards, 4Ψ/2; not reduced, FSDP keeps every unit's whole gradient, 4Ψ. Exact: the debug
     # model's dims divide by 2 and the gradients are fp32.
     for reduce, expected in ((True, 4 * 853_120 // 2), (False, 4 * 853_120)):
@@ -175,7 +175,7 @@ GAP_STEPS = 12  # PowerSGD reduces exactly for 2 steps, then compresses 10
 #   AdamW's update is nearly scale-free per element, so a step's loss change (<= ~1 nat here) moves by well
 #   under 1e-3 relative; measured 1e-5. 1e-3 is the bound that argument gives.
 # - PowerSGD: no such bound exists (a rank-r step is a different step); measured 6.2% for rank 1 and 2.7% for
-#   rank 4 over 12 steps (15.6% / 6.9% over 20, 65% / 27% at worst over 300: python -m bench.grad_compression).
+#   rank 4 over 12 steps (15.6% / 6.9% over 20, 65% / 27% at worst over 300: python -m measure.grad_compression).
 #   0.15 and 0.08 keep ~2.5x headroom over the measurement and sit far below a run that stops learning
 #   (~70%: the loss stays near ln 256 = 5.5 while exact reaches ~3.2). The exact-phase gradients of the
 #   PowerSGD path are pinned to 1e-5 in tests/test_collective_counts.py; this test pins that compression
@@ -266,7 +266,7 @@ def offload_bench_on_cpu() -> dict:
 
 
 def test_the_offload_bench_runs_on_cpu():
-    # The GPU bench (bench/offload_memory.py) has not run here (no GPU); this keeps its code path alive:
+    # The GPU bench (measure/offload_memory.py) has not run here (no GPU); this keeps its code path alive:
     # on a CPU "device" all of the (4 + 4 + 8) Ψ / dp bytes of state are host memory, and none is CUDA.
     for r in run_on_ranks(offload_bench_on_cpu, 2):
         assert r["host_state"] == 16 * r["psi"] // 2 and r["device_state"] == 0

@@ -1,6 +1,6 @@
 """The GPU throughput check's code path on CPU with a stand-in of CUDA events (runtime/process.py: ``HostEvent``,
 only ``record``, ``synchronize``, ``elapsed_time``): a step clock whose readings are events, not numbers, as on a
-GPU. Before, measure/throughput.py subtracted two readings (a TypeError on CUDA) and the check never got an MFU;
+GPU. Before, measure/tokens_per_second.py subtracted two readings (a TypeError on CUDA) and the check never got an MFU;
 and tokens/s is timed from one step's end to the next's (the whole loop, as torchtitan times it)."""
 
 import math

@@ -43,7 +43,9 @@ def eval_due(step: int, interval: int, last_step: int) -> bool:
     return interval > 0 and (step % interval == 0 or step == last_step)
 
 
-def evaluate(parts, schedule, loader, plan: LayoutPlan, meshes: Meshes, *, steps: int, device: torch.device) -> float:
+def evaluate(
+    parts, schedule, loader, plan: LayoutPlan, meshes: Meshes, *, steps: int, device: torch.device, loss_divisor=None
+) -> float:
     """The validation loss (a float, the same on every rank); see the module docstring for the steps."""
     loader.load_state_dict({"tokens_consumed": 0})  # step 1
     trained = 0  # the global count of trained targets over the steps (global_batch x seq_len each, unmasked)
@@ -73,6 +75,7 @@ def evaluate(parts, schedule, loader, plan: LayoutPlan, meshes: Meshes, *, steps
                         dtype=f64,
                         trained_tokens=loader.trained_tokens,
                         documents=docs,
+                        loss_divisor=loss_divisor,
                     )
     finally:
         for part in parts:  # step 4

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
 
-from extras.base import Extra
+from extras.base import Extra, RunContext
 
 if TYPE_CHECKING:
     import torch
@@ -161,6 +161,12 @@ def step_profiler(cfg, rank: int, device: torch.device, first_step: int) -> Step
     if not cfg.profile.enabled or max(cfg.profile.start_step, first_step) > cfg.training.steps:
         return NoProfiler()
     return StepProfiler(cfg, rank, device, first_step)
+
+
+def for_run(ctx: RunContext) -> StepProfiler | None:
+    """On with ``profile.enabled`` while a recorded step lies ahead (``step_profiler``)."""
+    profiler = step_profiler(ctx.cfg, ctx.plan.rank, ctx.device, first_step=ctx.start_step + 1)
+    return None if isinstance(profiler, NoProfiler) else profiler
 
 
 # ---- reading the CPU memory timeline ---------------------------------------------------------------------

@@ -40,10 +40,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from extras.reduce_once_per_step import reduction_window
+from mesh.dims import MESH_DIMS
 from mesh.expert_parallel import load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
+from mesh.moe_token_split import sum_token_split_gradients
 from mesh.pipeline import build_pipeline_schedule, run_schedule
-from mesh.tensor_parallel import loss_context, loss_value, reduce_partial_gradients, sum_token_split_gradients
+from mesh.tensor_parallel import loss_context, loss_value, reduce_partial_gradients
 from runtime.failures import phase
 from runtime.process import clock_reading, seconds_between, sum_over
 from training.loaders import to_device
@@ -60,8 +62,8 @@ if TYPE_CHECKING:
     from mesh.tied_embeddings import TiedEmbeddings
     from planning.plan import LayoutPlan
     from runtime.config import Config
+    from training.mfu import Throughput
     from training.optimizer import Optimizers
-    from training.throughput import Throughput
 
 
 class DivergenceError(FloatingPointError):
@@ -82,6 +84,7 @@ class StepParts:
     tied: TiedEmbeddings  # a tied embedding's pipeline copies (none without them)
     throughput: Throughput
     extras: Extra  # the run's extras as one (extras/base.py: Extras)
+    loss_divisor: LossDivisor | None = None  # what the pipeline schedule's loss divides by (``pipeline_schedule``)
     reduce_every_microbatch: bool = True  # parallel.grad_sync = microbatch
     grad_clip: float = 1.0
     advice: str = ""  # what a DivergenceError suggests (``divergence_advice``)
@@ -103,7 +106,7 @@ class StepParts:
     def device_groups(self) -> str:
         """The device-plane groups a forward and backward uses (for runtime/failures.py's report)."""
         dims = self.plan.dims
-        names = [n for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, n) > 1]
+        names = [n for n in MESH_DIMS if getattr(dims, n) > 1]
         return "device plane: " + ", ".join(names) if names else "none (one process)"
 
 
@@ -118,14 +121,17 @@ def divergence_advice(cfg: Config) -> str:
     )
 
 
-def pipeline_schedule(parts, plan: LayoutPlan, meshes: Meshes, device: torch.device) -> tuple[Any, list]:
-    """The pipeline schedule over this rank's stages and the stages themselves; ``(None, [])`` without pipelining.
+def pipeline_schedule(
+    parts, plan: LayoutPlan, meshes: Meshes, device: torch.device
+) -> tuple[Any, list, LossDivisor | None]:
+    """The pipeline schedule over this rank's stages, the stages, and the divisor its loss function reads;
+    ``(None, [], None)`` without pipelining.
 
     The schedule's loss function is the token-loss sum divided by the step's global count of trained tokens,
-    like step 2's (``schedule.loss_divisor``, set by ``forward_backward``).
+    like step 2's: the divisor is passed to ``forward_backward``, which sets it each step.
     """
     if plan.dims.pp == 1:
-        return None, []
+        return None, [], None
     scale = LossDivisor(plan.global_tokens)
     schedule, stages = build_pipeline_schedule(
         parts,
@@ -138,8 +144,7 @@ def pipeline_schedule(parts, plan: LayoutPlan, meshes: Meshes, device: torch.dev
         loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / scale.tokens,
         shapes=plan.stage_shapes(meshes.tp),  # static stage metadata: no shape inference at the first step
     )
-    schedule.loss_divisor = scale
-    return schedule, stages
+    return schedule, stages, scale
 
 
 def forward_backward(
@@ -153,14 +158,15 @@ def forward_backward(
     dtype: torch.dtype | None = None,
     trained_tokens: int | None = None,
     documents: torch.Tensor | None = None,
+    loss_divisor: LossDivisor | None = None,
 ) -> torch.Tensor:
     """One micro-batch's forward and (with ``backward``) backward (step 2); returns this rank's token-loss sum (0
     off the last stage), in ``dtype`` when given. Validation runs it forward only (training/evaluation.py).
     ``trained_tokens``: the step's global count of trained targets (a loss mask; default the global token count).
     ``documents``: the micro-batch's document positions (data/loader.py), given to every stage's forward."""
     tokens = plan.global_tokens if trained_tokens is None else divisor(trained_tokens)
-    if schedule is not None:
-        schedule.loss_divisor.tokens = tokens
+    if loss_divisor is not None:  # the pipeline schedule's loss function reads it (``pipeline_schedule``)
+        loss_divisor.tokens = tokens
     with loss_context(plan.dims.tp > 1):  # vocab-sharded cross-entropy under TP: forward *and* backward inside
         if schedule is None:
             with named_range("forward"):
@@ -193,7 +199,14 @@ def accumulate_gradients(s: StepParts, batch, step: int) -> torch.Tensor:
                 trained = s.loader.trained_tokens  # the global count of trained targets (data/loader.py)
                 docs = None if s.loader.documents is None else s.loader.documents[index].to(s.device)
                 loss_sum += forward_backward(
-                    s.parts, s.schedule, plan, inputs, targets, trained_tokens=trained, documents=docs
+                    s.parts,
+                    s.schedule,
+                    plan,
+                    inputs,
+                    targets,
+                    trained_tokens=trained,
+                    documents=docs,
+                    loss_divisor=s.loss_divisor,
                 )
         s.extras.after_forward_backward()
         if dims.tp > 1:

@@ -14,8 +14,8 @@ test reads them off a real 2 x 2 run); the RoPE wavelengths from models/rope.py;
 mesh/pipeline.py's splits. Plain SVG strings (docs/figures/svg.py), no dependencies; one module per picture family, named for its chapter.
 
 The *measured* pictures in docs/img come from runs, not from this file: the pipeline timelines
-``pp<P>_m<M>_<schedule>.svg`` from ``python -m bench.pipeline_bubble --pp P --microbatches M`` and the expert
-load ``moe_load.svg`` from ``python -m bench.moe_load``.
+``pp<P>_m<M>_<schedule>.svg`` from ``python -m measure.pipeline_bubble --pp P --microbatches M`` and the expert
+load ``moe_load.svg`` from ``python -m measure.moe_load``.
 """
 
 from __future__ import annotations

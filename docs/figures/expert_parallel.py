@@ -144,7 +144,7 @@ def expert_placement_svg(n_experts: int = 4) -> str:
     note = (
         "ep over dp_shard x tp (mesh/dims.py): each expert has one copy, split over ep and FSDP's efsdp; "
         "gradients, fp32 master weights and Adam moments follow. The earlier layout, ep carved from dp_shard alone, "
-        "held every expert whole on both tp ranks. Bytes: python -m bench.ep_placement."
+        "held every expert whole on both tp ranks. Bytes: python -m measure.ep_placement."
     )
     svg.height = svg.lines(20, y0 + 64 + 2 * 64 + 18, note, svg.width - 40, size=10) + 6
     return svg.render()

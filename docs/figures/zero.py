@@ -48,7 +48,7 @@ def zero_svg(n: int = 4) -> str:
     svg.text(
         10,
         y + 30,
-        "bf16 params 2 + bf16 grads 2 + fp32 master weights, Adam m and v 4 + 4 + 4 = 16 (bench/memory_table.py)",
+        "bf16 params 2 + bf16 grads 2 + fp32 master, Adam m and v 4 + 4 + 4 = 16 (measure/memory_table.py)",
         size=10,
     )
     return svg.render()

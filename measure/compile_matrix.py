@@ -1,0 +1,79 @@
+"""Which layouts ``training.compile`` runs: each eagerly and compiled, 3 steps, the loss compared (docs/profiling.md Appendix A.5).
+
+    python -m measure.compile_matrix                 # about 10 minutes on 2 CPU cores (compiling is most of it)
+    python -m measure.compile_matrix one,tp2         # some of them
+
+For every layout: train ``configs/debug.toml`` (or ``debug_moe.toml``) for 3 steps eagerly and with
+``training.compile=true`` on gloo ranks, and print the largest relative difference of the two loss curves, or
+the error. A layout meshloom refuses (``planning/layout_rules.py: compile_errors``) prints the refusal; on a tree without
+those checks (b4fdc54) the same command shows the error torch raised instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+
+from launch.local_runs import ROOT, train_on
+from launch.spawn import RankFailure
+
+DEBUG = str(ROOT / "configs" / "debug.toml")
+MOE = str(ROOT / "configs" / "debug_moe.toml")
+LAYOUTS = {
+    "one": (1, DEBUG, {}),
+    "one-selective": (1, DEBUG, {"training.activation_checkpoint": "selective"}),
+    "one-full": (1, DEBUG, {"training.activation_checkpoint": "full"}),
+    "one-bf16": (1, DEBUG, {"training.mixed_precision": "bf16"}),
+    "fsdp2": (2, DEBUG, {"parallel.dp_shard": 2}),
+    "tp2": (2, DEBUG, {"parallel.tp": 2, "parallel.dp_shard": 1}),
+    "tp2-nosp": (2, DEBUG, {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sequence_parallel": False}),
+    "pp2-1F1B": (2, DEBUG, {"parallel.pp": 2, "parallel.dp_shard": 1}),
+    "pp2-Interleaved1F1B": (
+        2,
+        DEBUG,
+        {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "Interleaved1F1B"},
+    ),
+    "cp2-allgather": (2, DEBUG, {"parallel.cp": 2, "parallel.dp_shard": 1}),
+    "cp2-ring": (2, DEBUG, {"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_attention": "ring"}),
+    "moe-one": (1, MOE, {}),
+    "moe-ep2": (2, MOE, {"parallel.dp_shard": 2, "parallel.ep": 2}),
+    "moe-tp2": (2, MOE, {"parallel.tp": 2, "parallel.dp_shard": 1}),
+}
+
+
+def last_error_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if "Error" in line or "error" in line]
+    return (lines[-1] if lines else text.strip().splitlines()[-1])[:300]
+
+
+def main(names: list[str]) -> None:
+    for name in names:
+        world, config, layout = LAYOUTS[name]
+        base = {**layout, "training.steps": 3}
+        with tempfile.TemporaryDirectory(prefix="meshloom-compile-") as run_dir:
+            try:
+                t0 = time.monotonic()
+                eager = train_on(world, base, f"{run_dir}/eager", timeout=900, config=config)
+                t1 = time.monotonic()
+                compiled = train_on(
+                    world, {**base, "training.compile": True}, f"{run_dir}/c", timeout=900, config=config
+                )
+            except RankFailure as exc:
+                text = str(exc)
+                if "ConfigError" in text:
+                    reason = next(line for line in text.splitlines() if "training.compile=true" in line)
+                    print(f"{name:<20} refused: {reason.strip(' -')}", flush=True)
+                else:
+                    print(f"{name:<20} FAILED: {last_error_line(text)}", flush=True)
+                continue
+        diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(compiled, eager, strict=True))
+        print(
+            f"{name:<20} compiles: loss differs by {diff:.1e} at most (eager {t1 - t0:.0f} s, compiled "
+            f"{time.monotonic() - t1:.0f} s with compilation)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(",") if len(sys.argv) > 1 else list(LAYOUTS))

@@ -1,0 +1,87 @@
+"""Where the experts live: expert bytes per rank with ep borrowing tp, against ep carved from dp_shard alone.
+
+    .venv/bin/python -m measure.ep_placement        # from the repository root, about a minute on 2 cores
+
+The MoE debug model (configs/debug_moe.toml: 4 MoE layers, dim 128, expert hidden 128) with 4 experts is
+parallelized on 4 gloo ranks, dp_shard 2 x tp 2, as train.py parallelizes it (planning/options.py:
+``model_parts``), three ways:
+
+- ``ep 4 over dp_shard x tp``: the ep group is all four ranks (mesh/dims.py), each holds one expert per layer;
+- ``ep 2 over dp_shard x tp``: the ep groups are the tp pairs, FSDP shards each expert pair over dp_shard (efsdp);
+- ``ep 2 within dp_shard``: the earlier layout (``build_mesh(..., ep_within_dp_shard=True)``), ep groups across
+  dp_shard, every tp rank holding the same two experts per layer whole.
+
+What is measured, per rank: the bytes of the expert weights it holds (the local shards of every
+``experts`` module, mesh/expert_parallel.local_expert_bytes), fp32. Gradients and the two fp32 AdamW moments
+follow the same shards, so the expert training state is 4x that. Nothing is trained: placement only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+WORLD = 4
+MOE = {"model.n_experts": 4, "parallel.dp_shard": 2, "parallel.tp": 2}
+LAYOUTS = {  # name: (parallel.ep, ep_within_dp_shard)
+    "ep 4 over dp_shard x tp": (4, False),
+    "ep 2 over dp_shard x tp": (2, False),
+    "ep 2 within dp_shard (earlier)": (2, True),
+}
+
+
+def measure(ep: int, ep_within_dp_shard: bool) -> dict:
+    """Rank body: the model parallelized for the layout; this rank's expert weight bytes and experts held."""
+    from launch.local_runs import ROOT
+    from mesh.dims import build_mesh
+    from mesh.expert_parallel import local_expert_bytes
+    from planning.options import model_parts
+    from planning.plan import LayoutPlan
+    from runtime.config import load_config
+
+    cfg = load_config(path=str(ROOT / "configs" / "debug_moe.toml"), overrides={**MOE, "parallel.ep": ep})
+    plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
+    device = torch.device("cpu")
+    meshes = build_mesh(
+        plan.dims, device, timeout_s=120, has_experts=True, fsdp_with_tp=True, ep_within_dp_shard=ep_within_dp_shard
+    )
+    model = model_parts(cfg, plan, meshes, device)[0]
+    n_local = plan.model.moe.n_experts // ep
+    first = meshes.ep.get_local_rank() * n_local
+    return {
+        "bytes": sum(local_expert_bytes([model]).values()),
+        "experts": list(range(first, first + n_local)),
+        "efsdp": meshes.expert_fsdp.size(),
+    }
+
+
+def table() -> dict[str, list[dict]]:
+    from launch.spawn import run_on_ranks
+
+    return {name: run_on_ranks(measure, WORLD, *layout, timeout=600) for name, layout in LAYOUTS.items()}
+
+
+def main() -> None:
+    result = table()
+    print("MoE debug model, 4 experts, 4 MoE layers, fp32, on dp_shard 2 x tp 2 (4 ranks); expert weights per rank")
+    print(f"{'layout':<32} {'experts on rank 0..3':<34} {'bytes per rank':>14} {'all ranks / one copy':>21}")
+    one_copy = None
+    per_rank = {}
+    for name, ranks in result.items():
+        held = [
+            f"E{r['experts'][0]}-{r['experts'][-1]}" if len(r["experts"]) > 1 else f"E{r['experts'][0]}" for r in ranks
+        ]
+        held = [h + (f"/{r['efsdp']}" if r["efsdp"] > 1 else "") for h, r in zip(held, ranks, strict=True)]
+        per_rank[name] = max(r["bytes"] for r in ranks)
+        total = sum(r["bytes"] for r in ranks)
+        one_copy = one_copy or total  # the first layout holds each expert once (checked by the tests)
+        print(f"{name:<32} {' '.join(held):<34} {per_rank[name]:>14,} {total / one_copy:>20.1f}x")
+    old, new = per_rank["ep 2 within dp_shard (earlier)"], per_rank["ep 4 over dp_shard x tp"]
+    print(f"expert bytes per rank, earlier / ep 4 over dp_shard x tp: {old / new:.1f}x")
+    print(f"expert training state per rank (weights, grads, 2 AdamW moments): {4 * new:,} vs {4 * old:,} bytes")
+
+
+if __name__ == "__main__":
+    from measure import ep_placement
+
+    ep_placement.main()

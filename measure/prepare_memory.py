@@ -1,0 +1,128 @@
+"""Peak memory of ``data.prepare``: one 200 MB line against 200 MB of ordinary lines, and against JSONL.
+
+    .venv/bin/python -m measure.prepare_memory            # 200 MB files
+    .venv/bin/python -m measure.prepare_memory --mb 50    # smaller, faster
+
+1. Train a 4,096-token byte-level BPE (data/train_tokenizer.py) on 20 files of the default corpus.
+2. Write three files of ``--mb`` MB from the default corpus (the standard library's sources, repeated):
+   ``lines.txt`` as it is (ordinary lines of code), ``one-line.txt`` with every newline replaced by a space,
+   and ``documents.jsonl``, one document per source file. A text file is one document whatever its lines,
+   so the first two are one 200 MB document each: before pieces (data/pieces.py) they cost about 27 bytes per
+   byte of text; the JSONL file is the ordinary case, many documents tokenized by chunks.
+3. For each file, a fresh process runs ``data.prepare.prepare`` with ``workers=1``, so that all the work
+   happens in that one process and its peak resident memory (VmHWM of /proc/self/status) is the whole
+   cost. It reports that peak, its resident memory after the imports, and the seconds taken.
+4. One row per file: the peak, what preparing added to the imports' memory, that per byte of text, and the
+   time; then the one-line file's added memory over the ordinary lines' one.
+
+All figures come from one run of this script; compare the rows, not absolute numbers across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def status_kib() -> dict[str, int]:
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+def write_sources(folder: Path, size: int) -> dict[str, Path]:
+    """Step 2: the three files, each ``size`` bytes, written a source file at a time."""
+    from data.corpus import corpus_files
+
+    sources = [f.read_text() for f in corpus_files("default")]
+    files = {name: folder / name for name in ("one-line.txt", "lines.txt", "documents.jsonl")}
+    handles = {name: open(path, "w", encoding="utf-8") for name, path in files.items()}  # noqa: SIM115
+    written = dict.fromkeys(files, 0)
+    try:
+        while min(written.values()) < size:
+            for text in sources:
+                for name, f in handles.items():
+                    if written[name] >= size:
+                        continue
+                    if name == "lines.txt":
+                        out = text
+                    elif name == "one-line.txt":
+                        out = text.replace("\n", " ")
+                    else:
+                        out = json.dumps({"text": text}) + "\n"
+                    f.write(out)
+                    written[name] += len(out.encode("utf-8"))
+    finally:
+        for f in handles.values():
+            f.close()
+    return files
+
+
+def child(source: str, tokenizer: str, out: str) -> dict:
+    """Step 3, in a fresh process."""
+    from data.prepare import prepare
+
+    after_imports = status_kib()["VmRSS"]
+    start = time.perf_counter()
+    header = prepare(source, tokenizer, out, workers=1, quiet=True)
+    return {
+        "seconds": time.perf_counter() - start,
+        "imports_kib": after_imports,
+        "peak_kib": status_kib()["VmHWM"],
+        "tokens": header["num_tokens"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, default=200.0, help="size of each source file in MB (default 200)")
+    parser.add_argument("--child", nargs=3, metavar=("SOURCE", "TOKENIZER", "OUT"), help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.child:
+        print(json.dumps(child(*opts.child)), flush=True)
+        return
+    from data.train_tokenizer import train_bpe
+
+    size = int(opts.mb * 1e6)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        tokenizer = train_bpe("default", 4096, folder / "tok", max_files=20)  # step 1
+        files = write_sources(folder, size)
+        rows = {}
+        for name, path in files.items():
+            cmd = [
+                sys.executable,
+                "-m",
+                "measure.prepare_memory",
+                "--child",
+                str(path),
+                str(tokenizer),
+                str(folder / f"out-{name}"),
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    mib = 1024
+    print(f"data.prepare, one process (workers=1), the 4,096-token BPE; files of {opts.mb:g} MB")
+    print(
+        f"{'file':>16} {'tokens':>12} {'after imports':>14} {'peak':>9} {'added':>9} {'added/byte':>11} {'seconds':>8}"
+    )
+    for name, r in rows.items():
+        added = (r["peak_kib"] - r["imports_kib"]) * 1024
+        print(
+            f"{name:>16} {r['tokens']:>12,} {r['imports_kib'] / mib:>10.0f} MiB {r['peak_kib'] / mib:>5.0f} MiB "
+            f"{added / 2**20:>5.0f} MiB {added / size:>9.2f} B {r['seconds']:>8.1f}"
+        )
+    one, lines = (rows[n]["peak_kib"] - rows[n]["imports_kib"] for n in ("one-line.txt", "lines.txt"))
+    print(f"one line vs ordinary lines: {one / max(lines, 1):.2f}x the memory added")
+
+
+if __name__ == "__main__":
+    main()
