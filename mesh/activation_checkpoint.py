@@ -68,9 +68,9 @@ _MATMULS = {_aten.mm.default, _aten.addmm.default}  # how a row-parallel linear 
 
 
 def _storage_id(t) -> int:
-    """Which storage ``t`` views (a DTensor: its local shard's): the storage object's own identity, valid for real
-    and fake tensors alike. Not ``data_ptr()``: 0 for every fake tensor (and for an empty storage), so under fake
-    tensors every operand would match no weight, or all would."""
+    """Which storage ``t`` views (a DTensor: its local shard's), by the storage object's identity. Not ``data_ptr()``,
+    which is 0 for every fake tensor.
+    """
     local = dtensor_local_storage(t) if isinstance(t, DTensor) else t
     return local.untyped_storage()._cdata
 
@@ -92,10 +92,9 @@ def _save_policy(row_linears: list[nn.Module]):
 
 
 def _every_second_matmul(keep, mode: str):
-    """``mode``'s policy from ``keep`` (``_save_policy``'s): the same decisions, except that a kept matmul whose
-    1-based count in the block's forward ``keeps_matmul`` rejects (mesh/ac_policies.py: the even ones under
-    ``selective``) is recomputed. The count is kept apart for forward and for the recomputation (torch asks the
-    policy in both on some releases), and starts again with each call of the block (a new policy per call)."""
+    """``mode``'s policy from ``keep``: a kept matmul whose 1-based count ``keeps_matmul`` rejects is recomputed.
+    Forward and recomputation count apart (torch asks the policy in both on some releases); a new policy per call.
+    """
     if POLICIES[mode].matmuls == "all":
         return keep
     counts = {False: 0, True: 0}

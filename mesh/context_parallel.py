@@ -59,11 +59,8 @@ def load_balanced_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str, seq_len: int) -> nn.Module:
-    """Make ``model`` (a whole model or a pipeline stage, already materialised) run on this rank's chunks.
-
-    Every Attention's ``attend`` becomes the cross-rank algorithm, and the rotary tables keep only the rows
-    of this rank's global positions, so ``Attention.forward`` (which takes the first seqlen rows) rotates
-    each local token by its global position. Call it after ``materialize_weights``, which rebuilds the tables.
+    """Make ``model`` (whole or a pipeline stage) run on this rank's chunks: cross-rank ``attend``, rotary rows of this
+    rank's global positions. Call it after ``materialize_weights``, which rebuilds the tables.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown context-parallel attention {algorithm!r}; choose one of {ALGORITHMS}")
@@ -84,11 +81,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str
 
 # ---- 2a. all-gather ----------------------------------------------------------------------------------------
 class GatherSequence(torch.autograd.Function):
-    """All-gather along dim 0 over ``group`` (rank order); backward: reduce-scatter, each rank keeps its part.
-
-    Every rank's queries used every rank's keys, so the gradient of a rank's keys is the *sum* of what all
-    ranks computed for them: exactly a reduce-scatter. Functional collectives (new tensors, not in-place),
-    so selective activation checkpointing saves the gathered tensor instead of gathering it again.
+    """All-gather along dim 0 over ``group``; backward: reduce-scatter (a rank's keys' gradient sums every rank's).
+    Functional collectives, so selective activation checkpointing saves the gathered tensor.
     """
 
     @staticmethod
@@ -102,21 +96,13 @@ class GatherSequence(torch.autograd.Function):
 
 
 def in_global_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
-    """Rows gathered in rank order (rank j: chunk j, then chunk 2cp−1−j) -> rows in global position order.
-
-    The early chunks in rank order, then the late ones in reverse rank order: a reshape, a flip and a cat on
-    the device, with no index tensor to build or copy from the host.
-    """
+    """Rows gathered in rank order (rank j: chunk j, then chunk 2cp−1−j) -> rows in global position order, on device."""
     by_rank = gathered.unflatten(0, (cp, 2, gathered.shape[0] // (2 * cp)))  # (rank, early/late, L, ...)
     return torch.cat([by_rank[:, 0], by_rank[:, 1].flip(0)]).flatten(0, 1)
 
 
 def allgather_blocks(rank: int, cp: int, chunk: int) -> list[tuple[slice, slice, bool]]:
-    """The kernel calls of this rank's queries over the keys in global order (module docstring, 4).
-
-    Local chunk i holds global chunk c: its diagonal block (keys of chunk c, causal), and if c > 0 one full
-    block of every earlier position (keys 0 .. c·L − 1).
-    """
+    """The kernel calls of this rank's queries over the keys in global order (module docstring, 4)."""
     blocks = []
     for i, c in enumerate(chunk_ids(rank, cp)):
         rows = slice(i * chunk, (i + 1) * chunk)
@@ -140,9 +126,9 @@ def rank_document_mask(documents: torch.Tensor, q_rank: int, k_rank: int | None,
 def allgather_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, documents: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Causal attention of this rank's queries over all ranks' keys. q (b, n, heads, d), k/v (b, n, kv_heads, d)
-    hold this rank's n = s/cp tokens (chunks r and 2cp−1−r); returns (b, n, heads, d). ``documents`` (b, s):
-    the document index of every position of the window (module docstring, 6)."""
+    """Causal attention of this rank's queries (its chunks r and 2cp−1−r) over all ranks' keys; ``documents`` (b, s):
+    each position's document index (module docstring, 6).
+    """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     # One collective for K and V (kv heads only: GQA shrinks the message), sequence first for the gather.
     kv = torch.stack([k, v]).movedim(2, 0)  # (n, 2, b, kv_heads, d)
@@ -159,10 +145,7 @@ def allgather_attention(
 
 # ---- 2b. ring ----------------------------------------------------------------------------------------------
 def visible(src: int, rank: int, n: int) -> tuple[slice, slice, bool]:
-    """Which local query rows see which keys of the block that cp rank ``src`` holds (module docstring, 4).
-
-    Returns (query rows, key rows, causal) over the n = 2L local positions of each side.
-    """
+    """(query rows, key rows, causal): which local query rows see which keys of cp rank ``src``'s block."""
     half = n // 2
     if src == rank:
         return slice(None), slice(None), True  # both chunks increase in position: a plain causal mask
@@ -172,10 +155,8 @@ def visible(src: int, rank: int, n: int) -> tuple[slice, slice, bool]:
 
 
 def ring_exchange(send: torch.Tensor, group) -> tuple[torch.Tensor, list]:
-    """Start sending ``send`` to the next cp rank and receiving the previous rank's into a new buffer.
-
-    Returns (buffer, requests): wait on the requests before reading the buffer. Both directions go in one
-    ``batch_isend_irecv``, so no rank blocks in a send while its neighbour blocks in one too.
+    """Send ``send`` to the next cp rank and receive the previous one's; returns (buffer, requests) to wait on.
+    Both directions go in one ``batch_isend_irecv``, so no two neighbours block in a send at once.
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     recv = torch.empty_like(send)
@@ -278,9 +259,9 @@ def ring_attention(
 
 
 def masked_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
-    """One block under an explicit mask (module docstring, 6): q (b, heads, n, d), k/v (b, kv_heads, m, d), mask
-    (b, 1, n, m) -> (output (b, heads, n, d), lse (b, heads, n)) in the accumulators' dtype; a row that sees no
-    key of this block gets output 0 and lse -inf, which the merge then leaves out."""
+    """One block under an explicit mask (module docstring, 6) -> (output, lse); a row that sees no key gets output 0 and
+    lse -inf, which the merge leaves out.
+    """
     acc = torch.promote_types(q.dtype, torch.float32)
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.to(acc).repeat_interleave(n_rep, dim=1), v.to(acc).repeat_interleave(n_rep, dim=1)
@@ -312,10 +293,8 @@ def masked_block_backward(d_out, q, k, v, out, lse, mask):
 
 # ---- 3-5. blocks through a fused kernel, merged by their log-sum-exp ---------------------------------------
 def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The running (output, lse) for queries q (b, heads, n, d): zeros and −inf, in fp32 (fp64 stays fp64).
-
-    The output is laid out as (b, n, heads, d) in memory, so that after the cast to q's dtype the model's
-    (b, n, heads, d) view of it is contiguous: wo's input is then this same storage, not a second copy.
+    """The running (output, lse) for q: zeros and −inf in fp32 (fp64 stays fp64), output laid out (b, n, heads, d) so
+    wo reads this same storage after the cast.
     """
     acc = torch.promote_types(q.dtype, torch.float32)
     b, heads, n, d = q.shape
@@ -324,10 +303,7 @@ def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def merge_partial(out, lse, rows: slice, block_out, block_lse) -> None:
-    """Fold one block's (output, lse) into the running ones, in place, for query ``rows`` (module docstring, 3).
-
-    In the accumulators' dtype: a bf16 block output is rounded once by its kernel, never again by the merge.
-    """
+    """Fold one block's (output, lse) into the running ones in place, in their dtype (bf16 is rounded once, by the kernel)."""
     new_lse = torch.logaddexp(lse[:, :, rows], block_lse.to(lse.dtype))
     out[:, :, rows] = (
         out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]
@@ -337,10 +313,8 @@ def merge_partial(out, lse, rows: slice, block_out, block_lse) -> None:
 
 
 class BlockwiseAttention(torch.autograd.Function):
-    """q's rows attend to several blocks of (k, v), each through the fused kernel, merged by LSE; no messages.
-
-    ``blocks``: (query rows, key rows, causal) per kernel call, in (b, heads, n, d) / (b, kv_heads, m, d)
-    layout. Backward runs each block's kernel backward with the merged output and LSE (module docstring, 5).
+    """q's rows attend to several (k, v) blocks through the fused kernel, merged by LSE; no messages.
+    Backward runs each block's kernel backward with the merged output and LSE (module docstring, 5).
     """
 
     @staticmethod

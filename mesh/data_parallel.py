@@ -41,10 +41,8 @@ if TYPE_CHECKING:
 
 
 def reshard_after_forward_policy(policy: str, is_last_block: bool, pipelined: bool) -> bool:
-    """``default``: free gathered weights after forward, except the last block, whose backward comes next.
-
-    Under pipeline parallelism the default keeps them gathered: a stage runs several micro-batches' forwards
-    before their backwards, and resharding would all-gather the same weights again for each one.
+    """``default``: free gathered weights after forward except the last block's; under pipelining keep them, since a
+    stage runs several forwards before their backwards.
     """
     if policy == "always":
         return True
@@ -54,11 +52,9 @@ def reshard_after_forward_policy(policy: str, is_last_block: bool, pipelined: bo
 
 
 def vocabulary_units(model: nn.Module) -> list[list[nn.Module]]:
-    """The groups of modules that become the vocabulary units: ``[[embedding], [final norm, head]]``, with
-    whichever of them this pipeline stage holds. A tied embedding and head share one weight, and an FSDP
-    unit owns its parameters, so there they stay in one unit with the norm: ``[[embedding, norm, head]]``,
-    gathered from the embedding's forward to its backward (after the head's): the root's behaviour before,
-    for what is one matrix rather than two."""
+    """The vocabulary units: ``[[embedding], [final norm, head]]`` (those this stage holds); tied, one unit
+    ``[[embedding, norm, head]]``, since an FSDP unit owns its parameters.
+    """
     embedding, norm, head = (getattr(model, name, None) for name in ("tok_embeddings", "norm", "output"))
     if embedding is not None and head is not None and embedding.weight is head.weight:
         return [[embedding, norm, head]]
@@ -68,9 +64,9 @@ def vocabulary_units(model: nn.Module) -> list[list[nn.Module]]:
 
 
 def sum_from_mean(mean: torch.Tensor, replicas: int) -> torch.Tensor:
-    """The rule, written once: gradients are *summed* over data-parallel replicas, never averaged, because each
-    rank's loss is already its share of the global mean (training/loss.py). A reduction that averages (DDP's
-    hooks) is multiplied back here, in place; so is a local gradient that stands for the replicas' sum."""
+    """Gradients are *summed* over data-parallel replicas, never averaged: each loss is already its share of the
+    global mean (training/loss.py). An averaging reduction (DDP's hooks) is multiplied back here, in place.
+    """
     return mean.mul_(replicas)
 
 
@@ -91,11 +87,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     offload: OffloadPolicy | None = None,
 ) -> nn.Module:
-    """Shard ``model`` over ``meshes.fsdp`` (see the module docstring for the steps).
-
-    ``reduce_dtype`` (bf16 for ``parallel.grad_compression=bf16``) and ``offload`` (``CPUOffloadPolicy`` for
-    ``parallel.fsdp_cpu_offload``) come from planning/options.py: reduce_dtype, offload_policy.
-    """
+    """Shard ``model`` over ``meshes.fsdp`` (module docstring); reduce dtype and offload come from planning/options.py."""
     fsdp_mesh = meshes.fsdp
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mixed_precision == "bf16" else None,

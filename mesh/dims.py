@@ -112,12 +112,8 @@ class Meshes:
 
 
 def mesh_backend_options(device: torch.device, timeout_s: float, host_tensors: bool = False):
-    """``(backend, options)`` for DeviceMesh's ``backend_override``: the device plane's backend, our timeout.
-
-    ``host_tensors``: the model's sharded state lives in host memory (FSDP CPU offload), so some device-plane
-    collectives reduce CPU tensors (the gradient norm's partial sums of offloaded gradients). On a GPU the
-    groups then get a gloo backend for CPU tensors beside NCCL for CUDA ones: ``cuda:nccl,cpu:gloo``.
-    (A fake backend takes no options, and needs no timeout: it never waits.)
+    """``(backend, options)`` for DeviceMesh's ``backend_override``: the device plane's backend and our timeout.
+    ``host_tensors`` (FSDP CPU offload) adds gloo for CPU tensors on a GPU: ``cuda:nccl,cpu:gloo``.
     """
     backend = device_backend(device)
     if backend == "nccl" and host_tensors:
@@ -134,14 +130,9 @@ def build_mesh(
     fsdp_with_tp: bool = False,
     ep_within_dp_shard: bool = False,
 ) -> Meshes:
-    """The world mesh with named dims (pp, dp_replicate, dp_shard, cp, tp), and its named views (one root).
-
-    ``host_tensors``: FSDP CPU offload; the groups must also reduce CPU tensors (``mesh_backend_options``).
-    ``fsdp_with_tp``: FSDP will shard TP-sharded weights; add the flattened (dp_shard, cp, tp) group their
-    gradient norm is reduced over (below); with ``has_experts`` that group is also what FSDP shards the MoE
-    blocks' router and shared expert over (``Meshes.token_split``).
-    ``ep_within_dp_shard``: the earlier expert layout, kept for comparison (measure/ep_placement.py): ep carved
-    from dp_shard alone, every expert replicated over tp (and cp > 1 not possible).
+    """The world mesh with named dims (pp, dp_replicate, dp_shard, cp, tp) and its named views (one root).
+    ``fsdp_with_tp`` adds the flattened (dp_shard, cp, tp) group; ``ep_within_dp_shard``: the earlier expert
+    layout, kept for comparison (measure/ep_placement.py).
     """
     options = mesh_backend_options(device, timeout_s, host_tensors)
     world = init_device_mesh(
@@ -178,14 +169,8 @@ def build_mesh(
 
 
 def _expert_meshes(world: DeviceMesh, dims: ParallelDims, options) -> tuple[DeviceMesh, DeviceMesh]:
-    """The ep mesh and the experts' FSDP mesh, with ep borrowing the innermost ranks of dp_shard x cp x tp.
-
-    1. Flatten the whole world into one dim (rank order is kept: the mesh is row-major).
-    2. Unflatten it again as (pp, dp_replicate, efsdp, ep): the same ranks, only the last three dims regrouped,
-       with efsdp = dp_shard * cp * tp / ep. Both are views of the one root, so no group exists twice.
-    3. Expert weights are sharded over ep and FSDP-sharded over (dp_replicate, efsdp): every (dp_replicate,
-       dp_shard, cp, tp) coordinate lies in exactly one (dp_replicate, efsdp, ep) one, so each expert's
-       gradient is summed over every rank whose tokens reached it, and over no rank twice.
+    """The ep mesh and the experts' FSDP mesh: the world regrouped as (pp, dp_replicate, efsdp, ep), views of the one
+    root, so each expert's gradient is summed over every rank its tokens came from, and over none twice.
     """
     efsdp = dims.dp_shard * dims.cp * dims.tp // dims.ep
     flat = flatten_mesh(world, MESH_DIMS, "world_flat", options)
@@ -213,11 +198,7 @@ def _experts_within_dp_shard(world: DeviceMesh, dims: ParallelDims, options) -> 
 
 
 def _fsdp_with_cp(world: DeviceMesh, dims: ParallelDims, options) -> DeviceMesh:
-    """FSDP's mesh when cp > 1: dp_shard x cp flattened into one dim, after dp_replicate for HSDP.
-
-    Parameters are replicated over cp exactly as over data-parallel ranks (each cp rank computes the gradient
-    of its own tokens' loss), so FSDP shards over the cp ranks as well and sums their gradients.
-    """
+    """FSDP's mesh when cp > 1: dp_shard x cp flattened (after dp_replicate), since cp ranks replicate parameters."""
     shard = flatten_mesh(world, ("dp_shard", "cp"), "dp_shard_cp", options)
     return concatenate_meshes([world["dp_replicate"], shard]) if dims.dp_replicate > 1 else shard
 

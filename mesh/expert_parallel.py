@@ -46,19 +46,18 @@ if TYPE_CHECKING:
 
 
 def host_split_sizes(counts: torch.Tensor, received: torch.Tensor, rows: int) -> tuple[torch.Tensor, list, list]:
-    """Step 2's split sizes from the real routing: ``all_to_all_single`` takes them as host integers, so the
-    host reads the per-rank sums sent and received, both lists in one read: the one host sync of an
-    expert-parallel layer (a device sync on a GPU). Returns (received counts, sent per rank, received per rank)."""
+    """Step 2's split sizes read to the host (``all_to_all_single`` takes host integers): the layer's one host sync.
+    Returns (received counts, sent per rank, received per rank).
+    """
     ep = received.shape[0]
     sent_per_rank, recv_per_rank = torch.stack([counts.view(ep, -1).sum(1), received.sum(1)]).tolist()
     return received, sent_per_rank, recv_per_rank
 
 
 def balanced_split_sizes(counts: torch.Tensor, received: torch.Tensor, rows: int) -> tuple[torch.Tensor, list, list]:
-    """Balanced routing assumed instead of read: this rank's ``rows`` routed tokens go evenly to the ep ranks, and
-    each peer (routing as many) sends as many back, spread evenly over the local experts. Nothing is read on the
-    host, so it runs under fake tensors (a simulation) and could feed a fused dispatch that never syncs. The
-    count exchange itself still runs, so the collectives are those of a real step."""
+    """Balanced routing assumed instead of read: no host read, so it runs under fake tensors (a simulation). The count
+    exchange still runs, so the collectives are those of a real step.
+    """
     ep, n_local = received.shape
     per_rank = [rows // ep + (1 if r < rows % ep else 0) for r in range(ep)]
     cells = [[n // n_local + (1 if e < n % n_local else 0) for e in range(n_local)] for n in per_rank]
@@ -171,19 +170,9 @@ def step_expert_load(
     read: bool = True,
     skip: torch.Tensor | None = None,
 ) -> dict:
-    """Global per-layer expert load of the step, on every rank; resets the counters.
-
-    1. Fill one (MoE layers of the whole model, n_experts + 2) tensor on the device: this rank's token counts,
-       dropped assignments and aux loss in the rows of the layers it holds, zeros elsewhere (a pipeline
-       stage without MoE layers contributes only zeros, but still joins the reduction).
-    2. Sum it over the ``loss`` mesh (pp x dp x cp): data- and context-parallel ranks add their tokens, stages fill
-       their own rows; then over ``tp_mesh``: under TP each tp rank routed its own chunk of every sequence
-       (mesh/moe_token_split.TokenSplitMoE) and holds that chunk's share. Device-plane all-reduces.
-    3. Apply the aux-loss-free bias update to this rank's layers from the *global* load, so every layout
-       updates identically; ``skip`` (the optimizer's ``found_inf``, a device scalar): where it is 1.0 the
-       update is multiplied by 0 on the device, so a non-finite step reaches the bias no more than the weights.
-    Returns {layer id: {"tokens": [...], "dropped": n, "aux_loss": x}} for every MoE layer of the model, read to
-    the host in one ``tolist``; with ``read`` False (a step that is not logged), {} and no host read.
+    """Global per-layer expert load of the step on every rank (device all-reduces over ``loss`` then ``tp_mesh``; a
+    stage without MoE layers still joins), then the aux-loss-free bias update from it; resets the counters.
+    ``skip`` (``found_inf``) zeroes the update on the device. With ``read`` False: {} and no host read.
     """
     if not moe_layer_ids:
         return {}
@@ -216,13 +205,7 @@ def step_expert_load(
 
 
 def load_metrics(load: dict) -> dict:
-    """Metrics from step_expert_load.
-
-    ``expert_load``: tokens per expert, per layer; ``expert_load_max_over_mean``: the worst layer's busiest
-    expert over its mean (1 = perfectly even, E/k = everything on k experts); ``expert_load_cv``: the mean over
-    layers of the load's coefficient of variation; ``dropped_assignments``: (token, expert) assignments that
-    exceeded capacity, summed over layers; ``aux_loss``: the auxiliary loss summed over layers.
-    """
+    """Metrics from step_expert_load: load per expert, worst max/mean, mean CV, dropped assignments, aux loss."""
     if not load:
         return {}
     layers = sorted(load, key=int)

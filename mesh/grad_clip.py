@@ -64,11 +64,7 @@ def clip_grad_norm(
     pp_mesh: DeviceMesh | None = None,
     counted: list[nn.Parameter] | None = None,
 ) -> torch.Tensor:
-    """Clip to ``max_norm`` (if > 0) by the global norm; returns the norm measured before clipping.
-
-    ``counted``: the parameters the norm sums over, when not all of ``params`` (a pipeline's second copy of a
-    tied weight is left out: mesh/tied_embeddings.py, step 5); every one of ``params`` is clipped.
-    """
+    """Clip to ``max_norm`` (if > 0) by the global norm, measured over ``counted`` (default all); returns it."""
     norm = global_grad_norm(params if counted is None else counted, pp_mesh)
     if max_norm > 0:
         for group in group_by_placement(params):

@@ -23,13 +23,8 @@ FUSED_KERNELS = ("cpu_flash", "flash", "efficient")
 
 
 def fused_attention_kernel(q: torch.Tensor) -> str:
-    """The fused kernel for queries like ``q`` (b, heads, n, d), decided from device, dtype and head size.
-
-    - ``cpu_flash``: CPU, any float dtype (fp64 included); reads grouped k/v heads as they are.
-    - ``flash``: CUDA, bf16/fp16, head_dim a multiple of 8 up to 256, compute capability 8.0 or newer;
-      reads grouped k/v heads as they are.
-    - ``efficient``: any other CUDA case (fp32 included); needs as many k/v heads as query heads, so the
-      caller's k/v block is repeated per block (one block of keys at a time, never the whole sequence).
+    """The fused kernel for queries like ``q``: ``cpu_flash`` (CPU), ``flash`` (CUDA bf16/fp16, head_dim % 8, <= 256,
+    sm80+), else ``efficient`` (needs k/v repeated to the query heads, one block at a time).
     """
     if q.device.type == "cpu":
         return "cpu_flash"
@@ -51,12 +46,8 @@ def _fold_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """One fused attention call: (output, lse, state) for q (b, heads, nq, d), k and v (b, kv_heads, nk, d).
-
-    The output is in q's dtype and layout-aware (b, heads, nq, d); ``lse`` (b, heads, nq) is fp32 (fp64 for
-    fp64 inputs on CPU); ``causal`` masks key j > query i (aligned at the top left: the diagonal block of a
-    square). ``state`` is what ``attention_with_lse_backward`` needs besides the tensors: the kernel's name
-    and its own bookkeeping (CUDA flash: sequence lengths and RNG state; memory-efficient: RNG seed/offset).
+    """One fused attention call: (output in q's dtype, lse fp32 (fp64 on CPU fp64), state for the backward).
+    ``causal`` is aligned top left (the diagonal block of a square).
     """
     kernel = fused_attention_kernel(q)
     if kernel == "cpu_flash":
@@ -73,12 +64,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 
 
 def attention_with_lse_backward(grad_out, q, k, v, out, lse, causal: bool, state):
-    """(dq, dk, dv) of one block, given the *merged* output and LSE of q's rows over all blocks.
-
-    The kernel's backward recomputes the block's probabilities as exp(scores - lse) with the final LSE, so
-    they are this block's share of the whole softmax, and it takes delta = rowsum(dO * O) from the merged
-    output: summed over blocks, the dq are the full attention's, and each block's dk, dv are exact.
-    dk, dv come back at k's kv heads.
+    """(dq, dk, dv) of one block from the *merged* output and LSE, so the blocks' dq sum to the full attention's and
+    each dk, dv is exact; dk, dv come back at k's kv heads.
     """
     kernel, *rest = state
     lse = lse.contiguous()  # a row slice of the merged LSE; the kernels index it as dense

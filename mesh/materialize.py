@@ -46,10 +46,8 @@ def canonical_name(name: str) -> str:
 def materialize_weights(
     model: nn.Module, device: torch.device, seed: int, param_device: torch.device | None = None
 ) -> None:
-    """Allocate ``model``'s storage on ``device`` and fill it with the layout-independent initial weights.
-
-    ``param_device``: where the parameters live when that is not ``device`` (the host, under FSDP's CPU
-    offload, which requires its sharded parameters there); buffers always go to ``device``.
+    """Allocate ``model`` on ``device`` with the layout-independent initial weights; ``param_device``: the host
+    under FSDP CPU offload (buffers always go to ``device``).
     """
     param_device = param_device or device
     model.to_empty(device=param_device)
@@ -71,10 +69,7 @@ def on_device(tensor: torch.Tensor, device: torch.device) -> bool:
 
 
 def misplaced_tensors(model: nn.Module, device: torch.device, host_params: bool = False) -> list[str]:
-    """Each parameter and buffer of ``model`` that is not where the layout says, with where it is instead.
-
-    Buffers belong on ``device``; parameters too, or on the host when ``host_params`` (FSDP's CPU offload).
-    """
+    """Each parameter and buffer of ``model`` not where the layout says (``host_params``: FSDP CPU offload), and where."""
     host = torch.device("cpu")
     wrong = []
     for kind, tensors, expected in (
@@ -89,10 +84,7 @@ def misplaced_tensors(model: nn.Module, device: torch.device, host_params: bool 
 
 
 def check_placement(model: nn.Module, device: torch.device, host_params: bool = False) -> None:
-    """Raise naming every tensor of ``model`` that is not on its device (see ``misplaced_tensors``).
-
-    A walk over the module's tensors reading their device: no copy, no synchronisation.
-    """
+    """Raise naming every tensor of ``model`` not on its device; reads devices only, no copy or sync."""
     wrong = misplaced_tensors(model, device, host_params)
     if wrong:
         raise RuntimeError(

@@ -27,13 +27,8 @@ if TYPE_CHECKING:
 
 
 class SequenceChunks:
-    """models/moe.py's ``MoE.sequence`` under TP: each tp rank holds chunk r of every sequence (rank order).
-
-    ``sum`` adds a per-sequence quantity over the tp ranks: an all-reduce forward, and the identity backward,
-    since every rank computes the same loss from the sum and back-propagates it itself (Megatron's "g").
-    ``before`` gives, per sequence and expert, how many tokens chose the expert in the chunks of the ranks
-    before this one: an all-gather of the (batch, E) counts. Both are functional collectives, so selective
-    activation checkpointing saves their results instead of repeating them.
+    """``MoE.sequence`` under TP (rank r holds chunk r): ``sum`` all-reduces a per-sequence quantity (identity
+    backward, Megatron's "g"); ``before`` counts earlier chunks' tokens per expert. Functional collectives.
     """
 
     def __init__(self, tp_mesh: DeviceMesh):
@@ -59,28 +54,9 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 class TokenSplitMoE(ParallelStyle):
-    """Under TP, an MoE block works on this tp rank's chunk of every sequence, like a data-parallel rank.
-
-    A dense MLP splits its *weights* over tp; an MoE block's cost is per (token, expert) pair, so here the
-    *tokens* are split instead, and each pair is computed exactly once across the tp ranks (before, every tp
-    rank ran the whole gathered sequence through the same experts: tp-fold redundant work).
-
-    1. Input: with SP the block's input already is this rank's sequence shard (no communication; before, it
-       was all-gathered). Without SP it is the full sequence on every rank, and the rank keeps its chunk.
-    2. Routing, capacity and the aux loss run on the chunk; the two per-sequence sums they need from the other
-       chunks come from ``SequenceChunks`` (models/moe.py, "Sequences in chunks").
-    3. Experts, EP dispatch/combine and the shared expert run on the chunk's tokens only.
-    4. Output: with SP it is this rank's shard already; without SP the chunks are all-gathered.
-    5. Each rank's gradient of the router and the shared expert covers only its tokens. Under FSDP they are
-       sharded over dp_shard x cp x tp (mesh/data_parallel.py: ``Meshes.token_split``), so no tp rank holds
-       them whole and FSDP's reduce-scatter sums them over tp (an MoE model under TP always uses FSDP:
-       planning/plan.uses_fsdp). Where they are whole on every tp rank (PowerSGD's and 1-bit Adam's replicated
-       models, if ever combined with TP) ``sum_token_split_gradients`` all-reduces them over tp once per step. With
-       expert parallelism the ep group borrows the tp ranks (mesh/dims.py), so each tp rank dispatches its chunk
-       to the experts' owners and holds other experts than its tp peers: FSDP sums those gradients over efsdp,
-       and the tp sum leaves them out. Without ep the experts go into the router's FSDP unit (over the tp
-       ranks too). The per-step expert-load statistics are summed over tp as well
-       (mesh/expert_parallel.step_expert_load).
+    """Under TP, an MoE block works on this tp rank's chunk of every sequence, like a data-parallel rank: tokens are
+    split instead of weights, so each (token, expert) pair is computed once across tp. Router and shared expert
+    gradients cover the rank's tokens: FSDP over dp_shard x cp x tp sums them, or ``sum_token_split_gradients``.
     """
 
     def __init__(self, sequence_parallel: bool):
@@ -116,12 +92,8 @@ def moe_plan(sequence_parallel: bool) -> dict:
 
 @torch.no_grad()
 def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, experts: bool = True) -> None:
-    """Sum over tp the gradients of the MoE blocks' weights that every tp rank holds (``TokenSplitMoE``, step
-    5): one all-reduce. ``experts``: whether the experts are among them (``Meshes.experts_replicated_over_tp``);
-    when ep borrows the tp ranks each tp rank holds other experts, and summing would add unrelated gradients.
-
-    Local tensors are reduced: under FSDP each tp rank holds the same dp shard of a weight, so the sum of
-    the shards is the shard of the sum; expert-parallel shards within dp_shard likewise.
+    """Sum over tp, in one all-reduce of local tensors, the MoE weights' gradients every tp rank holds (``experts``:
+    include the experts; not when ep borrows the tp ranks, whose experts differ).
     """
     tp_ranks = mesh_ranks(tp_mesh)
     grads = [

@@ -114,10 +114,9 @@ def build_stage_module(args: ModelArgs, layers: list[int], is_first: bool, is_la
 
 @dataclass(frozen=True)
 class StageShapes:
-    """What flows between stages, known from the plan (step 4's static metadata): per pipeline micro-batch
-    ``microbatch`` sequences of ``seq`` tokens on this rank (seq_len / cp), hidden states of width ``dim`` in
-    ``dtype`` (the compute dtype), ``seq / tp`` of them under sequence parallelism, and logits of ``vocab`` (the
-    last stage's output: a vocabulary-sharded DTensor over ``tp_mesh`` under TP, for the vocab-parallel loss)."""
+    """What flows between stages, from the plan: micro-batches of ``seq`` tokens (seq_len / cp, / tp under SP) of
+    width ``dim`` in ``dtype``, and the last stage's logits of ``vocab`` (vocab-sharded under TP).
+    """
 
     microbatch: int
     seq: int
@@ -153,11 +152,8 @@ class StageShapes:
 
 
 def forget_metadata_inference_statistics(stage: PipelineStage) -> None:
-    """Reset the MoE load counters after torch's metadata inference, so they count real micro-batches only.
-
-    In torch 2.13 a stage built without example inputs infers shapes on the first step by running one real
-    forward and backward. Its routing would otherwise be counted in that step's expert load (and in the
-    bias update).
+    """Reset the MoE load counters after torch's metadata inference (a real forward and backward on torch 2.13), so
+    they count real micro-batches only.
     """
 
     def reset() -> None:
@@ -180,11 +176,9 @@ def build_pipeline_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     shapes: StageShapes | None = None,
 ):
-    """Wrap each local stage in a PipelineStage and build ``schedule`` over them.
-
-    With ``shapes`` every stage gets static metadata (what it receives and sends, from the plan), so the first
-    step runs no shape inference: no extra forward and backward of the first micro-batch, no metadata messages
-    between the stages (torch's warm-up then only votes that every stage is static)."""
+    """Wrap each local stage in a PipelineStage and build ``schedule``; ``shapes`` gives static metadata, so the first
+    step runs no shape inference.
+    """
     stages = [
         PipelineStage(
             module,
@@ -215,12 +209,8 @@ def run_schedule(
     forward_only: bool,
     documents: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """One local batch through ``schedule``; returns the per-micro-batch losses (empty off the last stage).
-
-    The first stage feeds the inputs, the last the targets; ranks in between only pass activations (and,
-    for V-shaped schedules, rank 0 holds both the first and the last stage). ``forward_only`` runs torch's
-    forward-only path (``schedule.eval``) for the schedules where it works (``forward_only_eval``); training
-    and evaluation both come through here.
+    """One local batch through ``schedule`` (training and evaluation); returns the per-micro-batch losses (empty off
+    the last stage). ``forward_only`` uses ``schedule.eval`` where it works.
     """
     losses: list[torch.Tensor] = []
     is_first, is_last = 0 in stage_ids, n_stages - 1 in stage_ids

@@ -42,10 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 # ---- DeviceMesh ------------------------------------------------------------------------------------------
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str, options) -> DeviceMesh:
-    """A 1-D view over ``dims`` of ``mesh``, registered on the root mesh under ``name``.
-
-    ``options``: the new group's ``(backend, Options)``, as ``mesh.dims.mesh_backend_options`` gives them.
-    """
+    """A 1-D view over ``dims`` of ``mesh``, registered on the root under ``name``; ``options`` from mesh_backend_options."""
     return mesh[dims]._flatten(name, backend_override=options)
 
 
@@ -68,11 +65,7 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def backend_options(backend: str, timeout_s: float):
-    """Options for the process groups DeviceMesh creates, carrying our timeout.
-
-    DeviceMesh reads a sub-group's timeout from ``options._timeout`` only; without it, its groups get the
-    backend's default (30 minutes for gloo, 10 for NCCL) whatever the default group was given.
-    """
+    """Process-group options with our timeout: DeviceMesh reads a sub-group's timeout only from ``options._timeout``."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if "nccl" in backend:  # "nccl", or "cuda:nccl,cpu:gloo" (whose gloo half takes the timeout DeviceMesh
         # reads from these options)
@@ -104,10 +97,7 @@ def _functional(new: str, old: str):
 
 # ---- functional collectives ----------------------------------------------------------------------------
 def all_to_all_autograd(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-    """Differentiable uneven all-to-all: its backward is the reverse all-to-all of the gradients.
-
-    (``torch.distributed.nn.functional.all_to_all_single`` is the public one, but deprecated.)
-    """
+    """Differentiable uneven all-to-all (the public ``all_to_all_single`` autograd one is deprecated)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
     return wait_tensor(all_to_all_single_autograd(x, output_splits, input_splits, group))
@@ -150,13 +140,8 @@ def all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
 
 # ---- pipelining ----------------------------------------------------------------------------------------
 def after_shape_inference(stage, callback) -> None:
-    """Call ``callback()`` right after ``stage`` finished torch's shape inference (before its first real step).
-
-    A stage built without example inputs infers its shapes by running its module once, on the first step:
-    - torch 2.13+: one real forward and backward on the first micro-batch ("metadata inference"), ended by
-      ``_post_metadata_inference_cleanup``;
-    - torch 2.11: one no-grad forward on zeros of the input's shape, in ``_shape_inference``.
-    Either run routes tokens through the model (an MoE router counts them), so the callback forgets it.
+    """Call ``callback()`` right after ``stage`` finished torch's shape inference, which routes tokens: torch 2.13+
+    runs a real forward and backward, torch 2.11 a no-grad forward on zeros.
     """
     name = "_post_metadata_inference_cleanup"
     if not hasattr(stage, name):  # torch 2.11
@@ -172,12 +157,8 @@ def after_shape_inference(stage, callback) -> None:
 
 
 def no_warm_up_messages_to_self(stage) -> None:
-    """Leave a stage's links to a neighbour stage *on the same rank* out of torch's first-step warm-up.
-
-    torch 2.11 opens every stage's links with a dummy send and receive to both neighbour stages, also when the
-    neighbour sits on the same rank (V-shaped schedules put stages p-1 and p on one rank), and gloo cannot send
-    to itself ("Pair is not connected"). Both ends of such a link are on this rank, so dropping them keeps the
-    other messages paired. torch 2.13+ warms PipelineStages up another way and never calls this method.
+    """Leave a stage's links to a same-rank neighbour out of torch 2.11's warm-up: gloo cannot send to itself
+    ("Pair is not connected"). torch 2.13+ never calls this.
     """
     warm_up = getattr(stage, "_get_init_p2p_neighbors_ops", None)
     if warm_up is None:
@@ -187,24 +168,15 @@ def no_warm_up_messages_to_self(stage) -> None:
 
 
 def step_without_outputs(schedule):
-    """``schedule.step`` that keeps no last-stage outputs: ``return_outputs=False`` where the release has it.
-
-    With the default (True) the last stage keeps every micro-batch's output (the logits) and returns them merged,
-    alive until the next step; training reads only the losses. Chosen by capability: a release whose ``step``
-    lacks the keyword gets the plain call.
-    """
+    """``schedule.step`` keeping no last-stage outputs (``return_outputs=False`` where the release has the keyword)."""
     if "return_outputs" in inspect.signature(schedule.step).parameters:
         return functools.partial(schedule.step, return_outputs=False)
     return schedule.step
 
 
 def skip_warm_up_vote(schedule) -> None:
-    """Simulation only: every stage has static metadata, so set torch's warm-up vote's result without voting.
-
-    torch 2.13's first step runs a vote over send/recv (every stage static or not) and reads it with ``.item()``;
-    on a fake world nothing is received (the vote reads 0: "dynamic") and under fake tensors nothing can be read.
-    On a real run the vote goes ahead and finds every stage static. A release without the vote (2.11: the
-    legacy neighbour warm-up) keeps its own.
+    """Simulation only: set torch 2.13's warm-up vote to "every stage static" without voting (a fake world cannot
+    read it). A release without the vote (2.11) keeps its own warm-up.
     """
     if not hasattr(schedule, "_warmup_p2p"):
         return
@@ -219,10 +191,9 @@ def skip_warm_up_vote(schedule) -> None:
 
 @contextlib.contextmanager
 def own_fake_mode_for_sharding_propagation():
-    """DTensor's sharding propagation computes output metadata under the *ambient* fake mode if there is one
-    (``detect_fake_mode() or FakeTensorMode()`` in torch/distributed/tensor/_sharding_prop.py); a memory meter
-    beside that fake mode would count its global-shape temporaries as this rank's memory. Inside this context
-    each propagation gets a fresh fake mode of its own."""
+    """Give each DTensor sharding propagation its own fake mode, so a memory meter on the ambient one does not count
+    its global-shape temporaries.
+    """
     from torch.distributed.tensor import _sharding_prop
 
     if not hasattr(_sharding_prop, "detect_fake_mode"):  # a release that never reuses it
@@ -263,10 +234,8 @@ def mesh_ranks(mesh: DeviceMesh) -> set[int]:
 
 @contextlib.contextmanager
 def meshes_outside_fake_mode():
-    """DeviceMeshes made while a fake mode is active are computed on real tensors, outside every mode.
-
-    FSDP2 with TP or EP concatenates meshes (``DeviceMesh._concatenate``) inside ``fully_shard``; the new mesh
-    finds this rank's coordinates with ``(mesh == rank).nonzero()``, whose output shape fake tensors cannot know.
+    """Make DeviceMeshes (FSDP2's ``_concatenate`` under TP/EP) on real tensors, outside every fake mode: they call
+    ``nonzero()``.
     """
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -285,10 +254,9 @@ def meshes_outside_fake_mode():
 
 @contextlib.contextmanager
 def eager_functional_collectives():
-    """Functional collectives take an ambient fake mode for tracing (``_are_we_tracing`` in
-    torch/distributed/_functional_collectives.py) and then wait at once instead of returning an async tensor.
-    Selective checkpointing saves what the ops return, so a fake-tensor simulation would keep other tensors than
-    a real rank does (measured: 15% more activation bytes at tp 2). Inside this context they run their eager path."""
+    """Run functional collectives eagerly under a fake mode (else they wait at once), so selective checkpointing saves
+    what a real rank saves.
+    """
     from torch.distributed import _functional_collectives as funcol
 
     tracing = getattr(funcol, "_are_we_tracing", None)
@@ -312,12 +280,8 @@ def checkpoint_wrapper(module, **kwargs):
 
 # ---- DDP without a wrapper module ------------------------------------------------------------------------
 def replicate_with_ddp(model, group, device: torch.device, **ddp_kwargs):
-    """DDP over ``group`` applied to ``model`` in place (torch's composable ``replicate``, DDP-based).
-
-    ``DistributedDataParallel(model)`` would hide the model behind ``.module`` (parameter names gain a
-    ``module.`` prefix, attributes such as ``model.args`` disappear). The composable form keeps the model's
-    class and names, takes DDP's arguments, and offers ``register_comm_hook`` and
-    ``set_requires_gradient_sync`` (read by the next forward, like ``no_sync``).
+    """DDP over ``group`` applied to ``model`` in place (composable ``replicate``): names and class stay, unlike
+    ``DistributedDataParallel``'s ``.module``.
     """
     from torch.distributed._composable import replicate
 
@@ -363,11 +327,7 @@ def dump_memory_snapshot(path: str) -> None:
 
 
 def memory_timeline_categories() -> list[str | None]:
-    """Column names of ``profile.export_memory_timeline``'s JSON rows ("parameter", "activation", ...).
-
-    torch writes [times, rows], each row [0, bytes of category 0, bytes of category 1, ...] in the order of a
-    private dict; the first column is always 0 (named None here), the last is memory it could not categorise.
-    """
+    """Column names of ``profile.export_memory_timeline``'s JSON rows (a private dict's order; first None)."""
     from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
 
     names: list[str | None] = [None] * (len(_CATEGORY_TO_INDEX) + 1)
@@ -378,20 +338,12 @@ def memory_timeline_categories() -> list[str | None]:
 
 # ---- autograd --------------------------------------------------------------------------------------------
 def outer_saved_tensors_hooks():
-    """The (pack, unpack) pair of the innermost ``saved_tensors_hooks`` active now, or None.
-
-    ``saved_tensors_hooks`` do not nest: only the innermost pair sees a saved tensor. A pair that handles
-    some tensors itself passes the rest to the pair it shadows, found here.
-    """
+    """The (pack, unpack) of the innermost active ``saved_tensors_hooks``, or None (they do not nest)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def dtensor_local_storage(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor read without an autograd op (``to_local`` is differentiable).
-
-    Inside a ``saved_tensors_hooks`` pack function, a differentiable op would itself save tensors and
-    re-enter the hook; reading the attribute does not.
-    """
+    """A DTensor's local tensor without an autograd op, safe inside a ``saved_tensors_hooks`` pack function."""
     return t._local_tensor
 
 
@@ -426,12 +378,8 @@ def sdpa_efficient_backward(grad_out, q, k, v, out, lse, seed, offset, causal: b
 
 # ---- flight recorder -------------------------------------------------------------------------------------
 def flight_recorder_dump() -> dict:
-    """This process's flight-recorder buffer: its recent collectives on every group, in the format torch's
-    analyser reads (``python -m torch.distributed.flight_recorder.fr_trace``), with Python stacks.
-
-    torch 2.13 records gloo collectives too, but only NCCL groups register their name and ranks in the dump
-    (``pg_config``); without them the analyser cannot match a rank's entries to its peers'. They are filled
-    in here from the groups this process knows.
+    """This process's flight-recorder buffer in the format of torch's analyser (``fr_trace``), with Python stacks.
+    torch 2.13 registers only NCCL groups' names and ranks (``pg_config``); gloo's are filled in here.
     """
     import pickle
 
@@ -452,10 +400,8 @@ def flight_recorder_dump() -> dict:
 
 # ---- DTensor: which block of the full tensor this rank holds ----------------------------------------------
 def contiguous_block(param) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(local shape, offset into the full tensor) of this rank's piece of DTensor ``param``, or None when the
-    piece is not one block (a ``_StridedShard``, FSDP over TP on the same dim: rows r, r + n, ... of blocks).
-
-    Only plain ``Shard``/``Replicate`` placements give one block; for those torch's checkpoint helper answers.
+    """(local shape, offset) of this rank's piece of DTensor ``param``, or None when it is not one block
+    (``_StridedShard``).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -466,9 +412,7 @@ def contiguous_block(param) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 
 def static_stage_arguments(examples: dict) -> dict:
-    """The static-metadata arguments of ``examples`` that this torch's ``PipelineStage`` takes: ``input_args`` and
-    ``output_args`` on every supported release; ``input_grads`` and ``output_grads`` only where they exist
-    (torch 2.13 has them, 2.11 does not: there the stage derives its gradient metadata from the inputs)."""
+    """The static-metadata arguments this torch's ``PipelineStage`` takes (``input_grads``/``output_grads``: 2.13, not 2.11)."""
     from torch.distributed.pipelining import PipelineStage
 
     accepted = inspect.signature(PipelineStage.__init__).parameters

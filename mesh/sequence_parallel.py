@@ -22,18 +22,9 @@ if TYPE_CHECKING:
 
 
 class GatherSavingShard(PrepareModuleInput):
-    """SP: all-gather a sub-layer's input for its column-parallel matmuls, but let autograd keep only this rank's
-    sequence shard of it, and all-gather it again in backward (Megatron-LM's sequence parallelism).
-
-    With plain ``PrepareModuleInput`` the matmuls wq/wk/wv (or w1/w3) save the gathered (b, s, h) input for
-    their weight gradients: 2bsh per block that SP does not divide (docs/tensor_parallel.md, section 6). Here,
-    while the sub-layer runs forward, a saved-tensor hook recognises that gathered tensor (by its storage) and
-    saves the shard instead; the first matmul backward that needs it gathers it once more, and the others of
-    the sub-layer reuse that copy, which is freed with their graph nodes. Cost: one more all-gather of the
-    input per sub-layer in backward (``parallel.sp_regather``). Everything else goes to whatever saved-tensor
-    hooks were active outside (a memory probe, CPU offload), unchanged. Eager mode without activation
-    checkpointing only (config.check_values): a checkpointed block keeps no gathered input anyway, or keeps it
-    by policy, and its recomputation must see the same hooks as its forward.
+    """SP: all-gather a sub-layer's input for its column-parallel matmuls but save only this rank's shard, gathering
+    it again in backward (Megatron-LM; docs/tensor_parallel.md, section 6; ``parallel.sp_regather``).
+    Eager mode without activation checkpointing only (config.check_values): a recomputation must see the same hooks.
     """
 
     def __init__(self):

@@ -56,11 +56,8 @@ if TYPE_CHECKING:
 
 
 class ReplicateParallel(ParallelStyle):
-    """Run a module unsplit on the replicated input, its parameters held as Replicate DTensors over tp.
-
-    Without SP the norms do identical work on every tp rank. Their weights still become DTensors so that,
-    once FSDP adds the dp dims, every parameter of the model lives on the same (dp, tp) mesh: the foreach
-    kernels of AdamW and of clipping cannot mix DTensors from different meshes.
+    """Run a module unsplit, its parameters Replicate DTensors over tp, so every parameter shares the (dp, tp) mesh
+    (AdamW's and clipping's foreach kernels cannot mix meshes).
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -79,10 +76,9 @@ class ReplicateParallel(ParallelStyle):
 
 
 class ReplicatedDTensor(ParallelStyle):
-    """Latent attention's low-rank projections and their norms (models/latent_attention.py): small, held whole on
-    every tp rank as Replicate DTensors, and run on the replicated input as DTensors (no output conversion), so
-    the column-parallel wq_b / wkv_b after them take a DTensor and backward sums what each rank's heads send
-    back (a Partial gradient, reduced once by ``reduce_partial_gradients``)."""
+    """Latent attention's low-rank projections and norms: whole on every tp rank as Replicate DTensors; their gradient
+    is Partial, reduced once by ``reduce_partial_gradients``.
+    """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh)
@@ -103,11 +99,8 @@ def latent_plan() -> dict:
 
 
 def block_plan(sequence_parallel: bool, regather: bool = False) -> dict:
-    """The TP plan of one TransformerBlock (keys are submodule paths inside the block).
-
-    Without SP the residual stream is replicated; ``PrepareModuleInput`` still turns each sub-layer's input
-    into one Replicate DTensor, so wq/wk/wv (and w1/w3) share it and backward sums their input gradients
-    before a *single* all-reduce, as in Megatron's "f" operator.
+    """The TP plan of one TransformerBlock; without SP each sub-layer's input is one Replicate DTensor, so backward
+    sums its input gradients before a *single* all-reduce (Megatron's "f").
     """
     # Between sub-layers, activations are sequence shards (SP) or replicated (no SP).
     between = Shard(1) if sequence_parallel else Replicate()
@@ -152,10 +145,7 @@ def model_plan(sequence_parallel: bool) -> dict:
 def apply_tensor_parallel(
     model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, regather: bool = False
 ) -> nn.Module:
-    """Shard ``model``'s blocks, embedding and head over ``tp_mesh`` (a 1-D mesh, one node's GPUs).
-
-    A pipeline stage may lack the embedding or the head (they are None): their plan entries are skipped.
-    """
+    """Shard ``model``'s blocks, embedding and head over ``tp_mesh``; a stage's missing embedding or head is skipped."""
     plan = {name: style for name, style in model_plan(sequence_parallel).items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, plan)
     # Tied embeddings: each style above made its module's weight a new DTensor Parameter, so the head no longer
@@ -188,9 +178,7 @@ def block_plan_of(block: nn.Module, sequence_parallel: bool, regather: bool = Fa
 
 
 def row_parallel_linears(block: nn.Module) -> list[nn.Module]:
-    """The block's linears that TP made row-parallel (attention.wo, and a dense block's feed_forward.w2): each
-    produces a whole-sequence partial sum that an all-reduce or reduce-scatter follows. Empty when TP was not
-    applied (their weights are then plain tensors; call before FSDP, which makes every weight a DTensor)."""
+    """The block's row-parallel linears (wo, a dense block's w2); empty when TP was not applied (call before FSDP)."""
     linears = [
         block.get_submodule(path)
         for path, style in block_plan_of(block, sequence_parallel=False).items()
@@ -206,14 +194,8 @@ def loss_context(tp_enabled: bool):
 
 @torch.no_grad()
 def reduce_partial_gradients(params: list[torch.Tensor]) -> None:
-    """All-reduce, once, the gradients that backward left as Partial sums (SP norm weights under TP alone).
-
-    A sequence-parallel norm sees only this rank's tokens, so its replicated weight gets a Partial gradient.
-    DTensor would reduce it lazily on *every* use (the clipping norm, then each AdamW update), repeating the
-    same all-reduce; doing it here once gives every later use a Replicate gradient. The gradients that share
-    a mesh and placements go in one flat all-reduce (2 n_layers + 1 norm weights, one collective: a
-    collective's fixed cost is paid once, not per weight). Under FSDP the gradient reduction already did this,
-    and nothing is Partial.
+    """All-reduce once, in one flat collective per mesh and placements, the Partial gradients of SP norm weights
+    under TP alone; DTensor would redo it on every use. Under FSDP nothing is Partial.
     """
     partial = [p for p in params if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)]
     for group in group_by_placement(partial):

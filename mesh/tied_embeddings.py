@@ -67,12 +67,7 @@ def copies_of(part: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _local_piece(param: nn.Parameter) -> torch.Tensor:
-    """The local tensor of ``param``'s gradient, laid out like ``param`` itself.
-
-    Under TP (without FSDP) DTensor's embedding backward returns the lookup's weight gradient Replicate while
-    the weight is Shard(0); the head's is Shard(0). Redistributing to the weight's own placements (here a local
-    slice: no communication) makes the two copies' local pieces cover the same rows.
-    """
+    """The local tensor of ``param``'s gradient laid out like ``param`` (a local slice, no communication)."""
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         grad = grad.redistribute(device_mesh=param.device_mesh, placements=param.placements)
@@ -88,10 +83,8 @@ class TiedEmbeddings:
 
     @classmethod
     def build(cls, parts: list[nn.Module], meshes: Meshes, timeout_s: float) -> TiedEmbeddings:
-        """Collect the local copies; with pp > 2, create the embedding groups (every rank must call this).
-
-        With pp = 2 the pp group already is the pair. With pp > 2 every rank creates every pair's group, in
-        the same order, since ``new_group`` is itself a collective call; a middle stage belongs to none.
+        """Collect the local copies; with pp > 2 create the embedding groups (every rank must call this: ``new_group`` is
+        a collective, in the same order on every rank).
         """
         copies = [copy for part in parts for copy in copies_of(part)]
         pp_mesh = meshes.pp
