@@ -303,7 +303,8 @@ def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def merge_partial(out, lse, rows: slice, block_out, block_lse) -> None:
-    """Fold one block's (output, lse) into the running ones in place, in their dtype (bf16 is rounded once, by the kernel)."""
+    """Fold one block's (output, lse) into the running ones in place, in their dtype (bf16 is rounded once, by the
+    kernel)."""
     new_lse = torch.logaddexp(lse[:, :, rows], block_lse.to(lse.dtype))
     out[:, :, rows] = (
         out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]

@@ -87,7 +87,8 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     offload: OffloadPolicy | None = None,
 ) -> nn.Module:
-    """Shard ``model`` over ``meshes.fsdp`` (module docstring); reduce dtype and offload come from planning/options.py."""
+    """Shard ``model`` over ``meshes.fsdp`` (module docstring); reduce dtype and offload come from
+    planning/options.py."""
     fsdp_mesh = meshes.fsdp
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mixed_precision == "bf16" else None,

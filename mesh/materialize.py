@@ -69,7 +69,8 @@ def on_device(tensor: torch.Tensor, device: torch.device) -> bool:
 
 
 def misplaced_tensors(model: nn.Module, device: torch.device, host_params: bool = False) -> list[str]:
-    """Each parameter and buffer of ``model`` not where the layout says (``host_params``: FSDP CPU offload), and where."""
+    """Each parameter and buffer of ``model`` not where the layout says (``host_params``: FSDP CPU offload), and
+    where."""
     host = torch.device("cpu")
     wrong = []
     for kind, tensors, expected in (

@@ -42,7 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 # ---- DeviceMesh ------------------------------------------------------------------------------------------
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str, options) -> DeviceMesh:
-    """A 1-D view over ``dims`` of ``mesh``, registered on the root under ``name``; ``options`` from mesh_backend_options."""
+    """A 1-D view over ``dims`` of ``mesh``, registered on the root under ``name``; ``options`` from
+    mesh_backend_options."""
     return mesh[dims]._flatten(name, backend_override=options)
 
 
@@ -412,7 +413,8 @@ def contiguous_block(param) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 
 def static_stage_arguments(examples: dict) -> dict:
-    """The static-metadata arguments this torch's ``PipelineStage`` takes (``input_grads``/``output_grads``: 2.13, not 2.11)."""
+    """The static-metadata arguments this torch's ``PipelineStage`` takes (``input_grads``/``output_grads``: 2.13, not
+    2.11)."""
     from torch.distributed.pipelining import PipelineStage
 
     accepted = inspect.signature(PipelineStage.__init__).parameters

@@ -83,7 +83,8 @@ class TiedEmbeddings:
 
     @classmethod
     def build(cls, parts: list[nn.Module], meshes: Meshes, timeout_s: float) -> TiedEmbeddings:
-        """Collect the local copies; with pp > 2 create the embedding groups (every rank must call this: ``new_group`` is
+        """Collect the local copies; with pp > 2 create the embedding groups (every rank must call this: ``new_group``
+        is
         a collective, in the same order on every rank).
         """
         copies = [copy for part in parts for copy in copies_of(part)]
