@@ -115,13 +115,8 @@ class PipelineTimeline:
 
 
 def predicted_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> float | None:
-    """The textbook idle fraction, assuming equal stages and no communication cost.
-
-    GPipe and 1F1B: (p-1)/(m+p-1). Interleaved 1F1B and breadth-first looping with v stages per rank
-    shrink the warm-up/drain by v: (p-1)/(v*m+p-1) (for m >= p). Interleaved zero bubble (ZB-1P style)
-    keeps 1F1B's memory but fills the drain with deferred weight-gradient work: with F = I = W each a third
-    of a micro-batch's work, a third of the interleaved bubble remains, (p-1)/(3*v*m+p-1). ZB-V and
-    DualPipeV aim at zero: 0. All of them assume equal stages and free communication.
+    """The textbook idle fraction (equal stages, free communication): GPipe/1F1B (p-1)/(m+p-1); interleaved
+    (p-1)/(v*m+p-1); interleaved zero bubble (p-1)/(3*v*m+p-1); ZB-V and DualPipeV 0.
     """
     p, m, v = pp, microbatches, stages_per_rank
     family = SCHEDULE_FAMILIES[schedule]
@@ -196,9 +191,9 @@ def timeline_svg(events: list[Event], windows: list[tuple[float, float]], title:
 def write_pipeline_timeline(
     run_dir: str, plan, timeline: PipelineTimeline, pp_ranks: list[int], control: ControlPlane, is_logger: bool
 ) -> None:
-    """The last step's timeline, gathered from the pp group (``pp_ranks``, global ranks) on every rank; the
-    logger prints the bubble table and writes ``pipeline_bubble.json`` and ``pipeline_timeline.svg`` in run_dir.
-    ``plan`` is the run's planning.plan.LayoutPlan."""
+    """The last step's timeline gathered from the pp group on every rank; the logger prints the bubble table and
+    writes ``pipeline_bubble.json`` and ``pipeline_timeline.svg``.
+    """
     events, windows = timeline.gather(control, pp_ranks)
     if not is_logger:
         return

@@ -31,14 +31,9 @@ POWERSGD_START_ITER = 2
 
 
 def apply_powersgd(model: nn.Module, replicate_mesh: DeviceMesh, rank: int, device: torch.device) -> nn.Module:
-    """Replicate ``model`` over ``replicate_mesh`` with DDP's reducer and PowerSGD as its communication hook.
-
-    The model keeps its class and parameter names (``replicate`` is DDP without a wrapper module), so the
-    training loop, checkpoints and MoE code see the same module as on one process. Gradients are summed:
-    DDP and the hook average over the group, and meshloom's loss is already each rank's share of the global
-    mean (docs/data_parallel.md section 6), so the hook's result is multiplied back by the group size. That
-    is exact only if each reduction sees one local gradient (no already-reduced part accumulated in it),
-    hence ``grad_sync=step`` whenever the loop accumulates (``saver_errors``).
+    """Replicate ``model`` over ``replicate_mesh`` with DDP's reducer and PowerSGD as its hook, keeping its class and
+    names. The hook's mean is multiplied back to a sum, exact only with one local gradient per reduction: hence
+    ``grad_sync=step`` whenever the loop accumulates (``saver_errors``).
     """
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -67,15 +62,9 @@ def apply_powersgd(model: nn.Module, replicate_mesh: DeviceMesh, rank: int, devi
 
 
 def one_bucket_at_a_time(hook):
-    """``hook`` with each DDP bucket's collectives started only after the previous bucket's finished (gloo).
-
-    PowerSGD reduces a bucket in a chain of all-reduces, each issued from the completion callback of the one
-    before. gloo runs those callbacks on its own threads, so with several buckets (DDP rebuilds its buckets
-    after the first step: a 1 MiB first bucket, then 25 MiB ones) two ranks can issue the chains of two
-    buckets interleaved in different orders: collective sizes then mismatch and gloo aborts ("Received data
-    size doesn't match expected size"; measured here on the debug model from PowerSGD's first compressed
-    step). Chaining the buckets makes the order the same on every rank. NCCL runs the callbacks in the issuing
-    thread, so the order is already fixed there and the hook is used as it is.
+    """``hook`` with each bucket's collectives started after the previous bucket's finished. gloo runs PowerSGD's
+    chained callbacks on its own threads, so two buckets could interleave differently per rank and gloo aborts
+    ("Received data size doesn't match expected size"). NCCL needs no chaining.
     """
     previous: list[torch.futures.Future | None] = [None]
 

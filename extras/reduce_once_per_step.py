@@ -39,12 +39,8 @@ def _allow_reduction(parts: list[nn.Module], allowed: bool, hsdp: bool) -> None:
 
 @contextlib.contextmanager
 def reduction_window(parts: list[nn.Module], *, reduce: bool, hsdp: bool):
-    """Run one micro-batch's forward and backward inside: its gradients are reduced only when ``reduce``.
-
-    With ``reduce=False`` FSDP skips the reduction (HSDP: only the all-reduce across replicas) and keeps
-    the gradient locally, and a replicated (DDP) model skips its all-reduce; the next micro-batch that
-    reduces sends the accumulated sum. DDP decides during the forward whether the coming backward reduces,
-    so the forward must be inside the window too. On exit the default (reduce) is restored.
+    """Run one micro-batch's forward and backward inside: its gradients are reduced only when ``reduce``. The forward
+    belongs inside too (DDP decides there); on exit the default (reduce) is restored.
     """
     if reduce:
         yield

@@ -103,10 +103,8 @@ def compare_replicas(
     step: int,
     extra: list[tuple[str, torch.Tensor, ReplicaGroup]] = (),
 ) -> list[str]:
-    """Steps 1-4: the mismatch lines of the whole world (the same list on every rank; empty when all agree).
-
-    ``extra``: copies that must be equal across ranks no mesh dim describes, each with its own group (the hook
-    for tied embeddings across pipeline stages, at the end of this file).
+    """Steps 1-4: the whole world's mismatch lines, the same on every rank. ``extra``: copies that no mesh dim
+    describes, each with its group (``tied_replicas``).
     """
     # Step 1, grouped by replica group (the same parameters in the same order on every rank of a group: the
     # ranks of a replica group hold the same parts of the model).
@@ -192,15 +190,8 @@ def check_replicas(
 
 
 def tied_replicas(copies: list[tuple[str, torch.Tensor]], group) -> list[tuple[str, torch.Tensor, ReplicaGroup]]:
-    """``extra`` entries for a tied weight's pipeline copies (tied embeddings, mesh/tied_embeddings.py where
-    meshloom has them): ``copies`` are this rank's (kind, parameter) pairs, kind ``embedding`` or ``head``, and
-    ``group`` the embedding group that sums their gradients (None when both ends are on this rank).
-
-    The embedding on the first stage and the head on the last are two copies of one weight, kept equal by
-    summing their gradients over the embedding group (the first and the last pp rank at one (dp, cp, tp)
-    coordinate): replicas that no placement describes. Both copies are parallelized alike, so the local pieces
-    at one coordinate cover the same rows and compare as they are. Under a V-shaped schedule both ends live on
-    one rank and are compared there, without a collective.
+    """``extra`` entries for a tied weight's pipeline copies: ``copies``, this rank's (kind, parameter) pairs, and
+    ``group``, the embedding group (None when both ends are on this rank: compared without a collective).
     """
     name = "tok_embeddings.weight (tied: embedding and head copies)"
     if not copies:
@@ -222,9 +213,7 @@ def for_run(ctx: RunContext) -> ReplicaCheck | None:
 
 
 class ReplicaCheck(Extra):
-    """``debug.check_replicas = N``: every N steps, after the step is timed (a check step's throughput stays
-    comparable) and before anything is logged or saved, the replicas are compared (``check_replicas``),
-    tied-embedding copies included."""
+    """``debug.check_replicas = N``: every N steps, after timing and before logging or saving, compare the replicas."""
 
     def __init__(self, every: int, action: str, parts, world_mesh, tied, device: torch.device, control):
         self.every, self.action, self.world_mesh, self.device, self.control = every, action, world_mesh, device, control

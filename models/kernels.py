@@ -52,11 +52,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 @torch.compiler.disable  # a one-time host-side trial, never part of a compiled graph
 def _trial(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> str | None:
-    """Run a two-group grouped matmul of each (k, n) in ``shapes``, forward and backward, on ``device``.
-
-    In a thread of its own: dispatch modes are per thread, so a mode the caller runs under (selective
-    activation checkpointing records every op of the forward it will replay) never sees the trial.
-    Returns None when every shape ran, else the error.
+    """Run a two-group grouped matmul of each (k, n) in ``shapes``, forward and backward; None if all ran, else the
+    error.
+    In a thread of its own: dispatch modes are per thread, so the caller's (selective checkpointing) never sees it.
     """
     failure = []
 
@@ -77,10 +75,8 @@ def _trial(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, in
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:
-    """Whether ``grouped_mm`` runs for these weights (each (k, n)) on ``device`` in ``dtype``; tried once.
-
-    Under torch.compile the op is traced through its meta function, which in torch 2.13 accepts bf16 only
-    (CUDA's rule, even for a CPU tensor): there the trial runs on the meta device, as the tracer will.
+    """Whether ``grouped_mm`` runs for these weights on ``device`` in ``dtype``; tried once. Under torch.compile the
+    trial runs on the meta device, whose function in torch 2.13 accepts bf16 only (CUDA's rule).
     """
     compiling = torch.compiler.is_compiling()
     key = (device.type, device.index, dtype, shapes, compiling)
@@ -105,9 +101,9 @@ def alignment_rows(device: torch.device, dtype: torch.dtype) -> int:
 
 
 def padded_groups(counts: torch.Tensor, align: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where each of ``rows`` grouped rows (``counts`` per group, in order) goes when every group is padded to a
-    multiple of ``align`` rows: (destination row of each row, the padded groups' int32 cumulative ends, the
-    padded buffer's row count, an upper bound that needs no host read)."""
+    """Where each grouped row goes when every group is padded to a multiple of ``align`` rows: (destination rows,
+    int32 cumulative ends, padded row count, an upper bound needing no host read).
+    """
     padded = (counts + align - 1) // align * align  # a group of 0 rows stays 0
     offs = padded.cumsum(0, dtype=torch.int32)
     groups = torch.arange(counts.numel(), device=counts.device)

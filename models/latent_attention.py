@@ -56,10 +56,9 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 
 
 class LatentAttention(nn.Module):
-    """Steps 1-4 of the module docstring. ``head_dim`` is the nope part of a q/k head (DeepSeek's
-    qk_nope_head_dim); ``qk_rope_head_dim`` the rotated part; ``v_head_dim`` a value head. The decoder's
-    RMSNorm, RoPE and causal attention come in as ``norm``, ``rotate`` and ``attend`` (models/llama.py builds
-    this module and passes its own)."""
+    """Steps 1-4 of the module docstring; ``head_dim`` is DeepSeek's qk_nope_head_dim. ``norm``, ``rotate`` and
+    ``attend`` come from models/llama.py.
+    """
 
     def __init__(self, args, norm: type[nn.Module], rotate: Callable, attend: Callable):
         super().__init__()

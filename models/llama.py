@@ -121,19 +121,13 @@ class ModelArgs:
         return attn + mlp + 2 * self.dim
 
     def stored_name(self, name: str) -> str:
-        """The name under which parameter ``name`` is initialised, saved and imported.
-
-        With tied embeddings the output head *is* the embedding: one weight, ``tok_embeddings.weight``. A
-        pipeline's last stage, which lacks the embedding, holds a copy of it as ``output.weight``
-        (mesh/tied_embeddings.py); that copy starts from, is saved as and is loaded from
-        ``tok_embeddings.weight``. Every other name is its own.
+        """The name under which parameter ``name`` is initialised, saved and imported: a tied head (a last stage's
+        ``output.weight`` copy) is ``tok_embeddings.weight``.
         """
         return EMBEDDING if self.tie_embeddings and name == HEAD else name
 
     def num_params(self) -> int:
-        """Parameter count, computed from the shapes (used for planning tables without building the model):
-        the embedding and the output head (vocab x dim each; one weight when tied), the final norm, and
-        every block."""
+        """Parameter count from the shapes (for planning tables without building the model); a tied head counts once."""
         vocab = (1 if self.tie_embeddings else 2) * self.vocab_size * self.dim
         return vocab + self.dim + sum(self.layer_params(i) for i in range(self.n_layers))
 
@@ -142,11 +136,9 @@ EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm's forward and backward, saving only what backward needs: the input in its own dtype and the fp32
-    rsqrt(mean(x^2) + eps) per token (Megatron's and Apex's fused RMSNorm keep the same two). Composed of
-    plain ops, autograd would keep an fp32 copy of a bf16 input and the normalised activation besides:
-    4 bytes per element more in bf16 (docs/tensor_parallel.md, section 6). The arithmetic is in fp32 either way,
-    so the forward is bit for bit the composed one (and transformers' LlamaRMSNorm)."""
+    """RMSNorm saving only the input (own dtype) and the fp32 rsqrt per token, like Megatron's fused one: 4 bytes per
+    element less in bf16 than composed ops (docs/tensor_parallel.md, section 6); the forward is bit for bit theirs.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -203,9 +195,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def check_window(args: ModelArgs, seq_len: int) -> None:
-    """meshloom computes full causal attention: a sliding window (Mistral v0.1, Qwen with use_sliding_window)
-    gives the same result only while it does not bind, i.e. while no sequence is longer than the window (query
-    i sees keys i - window + 1 .. i, transformers' rule). A longer one is refused, not silently computed."""
+    """Refuse a sliding window that would bind (a sequence longer than it): meshloom computes full causal attention."""
     if args.sliding_window and seq_len > args.sliding_window:
         raise ValueError(
             f"a sequence of {seq_len} tokens is longer than the model's sliding window of {args.sliding_window}: "
@@ -215,12 +205,7 @@ def check_window(args: ModelArgs, seq_len: int) -> None:
 
 
 class KVCache:
-    """Keys and values of the positions seen so far, per layer, for incremental decoding on one device.
-
-    ``Transformer.forward(tokens, cache)`` treats ``tokens`` as positions ``length .. length + seq - 1``:
-    each attention layer rotates its queries and keys by those absolute positions, writes the new keys and
-    values into its buffers, and attends over everything cached so far; then ``length`` advances by seq.
-    """
+    """Keys and values of the positions seen so far, per layer, for incremental decoding on one device."""
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, device=None, dtype=torch.float32):
         check_window(args, max_len)
@@ -255,13 +240,8 @@ class LayerCache:
 
 
 def sdpa_reads_grouped_kv(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether ``scaled_dot_product_attention(..., enable_gqa=True)`` runs a fused kernel on grouped k/v heads.
-
-    CPU (torch 2.13): its flash kernel takes k/v with fewer heads, fp32 and bf16 alike, and saves them at their
-    own size. CUDA: only the flash kernel does, in bf16/fp16 with no mask, head_dim a multiple of 8 up to 256,
-    on compute capability 8.0 or newer (Ampere on); otherwise (fp32, a mask, an older GPU) the memory-efficient
-    and cuDNN kernels refuse unequal head counts and SDPA silently falls back to the unfused math kernel, which
-    materialises the s x s scores, so repeating k/v is the better path there.
+    """Whether SDPA with ``enable_gqa=True`` runs a fused kernel on grouped k/v: CPU flash always; CUDA only flash
+    (``cuda_flash_eligible``, no mask). Otherwise SDPA silently falls back to the math kernel, so repeat k/v.
     """
     if q.device.type == "cpu":
         return True
@@ -274,9 +254,9 @@ def _capability_at_least_ampere(device_index: int) -> bool:
 
 
 def cuda_flash_eligible(q: torch.Tensor) -> bool:
-    """Whether CUDA's flash attention kernel takes queries like ``q`` (head_dim last): bf16/fp16, head_dim a
-    multiple of 8 up to 256, compute capability 8.0 or newer. The one statement of the rule (SDPA's grouped
-    k/v here, the log-sum-exp kernels of context parallelism in mesh/private_api.py)."""
+    """Whether CUDA's flash kernel takes queries like ``q``: bf16/fp16, head_dim % 8 == 0 up to 256, sm80+.
+    The one statement of the rule (SDPA's grouped k/v, context parallelism's LSE kernels).
+    """
     head_dim = q.shape[-1]
     return (
         q.device.type == "cuda"
@@ -303,17 +283,9 @@ def document_ids(positions: torch.Tensor) -> torch.Tensor:
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """softmax(q kᵀ / sqrt(d), causal) v on one device: q (batch, seq, heads, head_dim), k and v
-    (batch, kv_seq, kv_heads, head_dim) -> (batch, seq, heads, head_dim). The queries are the *last* seq of the
-    kv_seq positions (a KV cache's new tokens, or a context-parallel chunk after the keys that precede it):
-    query i sees keys 0 .. kv_seq - seq + i. Each key/value head serves heads / kv_heads consecutive query heads.
-
-    ``Attention.attend`` points here. Context parallelism points it at a version that also attends to the
-    keys other ranks hold (mesh/context_parallel.py); the model does not know.
-
-    ``documents`` (batch, seq), the document index of each position (``document_ids``): a query also sees only
-    the keys of its own document, through an explicit block-diagonal causal mask. Exact on every device; the
-    mask is (seq, seq) per sequence, and SDPA with a mask takes a kernel that is not the flash one.
+    """softmax(q kᵀ / sqrt(d), causal) v on one device; the queries are the *last* seq of the kv_seq positions.
+    ``Attention.attend`` points here (context parallelism swaps in a cross-rank version). ``documents``: a query
+    also sees only its document's keys, through a block-diagonal causal mask (not the flash kernel).
     """
     n_rep = q.shape[2] // k.shape[2]
     # Fewer queries than keys: the causal mask aligned at the bottom right, built explicitly. (torch's
@@ -342,12 +314,7 @@ def causal_attention(
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention: n_heads query heads share n_kv_heads key/value heads.
-
-    Two variants of the Llama family, both off by default: ``qkv_bias`` (Qwen2) gives wq, wk, wv biases;
-    ``qk_norm`` (Qwen3) normalises each query and key head (RMSNorm over head_dim, one weight shared by all
-    heads) after the projection and before RoPE.
-    """
+    """Causal grouped-query attention; ``qkv_bias`` (Qwen2) and ``qk_norm`` (Qwen3, per head before RoPE) are opt-in."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -454,13 +421,8 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, cache: KVCache | None = None, documents: torch.Tensor | None = None
     ) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab); a later pipeline stage takes hidden states.
-
-        With a ``cache`` (whole model, one device), ``tokens`` continue the cached positions (see KVCache).
-
-        ``documents`` (batch, s) int64, s the whole window even when this rank holds a part of it (context
-        parallelism): each token's position in its document, 0 where one starts (data/loader.py). Each token
-        is then rotated by that position, as if its document were run alone, and attends only to the tokens of
-        its document (``causal_attention``; context parallelism's cross-rank versions likewise).
+        ``cache``: continue the cached positions. ``documents`` (batch, whole window): each token's position in its
+        document, for RoPE and for attending within the document only.
         """
         check_window(self.args, tokens.shape[1] if cache is None else cache.length + tokens.shape[1])
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -482,27 +444,16 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def tie_weights(self) -> None:
-        """With ``tie_embeddings``, make the head's weight the embedding's Parameter (one object, two modules).
-
-        The one place the tie is made: at construction, and again after anything that may have replaced a
-        module's Parameter by a new object (``to_empty``, tensor parallelism's ``distribute_module``).
-        A pipeline stage that holds only one of the two modules has nothing to tie here.
+        """With ``tie_embeddings``, make the head's weight the embedding's Parameter: at construction and again after
+        anything that replaces Parameters (``to_empty``, TP's ``distribute_module``).
         """
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
     # ---- initialisation -------------------------------------------------------------------------------
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
-        """The full initial value of parameter ``name``: a function of (seed, name) alone.
-
-        Norm weights start at one; the embedding at N(0, 1); linear layers at N(0, 0.02), with the two
-        projections that write into the residual stream (wo, w2) scaled by 1/sqrt(2 * n_layers) as in
-        GPT-2, and the output head at N(0, dim^-0.5) so initial logits have unit scale.
-
-        Tied embeddings: the one weight takes the head's rule, N(0, dim^-0.5) (N(0, 1) would give initial
-        logits of scale sqrt(dim)), drawn from the generator of the name ``tok_embeddings.weight``; a
-        pipeline last stage's copy ``output.weight`` draws from that same name (``ModelArgs.stored_name``),
-        so both copies start equal on every layout.
+        """The full initial value of parameter ``name``: a function of (seed, name) alone, so every layout starts equal.
+        A tied weight takes the head's N(0, dim^-0.5) from the name ``tok_embeddings.weight`` (``stored_name``).
         """
         name = self.args.stored_name(name)
         if name.endswith("norm.weight"):

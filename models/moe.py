@@ -65,15 +65,9 @@ class MoEArgs:
 
 
 class GroupedExperts(nn.Module):
-    """n_experts SwiGLU MLPs stored as batched weights: w1, w3 (E, dim, hidden) and w2 (E, hidden, dim).
-
-    ``forward(x, counts)``: x holds the rows of expert 0, then expert 1, ... (``counts[e]`` rows for local
-    expert e, zero is fine; x has exactly counts.sum() rows). Two ways to compute it, the same numbers:
-
-    - ``grouped``: each of the three matmuls is one grouped matmul over all experts (models/kernels.py),
-      driven by the counts' cumulative sums on the device: no host sync, one kernel per matmul;
-    - ``looped``: a Python loop, one small matmul per expert, for a device, dtype or shape where the grouped
-      kernel does not run (found once, by ``grouped_mm_works``). It needs every count on the host: one sync.
+    """n_experts SwiGLU MLPs as batched weights; ``forward(x, counts)`` takes the rows of expert 0, then 1, ...
+    ``grouped``: one grouped matmul per weight, no host sync; ``looped``: one matmul per expert (one sync), where
+    the grouped kernel does not run (``grouped_mm_works``).
     """
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
@@ -164,11 +158,8 @@ class MoE(nn.Module):
         self.sequence = WholeSequence()  # tensor parallelism replaces it (module docstring)
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
-        """Zero the bias and the step statistics; with ``device``, make them anew there.
-
-        The router's scores meet the bias on the compute device, but a materialised model may have its buffers
-        elsewhere: under FSDP's CPU offload, ``to_empty`` allocates the whole module in host memory
-        (mesh/materialize.py), and only the parameters belong there.
+        """Zero the bias and the step statistics; with ``device``, make them anew there (FSDP CPU offload's ``to_empty``
+        puts the whole module on the host, but the bias meets the scores on the compute device).
         """
         if device is not None:
             for name, buffer in list(self.named_buffers(recurse=False)):
@@ -243,11 +234,9 @@ class MoE(nn.Module):
         return out
 
     def aux_loss(self, scores: torch.Tensor, assigned: torch.Tensor) -> torch.Tensor:
-        """Per-sequence Switch loss E * sum_i f_i P_i, summed over sequences, times coef * aux_loss_scale.
-
-        f_i and P_i are means over the whole sequence: sums over its chunks (``self.sequence``) divided by its
-        length. With chunks, every chunk's rank computes the same loss; its gradient reaches each rank's own
-        tokens' probabilities only, and the router's gradient is summed over the chunks' ranks.
+        """Per-sequence Switch loss E * sum_i f_i P_i, summed over sequences, times coef * aux_loss_scale; f_i and P_i
+        are
+        whole-sequence means, summed over its chunks (``self.sequence``).
         """
         a = self.args
         length = scores.shape[1] * self.sequence.chunks
