@@ -85,10 +85,8 @@ from training.step import StepParts, divergence_advice, pipeline_schedule, train
 
 
 def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPlan, Resume]:
-    """Every check that needs no process group; raises the same ConfigError on every rank.
-
-    Returns the layout plan and the resume decision (checkpoint/resume.py), each worked out once.
-    """
+    """Every check that needs no process group, the same ConfigError on every rank; returns the plan and resume
+    decision."""
     adopt_folder_config(cfg)  # a transformers folder in checkpoint.init_from sets [model] (its config.json)
     resolve_epochs(cfg)  # training.epochs sets training.steps from the data's size
     plan = LayoutPlan.resolve(cfg, world_size, rank)  # the config's values, then the layout's rules

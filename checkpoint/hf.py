@@ -180,14 +180,8 @@ def hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> dict[str, to
 def hf_config(
     args: ModelArgs, eos_token_id: int | None = None, dtype: str = "float32", pad_token_id: int | None = None
 ) -> dict:
-    """A config.json that ``AutoModelForCausalLM.from_pretrained`` reads as this architecture.
-
-    The family (``args.family``) gives model_type and architectures (checkpoint/hf_folder.py: FAMILIES); its
-    switches are what that family's class computes: Qwen2 has the q/k/v biases built in, Qwen3 the q/k norms,
-    and a sliding window is written back as it was read (Qwen: with ``use_sliding_window``). RoPE goes in the
-    current dialect (``rope_parameters``, transformers >= 5). ``bos_token_id`` is None (meshloom packs
-    documents with an EOS after each and no BOS), and ``eos_token_id`` is the tokenizer's (None for bytes), so
-    ``generate`` stops where our generate.py does.
+    """A config.json that ``AutoModelForCausalLM.from_pretrained`` reads as this family (``FAMILIES``), RoPE as
+    ``rope_parameters`` (transformers >= 5); no BOS and the tokenizer's EOS, so ``generate`` stops where ours does.
     """
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     s = args.rope_scaling
@@ -392,11 +386,9 @@ def model_args_from_hf_config(config: dict) -> ModelArgs:
 
 
 def export_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> list[Path]:
-    """tokenizer.json (copied) and a tokenizer_config.json, so that ``AutoTokenizer.from_pretrained`` loads it.
-
-    ``PreTrainedTokenizerFast`` takes tokenizer.json as it is (pre-tokenizer, normalizer, decoder), instead
-    of a model-specific class that might rebuild them. A tokenizer.json with a post-processor that adds a
-    BOS still adds it there; meshloom's packing never does (pass ``add_special_tokens=False`` to match).
+    """tokenizer.json (copied) and a tokenizer_config.json for ``AutoTokenizer.from_pretrained``
+    (``PreTrainedTokenizerFast``, which rebuilds nothing); meshloom's packing adds no BOS
+    (``add_special_tokens=False``).
     """
     out = Path(out_dir)
     shutil.copyfile(tokenizer.file, out / "tokenizer.json")
@@ -630,10 +622,8 @@ def read_piece(stored, param: torch.Tensor, sliced: bool = True) -> torch.Tensor
 
 @torch.no_grad()
 def import_safetensors(parts: list[nn.Module], path: str | Path, sliced: bool = True) -> None:
-    """Overwrite every parameter of ``parts`` with the stored value; each rank reads only its own piece.
-
-    Files are opened once each (a sharded folder: in index order); ``sliced=False`` reads each full tensor
-    (measure/hf_import_memory.py compares the two).
+    """Overwrite every parameter of ``parts`` with the stored value, each rank reading only its own piece;
+    ``sliced=False`` reads full tensors (measure/hf_import_memory.py compares).
     """
     files = tensor_files(path)
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}

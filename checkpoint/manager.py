@@ -109,10 +109,8 @@ def _describe(error: BaseException) -> tuple[int | None, str, int | None]:
 
 
 def staging_options(device: torch.device) -> StagingOptions:
-    """How an async save copies the state off the live tensors (step 1 of "Asynchronous saves").
-
-    Pinned host memory and non-blocking copies need a GPU; the staging thread works everywhere. Shared memory
-    serves a writer in another process, and meshloom's writer is a thread.
+    """How an async save copies the state off the live tensors: pinned memory needs a GPU; the writer is a thread,
+    so no shared memory.
     """
     on_gpu = device.type == "cuda"
     return StagingOptions(
@@ -280,9 +278,8 @@ class CheckpointManager:
         self.pending = (future, step, tmp)
 
     def wait_staged(self) -> None:
-        """Block until the async save in flight has copied the state; call before anything changes it.
-
-        A failed copy is not raised here: it fails the write too, and the ranks agree on that in ``wait``.
+        """Block until the async save in flight has copied the state; call before anything changes it (a failed copy
+        fails the write, agreed on in ``wait``).
         """
         if self.staging is None:
             return
@@ -293,10 +290,8 @@ class CheckpointManager:
             pass
 
     def _write_and_publish(self, write, tmp: Path, final: Path, meta: dict) -> BaseException | None:
-        """Steps 3-4 on this rank (the training thread for a sync save, the publish thread for an async one).
-
-        Every rank reaches the digest gather exactly once, whether its write worked or not, so that the
-        gather can never leave a rank waiting; publishing happens only when every rank wrote and hashed.
+        """Steps 3-4 on this rank. Every rank reaches the digest gather exactly once, written or not, so it never hangs;
+        publish only when every rank wrote and hashed.
         """
         mine, error = None, None
         try:
@@ -329,10 +324,8 @@ class CheckpointManager:
         self.wait()
 
     def close(self) -> None:
-        """Every exit path: let a save in flight finish writing on this rank, then stop the thread.
-
-        After a failure the other ranks may be gone, so this waits on the local write only, without any
-        collective; a save that did not finish stays a ``.tmp`` folder, which is never read.
+        """Every exit path: finish this rank's write in flight, then stop the thread. No collective (peers may be gone);
+        an unfinished save stays a ``.tmp`` folder, never read.
         """
         if self.pending is not None:
             try:

@@ -71,11 +71,8 @@ def unreadable(exc: OSError) -> str:
 
 
 def inspect(path: Path):
-    """(meshloom.json dict, DCP Metadata, problems): problems is empty when the checkpoint is whole.
-
-    Step 2 of the module docstring: ``.metadata`` (a pickle) is read only after its checksum matched. A
-    step that cannot be read (a folder or file without read permission, an I/O error) is damaged too: its
-    problem names the path and the reason.
+    """(meshloom.json dict, DCP Metadata, problems), problems empty when whole; ``.metadata`` (a pickle) is read only
+    after its checksum matched, and an unreadable step is damaged too.
     """
     try:
         return _inspect(path)
@@ -190,10 +187,9 @@ def changed_tokenizer(stream: dict, spec: str, eos_token: str, field: str) -> st
 
 
 def check_stream_content(path: Path, stream: dict, cfg: Config, tokens_consumed) -> None:
-    """The token streams must be the ones the checkpoint read, by content: a prepared folder's header carries
-    the SHA-256 of its tokens (data/token_file.py), and a dataset prepared again into the same folder has the
-    same path but another digest. Refused unless data.allow_stream_change says to reinterpret the position;
-    a checkpoint or a token file without a digest (written before it existed) is compared by path only."""
+    """Refuse token streams other than the checkpoint's, by content (the header's SHA-256), unless
+    data.allow_stream_change; without a digest, by path only.
+    """
     d = cfg.data
     for key, name, source in (
         ("tokens_sha256", "data.source", d.source),

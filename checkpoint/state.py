@@ -70,11 +70,7 @@ def _merge(target: dict, prefix: str, source: dict, shared: frozenset = frozense
 
 
 def training_state(parts: list[nn.Module], optimizers: Optimizers, loader: GlobalBatchLoader, step: int) -> dict:
-    """This rank's share of the training state after ``step`` optimizer steps (steps 1-4 of the docstring).
-
-    Tensors are the live ones (no copy): save them before the next step changes them, or let
-    ``dcp.async_save`` stage a copy.
-    """
+    """This rank's share of the training state after ``step`` optimizer steps: the live tensors, no copy."""
     state: dict = {}
     for part, optimizer in zip(parts, optimizers.optimizers, strict=True):
         args = _args_of(part)
@@ -114,10 +110,8 @@ def _args_of(part: nn.Module) -> ModelArgs | None:
 
 
 def stored_names(args: ModelArgs | None, entries: dict) -> dict:
-    """``entries`` (a part's model or flattened optimizer state) keyed by stored names (step 3 above).
-
-    With tied embeddings a key of ``output.weight`` becomes one of ``tok_embeddings.weight``, unless the part
-    already has that key (a whole model, where the head *is* the embedding): then it is dropped.
+    """``entries`` keyed by stored names: a tied ``output.weight`` becomes ``tok_embeddings.weight`` (dropped when the
+    part already has that key).
     """
     if args is None or not args.tie_embeddings:
         return entries
@@ -130,11 +124,8 @@ def stored_names(args: ModelArgs | None, entries: dict) -> dict:
 
 
 def with_tied_head(args: ModelArgs | None, entries: dict) -> dict:
-    """The inverse of ``stored_names`` for loading: every ``tok_embeddings.weight`` key also under
-    ``output.weight``, so a tied head or a last stage's copy reads the embedding's weight and Adam state.
-
-    The values are copies: a V-schedule rank loads the same entries into both of its parts, and an optimizer
-    may keep a loaded state tensor as it is; two AdamWs sharing one ``exp_avg`` would update it twice a step.
+    """The inverse of ``stored_names`` for loading. Values are copies: two AdamWs sharing one loaded ``exp_avg`` (a
+    V-schedule rank's two parts) would update it twice a step.
     """
     if args is None or not args.tie_embeddings:
         return entries
@@ -153,14 +144,8 @@ def split(state: dict, prefix: str) -> dict:
 
 @torch.no_grad()
 def apply_training_state(state: dict, parts: list[nn.Module], optimizers: Optimizers, loader: GlobalBatchLoader) -> int:
-    """Put a loaded state back into the parts, optimizers, schedules, loader and RNG; returns its step.
-
-    The LR schedule is restored from its position only (last_epoch, step count): its per-group base LRs come
-    from this run's config and its group count from this layout. The optimizer's param groups come back
-    with the LR the *saved* run's schedule had reached, which is not this run's when it changed the
-    schedule (a larger ``training.steps`` stretches the cosine, another ``training.lr`` or warmup): so every
-    group's LR is then set to this run's schedule at the restored position, and the first step after a
-    resume already takes the LR of the run it resumes into.
+    """Put a loaded state back into the parts, optimizers, schedules, loader and RNG; returns its step. Every group's
+    LR is then set from this run's schedule at the restored position, which may differ from the saved run's.
     """
     model_state, optim_state = split(state, MODEL), split(state, OPTIM)
     for part, optimizer in zip(parts, optimizers.optimizers, strict=True):

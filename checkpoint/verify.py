@@ -85,10 +85,9 @@ def manifest_problems(folder: Path, files: dict) -> list[str]:
 
 
 def digest_problems(folder: Path, files: dict, names: list[str]) -> list[str]:
-    """Step 4: the files ``names`` (of the manifest ``files``) hashed and compared. A file that cannot be
-    read (no permission, an I/O error) is a problem too, named with its reason, never an exception: under
-    resume every rank hashes its own share, and one rank's unreadable shard must reach the others as a
-    verdict they agree on, not as one rank dying alone."""
+    """Step 4: the files ``names`` hashed and compared. An unreadable file is a problem, never an exception, so one
+    rank's bad shard reaches the others as a verdict they agree on.
+    """
     problems = []
     for name in names:
         try:

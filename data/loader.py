@@ -90,10 +90,9 @@ class GlobalBatchLoader:
         return offsets % (self.num_tokens - self.seq_len)
 
     def global_spans(self, position: int) -> list[tuple[int, int]]:
-        """The global batch at ``position`` as contiguous [first, stop) token ranges: consecutive windows
-        overlap by one token, so there is one range, or two or more where the stream wraps.
-
-        Plain Python integers: nothing on the step's path reads a torch tensor back (measure/host_syncs.py).
+        """The global batch at ``position`` as contiguous [first, stop) token ranges (two or more where the stream
+        wraps),
+        in plain integers: the step reads no tensor back (measure/host_syncs.py).
         """
         wrap = self.num_tokens - self.seq_len
         offsets = [(position + i * self.seq_len) % wrap for i in range(self.global_batch)]

@@ -55,10 +55,8 @@ def is_token_folder(path: str | Path) -> bool:
 
 
 class TokenFileWriter:
-    """Append token arrays to ``DIR/tokens.bin.tmp``; ``finish(header)`` publishes the file and the header.
-
-    The folder must not already hold a dataset (or a half-written one): nothing saved is overwritten.
-    """
+    """Append token arrays to ``DIR/tokens.bin.tmp``; ``finish(header)`` publishes them. Never over an existing
+    dataset."""
 
     def __init__(self, out_dir: str | Path, dtype: str, masked: bool = False):
         self.dir = Path(out_dir)
@@ -202,15 +200,8 @@ def open_documents(path: str | Path, header: dict) -> np.ndarray | None:
 
 
 class TokenMap:
-    """A read-only memory map of a token file (or of a contiguous part of it) that gives pages back.
-
-    ``tokens[index]`` with an integer array copies those tokens out, then tells the kernel
-    (``madvise(MADV_DONTNEED)``) that this process no longer needs the pages the read spanned: they leave
-    its resident set, and the page cache may keep them for the next reader. Without that, every page a
-    run ever touched would stay mapped and counted in its resident memory (measured: a 400 MB file read at
-    200 places ended fully resident, because the kernel maps in large blocks around each fault).
-    ``tokens[a:b]`` is a view of the same map (the train / validation split). ``np.asarray(tokens)`` is a
-    plain numpy view of the whole range (for tests and tools; it does not give pages back).
+    """A read-only memory map of a token file (or part) that gives pages back: an integer-array read copies out, then
+    ``madvise(MADV_DONTNEED)``s the span, so a run's resident memory does not grow to the whole file.
     """
 
     def __init__(self, file: Path, dtype: np.dtype, start: int = 0, length: int | None = None, _map=None):
@@ -266,11 +257,7 @@ class TokenMap:
 
 
 class MaskedTokens:
-    """Token ids and their loss mask (one 0/1 per token: is it trained as a target), sliced together.
-
-    ``tokens[a:b]`` is a MaskedTokens of both parts (the train / validation split); the loader unpacks it
-    (data/loader.py). ``tokens`` and ``mask`` are TokenMaps, numpy arrays or torch tensors of equal length.
-    """
+    """Token ids and their 0/1 loss mask, sliced together (TokenMaps, numpy arrays or tensors of equal length)."""
 
     def __init__(self, tokens, mask):
         if len(tokens) != len(mask):

@@ -301,11 +301,8 @@ def expert_errors(dims: ParallelDims, cfg: Config) -> list[str]:
 
 
 def compile_errors(dims: ParallelDims, cfg: Config) -> list[str]:
-    """Layouts that ``training.compile`` cannot run in torch 2.13 (measured on CPU; docs/profiling.md, Appendix A.5).
-
-    Each failed at its first step with the error quoted; they are refused here so that no run gets that far.
-    (Zero-bubble pipeline schedules with compile are refused by ``pipeline_errors``, ``parallel.sp_regather`` with
-    compile by ``tensor_parallel_errors``.)
+    """Layouts that ``training.compile`` cannot run in torch 2.13, refused before the first step where each failed
+    (measured on CPU; docs/profiling.md, Appendix A.5).
     """
     if not cfg.training.compile:
         return []
@@ -343,11 +340,8 @@ def batch_errors(dims: ParallelDims, cfg: Config, batch: BatchSplit) -> list[str
 
 
 def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> list[str]:
-    """Every gradient-sync, compression and offload setting (extras/reduce_once_per_step.py, powersgd.py, planning/options.py) that cannot work on this
-    layout.
-
-    ``accumulation``: forward/backward calls of the training loop per step (None when the batch does not
-    split, which is reported elsewhere).
+    """Every gradient-sync, compression and offload setting that cannot work on this layout; ``accumulation``: loop
+    forward/backward calls per step (None when the batch does not split).
     """
     p, t = cfg.parallel, cfg.training
     errors: list[str] = []
@@ -417,12 +411,8 @@ def peak_rank_memory(args: ModelArgs, layout: MemoryLayout, stage_layers, pp_sch
 
 
 def check_memory(plan, cfg: Config, budget: tuple[int, str] | None) -> None:
-    """Raise a ConfigError when the busiest rank's estimate exceeds ``budget`` (the bytes one rank may use,
-    and words saying whose they are) by ``MEMORY_MARGIN``; ``plan`` is the resolved LayoutPlan (planning/plan.py).
-
-    The message names the model's size and what would fit, each found with the same estimate: the FSDP
-    degree (a power of two times this one) whose sharded states fit, full activation checkpointing, and the
-    most layers this layout holds.
+    """Raise a ConfigError when the busiest rank's estimate exceeds ``budget`` (bytes, and whose) by
+    ``MEMORY_MARGIN``, naming what would fit: an FSDP degree, full activation checkpointing, the most layers.
     """
     if budget is None:
         return  # the machine does not say how much memory it has

@@ -69,12 +69,9 @@ class DegreesOf:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryLayout(DegreesOf):
-    """Everything besides the model that decides what a rank holds: the degrees (``dims``, one ParallelDims)
-    and how the step runs on them.
-
-    The degrees may also be given one by one (``MemoryLayout(tp=2, dp_shard=4, seq_len=...)``, and
-    ``dataclasses.replace(layout, dp_shard=8)``): a shorthand that builds or updates ``dims``; they are not
-    stored twice."""
+    """Everything besides the model that decides what a rank holds: ``dims`` and how the step runs on them. Degrees
+    given one by one (``MemoryLayout(tp=2)``, ``dataclasses.replace``) build or update ``dims``.
+    """
 
     dims: ParallelDims = field(default_factory=degrees)
     seq_len: int

@@ -33,11 +33,8 @@ if TYPE_CHECKING:
 
 
 def layer_costs(args: ModelArgs, policy: str, seq_len: int) -> tuple[list[float], float, float]:
-    """Cost of each layer, plus the extra cost of the first stage (embedding) and the last (norm + head).
-
-    ``params``: each block's own parameter count (an MoE block counts every expert: they all sit in memory).
-    ``flops``: each block's FLOPs per token from models/flops.py (an MoE block counts its active experts only),
-    and the head's matmul on the last stage; the embedding lookup is free.
+    """Cost of each layer, plus the first stage's (embedding) and the last's (norm + head): ``params`` counts every
+    expert (all in memory), ``flops`` only the active ones.
     """
     if policy == "params":
         head = args.vocab_size * args.dim
@@ -93,23 +90,9 @@ def rank_peaks(args: ModelArgs, layout: MemoryLayout, sizes: list[int], schedule
 
 
 def memory_split(args: ModelArgs, layout: MemoryLayout, n_stages: int, schedule: str) -> list[int]:
-    """Layers per stage that make the pipeline ranks' peak memory as even as whole layers allow.
-
-    A rank's peak (planning/memory_estimate.py: ``rank_memory``) is its stages' states (weights, gradients, Adam
-    after FSDP sharding) and FSDP-gathered weights, plus its chunks in flight under the schedule
-    (``chunks_in_flight``: under 1F1B rank r holds pp - r micro-batches) times its mean chunk of activations
-    (the per-layer bytes of the activation-memory chapter, under the run's activation checkpointing), the one
-    block it rebuilds under checkpointing, and on the last stage the logits; the embedding counts on the
-    first stage, the final norm and head on the last.
-
-    1. Split each rank's peak into its stages' shares: a stage's states and gathered weights, its activations
-       times (the rank's chunks in flight / stages per rank), its rebuilt block, and its embedding, head and
-       logits. With one stage per rank (GPipe, 1F1B) the share is the rank's peak.
-    2. Minimise the largest share over contiguous cuts (``minmax_split``, exact).
-    3. With several stages per rank (looped and V schedules) a rank's peak is the sum of its stages' shares,
-       which step 2 balances only stage by stage: move one cut by one layer at a time while the ranks' peaks,
-       sorted from the largest, get lexicographically smaller (a local search that ends; with one stage per
-       rank it changes nothing, step 2 being already optimal).
+    """Layers per stage that make the pipeline ranks' peak memory (``rank_memory``) as even as whole layers allow.
+    Split each rank's peak into its stages' shares and minimise the largest (``minmax_split``, exact); with several
+    stages per rank, then move one cut by one layer while the sorted peaks get lexicographically smaller.
     """
     pp = layout.pp
     n_local = n_stages // pp

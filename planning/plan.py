@@ -149,12 +149,9 @@ class LayoutPlan:
 
 
 def uses_fsdp(dims: ParallelDims, cfg: Config) -> bool:
-    """FSDP whenever there is data or context parallelism (both need their gradients summed), and also for bf16
-    or CPU offload on one rank: its policies are where bf16 compute with fp32 master weights and fp32 gradient
-    reduction, and offloading, live. Also for an MoE model under TP: the tp ranks route different tokens, and
-    FSDP shards each MoE block's router and shared expert over them (mesh/data_parallel.py), so no tp rank
-    holds them whole. Not with PowerSGD, whose layouts are replicated with DDP (extras/powersgd.py), nor with
-    1-bit Adam, whose optimizer exchanges the replicas' momentum itself (extras/onebit_adam.py)."""
+    """FSDP with data or context parallelism, bf16 or CPU offload (its policies hold them), and an MoE model under TP
+    (it shards the router over the tp ranks); not with PowerSGD (DDP) or 1-bit Adam (exchanges momentum itself).
+    """
     p = cfg.parallel
     if p.grad_compression in ("powersgd", "onebit_adam"):  # a replicated model: DDP's, or a plain one
         return False

@@ -92,12 +92,8 @@ def type_problem(value, meta: dict | None = None) -> str | None:
 
 
 def opt(default, help: str, **rules):
-    """A config field: its default, one line of meaning for ``--help``, and its range rules.
-
-    Rules: ``ge``/``gt``/``le``/``lt`` bounds for numbers (floats must be finite too), ``int_ok`` for a string
-    field that also takes a TOML integer (``checkpoint.resume = 100``), ``path`` for a string that names a file
-    or folder (``"required"``: never empty; ``"optional"``: ``''`` means none), ``step`` for auto | none | a
-    step number. Every field also meets its type's limits (``type_problem``).
+    """A config field: its default, one line for ``--help``, and its range rules (``ge``/``gt``/``le``/``lt``,
+    ``int_ok``, ``path`` "required"/"optional", ``step``), besides its type's limits (``type_problem``).
     """
     return field(default=default, metadata={"help": help, **rules})
 
@@ -376,10 +372,8 @@ def _fields(section) -> dict[str, dataclasses.Field]:
 
 
 def _convert(key: str, raw: object, typ, from_text: bool, int_ok: bool = False) -> object:
-    """``raw`` as a value of ``typ``, or a ConfigError naming the key, the value and what it must be.
-
-    ``from_text``: a command-line string, parsed; otherwise a TOML value, whose type must already fit.
-    """
+    """``raw`` as a ``typ`` (``from_text``: a parsed command-line string), or a ConfigError naming key, value and
+    fix."""
     if typing.get_origin(typ) is Literal:
         choices = typing.get_args(typ)
         if isinstance(raw, str) and raw in choices:
@@ -475,10 +469,8 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]
 
 
 def load_config(argv: list[str] | None = None, *, path: str | None = None, overrides=None) -> Config:
-    """Build a Config from defaults, then a TOML file, then dotted overrides (later wins).
-
-    ``argv`` is the command line (``--config f.toml --training.steps 5``); tests may instead pass
-    ``path`` and ``overrides`` (a dict or a list of pairs, values as text or already typed) directly.
+    """Build a Config from defaults, then a TOML file, then dotted overrides (later wins); tests may pass ``path``
+    and ``overrides`` instead of ``argv``.
     """
     if argv is not None:
         path, pairs = parse_overrides(argv)

@@ -87,14 +87,8 @@ def flight_recorder_folder(run_dir: str) -> Path:
 
 
 def enable_flight_recorder(run_dir: str) -> tuple[Path, list[str]]:
-    """Step 4: the flight recorder's variables, before the first process group exists; returns its folder and
-    the names it set (``disable_flight_recorder`` removes them when the run ends, so that a process that
-    trains twice, or the commands it starts, do not inherit this run's folder).
-
-    torch reads them when it creates a group: the buffer size (``TORCH_FR_BUFFER_SIZE``, formerly
-    ``TORCH_NCCL_TRACE_BUFFER_SIZE``), NCCL's dump on a watchdog timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``) and
-    the file name it dumps to, the rank appended (``TORCH_FR_DUMP_TEMP_FILE``, formerly
-    ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``). A value the user set, under either name, is kept.
+    """Step 4: set the flight recorder's variables before the first process group; returns its folder and the names
+    set (for ``disable_flight_recorder``). A value the user set, under the old or the new name, is kept.
     """
     folder = flight_recorder_folder(run_dir)
     wanted = {
@@ -125,11 +119,7 @@ def write_flight_recorder(dump: dict, run_dir: str, rank: int) -> Path:
 
 
 def last_collective(dump: dict) -> str | None:
-    """Step 5: the newest collective this rank had not finished (else its newest), as words.
-
-    ``pg_status`` holds, per group, the sequence number of the last collective enqueued and completed; an
-    entry is unfinished when its sequence number is past its group's last completed one.
-    """
+    """Step 5: the newest collective this rank had not finished per ``pg_status`` (else its newest), as words."""
     entries = [e for e in dump.get("entries", []) if not e.get("is_p2p")]
     if not entries:
         return None
@@ -151,10 +141,7 @@ def last_collective(dump: dict) -> str | None:
 
 
 def explain(exc: BaseException, timeout_s: float, last: str | None = None, dumped: Path | None = None) -> str:
-    """One line for the console: which operation, which group, how long, and the fix.
-
-    ``last``: this rank's last collective (``last_collective``); ``dumped``: where its flight recorder went.
-    """
+    """One line for the console: which operation, which group, how long, and the fix."""
     text = str(exc).strip()
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
     timed_out = any(w in text.lower() for w in _TIMEOUT_WORDS) or "timeout" in type(exc).__name__.lower()

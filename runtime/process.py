@@ -59,11 +59,9 @@ def device_type_of(requested: str = "auto", cuda_available: bool | None = None) 
 
 
 def choose_precision(requested: str, device_type: str, grad_compression: str = "none") -> str:
-    """``training.mixed_precision`` as the run uses it. ``auto``: bf16 on CUDA (bf16 compute with fp32 master
-    weights and fp32 gradient reductions: FSDP's policy, which meshloom applies on every layout, one rank
-    included), where tensor cores run bf16 at twice TF32's rate and the fused attention kernels need it; fp32
-    on CPU (bf16 is slower there, and every parity test is in fp32). PowerSGD's and 1-bit Adam's replicated
-    models have no bf16 path (planning/layout_rules.py, extras/onebit_adam.py), so auto is fp32 with them."""
+    """``training.mixed_precision`` as the run uses it: ``auto`` is bf16 on CUDA, fp32 on CPU and with PowerSGD or
+    1-bit Adam (no bf16 path).
+    """
     if requested != "auto":
         return requested
     replicated = grad_compression in ("powersgd", "onebit_adam")
@@ -94,10 +92,9 @@ def precision_banner(precision: str, tf32: bool) -> str:
 
 
 def memory_per_rank(requested: str = "auto") -> tuple[int, str] | None:
-    """The bytes one rank may use, and whose they are, for the memory check before allocation
-    (planning/layout_rules.py: check_memory): the total memory of this rank's GPU, or on CPU the host's available
-    memory (/proc/meminfo's MemAvailable, read once) shared by the ranks on this host. None where the machine
-    does not say."""
+    """The bytes one rank may use and whose they are: its GPU's memory, or on CPU MemAvailable shared by the host's
+    ranks; None where the machine does not say.
+    """
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             return None  # select_device refuses this with its own message
@@ -133,12 +130,9 @@ def rank_from_env() -> int:
 
 
 def check_launch_env(env=None, store: bool = False) -> tuple[int, int]:
-    """(rank, world size) from the launcher's variables, each checked before any store is opened: a RANK at or
-    past WORLD_SIZE waits in the store's connect for a peer that never comes (no output, for the whole
-    timeout), and a word where a number belongs is a traceback. A ConfigError names the variable, its value and
-    the fix. No RANK and no WORLD_SIZE: a plain ``python train.py``, a world of one. MASTER_ADDR and
-    MASTER_PORT are checked when set, and required with ``store`` (just before the store is opened): the
-    config checks before it need only the rank and the world."""
+    """(rank, world size) from the launcher's variables, checked before any store is opened (a bad RANK would hang in
+    connect); none set is a world of one. MASTER_ADDR/PORT are required only with ``store``.
+    """
     from runtime.config import ConfigError, parse_int
 
     env = os.environ if env is None else env
@@ -181,11 +175,7 @@ def check_launch_env(env=None, store: bool = False) -> tuple[int, int]:
 
 
 def device_backend(device: torch.device) -> str:
-    """The backend of the device plane: NCCL for CUDA tensors, gloo for CPU tensors.
-
-    A default group whose backend already serves ``device`` (torch's fake backend in tests that lay out
-    meshes without processes) keeps its own backend.
-    """
+    """The device plane's backend: NCCL for CUDA, gloo for CPU, or the default group's if it serves ``device``."""
     if dist.is_initialized():
         default = str(dist.get_backend())
         if default not in ("gloo", "nccl") and device.type in dist.Backend.backend_capability.get(default, []):
@@ -203,11 +193,8 @@ _CONTROL: ControlPlane | None = None
 
 
 def init_process_group(device: torch.device, timeout_s: float) -> ControlPlane:
-    """Join (or, for a single process, create) the default group, then create the control plane.
-
-    The default group serves the device plane's backend; meshloom issues no collective on it directly (the
-    DeviceMesh builds its own groups). When a caller (a test harness) already initialised the default group,
-    only the control plane is added.
+    """Join (or create) the default group, then the control plane; a harness's existing group is kept. No collective
+    runs on the default group directly.
     """
     global _CONTROL
     if not dist.is_initialized():
@@ -302,11 +289,8 @@ class ControlPlane:
     def raise_if_any_failed(
         self, error: BaseException | None, what: str, error_type: type[Exception] = RuntimeError
     ) -> None:
-        """Every rank calls this after work that may fail on some ranks only (rank 0 writing files).
-
-        The ranks exchange their errors (None for success), so all of them raise together, and every rank
-        shows the failing rank's message: a ConfigError stays a ConfigError (exit 2, the fix named on every
-        rank) instead of the healthy ranks waiting in the next collective until the timeout.
+        """Every rank calls this after work that may fail on some ranks only: they exchange errors and all raise the
+        failing rank's (a ConfigError stays exit 2), instead of the others waiting out the timeout.
         """
         from runtime.config import ConfigError
 

@@ -226,10 +226,9 @@ def all_on_one_node(world_size: int) -> bool:
 def lock_run_folders(
     folders: list[tuple[str, Path]], locks: list[RunLock], rank: int, look: bool
 ) -> ConfigError | None:
-    """Step 2 before any process group: rank 0 locks each (field, folder) and appends the held locks to
-    ``locks`` for the caller to release; with ``look`` the other ranks check the locks (step 2b). Returns
-    this rank's verdict: None to go on, or the ConfigError to raise (at once when every rank looked, else
-    after the control plane shared it: step 2c)."""
+    """Step 2 before any process group: rank 0 locks each (field, folder) into ``locks``; with ``look`` the others
+    check them. Returns None or the ConfigError to raise (after the control plane shared it: step 2c).
+    """
     job = job_id()
     field, folder = folders[0]
     seen: set[Path] = set()

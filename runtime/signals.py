@@ -185,11 +185,8 @@ TORCHRUN_MODULE = "torch.distributed.run"
 
 
 def resume_command(argv: list[str] | None = None, environ=None, launcher_cmdline: list[str] | None = None) -> str:
-    """The shell command that continues this run from its newest checkpoint (step 4 of the module docstring).
-
-    ``argv`` is this process's (the script and its arguments, default ``sys.argv``); ``environ`` and
-    ``launcher_cmdline`` (default: this process's environment and its parent's command line) are parameters
-    so that a test can play a torchrun worker.
+    """The shell command that continues this run from its newest checkpoint (module docstring, step 4); ``environ``
+    and ``launcher_cmdline`` let a test play a torchrun worker.
     """
     argv = list(sys.argv if argv is None else argv)
     env = os.environ if environ is None else environ

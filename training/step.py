@@ -124,11 +124,8 @@ def divergence_advice(cfg: Config) -> str:
 def pipeline_schedule(
     parts, plan: LayoutPlan, meshes: Meshes, device: torch.device
 ) -> tuple[Any, list, LossDivisor | None]:
-    """The pipeline schedule over this rank's stages, the stages, and the divisor its loss function reads;
-    ``(None, [], None)`` without pipelining.
-
-    The schedule's loss function is the token-loss sum divided by the step's global count of trained tokens,
-    like step 2's: the divisor is passed to ``forward_backward``, which sets it each step.
+    """The pipeline schedule over this rank's stages, the stages, and its loss divisor (the step's global trained
+    tokens, set each step by ``forward_backward``); ``(None, [], None)`` without pipelining.
     """
     if plan.dims.pp == 1:
         return None, [], None
@@ -160,10 +157,9 @@ def forward_backward(
     documents: torch.Tensor | None = None,
     loss_divisor: LossDivisor | None = None,
 ) -> torch.Tensor:
-    """One micro-batch's forward and (with ``backward``) backward (step 2); returns this rank's token-loss sum (0
-    off the last stage), in ``dtype`` when given. Validation runs it forward only (training/evaluation.py).
-    ``trained_tokens``: the step's global count of trained targets (a loss mask; default the global token count).
-    ``documents``: the micro-batch's document positions (data/loader.py), given to every stage's forward."""
+    """One micro-batch's forward and (with ``backward``) backward; returns this rank's token-loss sum (0 off the last
+    stage). ``trained_tokens``: the step's global trained targets; ``documents``: for every stage's forward.
+    """
     tokens = plan.global_tokens if trained_tokens is None else divisor(trained_tokens)
     if loss_divisor is not None:  # the pipeline schedule's loss function reads it (``pipeline_schedule``)
         loss_divisor.tokens = tokens
@@ -319,12 +315,9 @@ def train_step(s: StepParts, step: int, log: bool = True, check: bool = False) -
 
 
 def fill_records(s: StepParts, values: list[float]) -> None:
-    """Step 7 on a log step: the unlogged records and this one get their loss, norm and tokens/s.
-
-    ``tokens_per_s`` (and ``tflops``, ``mfu`` from it) is timed from the previous step's end to this step's end:
-    everything the loop does between two steps counts (validation, saves, the stop agreement, logging), as in
-    torchtitan. ``window_tokens_per_s`` times train_step alone (start to end), for measurements that leave the
-    rest out (measure/async_save.py)."""
+    """Step 7 on a log step: the unlogged records and this one get loss, norm and tokens/s, timed end to end between
+    steps (as torchtitan); ``window_tokens_per_s`` times train_step alone.
+    """
     for index, (record, _, _, since, start, end) in enumerate(s.unread):
         tokens_per_s = s.plan.global_tokens / seconds_between(since, end)
         window = s.plan.global_tokens / seconds_between(start, end)
