@@ -181,8 +181,7 @@ def hf_config(
     args: ModelArgs, eos_token_id: int | None = None, dtype: str = "float32", pad_token_id: int | None = None
 ) -> dict:
     """A config.json that ``AutoModelForCausalLM.from_pretrained`` reads as this family (``FAMILIES``), RoPE as
-    ``rope_parameters`` (transformers >= 5); no BOS and the tokenizer's EOS, so ``generate`` stops where ours does.
-    """
+    ``rope_parameters`` (transformers >= 5); no BOS and the tokenizer's EOS, so ``generate`` stops where ours does."""
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     s = args.rope_scaling
     if s.kind in ("linear", "llama3"):
@@ -388,8 +387,7 @@ def model_args_from_hf_config(config: dict) -> ModelArgs:
 def export_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> list[Path]:
     """tokenizer.json (copied) and a tokenizer_config.json for ``AutoTokenizer.from_pretrained``
     (``PreTrainedTokenizerFast``, which rebuilds nothing); meshloom's packing adds no BOS
-    (``add_special_tokens=False``).
-    """
+    (``add_special_tokens=False``)."""
     out = Path(out_dir)
     shutil.copyfile(tokenizer.file, out / "tokenizer.json")
     config = {
@@ -623,8 +621,7 @@ def read_piece(stored, param: torch.Tensor, sliced: bool = True) -> torch.Tensor
 @torch.no_grad()
 def import_safetensors(parts: list[nn.Module], path: str | Path, sliced: bool = True) -> None:
     """Overwrite every parameter of ``parts`` with the stored value, each rank reading only its own piece;
-    ``sliced=False`` reads full tensors (measure/hf_import_memory.py compares).
-    """
+    ``sliced=False`` reads full tensors (measure/hf_import_memory.py compares)."""
     files = tensor_files(path)
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
     experts: list[tuple[list[str], torch.Tensor]] = []

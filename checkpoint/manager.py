@@ -109,9 +109,8 @@ def _describe(error: BaseException) -> tuple[int | None, str, int | None]:
 
 
 def staging_options(device: torch.device) -> StagingOptions:
-    """How an async save copies the state off the live tensors: pinned memory needs a GPU; the writer is a thread,
-    so no shared memory.
-    """
+    """How an async save copies the state off the live tensors: pinned memory needs a GPU; the writer is a thread, so no
+    shared memory."""
     on_gpu = device.type == "cuda"
     return StagingOptions(
         use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=on_gpu
@@ -279,8 +278,7 @@ class CheckpointManager:
 
     def wait_staged(self) -> None:
         """Block until the async save in flight has copied the state; call before anything changes it (a failed copy
-        fails the write, agreed on in ``wait``).
-        """
+        fails the write, agreed on in ``wait``)."""
         if self.staging is None:
             return
         staging, self.staging = self.staging, None
@@ -291,8 +289,7 @@ class CheckpointManager:
 
     def _write_and_publish(self, write, tmp: Path, final: Path, meta: dict) -> BaseException | None:
         """Steps 3-4 on this rank. Every rank reaches the digest gather exactly once, written or not, so it never hangs;
-        publish only when every rank wrote and hashed.
-        """
+        publish only when every rank wrote and hashed."""
         mine, error = None, None
         try:
             write()  # raises if a rank's write failed (DCP reports it on every rank)
@@ -325,8 +322,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Every exit path: finish this rank's write in flight, then stop the thread. No collective (peers may be gone);
-        an unfinished save stays a ``.tmp`` folder, never read.
-        """
+        an unfinished save stays a ``.tmp`` folder, never read."""
         if self.pending is not None:
             try:
                 self.pending[0].result()

@@ -72,8 +72,7 @@ def unreadable(exc: OSError) -> str:
 
 def inspect(path: Path):
     """(meshloom.json dict, DCP Metadata, problems), problems empty when whole; ``.metadata`` (a pickle) is read only
-    after its checksum matched, and an unreadable step is damaged too.
-    """
+    after its checksum matched, and an unreadable step is damaged too."""
     try:
         return _inspect(path)
     except OSError as exc:
@@ -188,8 +187,7 @@ def changed_tokenizer(stream: dict, spec: str, eos_token: str, field: str) -> st
 
 def check_stream_content(path: Path, stream: dict, cfg: Config, tokens_consumed) -> None:
     """Refuse token streams other than the checkpoint's, by content (the header's SHA-256), unless
-    data.allow_stream_change; without a digest, by path only.
-    """
+    data.allow_stream_change; without a digest, by path only."""
     d = cfg.data
     for key, name, source in (
         ("tokens_sha256", "data.source", d.source),

@@ -111,8 +111,7 @@ def _args_of(part: nn.Module) -> ModelArgs | None:
 
 def stored_names(args: ModelArgs | None, entries: dict) -> dict:
     """``entries`` keyed by stored names: a tied ``output.weight`` becomes ``tok_embeddings.weight`` (dropped when the
-    part already has that key).
-    """
+    part already has that key)."""
     if args is None or not args.tie_embeddings:
         return entries
     out: dict = {}
@@ -125,8 +124,7 @@ def stored_names(args: ModelArgs | None, entries: dict) -> dict:
 
 def with_tied_head(args: ModelArgs | None, entries: dict) -> dict:
     """The inverse of ``stored_names`` for loading. Values are copies: two AdamWs sharing one loaded ``exp_avg`` (a
-    V-schedule rank's two parts) would update it twice a step.
-    """
+    V-schedule rank's two parts) would update it twice a step."""
     if args is None or not args.tie_embeddings:
         return entries
     out = dict(entries)
@@ -144,9 +142,8 @@ def split(state: dict, prefix: str) -> dict:
 
 @torch.no_grad()
 def apply_training_state(state: dict, parts: list[nn.Module], optimizers: Optimizers, loader: GlobalBatchLoader) -> int:
-    """Put a loaded state back into the parts, optimizers, schedules, loader and RNG; returns its step. Every group's
-    LR is then set from this run's schedule at the restored position, which may differ from the saved run's.
-    """
+    """Put a loaded state back into the parts, optimizers, schedules, loader and RNG; returns its step. Every group's LR
+    is then set from this run's schedule at the restored position, which may differ from the saved run's."""
     model_state, optim_state = split(state, MODEL), split(state, OPTIM)
     for part, optimizer in zip(parts, optimizers.optimizers, strict=True):
         part_model, part_optim = model_state, optim_state

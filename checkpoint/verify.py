@@ -86,8 +86,7 @@ def manifest_problems(folder: Path, files: dict) -> list[str]:
 
 def digest_problems(folder: Path, files: dict, names: list[str]) -> list[str]:
     """Step 4: the files ``names`` hashed and compared. An unreadable file is a problem, never an exception, so one
-    rank's bad shard reaches the others as a verdict they agree on.
-    """
+    rank's bad shard reaches the others as a verdict they agree on."""
     problems = []
     for name in names:
         try:

@@ -91,9 +91,7 @@ class GlobalBatchLoader:
 
     def global_spans(self, position: int) -> list[tuple[int, int]]:
         """The global batch at ``position`` as contiguous [first, stop) token ranges (two or more where the stream
-        wraps),
-        in plain integers: the step reads no tensor back (measure/host_syncs.py).
-        """
+        wraps), in plain integers: the step reads no tensor back (measure/host_syncs.py)."""
         wrap = self.num_tokens - self.seq_len
         offsets = [(position + i * self.seq_len) % wrap for i in range(self.global_batch)]
         spans, first = [], 0

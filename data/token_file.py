@@ -201,8 +201,7 @@ def open_documents(path: str | Path, header: dict) -> np.ndarray | None:
 
 class TokenMap:
     """A read-only memory map of a token file (or part) that gives pages back: an integer-array read copies out, then
-    ``madvise(MADV_DONTNEED)``s the span, so a run's resident memory does not grow to the whole file.
-    """
+    ``madvise(MADV_DONTNEED)``s the span, so a run's resident memory does not grow to the whole file."""
 
     def __init__(self, file: Path, dtype: np.dtype, start: int = 0, length: int | None = None, _map=None):
         if _map is None:

@@ -116,8 +116,7 @@ class PipelineTimeline:
 
 def predicted_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> float | None:
     """The textbook idle fraction (equal stages, free communication): GPipe/1F1B (p-1)/(m+p-1); interleaved
-    (p-1)/(v*m+p-1); interleaved zero bubble (p-1)/(3*v*m+p-1); ZB-V and DualPipeV 0.
-    """
+    (p-1)/(v*m+p-1); interleaved zero bubble (p-1)/(3*v*m+p-1); ZB-V and DualPipeV 0."""
     p, m, v = pp, microbatches, stages_per_rank
     family = SCHEDULE_FAMILIES[schedule]
     if family.placement == "single":
@@ -191,9 +190,8 @@ def timeline_svg(events: list[Event], windows: list[tuple[float, float]], title:
 def write_pipeline_timeline(
     run_dir: str, plan, timeline: PipelineTimeline, pp_ranks: list[int], control: ControlPlane, is_logger: bool
 ) -> None:
-    """The last step's timeline gathered from the pp group on every rank; the logger prints the bubble table and
-    writes ``pipeline_bubble.json`` and ``pipeline_timeline.svg``.
-    """
+    """The last step's timeline gathered from the pp group on every rank; the logger prints the bubble table and writes
+    ``pipeline_bubble.json`` and ``pipeline_timeline.svg``."""
     events, windows = timeline.gather(control, pp_ranks)
     if not is_logger:
         return

@@ -33,8 +33,7 @@ POWERSGD_START_ITER = 2
 def apply_powersgd(model: nn.Module, replicate_mesh: DeviceMesh, rank: int, device: torch.device) -> nn.Module:
     """Replicate ``model`` over ``replicate_mesh`` with DDP's reducer and PowerSGD as its hook, keeping its class and
     names. The hook's mean is multiplied back to a sum, exact only with one local gradient per reduction: hence
-    ``grad_sync=step`` whenever the loop accumulates (``saver_errors``).
-    """
+    ``grad_sync=step`` whenever the loop accumulates (``saver_errors``)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
     group = replicate_mesh.get_group()
@@ -64,8 +63,7 @@ def apply_powersgd(model: nn.Module, replicate_mesh: DeviceMesh, rank: int, devi
 def one_bucket_at_a_time(hook):
     """``hook`` with each bucket's collectives started after the previous bucket's finished. gloo runs PowerSGD's
     chained callbacks on its own threads, so two buckets could interleave differently per rank and gloo aborts
-    ("Received data size doesn't match expected size"). NCCL needs no chaining.
-    """
+    ("Received data size doesn't match expected size"). NCCL needs no chaining."""
     previous: list[torch.futures.Future | None] = [None]
 
     def serialized(state, bucket):

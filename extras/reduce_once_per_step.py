@@ -40,8 +40,7 @@ def _allow_reduction(parts: list[nn.Module], allowed: bool, hsdp: bool) -> None:
 @contextlib.contextmanager
 def reduction_window(parts: list[nn.Module], *, reduce: bool, hsdp: bool):
     """Run one micro-batch's forward and backward inside: its gradients are reduced only when ``reduce``. The forward
-    belongs inside too (DDP decides there); on exit the default (reduce) is restored.
-    """
+    belongs inside too (DDP decides there); on exit the default (reduce) is restored."""
     if reduce:
         yield
         return

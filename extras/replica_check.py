@@ -104,8 +104,7 @@ def compare_replicas(
     extra: list[tuple[str, torch.Tensor, ReplicaGroup]] = (),
 ) -> list[str]:
     """Steps 1-4: the whole world's mismatch lines, the same on every rank. ``extra``: copies that no mesh dim
-    describes, each with its group (``tied_replicas``).
-    """
+    describes, each with its group (``tied_replicas``)."""
     # Step 1, grouped by replica group (the same parameters in the same order on every rank of a group: the
     # ranks of a replica group hold the same parts of the model).
     by_group: dict[tuple[int, ...], tuple[ReplicaGroup, list[str], list[torch.Tensor]]] = {}
@@ -191,8 +190,7 @@ def check_replicas(
 
 def tied_replicas(copies: list[tuple[str, torch.Tensor]], group) -> list[tuple[str, torch.Tensor, ReplicaGroup]]:
     """``extra`` entries for a tied weight's pipeline copies: ``copies``, this rank's (kind, parameter) pairs, and
-    ``group``, the embedding group (None when both ends are on this rank: compared without a collective).
-    """
+    ``group``, the embedding group (None when both ends are on this rank: compared without a collective)."""
     name = "tok_embeddings.weight (tied: embedding and head copies)"
     if not copies:
         return []

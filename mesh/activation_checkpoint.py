@@ -69,8 +69,7 @@ _MATMULS = {_aten.mm.default, _aten.addmm.default}  # how a row-parallel linear 
 
 def _storage_id(t) -> int:
     """Which storage ``t`` views (a DTensor: its local shard's), by the storage object's identity. Not ``data_ptr()``,
-    which is 0 for every fake tensor.
-    """
+    which is 0 for every fake tensor."""
     local = dtensor_local_storage(t) if isinstance(t, DTensor) else t
     return local.untyped_storage()._cdata
 
@@ -93,8 +92,7 @@ def _save_policy(row_linears: list[nn.Module]):
 
 def _every_second_matmul(keep, mode: str):
     """``mode``'s policy from ``keep``: a kept matmul whose 1-based count ``keeps_matmul`` rejects is recomputed.
-    Forward and recomputation count apart (torch asks the policy in both on some releases); a new policy per call.
-    """
+    Forward and recomputation count apart (torch asks the policy in both on some releases); a new policy per call."""
     if POLICIES[mode].matmuls == "all":
         return keep
     counts = {False: 0, True: 0}

@@ -60,8 +60,7 @@ def load_balanced_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str, seq_len: int) -> nn.Module:
     """Make ``model`` (whole or a pipeline stage) run on this rank's chunks: cross-rank ``attend``, rotary rows of this
-    rank's global positions. Call it after ``materialize_weights``, which rebuilds the tables.
-    """
+    rank's global positions. Call it after ``materialize_weights``, which rebuilds the tables."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown context-parallel attention {algorithm!r}; choose one of {ALGORITHMS}")
     group = cp_mesh.get_group()
@@ -82,8 +81,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str
 # ---- 2a. all-gather ----------------------------------------------------------------------------------------
 class GatherSequence(torch.autograd.Function):
     """All-gather along dim 0 over ``group``; backward: reduce-scatter (a rank's keys' gradient sums every rank's).
-    Functional collectives, so selective activation checkpointing saves the gathered tensor.
-    """
+    Functional collectives, so selective activation checkpointing saves the gathered tensor."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
@@ -127,8 +125,7 @@ def allgather_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, documents: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Causal attention of this rank's queries (its chunks r and 2cp−1−r) over all ranks' keys; ``documents`` (b, s):
-    each position's document index (module docstring, 6).
-    """
+    each position's document index (module docstring, 6)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     # One collective for K and V (kv heads only: GQA shrinks the message), sequence first for the gather.
     kv = torch.stack([k, v]).movedim(2, 0)  # (n, 2, b, kv_heads, d)
@@ -155,9 +152,8 @@ def visible(src: int, rank: int, n: int) -> tuple[slice, slice, bool]:
 
 
 def ring_exchange(send: torch.Tensor, group) -> tuple[torch.Tensor, list]:
-    """Send ``send`` to the next cp rank and receive the previous one's; returns (buffer, requests) to wait on.
-    Both directions go in one ``batch_isend_irecv``, so no two neighbours block in a send at once.
-    """
+    """Send ``send`` to the next cp rank and receive the previous one's; returns (buffer, requests) to wait on. Both
+    directions go in one ``batch_isend_irecv``, so no two neighbours block in a send at once."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     recv = torch.empty_like(send)
     ops = [
@@ -260,8 +256,7 @@ def ring_attention(
 
 def masked_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
     """One block under an explicit mask (module docstring, 6) -> (output, lse); a row that sees no key gets output 0 and
-    lse -inf, which the merge leaves out.
-    """
+    lse -inf, which the merge leaves out."""
     acc = torch.promote_types(q.dtype, torch.float32)
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.to(acc).repeat_interleave(n_rep, dim=1), v.to(acc).repeat_interleave(n_rep, dim=1)
@@ -293,9 +288,8 @@ def masked_block_backward(d_out, q, k, v, out, lse, mask):
 
 # ---- 3-5. blocks through a fused kernel, merged by their log-sum-exp ---------------------------------------
 def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The running (output, lse) for q: zeros and −inf in fp32 (fp64 stays fp64), output laid out (b, n, heads, d) so
-    wo reads this same storage after the cast.
-    """
+    """The running (output, lse) for q: zeros and −inf in fp32 (fp64 stays fp64), output laid out (b, n, heads, d) so wo
+    reads this same storage after the cast."""
     acc = torch.promote_types(q.dtype, torch.float32)
     b, heads, n, d = q.shape
     out = torch.zeros(b, n, heads, d, dtype=acc, device=q.device).transpose(1, 2)
@@ -314,9 +308,8 @@ def merge_partial(out, lse, rows: slice, block_out, block_lse) -> None:
 
 
 class BlockwiseAttention(torch.autograd.Function):
-    """q's rows attend to several (k, v) blocks through the fused kernel, merged by LSE; no messages.
-    Backward runs each block's kernel backward with the merged output and LSE (module docstring, 5).
-    """
+    """q's rows attend to several (k, v) blocks through the fused kernel, merged by LSE; no messages. Backward runs each
+    block's kernel backward with the merged output and LSE (module docstring, 5)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list) -> torch.Tensor:

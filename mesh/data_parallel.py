@@ -42,8 +42,7 @@ if TYPE_CHECKING:
 
 def reshard_after_forward_policy(policy: str, is_last_block: bool, pipelined: bool) -> bool:
     """``default``: free gathered weights after forward except the last block's; under pipelining keep them, since a
-    stage runs several forwards before their backwards.
-    """
+    stage runs several forwards before their backwards."""
     if policy == "always":
         return True
     if policy == "never" or pipelined:
@@ -53,8 +52,7 @@ def reshard_after_forward_policy(policy: str, is_last_block: bool, pipelined: bo
 
 def vocabulary_units(model: nn.Module) -> list[list[nn.Module]]:
     """The vocabulary units: ``[[embedding], [final norm, head]]`` (those this stage holds); tied, one unit
-    ``[[embedding, norm, head]]``, since an FSDP unit owns its parameters.
-    """
+    ``[[embedding, norm, head]]``, since an FSDP unit owns its parameters."""
     embedding, norm, head = (getattr(model, name, None) for name in ("tok_embeddings", "norm", "output"))
     if embedding is not None and head is not None and embedding.weight is head.weight:
         return [[embedding, norm, head]]
@@ -64,9 +62,8 @@ def vocabulary_units(model: nn.Module) -> list[list[nn.Module]]:
 
 
 def sum_from_mean(mean: torch.Tensor, replicas: int) -> torch.Tensor:
-    """Gradients are *summed* over data-parallel replicas, never averaged: each loss is already its share of the
-    global mean (training/loss.py). An averaging reduction (DDP's hooks) is multiplied back here, in place.
-    """
+    """Gradients are *summed* over data-parallel replicas, never averaged: each loss is already its share of the global
+    mean (training/loss.py). An averaging reduction (DDP's hooks) is multiplied back here, in place."""
     return mean.mul_(replicas)
 
 

@@ -113,8 +113,7 @@ class Meshes:
 
 def mesh_backend_options(device: torch.device, timeout_s: float, host_tensors: bool = False):
     """``(backend, options)`` for DeviceMesh's ``backend_override``: the device plane's backend and our timeout.
-    ``host_tensors`` (FSDP CPU offload) adds gloo for CPU tensors on a GPU: ``cuda:nccl,cpu:gloo``.
-    """
+    ``host_tensors`` (FSDP CPU offload) adds gloo for CPU tensors on a GPU: ``cuda:nccl,cpu:gloo``."""
     backend = device_backend(device)
     if backend == "nccl" and host_tensors:
         backend = "cuda:nccl,cpu:gloo"
@@ -131,9 +130,8 @@ def build_mesh(
     ep_within_dp_shard: bool = False,
 ) -> Meshes:
     """The world mesh with named dims (pp, dp_replicate, dp_shard, cp, tp) and its named views (one root).
-    ``fsdp_with_tp`` adds the flattened (dp_shard, cp, tp) group; ``ep_within_dp_shard``: the earlier expert
-    layout, kept for comparison (measure/ep_placement.py).
-    """
+    ``fsdp_with_tp`` adds the flattened (dp_shard, cp, tp) group; ``ep_within_dp_shard``: the earlier expert layout,
+    kept for comparison (measure/ep_placement.py)."""
     options = mesh_backend_options(device, timeout_s, host_tensors)
     world = init_device_mesh(
         device.type,
@@ -170,8 +168,7 @@ def build_mesh(
 
 def _expert_meshes(world: DeviceMesh, dims: ParallelDims, options) -> tuple[DeviceMesh, DeviceMesh]:
     """The ep mesh and the experts' FSDP mesh: the world regrouped as (pp, dp_replicate, efsdp, ep), views of the one
-    root, so each expert's gradient is summed over every rank its tokens came from, and over none twice.
-    """
+    root, so each expert's gradient is summed over every rank its tokens came from, and over none twice."""
     efsdp = dims.dp_shard * dims.cp * dims.tp // dims.ep
     flat = flatten_mesh(world, MESH_DIMS, "world_flat", options)
     experts = unflatten_mesh(

@@ -47,8 +47,7 @@ if TYPE_CHECKING:
 
 def host_split_sizes(counts: torch.Tensor, received: torch.Tensor, rows: int) -> tuple[torch.Tensor, list, list]:
     """Step 2's split sizes read to the host (``all_to_all_single`` takes host integers): the layer's one host sync.
-    Returns (received counts, sent per rank, received per rank).
-    """
+    Returns (received counts, sent per rank, received per rank)."""
     ep = received.shape[0]
     sent_per_rank, recv_per_rank = torch.stack([counts.view(ep, -1).sum(1), received.sum(1)]).tolist()
     return received, sent_per_rank, recv_per_rank
@@ -56,8 +55,7 @@ def host_split_sizes(counts: torch.Tensor, received: torch.Tensor, rows: int) ->
 
 def balanced_split_sizes(counts: torch.Tensor, received: torch.Tensor, rows: int) -> tuple[torch.Tensor, list, list]:
     """Balanced routing assumed instead of read: no host read, so it runs under fake tensors (a simulation). The count
-    exchange still runs, so the collectives are those of a real step.
-    """
+    exchange still runs, so the collectives are those of a real step."""
     ep, n_local = received.shape
     per_rank = [rows // ep + (1 if r < rows % ep else 0) for r in range(ep)]
     cells = [[n // n_local + (1 if e < n % n_local else 0) for e in range(n_local)] for n in per_rank]
@@ -171,9 +169,8 @@ def step_expert_load(
     skip: torch.Tensor | None = None,
 ) -> dict:
     """Global per-layer expert load of the step on every rank (device all-reduces over ``loss`` then ``tp_mesh``; a
-    stage without MoE layers still joins), then the aux-loss-free bias update from it; resets the counters.
-    ``skip`` (``found_inf``) zeroes the update on the device. With ``read`` False: {} and no host read.
-    """
+    stage without MoE layers still joins), then the aux-loss-free bias update from it; resets the counters. ``skip``
+    (``found_inf``) zeroes the update on the device. With ``read`` False: {} and no host read."""
     if not moe_layer_ids:
         return {}
     local = moe_modules(parts)

@@ -24,8 +24,7 @@ FUSED_KERNELS = ("cpu_flash", "flash", "efficient")
 
 def fused_attention_kernel(q: torch.Tensor) -> str:
     """The fused kernel for queries like ``q``: ``cpu_flash`` (CPU), ``flash`` (CUDA bf16/fp16, head_dim % 8, <= 256,
-    sm80+), else ``efficient`` (needs k/v repeated to the query heads, one block at a time).
-    """
+    sm80+), else ``efficient`` (needs k/v repeated to the query heads, one block at a time)."""
     if q.device.type == "cpu":
         return "cpu_flash"
     if q.device.type != "cuda":
@@ -46,9 +45,8 @@ def _fold_heads(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """One fused attention call: (output in q's dtype, lse fp32 (fp64 on CPU fp64), state for the backward).
-    ``causal`` is aligned top left (the diagonal block of a square).
-    """
+    """One fused attention call: (output in q's dtype, lse fp32 (fp64 on CPU fp64), state for the backward). ``causal``
+    is aligned top left (the diagonal block of a square)."""
     kernel = fused_attention_kernel(q)
     if kernel == "cpu_flash":
         out, lse = sdpa_flash_cpu(q, k, v, causal)
@@ -65,8 +63,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 
 def attention_with_lse_backward(grad_out, q, k, v, out, lse, causal: bool, state):
     """(dq, dk, dv) of one block from the *merged* output and LSE, so the blocks' dq sum to the full attention's and
-    each dk, dv is exact; dk, dv come back at k's kv heads.
-    """
+    each dk, dv is exact; dk, dv come back at k's kv heads."""
     kernel, *rest = state
     lse = lse.contiguous()  # a row slice of the merged LSE; the kernels index it as dense
     if kernel == "cpu_flash":

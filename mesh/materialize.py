@@ -46,9 +46,8 @@ def canonical_name(name: str) -> str:
 def materialize_weights(
     model: nn.Module, device: torch.device, seed: int, param_device: torch.device | None = None
 ) -> None:
-    """Allocate ``model`` on ``device`` with the layout-independent initial weights; ``param_device``: the host
-    under FSDP CPU offload (buffers always go to ``device``).
-    """
+    """Allocate ``model`` on ``device`` with the layout-independent initial weights; ``param_device``: the host under
+    FSDP CPU offload (buffers always go to ``device``)."""
     param_device = param_device or device
     model.to_empty(device=param_device)
     model.tie_weights()

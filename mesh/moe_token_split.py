@@ -27,9 +27,8 @@ if TYPE_CHECKING:
 
 
 class SequenceChunks:
-    """``MoE.sequence`` under TP (rank r holds chunk r): ``sum`` all-reduces a per-sequence quantity (identity
-    backward, Megatron's "g"); ``before`` counts earlier chunks' tokens per expert. Functional collectives.
-    """
+    """``MoE.sequence`` under TP (rank r holds chunk r): ``sum`` all-reduces a per-sequence quantity (identity backward,
+    Megatron's "g"); ``before`` counts earlier chunks' tokens per expert. Functional collectives."""
 
     def __init__(self, tp_mesh: DeviceMesh):
         self.group, self.chunks, self.rank = tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank()
@@ -56,8 +55,7 @@ class _SumOverRanks(torch.autograd.Function):
 class TokenSplitMoE(ParallelStyle):
     """Under TP, an MoE block works on this tp rank's chunk of every sequence, like a data-parallel rank: tokens are
     split instead of weights, so each (token, expert) pair is computed once across tp. Router and shared expert
-    gradients cover the rank's tokens: FSDP over dp_shard x cp x tp sums them, or ``sum_token_split_gradients``.
-    """
+    gradients cover the rank's tokens: FSDP over dp_shard x cp x tp sums them, or ``sum_token_split_gradients``."""
 
     def __init__(self, sequence_parallel: bool):
         super().__init__()
@@ -93,8 +91,7 @@ def moe_plan(sequence_parallel: bool) -> dict:
 @torch.no_grad()
 def sum_token_split_gradients(parts: list[nn.Module], tp_mesh: DeviceMesh, experts: bool = True) -> None:
     """Sum over tp, in one all-reduce of local tensors, the MoE weights' gradients every tp rank holds (``experts``:
-    include the experts; not when ep borrows the tp ranks, whose experts differ).
-    """
+    include the experts; not when ep borrows the tp ranks, whose experts differ)."""
     tp_ranks = mesh_ranks(tp_mesh)
     grads = [
         local_tensor(p.grad)

@@ -114,9 +114,8 @@ def build_stage_module(args: ModelArgs, layers: list[int], is_first: bool, is_la
 
 @dataclass(frozen=True)
 class StageShapes:
-    """What flows between stages, from the plan: micro-batches of ``seq`` tokens (seq_len / cp, / tp under SP) of
-    width ``dim`` in ``dtype``, and the last stage's logits of ``vocab`` (vocab-sharded under TP).
-    """
+    """What flows between stages, from the plan: micro-batches of ``seq`` tokens (seq_len / cp, / tp under SP) of width
+    ``dim`` in ``dtype``, and the last stage's logits of ``vocab`` (vocab-sharded under TP)."""
 
     microbatch: int
     seq: int
@@ -152,9 +151,8 @@ class StageShapes:
 
 
 def forget_metadata_inference_statistics(stage: PipelineStage) -> None:
-    """Reset the MoE load counters after torch's metadata inference (a real forward and backward on torch 2.13), so
-    they count real micro-batches only.
-    """
+    """Reset the MoE load counters after torch's metadata inference (a real forward and backward on torch 2.13), so they
+    count real micro-batches only."""
 
     def reset() -> None:
         for module in stage.submod.modules():
@@ -177,8 +175,7 @@ def build_pipeline_schedule(
     shapes: StageShapes | None = None,
 ):
     """Wrap each local stage in a PipelineStage and build ``schedule``; ``shapes`` gives static metadata, so the first
-    step runs no shape inference.
-    """
+    step runs no shape inference."""
     stages = [
         PipelineStage(
             module,
@@ -209,9 +206,8 @@ def run_schedule(
     forward_only: bool,
     documents: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """One local batch through ``schedule`` (training and evaluation); returns the per-micro-batch losses (empty off
-    the last stage). ``forward_only`` uses ``schedule.eval`` where it works.
-    """
+    """One local batch through ``schedule`` (training and evaluation); returns the per-micro-batch losses (empty off the
+    last stage). ``forward_only`` uses ``schedule.eval`` where it works."""
     losses: list[torch.Tensor] = []
     is_first, is_last = 0 in stage_ids, n_stages - 1 in stage_ids
     # training keeps no outputs: the last stage would otherwise hold every micro-batch's logits (and a merged copy)

@@ -141,9 +141,8 @@ def all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
 
 # ---- pipelining ----------------------------------------------------------------------------------------
 def after_shape_inference(stage, callback) -> None:
-    """Call ``callback()`` right after ``stage`` finished torch's shape inference, which routes tokens: torch 2.13+
-    runs a real forward and backward, torch 2.11 a no-grad forward on zeros.
-    """
+    """Call ``callback()`` right after ``stage`` finished torch's shape inference, which routes tokens: torch 2.13+ runs
+    a real forward and backward, torch 2.11 a no-grad forward on zeros."""
     name = "_post_metadata_inference_cleanup"
     if not hasattr(stage, name):  # torch 2.11
         name = "_shape_inference"
@@ -158,9 +157,8 @@ def after_shape_inference(stage, callback) -> None:
 
 
 def no_warm_up_messages_to_self(stage) -> None:
-    """Leave a stage's links to a same-rank neighbour out of torch 2.11's warm-up: gloo cannot send to itself
-    ("Pair is not connected"). torch 2.13+ never calls this.
-    """
+    """Leave a stage's links to a same-rank neighbour out of torch 2.11's warm-up: gloo cannot send to itself ("Pair is
+    not connected"). torch 2.13+ never calls this."""
     warm_up = getattr(stage, "_get_init_p2p_neighbors_ops", None)
     if warm_up is None:
         return
@@ -176,9 +174,8 @@ def step_without_outputs(schedule):
 
 
 def skip_warm_up_vote(schedule) -> None:
-    """Simulation only: set torch 2.13's warm-up vote to "every stage static" without voting (a fake world cannot
-    read it). A release without the vote (2.11) keeps its own warm-up.
-    """
+    """Simulation only: set torch 2.13's warm-up vote to "every stage static" without voting (a fake world cannot read
+    it). A release without the vote (2.11) keeps its own warm-up."""
     if not hasattr(schedule, "_warmup_p2p"):
         return
     from torch.distributed.pipelining._utils import InferenceMode
@@ -192,9 +189,8 @@ def skip_warm_up_vote(schedule) -> None:
 
 @contextlib.contextmanager
 def own_fake_mode_for_sharding_propagation():
-    """Give each DTensor sharding propagation its own fake mode, so a memory meter on the ambient one does not count
-    its global-shape temporaries.
-    """
+    """Give each DTensor sharding propagation its own fake mode, so a memory meter on the ambient one does not count its
+    global-shape temporaries."""
     from torch.distributed.tensor import _sharding_prop
 
     if not hasattr(_sharding_prop, "detect_fake_mode"):  # a release that never reuses it
@@ -236,8 +232,7 @@ def mesh_ranks(mesh: DeviceMesh) -> set[int]:
 @contextlib.contextmanager
 def meshes_outside_fake_mode():
     """Make DeviceMeshes (FSDP2's ``_concatenate`` under TP/EP) on real tensors, outside every fake mode: they call
-    ``nonzero()``.
-    """
+    ``nonzero()``."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     concatenate = DeviceMesh._concatenate
@@ -256,8 +251,7 @@ def meshes_outside_fake_mode():
 @contextlib.contextmanager
 def eager_functional_collectives():
     """Run functional collectives eagerly under a fake mode (else they wait at once), so selective checkpointing saves
-    what a real rank saves.
-    """
+    what a real rank saves."""
     from torch.distributed import _functional_collectives as funcol
 
     tracing = getattr(funcol, "_are_we_tracing", None)
@@ -282,8 +276,7 @@ def checkpoint_wrapper(module, **kwargs):
 # ---- DDP without a wrapper module ------------------------------------------------------------------------
 def replicate_with_ddp(model, group, device: torch.device, **ddp_kwargs):
     """DDP over ``group`` applied to ``model`` in place (composable ``replicate``): names and class stay, unlike
-    ``DistributedDataParallel``'s ``.module``.
-    """
+    ``DistributedDataParallel``'s ``.module``."""
     from torch.distributed._composable import replicate
 
     return replicate(model, process_group=group, device_id=device, **ddp_kwargs)
@@ -379,9 +372,8 @@ def sdpa_efficient_backward(grad_out, q, k, v, out, lse, seed, offset, causal: b
 
 # ---- flight recorder -------------------------------------------------------------------------------------
 def flight_recorder_dump() -> dict:
-    """This process's flight-recorder buffer in the format of torch's analyser (``fr_trace``), with Python stacks.
-    torch 2.13 registers only NCCL groups' names and ranks (``pg_config``); gloo's are filled in here.
-    """
+    """This process's flight-recorder buffer in the format of torch's analyser (``fr_trace``), with Python stacks. torch
+    2.13 registers only NCCL groups' names and ranks (``pg_config``); gloo's are filled in here."""
     import pickle
 
     dump = pickle.loads(
@@ -402,8 +394,7 @@ def flight_recorder_dump() -> dict:
 # ---- DTensor: which block of the full tensor this rank holds ----------------------------------------------
 def contiguous_block(param) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(local shape, offset) of this rank's piece of DTensor ``param``, or None when it is not one block
-    (``_StridedShard``).
-    """
+    (``_StridedShard``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

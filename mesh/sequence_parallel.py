@@ -22,10 +22,9 @@ if TYPE_CHECKING:
 
 
 class GatherSavingShard(PrepareModuleInput):
-    """SP: all-gather a sub-layer's input for its column-parallel matmuls but save only this rank's shard, gathering
-    it again in backward (Megatron-LM; docs/tensor_parallel.md, section 6; ``parallel.sp_regather``).
-    Eager mode without activation checkpointing only (config.check_values): a recomputation must see the same hooks.
-    """
+    """SP: all-gather a sub-layer's input for its column-parallel matmuls but save only this rank's shard, gathering it
+    again in backward (Megatron-LM; docs/tensor_parallel.md, section 6; ``parallel.sp_regather``). Eager mode without
+    activation checkpointing only (config.check_values): a recomputation must see the same hooks."""
 
     def __init__(self):
         super().__init__(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))

@@ -57,8 +57,7 @@ if TYPE_CHECKING:
 
 class ReplicateParallel(ParallelStyle):
     """Run a module unsplit, its parameters Replicate DTensors over tp, so every parameter shares the (dp, tp) mesh
-    (AdamW's and clipping's foreach kernels cannot mix meshes).
-    """
+    (AdamW's and clipping's foreach kernels cannot mix meshes)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def to_dtensor(_module, inputs, mesh):
@@ -77,8 +76,7 @@ class ReplicateParallel(ParallelStyle):
 
 class ReplicatedDTensor(ParallelStyle):
     """Latent attention's low-rank projections and norms: whole on every tp rank as Replicate DTensors; their gradient
-    is Partial, reduced once by ``reduce_partial_gradients``.
-    """
+    is Partial, reduced once by ``reduce_partial_gradients``."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh)
@@ -99,9 +97,8 @@ def latent_plan() -> dict:
 
 
 def block_plan(sequence_parallel: bool, regather: bool = False) -> dict:
-    """The TP plan of one TransformerBlock; without SP each sub-layer's input is one Replicate DTensor, so backward
-    sums its input gradients before a *single* all-reduce (Megatron's "f").
-    """
+    """The TP plan of one TransformerBlock; without SP each sub-layer's input is one Replicate DTensor, so backward sums
+    its input gradients before a *single* all-reduce (Megatron's "f")."""
     # Between sub-layers, activations are sequence shards (SP) or replicated (no SP).
     between = Shard(1) if sequence_parallel else Replicate()
     plan = {
@@ -194,9 +191,8 @@ def loss_context(tp_enabled: bool):
 
 @torch.no_grad()
 def reduce_partial_gradients(params: list[torch.Tensor]) -> None:
-    """All-reduce once, in one flat collective per mesh and placements, the Partial gradients of SP norm weights
-    under TP alone; DTensor would redo it on every use. Under FSDP nothing is Partial.
-    """
+    """All-reduce once, in one flat collective per mesh and placements, the Partial gradients of SP norm weights under
+    TP alone; DTensor would redo it on every use. Under FSDP nothing is Partial."""
     partial = [p for p in params if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)]
     for group in group_by_placement(partial):
         mesh, placements = group[0].grad.device_mesh, group[0].grad.placements

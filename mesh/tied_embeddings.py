@@ -84,9 +84,7 @@ class TiedEmbeddings:
     @classmethod
     def build(cls, parts: list[nn.Module], meshes: Meshes, timeout_s: float) -> TiedEmbeddings:
         """Collect the local copies; with pp > 2 create the embedding groups (every rank must call this: ``new_group``
-        is
-        a collective, in the same order on every rank).
-        """
+        is a collective, in the same order on every rank)."""
         copies = [copy for part in parts for copy in copies_of(part)]
         pp_mesh = meshes.pp
         if not parts[0].args.tie_embeddings or pp_mesh.size() == 1:

@@ -53,9 +53,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 @torch.compiler.disable  # a one-time host-side trial, never part of a compiled graph
 def _trial(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> str | None:
     """Run a two-group grouped matmul of each (k, n) in ``shapes``, forward and backward; None if all ran, else the
-    error.
-    In a thread of its own: dispatch modes are per thread, so the caller's (selective checkpointing) never sees it.
-    """
+    error. In a thread of its own: dispatch modes are per thread, so the caller's (selective checkpointing) never sees
+    it."""
     failure = []
 
     def trial() -> None:
@@ -76,8 +75,7 @@ def _trial(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, in
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:
     """Whether ``grouped_mm`` runs for these weights on ``device`` in ``dtype``; tried once. Under torch.compile the
-    trial runs on the meta device, whose function in torch 2.13 accepts bf16 only (CUDA's rule).
-    """
+    trial runs on the meta device, whose function in torch 2.13 accepts bf16 only (CUDA's rule)."""
     compiling = torch.compiler.is_compiling()
     key = (device.type, device.index, dtype, shapes, compiling)
     if key not in _WORKS:
@@ -101,9 +99,8 @@ def alignment_rows(device: torch.device, dtype: torch.dtype) -> int:
 
 
 def padded_groups(counts: torch.Tensor, align: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where each grouped row goes when every group is padded to a multiple of ``align`` rows: (destination rows,
-    int32 cumulative ends, padded row count, an upper bound needing no host read).
-    """
+    """Where each grouped row goes when every group is padded to a multiple of ``align`` rows: (destination rows, int32
+    cumulative ends, padded row count, an upper bound needing no host read)."""
     padded = (counts + align - 1) // align * align  # a group of 0 rows stays 0
     offs = padded.cumsum(0, dtype=torch.int32)
     groups = torch.arange(counts.numel(), device=counts.device)

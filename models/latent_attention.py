@@ -57,8 +57,7 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 
 class LatentAttention(nn.Module):
     """Steps 1-4 of the module docstring; ``head_dim`` is DeepSeek's qk_nope_head_dim. ``norm``, ``rotate`` and
-    ``attend`` come from models/llama.py.
-    """
+    ``attend`` come from models/llama.py."""
 
     def __init__(self, args, norm: type[nn.Module], rotate: Callable, attend: Callable):
         super().__init__()

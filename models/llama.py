@@ -122,8 +122,7 @@ class ModelArgs:
 
     def stored_name(self, name: str) -> str:
         """The name under which parameter ``name`` is initialised, saved and imported: a tied head (a last stage's
-        ``output.weight`` copy) is ``tok_embeddings.weight``.
-        """
+        ``output.weight`` copy) is ``tok_embeddings.weight``."""
         return EMBEDDING if self.tie_embeddings and name == HEAD else name
 
     def num_params(self) -> int:
@@ -137,8 +136,7 @@ EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 
 class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm saving only the input (own dtype) and the fp32 rsqrt per token, like Megatron's fused one: 4 bytes per
-    element less in bf16 than composed ops (docs/tensor_parallel.md, section 6); the forward is bit for bit theirs.
-    """
+    element less in bf16 than composed ops (docs/tensor_parallel.md, section 6); the forward is bit for bit theirs."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -241,8 +239,7 @@ class LayerCache:
 
 def sdpa_reads_grouped_kv(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether SDPA with ``enable_gqa=True`` runs a fused kernel on grouped k/v: CPU flash always; CUDA only flash
-    (``cuda_flash_eligible``, no mask). Otherwise SDPA silently falls back to the math kernel, so repeat k/v.
-    """
+    (``cuda_flash_eligible``, no mask). Otherwise SDPA silently falls back to the math kernel, so repeat k/v."""
     if q.device.type == "cpu":
         return True
     return mask is None and cuda_flash_eligible(q)
@@ -254,9 +251,8 @@ def _capability_at_least_ampere(device_index: int) -> bool:
 
 
 def cuda_flash_eligible(q: torch.Tensor) -> bool:
-    """Whether CUDA's flash kernel takes queries like ``q``: bf16/fp16, head_dim % 8 == 0 up to 256, sm80+.
-    The one statement of the rule (SDPA's grouped k/v, context parallelism's LSE kernels).
-    """
+    """Whether CUDA's flash kernel takes queries like ``q``: bf16/fp16, head_dim % 8 == 0 up to 256, sm80+. The one
+    statement of the rule (SDPA's grouped k/v, context parallelism's LSE kernels)."""
     head_dim = q.shape[-1]
     return (
         q.device.type == "cuda"
@@ -284,9 +280,8 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
 ) -> torch.Tensor:
     """softmax(q kᵀ / sqrt(d), causal) v on one device; the queries are the *last* seq of the kv_seq positions.
-    ``Attention.attend`` points here (context parallelism swaps in a cross-rank version). ``documents``: a query
-    also sees only its document's keys, through a block-diagonal causal mask (not the flash kernel).
-    """
+    ``Attention.attend`` points here (context parallelism swaps in a cross-rank version). ``documents``: a query also
+    sees only its document's keys, through a block-diagonal causal mask (not the flash kernel)."""
     n_rep = q.shape[2] // k.shape[2]
     # Fewer queries than keys: the causal mask aligned at the bottom right, built explicitly. (torch's
     # causal_lower_right would spare building it on CUDA, but it is a tensor subclass that cannot be created
@@ -422,8 +417,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab); a later pipeline stage takes hidden states.
         ``cache``: continue the cached positions. ``documents`` (batch, whole window): each token's position in its
-        document, for RoPE and for attending within the document only.
-        """
+        document, for RoPE and for attending within the document only."""
         check_window(self.args, tokens.shape[1] if cache is None else cache.length + tokens.shape[1])
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin, doc_ids = self.rope_cos, self.rope_sin, None
@@ -445,16 +439,14 @@ class Transformer(nn.Module):
 
     def tie_weights(self) -> None:
         """With ``tie_embeddings``, make the head's weight the embedding's Parameter: at construction and again after
-        anything that replaces Parameters (``to_empty``, TP's ``distribute_module``).
-        """
+        anything that replaces Parameters (``to_empty``, TP's ``distribute_module``)."""
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
     # ---- initialisation -------------------------------------------------------------------------------
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
         """The full initial value of parameter ``name``: a function of (seed, name) alone, so every layout starts equal.
-        A tied weight takes the head's N(0, dim^-0.5) from the name ``tok_embeddings.weight`` (``stored_name``).
-        """
+        A tied weight takes the head's N(0, dim^-0.5) from the name ``tok_embeddings.weight`` (``stored_name``)."""
         name = self.args.stored_name(name)
         if name.endswith("norm.weight"):
             return torch.ones(shape)

@@ -66,9 +66,8 @@ class MoEArgs:
 
 class GroupedExperts(nn.Module):
     """n_experts SwiGLU MLPs as batched weights; ``forward(x, counts)`` takes the rows of expert 0, then 1, ...
-    ``grouped``: one grouped matmul per weight, no host sync; ``looped``: one matmul per expert (one sync), where
-    the grouped kernel does not run (``grouped_mm_works``).
-    """
+    ``grouped``: one grouped matmul per weight, no host sync; ``looped``: one matmul per expert (one sync), where the
+    grouped kernel does not run (``grouped_mm_works``)."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
         super().__init__()
@@ -159,8 +158,7 @@ class MoE(nn.Module):
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         """Zero the bias and the step statistics; with ``device``, make them anew there (FSDP CPU offload's ``to_empty``
-        puts the whole module on the host, but the bias meets the scores on the compute device).
-        """
+        puts the whole module on the host, but the bias meets the scores on the compute device)."""
         if device is not None:
             for name, buffer in list(self.named_buffers(recurse=False)):
                 setattr(self, name, torch.zeros_like(buffer, device=device))
@@ -235,9 +233,7 @@ class MoE(nn.Module):
 
     def aux_loss(self, scores: torch.Tensor, assigned: torch.Tensor) -> torch.Tensor:
         """Per-sequence Switch loss E * sum_i f_i P_i, summed over sequences, times coef * aux_loss_scale; f_i and P_i
-        are
-        whole-sequence means, summed over its chunks (``self.sequence``).
-        """
+        are whole-sequence means, summed over its chunks (``self.sequence``)."""
         a = self.args
         length = scores.shape[1] * self.sequence.chunks
         probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores do not sum to 1 on their own

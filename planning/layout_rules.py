@@ -302,8 +302,7 @@ def expert_errors(dims: ParallelDims, cfg: Config) -> list[str]:
 
 def compile_errors(dims: ParallelDims, cfg: Config) -> list[str]:
     """Layouts that ``training.compile`` cannot run in torch 2.13, refused before the first step where each failed
-    (measured on CPU; docs/profiling.md, Appendix A.5).
-    """
+    (measured on CPU; docs/profiling.md, Appendix A.5)."""
     if not cfg.training.compile:
         return []
     errors = []
@@ -341,8 +340,7 @@ def batch_errors(dims: ParallelDims, cfg: Config, batch: BatchSplit) -> list[str
 
 def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> list[str]:
     """Every gradient-sync, compression and offload setting that cannot work on this layout; ``accumulation``: loop
-    forward/backward calls per step (None when the batch does not split).
-    """
+    forward/backward calls per step (None when the batch does not split)."""
     p, t = cfg.parallel, cfg.training
     errors: list[str] = []
     accumulates = accumulation is not None and accumulation > 1
@@ -411,9 +409,8 @@ def peak_rank_memory(args: ModelArgs, layout: MemoryLayout, stage_layers, pp_sch
 
 
 def check_memory(plan, cfg: Config, budget: tuple[int, str] | None) -> None:
-    """Raise a ConfigError when the busiest rank's estimate exceeds ``budget`` (bytes, and whose) by
-    ``MEMORY_MARGIN``, naming what would fit: an FSDP degree, full activation checkpointing, the most layers.
-    """
+    """Raise a ConfigError when the busiest rank's estimate exceeds ``budget`` (bytes, and whose) by ``MEMORY_MARGIN``,
+    naming what would fit: an FSDP degree, full activation checkpointing, the most layers."""
     if budget is None:
         return  # the machine does not say how much memory it has
     limit, where = budget

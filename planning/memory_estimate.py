@@ -70,8 +70,7 @@ class DegreesOf:
 @dataclass(frozen=True, kw_only=True)
 class MemoryLayout(DegreesOf):
     """Everything besides the model that decides what a rank holds: ``dims`` and how the step runs on them. Degrees
-    given one by one (``MemoryLayout(tp=2)``, ``dataclasses.replace``) build or update ``dims``.
-    """
+    given one by one (``MemoryLayout(tp=2)``, ``dataclasses.replace``) build or update ``dims``."""
 
     dims: ParallelDims = field(default_factory=degrees)
     seq_len: int

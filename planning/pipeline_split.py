@@ -34,8 +34,7 @@ if TYPE_CHECKING:
 
 def layer_costs(args: ModelArgs, policy: str, seq_len: int) -> tuple[list[float], float, float]:
     """Cost of each layer, plus the first stage's (embedding) and the last's (norm + head): ``params`` counts every
-    expert (all in memory), ``flops`` only the active ones.
-    """
+    expert (all in memory), ``flops`` only the active ones."""
     if policy == "params":
         head = args.vocab_size * args.dim
         return [float(args.layer_params(i)) for i in range(args.n_layers)], float(head), float(head + args.dim)
@@ -90,10 +89,9 @@ def rank_peaks(args: ModelArgs, layout: MemoryLayout, sizes: list[int], schedule
 
 
 def memory_split(args: ModelArgs, layout: MemoryLayout, n_stages: int, schedule: str) -> list[int]:
-    """Layers per stage that make the pipeline ranks' peak memory (``rank_memory``) as even as whole layers allow.
-    Split each rank's peak into its stages' shares and minimise the largest (``minmax_split``, exact); with several
-    stages per rank, then move one cut by one layer while the sorted peaks get lexicographically smaller.
-    """
+    """Layers per stage that make the pipeline ranks' peak memory (``rank_memory``) as even as whole layers allow. Split
+    each rank's peak into its stages' shares and minimise the largest (``minmax_split``, exact); with several stages per
+    rank, then move one cut by one layer while the sorted peaks get lexicographically smaller."""
     pp = layout.pp
     n_local = n_stages // pp
     owner = {s: r for r in range(pp) for s in stage_ids_of_rank(r, pp, n_local, schedule)}

@@ -150,8 +150,7 @@ class LayoutPlan:
 
 def uses_fsdp(dims: ParallelDims, cfg: Config) -> bool:
     """FSDP with data or context parallelism, bf16 or CPU offload (its policies hold them), and an MoE model under TP
-    (it shards the router over the tp ranks); not with PowerSGD (DDP) or 1-bit Adam (exchanges momentum itself).
-    """
+    (it shards the router over the tp ranks); not with PowerSGD (DDP) or 1-bit Adam (exchanges momentum itself)."""
     p = cfg.parallel
     if p.grad_compression in ("powersgd", "onebit_adam"):  # a replicated model: DDP's, or a plain one
         return False

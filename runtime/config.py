@@ -93,8 +93,7 @@ def type_problem(value, meta: dict | None = None) -> str | None:
 
 def opt(default, help: str, **rules):
     """A config field: its default, one line for ``--help``, and its range rules (``ge``/``gt``/``le``/``lt``,
-    ``int_ok``, ``path`` "required"/"optional", ``step``), besides its type's limits (``type_problem``).
-    """
+    ``int_ok``, ``path`` "required"/"optional", ``step``), besides its type's limits (``type_problem``)."""
     return field(default=default, metadata={"help": help, **rules})
 
 
@@ -469,9 +468,8 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]
 
 
 def load_config(argv: list[str] | None = None, *, path: str | None = None, overrides=None) -> Config:
-    """Build a Config from defaults, then a TOML file, then dotted overrides (later wins); tests may pass ``path``
-    and ``overrides`` instead of ``argv``.
-    """
+    """Build a Config from defaults, then a TOML file, then dotted overrides (later wins); tests may pass ``path`` and
+    ``overrides`` instead of ``argv``."""
     if argv is not None:
         path, pairs = parse_overrides(argv)
         typed = False

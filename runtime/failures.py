@@ -87,9 +87,8 @@ def flight_recorder_folder(run_dir: str) -> Path:
 
 
 def enable_flight_recorder(run_dir: str) -> tuple[Path, list[str]]:
-    """Step 4: set the flight recorder's variables before the first process group; returns its folder and the names
-    set (for ``disable_flight_recorder``). A value the user set, under the old or the new name, is kept.
-    """
+    """Step 4: set the flight recorder's variables before the first process group; returns its folder and the names set
+    (for ``disable_flight_recorder``). A value the user set, under the old or the new name, is kept."""
     folder = flight_recorder_folder(run_dir)
     wanted = {
         ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): str(FLIGHT_RECORDER_ENTRIES),

@@ -59,9 +59,8 @@ def device_type_of(requested: str = "auto", cuda_available: bool | None = None) 
 
 
 def choose_precision(requested: str, device_type: str, grad_compression: str = "none") -> str:
-    """``training.mixed_precision`` as the run uses it: ``auto`` is bf16 on CUDA, fp32 on CPU and with PowerSGD or
-    1-bit Adam (no bf16 path).
-    """
+    """``training.mixed_precision`` as the run uses it: ``auto`` is bf16 on CUDA, fp32 on CPU and with PowerSGD or 1-bit
+    Adam (no bf16 path)."""
     if requested != "auto":
         return requested
     replicated = grad_compression in ("powersgd", "onebit_adam")
@@ -93,8 +92,7 @@ def precision_banner(precision: str, tf32: bool) -> str:
 
 def memory_per_rank(requested: str = "auto") -> tuple[int, str] | None:
     """The bytes one rank may use and whose they are: its GPU's memory, or on CPU MemAvailable shared by the host's
-    ranks; None where the machine does not say.
-    """
+    ranks; None where the machine does not say."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             return None  # select_device refuses this with its own message
@@ -131,8 +129,7 @@ def rank_from_env() -> int:
 
 def check_launch_env(env=None, store: bool = False) -> tuple[int, int]:
     """(rank, world size) from the launcher's variables, checked before any store is opened (a bad RANK would hang in
-    connect); none set is a world of one. MASTER_ADDR/PORT are required only with ``store``.
-    """
+    connect); none set is a world of one. MASTER_ADDR/PORT are required only with ``store``."""
     from runtime.config import ConfigError, parse_int
 
     env = os.environ if env is None else env
@@ -194,8 +191,7 @@ _CONTROL: ControlPlane | None = None
 
 def init_process_group(device: torch.device, timeout_s: float) -> ControlPlane:
     """Join (or create) the default group, then the control plane; a harness's existing group is kept. No collective
-    runs on the default group directly.
-    """
+    runs on the default group directly."""
     global _CONTROL
     if not dist.is_initialized():
         if "RANK" in os.environ:
@@ -290,8 +286,7 @@ class ControlPlane:
         self, error: BaseException | None, what: str, error_type: type[Exception] = RuntimeError
     ) -> None:
         """Every rank calls this after work that may fail on some ranks only: they exchange errors and all raise the
-        failing rank's (a ConfigError stays exit 2), instead of the others waiting out the timeout.
-        """
+        failing rank's (a ConfigError stays exit 2), instead of the others waiting out the timeout."""
         from runtime.config import ConfigError
 
         mine = None if error is None else (type(error).__name__, isinstance(error, ConfigError), str(error))

@@ -226,9 +226,8 @@ def all_on_one_node(world_size: int) -> bool:
 def lock_run_folders(
     folders: list[tuple[str, Path]], locks: list[RunLock], rank: int, look: bool
 ) -> ConfigError | None:
-    """Step 2 before any process group: rank 0 locks each (field, folder) into ``locks``; with ``look`` the others
-    check them. Returns None or the ConfigError to raise (after the control plane shared it: step 2c).
-    """
+    """Step 2 before any process group: rank 0 locks each (field, folder) into ``locks``; with ``look`` the others check
+    them. Returns None or the ConfigError to raise (after the control plane shared it: step 2c)."""
     job = job_id()
     field, folder = folders[0]
     seen: set[Path] = set()

@@ -185,9 +185,8 @@ TORCHRUN_MODULE = "torch.distributed.run"
 
 
 def resume_command(argv: list[str] | None = None, environ=None, launcher_cmdline: list[str] | None = None) -> str:
-    """The shell command that continues this run from its newest checkpoint (module docstring, step 4); ``environ``
-    and ``launcher_cmdline`` let a test play a torchrun worker.
-    """
+    """The shell command that continues this run from its newest checkpoint (module docstring, step 4); ``environ`` and
+    ``launcher_cmdline`` let a test play a torchrun worker."""
     argv = list(sys.argv if argv is None else argv)
     env = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" in env:  # a torchrun worker

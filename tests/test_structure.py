@@ -198,7 +198,6 @@ def test_no_library_module_docstring_runs_past_about_30_lines():
     assert long == {}, f"module docstrings longer than {MODULE_LIMIT} lines"
 
 
-@pytest.mark.xfail(strict=True, reason="29.8% after issue 43's module docstring cuts; function docstrings next")
 def test_library_docstrings_are_at_most_a_quarter_of_library_code():
     from measure.docstring_share import LIMIT, library_share, measure
 

@@ -125,8 +125,7 @@ def pipeline_schedule(
     parts, plan: LayoutPlan, meshes: Meshes, device: torch.device
 ) -> tuple[Any, list, LossDivisor | None]:
     """The pipeline schedule over this rank's stages, the stages, and its loss divisor (the step's global trained
-    tokens, set each step by ``forward_backward``); ``(None, [], None)`` without pipelining.
-    """
+    tokens, set each step by ``forward_backward``); ``(None, [], None)`` without pipelining."""
     if plan.dims.pp == 1:
         return None, [], None
     scale = LossDivisor(plan.global_tokens)
@@ -158,8 +157,7 @@ def forward_backward(
     loss_divisor: LossDivisor | None = None,
 ) -> torch.Tensor:
     """One micro-batch's forward and (with ``backward``) backward; returns this rank's token-loss sum (0 off the last
-    stage). ``trained_tokens``: the step's global trained targets; ``documents``: for every stage's forward.
-    """
+    stage). ``trained_tokens``: the step's global trained targets; ``documents``: for every stage's forward."""
     tokens = plan.global_tokens if trained_tokens is None else divisor(trained_tokens)
     if loss_divisor is not None:  # the pipeline schedule's loss function reads it (``pipeline_schedule``)
         loss_divisor.tokens = tokens
@@ -316,8 +314,7 @@ def train_step(s: StepParts, step: int, log: bool = True, check: bool = False) -
 
 def fill_records(s: StepParts, values: list[float]) -> None:
     """Step 7 on a log step: the unlogged records and this one get loss, norm and tokens/s, timed end to end between
-    steps (as torchtitan); ``window_tokens_per_s`` times train_step alone.
-    """
+    steps (as torchtitan); ``window_tokens_per_s`` times train_step alone."""
     for index, (record, _, _, since, start, end) in enumerate(s.unread):
         tokens_per_s = s.plan.global_tokens / seconds_between(since, end)
         window = s.plan.global_tokens / seconds_between(start, end)
