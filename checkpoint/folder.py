@@ -89,9 +89,8 @@ def remove_stale(folder: Path) -> list[str]:
 
 
 def move_aside(path: Path) -> str:
-    """Rename a damaged step to ``step-N.damaged`` (``-1``, ``-2``, ... when taken): kept, never read again.
-    Returns what happened, for the log. A step that cannot be renamed (a folder this user may not write)
-    stays where it is: the run goes on without it, since every rank has already ruled it out."""
+    """Rename a damaged step to ``step-N.damaged`` (``-1``, ... when taken), never read again; returns what happened.
+    One that cannot be renamed stays: every rank has already ruled it out."""
     target, n = path.with_name(f"{path.name}.damaged"), 1
     try:
         while target.exists():
@@ -106,9 +105,8 @@ def move_aside(path: Path) -> str:
 
 
 def _missing_markers(markers: Path, world: int, patience_s: float) -> list[int]:
-    """Ranks whose marker this rank cannot open. Each is opened by name (NFS revalidates a name on open,
-    while a directory listing may be served from a cache for tens of seconds), and the check is retried for
-    ``patience_s`` before a rank is declared missing."""
+    """Ranks whose marker this rank cannot open, each by name (NFS may serve a listing from cache), retried for
+    ``patience_s``."""
     deadline = time.monotonic() + patience_s
     while True:
         missing = []

@@ -449,9 +449,8 @@ def parse_size(text: str) -> int:
 
 
 def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """Files of at most ``max_bytes``, filled in order, as ``save_pretrained`` fills them: a tensor larger
-    than that gets a file of its own at once (the file being filled stays open for the next tensors);
-    any other tensor closes the file being filled when it would not fit, and opens the next."""
+    """Files of at most ``max_bytes`` filled in order, as ``save_pretrained`` fills them (a larger tensor gets a file of
+    its own)."""
     shards: list[dict[str, torch.Tensor]] = []
     current: dict[str, torch.Tensor] = {}
     size = 0
@@ -538,9 +537,7 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
 
 
 def safetensors_problems(path: str | Path, args: ModelArgs) -> list[str]:
-    """Why ``path`` (a folder, or one .safetensors file) cannot initialise a model with ``args`` (empty: it
-    can). Reads headers only: names and shapes against the model. What the weights compute (RoPE, norm eps,
-    ...) comes from the folder's config.json, which adopt_folder_config made the model's already."""
+    """Why ``path`` cannot initialise a model with ``args`` (empty: it can), from the headers' names and shapes only."""
     p = Path(path).expanduser()
     if not (p.is_file() or is_model_folder(p) or (p / "model.safetensors").is_file()):
         return [
@@ -575,9 +572,8 @@ def safetensors_problems(path: str | Path, args: ModelArgs) -> list[str]:
 
 
 def _source_name(part: nn.Module, name: str, files: dict[str, Path]) -> str | list[str]:
-    """The file's name for parameter ``name`` of ``part`` (an expert weight: its experts' names). A tied head
-    (or a last pipeline stage's copy of a tied weight) reads the embedding (``ModelArgs.stored_name``); so does
-    a head missing from the file."""
+    """The file's name for parameter ``name`` of ``part``; a tied or missing head reads the embedding
+    (``ModelArgs.stored_name``)."""
     name = canonical_name(name)
     args = getattr(part, "args", None)
     family = args.family if args is not None else "llama"
@@ -605,9 +601,8 @@ class ExpertStack:
 
 
 def read_piece(stored, param: torch.Tensor, sliced: bool = True) -> torch.Tensor:
-    """This rank's piece of ``param`` from ``stored`` (a safetensors slice handle): only the block this rank
-    holds when its piece is one block (``sliced``), else the full tensor, cut with ``distribute_tensor``
-    (a local slice by the placements, no communication)."""
+    """This rank's piece of ``param`` from ``stored``: only its block when ``sliced`` and one block, else the full
+    tensor cut locally with ``distribute_tensor``."""
     if not isinstance(param, DTensor):
         return stored[:]
     block = contiguous_block(param) if sliced else None

@@ -99,9 +99,8 @@ def corpus_files(source: str, field: str = "data.source") -> list[Path]:
 
 
 def special_file_kind(path: Path) -> str | None:
-    """What ``path`` is when it exists but is neither a regular file nor a folder (a device, a FIFO, a socket):
-    such a source never ends (/dev/zero) or blocks the reader (a FIFO nobody writes), so it is refused by
-    name, without opening it."""
+    """What ``path`` is when neither a regular file nor a folder (device, FIFO, socket): refused by name, unopened,
+    since it never ends or blocks."""
     try:
         mode = path.stat().st_mode
     except OSError:

@@ -288,9 +288,8 @@ def open_tokens(path: str | Path, header: dict):
 
 
 def check_header_ids(header: dict, vocab_size: int, field: str = "data.source", path: str = "") -> None:
-    """Every id of the dataset must be below ``model.vocab_size``: the header's tokenizer vocabulary and its
-    recorded largest id (``max_id``; absent in headers written before it existed: the loader checks the
-    windows then)."""
+    """Every id of the dataset must be below ``model.vocab_size``: the header's vocabulary and ``max_id`` (older headers
+    lack it: the loader checks the windows)."""
     vocab, max_id = header.get("tokenizer", {}).get("vocab_size"), header.get("max_id")
     if isinstance(vocab, int) and vocab > vocab_size:
         raise ConfigError(

@@ -62,9 +62,8 @@ def gpu_row(device_name: str) -> GPU | None:
 
 
 def table_peak_tflops(device_name: str, mixed_precision: str) -> float | None:
-    """The table's figure for a device name (``torch.cuda.get_device_name``), or None if it is not listed.
-    ``tf32``: fp32 matmuls on TF32 tensor cores, half the dense bf16 figure on the parts that have them (Ampere
-    and newer: A100 156 of 312, H100 SXM 495 of 989), the plain FP32 figure on those that do not."""
+    """The table's figure for a device name, or None if not listed; ``tf32``: half the dense bf16 figure where TF32
+    tensor cores exist (Ampere on), else the plain FP32 one."""
     gpu = gpu_row(device_name)
     if gpu is None:
         return None

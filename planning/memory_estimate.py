@@ -147,9 +147,8 @@ class MemoryLayout(DegreesOf):
 
 
 def block_parameters(args: ModelArgs, layer_id: int) -> dict[str, int]:
-    """A block's parameters by how they are split: ``tp`` (attention, dense FFN, and an MoE layer's router and
-    shared expert, which FSDP shards over dp_shard x cp x tp: mesh/data_parallel.py), ``whole`` (norms),
-    ``experts`` (split over ep). They add up to ``args.layer_params``."""
+    """A block's parameters by split: ``tp`` (an MoE router and shared expert included), ``whole`` (norms), ``experts``
+    (over ep); they add up to ``args.layer_params``."""
     kv = args.n_kv_heads * args.head_dim
     attention = 2 * args.dim * args.dim + 2 * args.dim * kv
     dense_ffn = 3 * args.dim * args.hidden_dim
@@ -277,9 +276,8 @@ def ffn_activation_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout) -
 
 
 def selective_ffn_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout, mode: str = "selective_keep_mm") -> float:
-    """An MoE layer's share under a selective ``mode``: the router's output, topk's values and indices, each
-    routed pair's expert matmul outputs, the all-to-alls' outputs under EP, and the shared expert's matmul
-    outputs, the matmuls as ``mode`` keeps them (a dense layer: 0, its matmuls are in the block's list)."""
+    """An MoE layer's activation bytes under a selective ``mode`` (router, topk, expert and shared-expert matmuls, EP
+    all-to-alls); a dense layer: 0, its matmuls are in the block's list."""
     n, w, t, h = layout.tokens, layout.dtype_bytes, layout.tp, args.dim
     if not args.is_moe_layer(layer_id):
         return 0.0

@@ -192,9 +192,8 @@ def fail(message: str, code: int) -> int:
 
 
 def explain_failure(exc: BaseException, timeout_s: float, run_dir: str, dump) -> str:
-    """The one-line report of a timed-out or broken collective (``explain``), after this rank's flight recorder
-    is written to run_dir (gloo: nothing else writes it; "Which collective" above). ``dump`` returns torch's
-    flight recorder buffer (mesh/private_api.py: ``flight_recorder_dump``)."""
+    """The one-line report of a timed-out or broken collective, after writing this rank's flight recorder to run_dir
+    (gloo: nothing else writes it)."""
     last, dumped = None, None
     try:
         buffer = dump()

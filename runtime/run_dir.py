@@ -51,9 +51,8 @@ class RunFolderLost(RuntimeError):
 
 
 def symlink_loop(path: str | Path) -> bool:
-    """Whether ``path`` (or a folder above it) is a symbolic link that leads back to itself. Such a path
-    exists as a name but never as a folder: ``mkdir`` fails with "File exists" and ``is_dir`` says False,
-    neither of which names the cause."""
+    """Whether ``path`` (or a folder above it) is a symlink loop, which ``mkdir`` and ``is_dir`` fail on without naming
+    the cause."""
     try:
         os.stat(path)
     except OSError as exc:

@@ -109,9 +109,8 @@ def open_metrics(
 
 
 class Progress:
-    """The progress on each log line: steps done of the run, tokens read, elapsed time and an ETA from this run's
-    own pace (steps resumed from a checkpoint are not timed). On a terminal it starts with a bar; in a log file
-    (stdout not a terminal) the same words as plain text."""
+    """The progress on each log line: steps, tokens, elapsed time and an ETA from this run's own pace; a bar on a
+    terminal, plain words in a log file."""
 
     def __init__(self, total_steps: int, start_step: int, tokens_per_step: int, tty: bool | None = None):
         self.total, self.start, self.tokens_per_step = total_steps, start_step, tokens_per_step

@@ -73,9 +73,8 @@ def rank_owners(params: list, optimizers) -> tuple[set, set, set]:
 
 
 def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True, comm_debug: bool = False) -> dict:
-    """Steps 1-3 for one pipeline rank: its measured peak by category and step 2's collectives (``fake=False``:
-    the same with real tensors, on a fake world: for tests at small shapes; ``comm_debug``: also torch's
-    CommDebugMode counts of step 2)."""
+    """Steps 1-3 for one pipeline rank: its measured peak by category and step 2's collectives (``fake=False``: real
+    tensors on a fake world; ``comm_debug``: CommDebugMode counts)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.debug import CommDebugMode
 
