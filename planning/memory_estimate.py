@@ -197,15 +197,32 @@ def gathered_parameters(layout: MemoryLayout, params: dict[str, int]) -> float:
     return params["tp"] / layout.tp + params["whole"] + params["experts"] / layout.ep
 
 
+def token_split_parameters(args: ModelArgs, layer_id: int) -> int:
+    """An MoE layer's router and shared expert: counted with what tp splits (``block_parameters``, for their
+    states: FSDP shards them over dp_shard x cp x tp), but whole on every tp rank once gathered, since under TP
+    each tp rank runs them on its own tokens (mesh/moe_token_split.py: TokenSplitMoE)."""
+    if not args.is_moe_layer(layer_id):
+        return 0
+    shared = 3 * args.dim * args.hidden_dim if args.moe.n_shared_experts else 0
+    return args.dim * args.moe.n_experts + shared
+
+
+def gathered_block(args: ModelArgs, layout: MemoryLayout, layer_id: int) -> float:
+    """Block ``layer_id``'s parameters gathered on this rank: ``gathered_parameters``, the token-split ones whole."""
+    whole = token_split_parameters(args, layer_id) * (1 - 1 / layout.tp)
+    return gathered_parameters(layout, block_parameters(args, layer_id)) + whole
+
+
 def gathered_bytes(args: ModelArgs, layout: MemoryLayout, layers, first: bool, last: bool) -> float:
     """Item 2: FSDP's unsharded copies of the weights (and gradients) this rank computes with."""
     if not layout.fsdp:
         return 0.0
     w = layout.dtype_bytes
     if layout.pp > 1:
-        return (w + 4) * gathered_parameters(layout, stage_parameters(args, layers, first, last))
+        root = gathered_parameters(layout, stage_parameters(args, [], first, last))
+        return (w + 4) * (root + sum(gathered_block(args, layout, i) for i in layers))
     grad_w = w + (4 if w != 4 else 0)  # the unsharded gradient, and in bf16 its fp32 copy for the reduce-scatter
-    blocks = sorted((gathered_parameters(layout, block_parameters(args, i)) for i in layers), reverse=True)
+    blocks = sorted((gathered_block(args, layout, i) for i in layers), reverse=True)
     root = gathered_parameters(layout, stage_parameters(args, [], first, last))
     head = args.vocab_size * args.dim / layout.tp if last else 0.0
     block_grad = grad_w * (blocks[0] if blocks else 0.0)
@@ -272,7 +289,10 @@ def ffn_activation_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout) -
     routed = n / t * m.top_k  # TokenSplitMoE: each tp rank routes its own tokens
     shared = 4 * n / t * args.hidden_dim * w if m.n_shared_experts else 0.0
     per_token = 4 * m.n_experts + 4  # the fp32 router scores, the sum that renormalises the gates
-    return n / t * per_token + routed * (3 * args.dim * w + 4 * m.hidden_dim * w + ROUTING_BYTES) + shared
+    # per routed pair, dim-wide: the experts' input, the gated output (index_add_ saves its source) and the output
+    # before the gate; under EP also the experts' own output before the combine (index_copy_ saves its source)
+    kept = 4 if layout.ep > 1 else 3
+    return n / t * per_token + routed * (kept * args.dim * w + 4 * m.hidden_dim * w + ROUTING_BYTES) + shared
 
 
 def selective_ffn_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout, mode: str = "selective_keep_mm") -> float:

@@ -84,20 +84,21 @@ class LiveBytes(TorchDispatchMode):
         self.live -= nbytes
 
     def _free(self, key: int) -> None:
-        nbytes = self.sizes.pop(key, 0)
+        self._shrink(self.sizes.get(key, 0))  # first: a snapshot at the peak still holds this storage
+        self.sizes.pop(key, None)
         self.logits.discard(key)
-        self._shrink(nbytes)
 
     def resized(self, storage, new_nbytes: int) -> None:
         key = _key(storage)
         if key not in self.sizes:
             return
         old = self.sizes[key]
-        self.sizes[key] = new_nbytes
         if new_nbytes > old:
+            self.sizes[key] = new_nbytes
             self._grow(new_nbytes - old)
         else:
-            self._shrink(old - new_nbytes)
+            self._shrink(old - new_nbytes)  # first: a snapshot at the peak still holds the old size
+            self.sizes[key] = new_nbytes
 
     def _snapshot(self) -> None:
         self._rising = False

@@ -4,6 +4,8 @@ The per-layer count is also checked on 2 ranks under TP, with and without SP (te
 measure/activation_memory.py's formula_bytes is this module's count).
 """
 
+import dataclasses
+
 import pytest
 
 from cluster.presets import PRESETS
@@ -16,6 +18,8 @@ from planning.memory_estimate import (
     MemoryLayout,
     chunks_in_flight,
     even_stage_layers,
+    ffn_activation_bytes,
+    gathered_bytes,
     layer_activation_bytes,
     rank_memory,
     stage_parameters,
@@ -331,3 +335,20 @@ def test_the_8b_anchor_fits_in_80_gib_with_the_default_selective_policy(mode, li
         assert gib <= limit
     else:
         assert gib > 80
+
+
+def test_an_moe_layers_token_split_weights_are_gathered_whole_and_ep_keeps_the_experts_output():
+    # Found by the simulation of configs/moe_1t.toml's first pipeline rank (docs/combining.md, Appendix F): under
+    # TP each tp rank runs the router and the shared expert on its own tokens (TokenSplitMoE), so FSDP gathers
+    # them whole, 7168·384 + 3·7168·18432 = 399,114,240 parameters a layer, not an eighth of them; and under EP
+    # the combine's index_copy_ saves the experts' output, 8192 pairs x 7168 x 2 bytes = 117,440,512 a layer.
+    moe = MoEArgs(n_experts=384, top_k=8, hidden_dim=2048, n_shared_experts=1)
+    args = ModelArgs(dim=7168, n_layers=2, n_heads=64, n_kv_heads=8, vocab_size=1024, ffn_dim=18432, moe=moe)
+    layout = MemoryLayout(pp=2, tp=8, dp_shard=16, ep=64, seq_len=8192)
+    attention = 2 * 7168 * 7168 + 2 * 7168 * 896  # k and v: 8 heads of 7168 / 64 = 112
+    experts = 3 * 384 * 7168 * 2048
+    gathered = attention / 8 + 399_114_240 + 2 * 7168 + experts / 64
+    assert gathered_bytes(args, layout, [1], False, False) == pytest.approx((2 + 4) * gathered)
+    no_ep = dataclasses.replace(layout, ep=1)
+    difference = ffn_activation_bytes(args, 1, layout) - ffn_activation_bytes(args, 1, no_ep)
+    assert difference == 117_440_512

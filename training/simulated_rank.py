@@ -122,13 +122,15 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True,
         torch.manual_seed(cfg.training.seed)
         options = parallel_options(cfg, plan, meshes, device)
         parts = build_model_parts(plan.model, plan.stage_layers, plan.stage_ids, meshes, options, device)
-        schedule, _ = pipeline_schedule(parts, plan, meshes, device)
+        schedule, _, loss_divisor = pipeline_schedule(parts, plan, meshes, device)
         if schedule is not None:
             skip_warm_up_vote(schedule)
         tied = TiedEmbeddings.build(parts, meshes, timeout_s)
         optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
         loader = SimulatedLoader(plan)
-        step = StepParts(parts, schedule, plan, meshes, device, optimizers, loader, tied, None, Extras())
+        step = StepParts(
+            parts, schedule, plan, meshes, device, optimizers, loader, tied, None, Extras(), loss_divisor=loss_divisor
+        )
         step.reduce_every_microbatch = cfg.parallel.grad_sync == "microbatch"
         step.grad_clip = cfg.training.grad_clip
         memory.owners = lambda: rank_owners(step.params, optimizers)
