@@ -129,10 +129,20 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True,
         optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
         loader = SimulatedLoader(plan)
         step = StepParts(
-            parts, schedule, plan, meshes, device, optimizers, loader, tied, None, Extras(), loss_divisor=loss_divisor
+            parts,
+            schedule,
+            plan,
+            meshes,
+            device,
+            optimizers,
+            loader,
+            tied,
+            None,
+            Extras(),
+            loss_divisor,
+            reduce_every_microbatch=cfg.parallel.grad_sync == "microbatch",
+            grad_clip=cfg.training.grad_clip,
         )
-        step.reduce_every_microbatch = cfg.parallel.grad_sync == "microbatch"
-        step.grad_clip = cfg.training.grad_clip
         memory.owners = lambda: rank_owners(step.params, optimizers)
         build_peak = memory.reset_peak()  # the build's peak (one full parameter at a time), reported beside
         torch_counts = {}
