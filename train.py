@@ -40,23 +40,20 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.folder import check_writable, checkpoint_bytes, checkpoint_folder
-from checkpoint.hf_folder import adopt_folder_config
+from checkpoint.hf_folder import folder_model
 from checkpoint.manager import CheckpointManager, CheckpointSaveError
 from checkpoint.resume import Resume, find_resume
-from data.dataset import check_data, load_data, passes_done, resolve_epochs, stream_span
+from data.dataset import check_data, epoch_steps, load_data, passes_done, stream_span
 from extras import pipeline_timeline, rank_balance, replica_check
-from extras.base import Extras, RunContext
+from extras.base import RunContext
 from extras.rank_balance import RankBalance
 from extras.rank_balance import fields as balance_fields
 from extras.replica_check import ReplicaMismatchError
-from mesh.dims import build_mesh, mesh_banner
-from mesh.parallelize import build_model_parts
+from mesh.dims import mesh_banner
 from mesh.private_api import flight_recorder_dump
-from mesh.tied_embeddings import TiedEmbeddings
 from models.local_tensor import local_tensor
 from planning.dry_run import dry_run, parse_dry_run
 from planning.layout_rules import check_memory
-from planning.options import parallel_options
 from planning.plan import LayoutPlan
 from planning.simulate import parse_simulate, run_simulation
 from runtime.config import Config, ConfigError, help_text, load_config
@@ -74,26 +71,26 @@ from runtime.run_dir import RunFolderLost, check_run_dir, folder_lost
 from runtime.signals import StopRequested, loop_started, restart_attempt, resume_command
 from runtime.startup import start_process
 from training import profiling
+from training.build import build_meshes, build_step
 from training.evaluation import eval_due, evaluate
 from training.loaders import batch_loader
 from training.metrics import MetricsWriter, Progress, format_step, open_metrics
 from training.mfu import Throughput, peak_tflops
-from training.optimizer import Optimizers
 from training.profiling import named_range
 from training.simulated_rank import simulate_rank
-from training.step import StepParts, divergence_advice, pipeline_schedule, train_step
+from training.step import StepParts, train_step
 
 
 def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPlan, Resume]:
     """Every check that needs no process group, the same ConfigError on every rank; returns the plan and resume
     decision."""
-    adopt_folder_config(cfg)  # a transformers folder in checkpoint.init_from sets [model] (its config.json)
-    resolve_epochs(cfg)  # training.epochs sets training.steps from the data's size
-    plan = LayoutPlan.resolve(cfg, world_size, rank)  # the config's values, then the layout's rules
+    model = folder_model(cfg)  # a transformers folder in checkpoint.init_from gives [model] (its config.json)
+    steps = epoch_steps(cfg, model.vocab_size)  # training.epochs makes the steps from the data's size
+    plan = LayoutPlan.resolve(cfg, world_size, rank, model_config=model, steps=steps)  # values, then layout rules
     if cfg.run.memory_check:  # the estimate per rank against the machine, before anything is allocated
-        check_memory(plan, cfg, memory_per_rank(cfg.training.device))
-    check_data(cfg)  # tokenizer, token-file headers, vocab, dataset and validation-split sizes
-    resume = find_resume(cfg, plan.model)
+        check_memory(plan, memory_per_rank(cfg.training.device))
+    check_data(cfg, model.vocab_size, steps)  # tokenizer, token-file headers, vocab, dataset and split sizes
+    resume = find_resume(cfg, plan)
     # A run that resumes continues the metrics of run.dir instead of refusing them; so does a torchrun restart
     # with resume auto, even before its first checkpoint.
     resuming = resume.newest is not None or (restart_attempt() > 0 and resume.mode == "auto")
@@ -125,69 +122,42 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     """Step 2 of the module docstring; everything that needs closing is closed by ``stack``, on every exit path."""
     t, timeout_s = cfg.training, cfg.parallel.collective_timeout_s
     device, control = start_process(cfg, run_folders(cfg, resume), plan.dims.world_size, plan.rank, stack)
-    tf32 = enable_tf32(device, t.mixed_precision)  # fp32 on CUDA: TF32 matmuls (runtime/process.py)
+    precision = plan.layout.mixed_precision
+    tf32 = enable_tf32(device, precision)  # fp32 on CUDA: TF32 matmuls (runtime/process.py)
     torch.manual_seed(t.seed)
-    meshes = build_mesh(
-        plan.dims,
-        device,
-        timeout_s,
-        has_experts=plan.model.moe is not None,
-        host_tensors=cfg.parallel.fsdp_cpu_offload,  # CPU offload: the groups also reduce host tensors
-        fsdp_with_tp=plan.fsdp and plan.dims.tp > 1,
-    )
+    meshes = build_meshes(plan, device, timeout_s)
     assert meshes.pp.get_local_rank() == plan.pp_rank, "the plan's pp rank must match the mesh coordinate"
     checkpoints = CheckpointManager(cfg, plan, resume, control, device)
     stack.callback(checkpoints.close)  # a save in flight finishes writing and its thread stops
     with phase("checking the checkpoint folder and the resume checkpoint", "control plane"):
         checkpoints.start()
-    with phase("building and parallelizing the model", "device plane"):
-        options = parallel_options(cfg, plan, meshes, device)  # typed, from the config (planning/options.py)
-        parts = build_model_parts(plan.model, plan.stage_layers, plan.stage_ids, meshes, options, device)
-    schedule, stages, loss_divisor = pipeline_schedule(parts, plan, meshes, device)  # None, [], None without pipelining
-    # A tied embedding's two pipeline copies and their embedding group (every rank: it may create groups).
-    tied = TiedEmbeddings.build(parts, meshes, timeout_s)
-    optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
-    data = load_data(cfg)
+    data = load_data(cfg, plan.model.vocab_size, plan.steps)
     loader = batch_loader(data.train, plan, meshes, data.train_documents)
     loader.allow_empty_steps = cfg.data.allow_empty_steps  # else a step with no trained token stops the run
     val_loader = None if data.val is None else batch_loader(data.val, plan, meshes, data.val_documents)
     if val_loader is not None:
         val_loader.allow_empty_steps = True  # its divisor is the sum over eval.steps batches
+    peak = peak_tflops(t.peak_tflops, device, "tf32" if tf32 else precision)
+    throughput = Throughput(plan.model, t.seq_len, plan.dims.world_size, peak)
+    with phase("building and parallelizing the model", "device plane"):
+        # an async save's copy is taken before the weights change (checkpoints.wait_staged)
+        step = build_step(cfg, plan, meshes, device, loader, throughput, before_update=checkpoints.wait_staged)
     # Weights, optimizer, LR schedule, data position and RNG from the checkpoint (or init_from weights).
     with phase("loading the checkpoint", "checkpoint group"):
-        start_step = checkpoints.restore(parts, optimizers, loader)
+        start_step = checkpoints.restore(step.parts, step.optimizers, loader)
     is_logger = dist.get_rank() == 0
     if is_logger:
-        local = sum(local_tensor(p).numel() for m in parts for p in m.parameters())
-        precision = precision_banner(t.mixed_precision, tf32)
-        print(plan.banner(mesh_banner(meshes.world), local, device, precision, data.description), flush=True)
+        local = sum(local_tensor(p).numel() for m in step.parts for p in m.parameters())
+        banner = precision_banner(precision, tf32)
+        print(plan.banner(mesh_banner(meshes.world), local, device, banner, data.description), flush=True)
     metrics_from = checkpoints.resumed_step
     if metrics_from is None and restart_attempt() > 0 and resume.mode == "auto":
         metrics_from = 0  # a restart before the first checkpoint replays everything
     writer = open_metrics(cfg.run.dir, cfg.run.tensorboard, control, is_logger, metrics_from)
     stack.callback(writer.close)
-    extras, balance = build_extras(cfg, plan, meshes, device, control, parts, stages, tied, start_step, stack)
-    peak = peak_tflops(t.peak_tflops, device, "tf32" if tf32 else t.mixed_precision)
-    throughput = Throughput(plan.model, t.seq_len, plan.dims.world_size, peak)
-    step = StepParts(
-        parts,
-        schedule,
-        plan,
-        meshes,
-        device,
-        optimizers,
-        loader,
-        tied,
-        throughput,
-        extras,
-        loss_divisor,
-        reduce_every_microbatch=cfg.parallel.grad_sync == "microbatch",  # else only the last micro-batch
-        grad_clip=t.grad_clip,
-        advice=divergence_advice(cfg),
-        before_update=checkpoints.wait_staged,  # an async save's copy is taken before the weights change
-    )
+    balance = add_extras(step, cfg, control, start_step, stack)
     run = Run(cfg, step, control, checkpoints, val_loader, writer, balance, start_step, is_logger)
-    run.progress = Progress(t.steps, start_step, t.global_batch * t.seq_len)
+    run.progress = Progress(plan.steps, start_step, t.global_batch * t.seq_len)
     run.span = stream_span(int(data.train.shape[0]), t.seq_len)
     return run
 
@@ -204,18 +174,15 @@ def run_folders(cfg: Config, resume: Resume) -> list[tuple[str, Path]]:
 EXTRAS = (profiling.for_run, rank_balance.for_run, pipeline_timeline.for_run, replica_check.for_run)
 
 
-def build_extras(
-    cfg, plan, meshes, device, control, parts, stages, tied, start_step, stack
-) -> tuple[Extras, RankBalance]:
-    """The run's extras (extras/base.py), each one only when its config key asks for it; closed by ``stack``."""
-    ctx = RunContext(cfg, plan, meshes, device, control, parts, stages, tied, start_step)
-    extras = Extras()
-    stack.callback(extras.close)  # the profiler writes a trace still open when the run ends inside it
+def add_extras(step: StepParts, cfg: Config, control, start_step: int, stack) -> RankBalance:
+    """The run's extras (extras/base.py) into ``step.extras``, each one only when its config key asks for it;
+    closed by ``stack``. Returns the rank-balance clock, which rides on the stop agreement."""
+    ctx = RunContext(cfg, step.plan, step.meshes, step.device, control, step.parts, step.stages, step.tied, start_step)
+    stack.callback(step.extras.close)  # the profiler writes a trace still open when the run ends inside it
     for on in EXTRAS:
         if (extra := on(ctx)) is not None:
-            extras.add(extra)
-    balance = next(extra for extra in extras.extras if isinstance(extra, RankBalance))
-    return extras, balance
+            step.extras.add(extra)
+    return next(extra for extra in step.extras.extras if isinstance(extra, RankBalance))
 
 
 def train(cfg: Config) -> list[dict]:
@@ -231,7 +198,7 @@ def train(cfg: Config) -> list[dict]:
         stack.callback(signals.uninstall)
         run = build(cfg, plan, resume, stack)
         loop_started()  # a launcher that dies from here on stops the run after a saved step (runtime/signals.py)
-        for step in range(run.start_step + 1, cfg.training.steps + 1):
+        for step in range(run.start_step + 1, run.step.plan.steps + 1):
             signum = loop_step(run, step, signals)
             if signum is not None:
                 stop_after(run, step, signum)
@@ -244,7 +211,7 @@ def train(cfg: Config) -> list[dict]:
 def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     """One step of the loop: train, validate when due, save when due, agree on stopping, log; the signal to stop
     on, or None."""
-    cfg, s, last = run.cfg, run.step, run.cfg.training.steps
+    cfg, s, last = run.cfg, run.step, run.step.plan.steps
     s.extras.begin_step(step)
     log = step % cfg.run.log_every == 0 or step == last or eval_due(step, cfg.eval.interval, last)
     agree = log or step % cfg.run.agree_every == 0  # the stop agreement: not every step (run.agree_every)
@@ -275,7 +242,7 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     t = cfg.training
     wraps = passes_done(step, run.span, t.seq_len, t.global_batch)
     if run.is_logger and wraps > passes_done(step - 1, run.span, t.seq_len, t.global_batch):
-        total = t.steps * t.global_batch * t.seq_len / run.span
+        total = last * t.global_batch * t.seq_len / run.span
         print(
             f"data: step {step} wrapped the training stream: pass {wraps + 1} begins (the run makes {total:.2f})",
             flush=True,
@@ -321,12 +288,10 @@ def main(argv: list[str]) -> int:
         dry, world_size, argv = parse_dry_run(argv)
         cfg = load_config(argv)
         if simulation:
-            adopt_folder_config(cfg)
-            print(run_simulation(cfg, simulation, simulate_rank), flush=True)
+            print(run_simulation(cfg, simulation, simulate_rank, folder_model(cfg)), flush=True)
             return 0
-        if dry:
-            adopt_folder_config(cfg)  # the config and the layout for world_size ranks, then stop (planning/dry_run.py)
-            print(dry_run(cfg, world_size), flush=True)
+        if dry:  # the config and the layout for world_size ranks, then stop (planning/dry_run.py)
+            print(dry_run(cfg, world_size, folder_model(cfg)), flush=True)
             return 0
         train(cfg)
     except ConfigError as exc:

@@ -26,10 +26,11 @@ More in docs/checkpointing.md: "checkpoint/hf_folder.py", at its end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from runtime.config import Config, ConfigError
+from runtime.config import Config, ConfigError, ModelConfig
 
 # model_type -> (the architecture transformers writes, the biases its attention has)
 FAMILIES = {
@@ -376,13 +377,14 @@ def checked_fields(folder: Path, field: str) -> dict[str, object]:
     return model_fields(config)
 
 
-def adopt_folder_config(cfg: Config) -> None:
-    """Step 3: the [model] section from ``checkpoint.init_from``'s config.json, if it has one."""
+def folder_model(cfg: Config) -> ModelConfig:
+    """Step 3: the [model] section the run trains: ``checkpoint.init_from``'s config.json over the config's own
+    (a copy; the config is left as the user wrote it), or the config's own when there is no folder."""
     if not cfg.checkpoint.init_from:
-        return
+        return cfg.model
     folder = folder_of(cfg.checkpoint.init_from)
     if folder is None:
-        return
+        return cfg.model
     fields = checked_fields(folder, "checkpoint.init_from")
     if fields["sliding_window"] and cfg.training.seq_len > fields["sliding_window"]:
         raise ConfigError(
@@ -392,7 +394,7 @@ def adopt_folder_config(cfg: Config) -> None:
             f"{fields['sliding_window']}."
         )
     explicit = getattr(cfg, "explicit_keys", frozenset())
-    clashes = []
+    clashes, values = [], {}
     for name, value in fields.items():
         mine = getattr(cfg.model, name)
         if name == "ffn_dim" and mine == 0:  # 0: derived from dim by Llama's rule; compare what it derives
@@ -404,14 +406,16 @@ def adopt_folder_config(cfg: Config) -> None:
                 f"model.{name}={mine!r} was given, but {folder / 'config.json'} says {value!r}; drop "
                 f"--model.{name} (the folder sets the model's shape)"
             )
-        setattr(cfg.model, name, type(getattr(cfg.model, name))(value))
+        values[name] = type(getattr(cfg.model, name))(value)
     if clashes:
         raise ConfigError("the model given disagrees with checkpoint.init_from:\n  - " + "\n  - ".join(clashes))
     from runtime.config import pad_problems
 
-    problems = pad_problems(cfg)
+    model = dataclasses.replace(cfg.model, **values)
+    problems = pad_problems(model, cfg.parallel.tp)
     if problems:
         raise ConfigError(f"checkpoint.init_from={str(folder)!r}: " + "; ".join(problems))
+    return model
 
 
 def weight_files(folder: Path) -> dict[str, Path]:

@@ -177,7 +177,7 @@ class CheckpointManager:
             found = [p for ps in self.control.all_gather_object(problems) for p in ps]
             if not found:
                 if path != self.resume.newest:
-                    check_usable(path, meta, dcp_meta, self.cfg, self.plan.model)
+                    check_usable(path, meta, dcp_meta, self.cfg, self.plan)
                 return path
             message = f"checkpoint {path} is damaged: {'; '.join(found[:4])}"
             if self.resume.mode != "auto":
@@ -234,7 +234,7 @@ class CheckpointManager:
     # ---- save ------------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         c = self.cfg.checkpoint
-        return c.interval > 0 and (step % c.interval == 0 or step == self.cfg.training.steps)
+        return c.interval > 0 and (step % c.interval == 0 or step == self.plan.steps)
 
     def maybe_save(self, step: int, parts, optimizers, loader) -> None:
         """Save after ``step`` when it is a multiple of the interval or the last step."""
@@ -408,8 +408,9 @@ class CheckpointManager:
             "format": FORMAT,
             "step": step,
             "tokens_consumed": tokens_consumed,
-            "model": dataclasses.asdict(self.cfg.model),
-            "layout": {**dataclasses.asdict(d), "pp_schedule": self.plan.pp_schedule},  # ParallelDims' fields
+            "model": dataclasses.asdict(self.plan.model_config),  # the [model] trained (a transformers folder's too)
+            "layout": {**dataclasses.asdict(d), "pp_schedule": self.plan.layout.pp_schedule},  # ParallelDims' fields
+            "run_layout": self.plan.layout.record(),  # how each step ran: schedule, AC, precision, ...
             "data": {**stream_identity(self.cfg), "seq_len": t.seq_len, "global_batch": t.global_batch},
             "init_from": self.cfg.checkpoint.init_from,  # the export keeps that folder's config (checkpoint/export.py)
             "meshloom_version": meshloom_version(),

@@ -34,6 +34,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,8 +45,11 @@ from checkpoint.state import TRAIN, TRAIN_KEYS, expected_entries
 from checkpoint.verify import manifest_changed, manifest_problems
 from data.dataset import stream_digest
 from data.tokenizers import load_tokenizer
-from models.llama import ModelArgs, Transformer
+from models.llama import Transformer
 from runtime.config import Config, ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from planning.plan import LayoutPlan
 
 META_FILE = "meshloom.json"
 FORMAT = 2  # 2: meshloom.json lists the size and SHA-256 of every file (1: no checksums, no longer read)
@@ -121,9 +125,10 @@ def _show(value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def compatibility_problems(meta: dict, dcp_meta, cfg: Config, args: ModelArgs) -> list[str]:
+def compatibility_problems(meta: dict, dcp_meta, cfg: Config, plan: LayoutPlan) -> list[str]:
     """What differs between the checkpoint's model and this run's (empty: it loads)."""
-    saved, current = meta.get("model", {}), dataclasses.asdict(cfg.model)
+    args = plan.model
+    saved, current = meta.get("model", {}), dataclasses.asdict(plan.model_config)
     defaults = dataclasses.asdict(ModelConfig())  # a field added after the save had its default then
     diffs = [
         f"model.{key}: checkpoint {_show(saved.get(key, defaults.get(key)))}, config {_show(current.get(key))}"
@@ -219,9 +224,9 @@ def check_stream_content(path: Path, stream: dict, cfg: Config, tokens_consumed)
         )
 
 
-def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, args: ModelArgs) -> None:
+def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, plan: LayoutPlan) -> None:
     """Step 4 for one checkpoint; raises a ConfigError naming the difference and the fix."""
-    problems = compatibility_problems(meta, dcp_meta, cfg, args)
+    problems = compatibility_problems(meta, dcp_meta, cfg, plan)
     if problems:
         raise ConfigError(
             f"checkpoint {path} does not fit this model:\n  - " + "\n  - ".join(problems) + "\n"
@@ -249,14 +254,14 @@ def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, args: ModelArgs)
             "new --checkpoint.folder."
         )
     check_stream_content(path, stream, cfg, meta.get("tokens_consumed"))
-    if cfg.training.steps <= meta["step"]:
+    if plan.steps <= meta["step"]:
         raise ConfigError(
-            f"training.steps={cfg.training.steps} but checkpoint {path} is already at step {meta['step']}: nothing "
+            f"training.steps={plan.steps} but checkpoint {path} is already at step {meta['step']}: nothing "
             f"is left to train; raise --training.steps above {meta['step']}."
         )
 
 
-def find_resume(cfg: Config, args: ModelArgs) -> Resume:
+def find_resume(cfg: Config, plan: LayoutPlan) -> Resume:
     """Steps 1-5 of the module docstring; no process group needed, the same answer on every rank."""
     c = cfg.checkpoint
     mode, folder = parse_resume(c.resume), checkpoint_folder(cfg)
@@ -280,7 +285,7 @@ def find_resume(cfg: Config, args: ModelArgs) -> Resume:
                 resume.damaged.append(steps[step])
                 continue
             if not resume.candidates:
-                check_usable(steps[step], meta, dcp_meta, cfg, args)
+                check_usable(steps[step], meta, dcp_meta, cfg, plan)
             resume.candidates.append(steps[step])
         if steps and not resume.candidates:
             raise ConfigError(
@@ -294,7 +299,7 @@ def find_resume(cfg: Config, args: ModelArgs) -> Resume:
         meta, dcp_meta, problems = inspect(steps[mode])
         if problems:
             raise ConfigError(f"checkpoint {steps[mode]} is damaged or incomplete: {'; '.join(problems)}.")
-        check_usable(steps[mode], meta, dcp_meta, cfg, args)
+        check_usable(steps[mode], meta, dcp_meta, cfg, plan)
         resume.candidates.append(steps[mode])
     start = int(STEP_DIR.match(resume.newest.name).group(1)) if resume.newest else 0
     damaged = set(resume.damaged)
@@ -307,7 +312,7 @@ def find_resume(cfg: Config, args: ModelArgs) -> Resume:
             "--checkpoint.folder (or --run.dir)."
         )
     if resume.newest is None and c.init_from:
-        problems = safetensors_problems(c.init_from, args)
+        problems = safetensors_problems(c.init_from, plan.model)
         if problems:
             raise ConfigError(
                 f"checkpoint.init_from={c.init_from!r} cannot initialise this model: {'; '.join(problems)}."

@@ -49,17 +49,13 @@ from cluster.published_runs import (
     validation_rows,
 )
 from cluster.search import AC_MODES, GPUS_PER_NODE, HEADROOM, choose, search, with_split
-from cluster.step_time import (
-    Layout,
-    matmul_efficiency,
-    planner_gpu,
-)
+from cluster.step_time import matmul_efficiency, planner_gpu
 from mesh.pipeline import SCHEDULE_FAMILIES
 from models.flops import flops_per_token
 from models.llama import ModelArgs
 from models.moe import MoEArgs
 from planning.gpus import PLANNER_GPUS
-from planning.memory_estimate import degrees
+from planning.layout import Layout, degrees
 
 _V = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, max_seq_len=8192)
 MODELS: dict[str, ModelArgs] = {
@@ -135,10 +131,10 @@ def parse_layout(text: str, args: ModelArgs, seq_len: int) -> tuple[Layout, froz
             dp_replicate=replicate,
             ep=ints.get("ep", 1),
         ),
-        schedule=schedule if pp > 1 else "1F1B",
+        pp_schedule=schedule if pp > 1 else "1F1B",
         stages_per_rank=v if pp > 1 else 1,
         sequences_per_microbatch=ints.get("mb", 1),
-        ac=ac,
+        activation_checkpoint=ac,
         cp_attention=cp_attention,
     )
     fixed = frozenset(k for k in CHOICES if k in fields) | (frozenset({"schedule", "v"}) if pp == 1 else frozenset())

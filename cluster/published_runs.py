@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 from cluster.presets import PRESETS
 from cluster.search import choose
-from cluster.step_time import MESHLOOM, Layout, LlamaWorkload, Stack, matmul_efficiency, planner_gpu, step_time
-from planning.memory_estimate import degrees
+from cluster.step_time import MESHLOOM, LlamaWorkload, Stack, matmul_efficiency, planner_gpu, step_time
+from planning.layout import Layout, degrees
 
 VOCAB, SEQ = 51200, 2048
 A100 = planner_gpu("a100")
@@ -144,10 +144,10 @@ class MegatronRun:
         v = self.layers // self.pp // self.layers_per_virtual_stage if self.layers_per_virtual_stage else 1
         return Layout(
             dims=degrees(tp=self.tp, pp=self.pp, dp_shard=self.gpus // (self.tp * self.pp)),
-            schedule="Interleaved1F1B" if v > 1 else "1F1B",
+            pp_schedule="Interleaved1F1B" if v > 1 else "1F1B",
             stages_per_rank=v,
             sequences_per_microbatch=self.micro_batch,
-            ac="full",
+            activation_checkpoint="full",
         )
 
     def flops_per_step(self) -> float:
@@ -254,7 +254,9 @@ def torchtitan_rows() -> list[dict]:
     """Each torchtitan row: published and predicted tokens/s per GPU, and the error."""
     rows = []
     for run in TORCHTITAN_RUNS:
-        layout = Layout(dims=degrees(dp_shard=run.gpus), sequences_per_microbatch=run.local_batch, ac="selective")
+        layout = Layout(
+            dims=degrees(dp_shard=run.gpus), sequences_per_microbatch=run.local_batch, activation_checkpoint="selective"
+        )
         t = step_time(LlamaWorkload(PRESETS["llama3-8b"], 8192), layout, MESHLOOM, TORCHTITAN_H100, run.gpus * 2)
         predicted = run.local_batch * 8192 / t.step
         rows.append({"run": run, "predicted": predicted, "error": predicted / run.published_tokens_per_s - 1})
@@ -314,7 +316,7 @@ def llama3_rows() -> list[dict]:
     rows = []
     for run in LLAMA3_TABLE_4:
         assert run.gpus == run.tp * run.cp * run.pp * run.dp
-        layout = Layout(dims=degrees(tp=run.tp, cp=run.cp, pp=run.pp, dp_shard=run.dp))
+        layout = Layout(dims=degrees(tp=run.tp, cp=run.cp, pp=run.pp, dp_shard=run.dp), activation_checkpoint="full")
         tokens = run.dp * run.batch_per_dp * run.seq_len
         e, _ = choose(args, layout, frozenset(), "h100", run.seq_len, tokens)
         rows.append(

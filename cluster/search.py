@@ -9,11 +9,12 @@ checkpointing that run fastest within the memory; over all degrees, the layouts 
    that fits and says why (its time and memory beside the runner-up and the fastest that did not fit). A
    pipeline with fewer micro-batches than stages is estimated, with a note (``short_pipeline``: 1F1B and
    DualPipeV as torch ships them refuse it; Llama 3 ran a modified schedule).
-3. ``search`` walks the degrees (``candidates``): tp in {1, 2, 4, 8} (dividing heads, kv heads, FFN and
-   vocabulary), cp in {1, 2, 4, 8}, every pp up to the layer count that divides the GPUs (uneven stages split
-   by FLOPs), ep dividing the experts and dp; dp_shard takes the rest. Each gets its chosen schedule and
-   checkpointing (one sequence per micro-batch: the time model gains nothing from more), and the layouts that
-   fit are ranked by tokens per second per GPU.
+3. ``search`` walks the degrees (``candidates``): tp in {1, 2, 4, 8} (inside a node), cp in {1, 2, 4, 8}, every
+   pp up to the layer count that divides the GPUs, every ep dividing the experts; dp_shard takes the rest. The
+   run's own degree rules (planning/layout_rules.py: ``degree_errors``) drop what a launch would refuse, so the
+   planner proposes exactly the layouts the run accepts. Each gets its chosen schedule and checkpointing (one
+   sequence per micro-batch: the time model gains nothing from more), and the layouts that fit are ranked by
+   tokens per second per GPU.
 
 The command around it (parsing, printing, the meshloom command line) is cluster/plan_layout.py.
 """
@@ -23,20 +24,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from cluster.step_time import (
-    MESHLOOM,
-    Layout,
-    LlamaWorkload,
-    matmul_efficiency,
-    memory_layout,
-    planner_gpu,
-    stage_ids,
-    step_time,
-)
+from cluster.step_time import MESHLOOM, LlamaWorkload, matmul_efficiency, planner_gpu, stage_ids, step_time
 from mesh.pipeline import SCHEDULE_FAMILIES
 from models.flops import flops_per_token
-from planning.layout_rules import pipeline_errors
-from planning.memory_estimate import degrees, rank_memory
+from planning.layout import Layout, degrees
+from planning.layout_rules import degree_errors, pipeline_errors
+from planning.memory_estimate import rank_memory
 
 if TYPE_CHECKING:
     from models.llama import ModelArgs
@@ -79,7 +72,7 @@ def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, token
     m = int(tokens // seq_len) // (layout.dp * layout.sequences_per_microbatch)
     batch = m * layout.dp * layout.sequences_per_microbatch
     workload = LlamaWorkload(args, seq_len)
-    mem_layout = memory_layout(layout, seq_len, m)
+    mem_layout = replace(layout, seq_len=seq_len, pp_microbatches=m)
     stages = [list(s) for s in layout.stage_layers] if layout.stage_layers else [list(range(args.n_layers))]
     ranks = [rank_memory(args, mem_layout, stages, r, stage_ids(layout, r)) for r in range(layout.pp)]
     worst = max(range(layout.pp), key=lambda r: ranks[r].total)
@@ -89,11 +82,11 @@ def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, token
         **{k: getattr(layout, k) for k in ("tp", "cp", "pp")},
         "dp": layout.dp,  # dp_replicate x dp_shard, as ParallelDims.dp
         **{k: getattr(layout, k) for k in ("dp_shard", "dp_replicate", "ep")},
-        "schedule": layout.schedule if layout.pp > 1 else None,
+        "schedule": layout.pp_schedule if layout.pp > 1 else None,
         "stages_per_rank": layout.stages_per_rank,
         "stage_layers": [len(s) for s in stages] if layout.pp > 1 else None,
         "sequences_per_microbatch": layout.sequences_per_microbatch,
-        "activation_checkpoint": layout.ac,
+        "activation_checkpoint": layout.activation_checkpoint,
         "seq_len": seq_len,
         "global_batch": batch,
         "microbatches": m,
@@ -106,8 +99,8 @@ def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, token
         return {**out, "fits": False, "why": f"the batch ({int(tokens // seq_len)} sequences) is smaller than dp"}
     if layout.pp > 1 and short_pipeline(layout, m):
         out["note"] = (
-            f"m={m} micro-batches < {layout.n_stages if layout.schedule == 'DualPipeV' else layout.pp} stages: "
-            f"{layout.schedule} as torch ships it needs at least one per stage; estimated as if a modified "
+            f"m={m} micro-batches < {layout.n_stages if layout.pp_schedule == 'DualPipeV' else layout.pp} stages: "
+            f"{layout.pp_schedule} as torch ships it needs at least one per stage; estimated as if a modified "
             "schedule ran them (Llama 3's), which meshloom does not have"
         )
     t = step_time(workload, layout, MESHLOOM, gpu, batch)
@@ -138,7 +131,8 @@ def evaluate(args: ModelArgs, layout: Layout, gpu_name: str, seq_len: int, token
 def short_pipeline(layout: Layout, m: int) -> bool:
     """Fewer micro-batches than the schedule needs stages (planning/layout_rules.py: pipeline_errors' rules for
     1F1B and DualPipeV): a schedule torch does not ship would have to run them."""
-    return (layout.schedule == "1F1B" and m < layout.pp) or (layout.schedule == "DualPipeV" and m < layout.n_stages)
+    schedule = layout.pp_schedule
+    return (schedule == "1F1B" and m < layout.pp) or (schedule == "DualPipeV" and m < layout.n_stages)
 
 
 # ---- the choices for one layout: schedule, stages per rank, micro-batch size, activation checkpointing ----------
@@ -151,7 +145,7 @@ def choices(args: ModelArgs, layout: Layout, fixed: frozenset[str], seq_len: int
     Variants meshloom's pipeline rules refuse are left out, except for having fewer micro-batches than stages
     (estimated, with a note: ``evaluate``)."""
     batch = int(tokens // seq_len)
-    schedules = [layout.schedule] if "schedule" in fixed or layout.pp == 1 else list(SCHEDULE_FAMILIES)
+    schedules = [layout.pp_schedule] if "schedule" in fixed or layout.pp == 1 else list(SCHEDULE_FAMILIES)
     for schedule in schedules:
         family = SCHEDULE_FAMILIES[schedule]
         if "v" in fixed or layout.pp == 1:
@@ -167,14 +161,14 @@ def choices(args: ModelArgs, layout: Layout, fixed: frozenset[str], seq_len: int
                     continue
                 if layout.pp > 1:
                     errors = pipeline_errors(layout.pp, schedule, v, m, None, "flops", args.n_layers)
-                    short = short_pipeline(replace(layout, schedule=schedule, stages_per_rank=v), m)
+                    short = short_pipeline(replace(layout, pp_schedule=schedule, stages_per_rank=v), m)
                     if len(errors) > int(short):
                         continue
                 base = with_split(
-                    args, replace(layout, schedule=schedule, stages_per_rank=v, sequences_per_microbatch=mb), seq_len
+                    args, replace(layout, pp_schedule=schedule, stages_per_rank=v, sequences_per_microbatch=mb), seq_len
                 )
-                for ac in [layout.ac] if "ac" in fixed else AC_MODES:
-                    yield replace(base, ac=ac)
+                for ac in [layout.activation_checkpoint] if "ac" in fixed else AC_MODES:
+                    yield replace(base, activation_checkpoint=ac)
 
 
 def choose(
@@ -221,29 +215,21 @@ def variant(e: dict) -> str:
 
 
 def candidates(args: ModelArgs, gpus: int, seq_len: int, batch: int):
-    """Every set of degrees the search tries (module docstring); ``choose`` picks each one's schedule and the rest."""
-    dividing = (
-        args.n_heads,
-        args.n_kv_heads,
-        args.vocab_size,
-        args.hidden_dim,
-    )  # planning/layout_rules.py: layout_errors
-    tps = [t for t in TP_DEGREES if t <= min(GPUS_PER_NODE, gpus) and not any(x % t for x in dividing)]
+    """Every set of degrees the search tries that the run accepts (module docstring, step 3); ``choose`` picks each
+    one's schedule and the rest."""
     experts = args.moe.n_experts if args.moe else 1
-    for tp in tps:
+    for tp in [t for t in TP_DEGREES if t <= min(GPUS_PER_NODE, gpus)]:  # TP stays inside a node
         for cp in CP_DEGREES:
-            if (cp > 1 and seq_len % (2 * cp)) or (seq_len // cp) % tp:  # planning/plan.py's CP and SP rules
-                continue
             for pp in range(1, args.n_layers + 1):
                 if gpus % (tp * cp * pp):
                     continue
                 dp_shard = gpus // (tp * cp * pp)  # no HSDP in the search: dp = dp_shard
                 if batch // dp_shard < 1:
                     continue
-                for ep in [e for e in range(1, experts + 1) if experts % e == 0 and dp_shard % e == 0]:
-                    if ep > 1 and cp > 1:
-                        continue
-                    yield Layout(dims=degrees(tp=tp, cp=cp, pp=pp, dp_shard=dp_shard, ep=ep))
+                for ep in [e for e in range(1, experts + 1) if experts % e == 0]:
+                    layout = Layout(dims=degrees(tp=tp, cp=cp, pp=pp, dp_shard=dp_shard, ep=ep), seq_len=seq_len)
+                    if not degree_errors(layout, args):  # the run's own rules (planning/layout_rules.py)
+                        yield layout
 
 
 def search(args: ModelArgs, gpu_name: str, gpus: int, seq_len: int, tokens: float) -> list[dict]:

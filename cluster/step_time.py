@@ -45,17 +45,17 @@ between dimensions that share the same links, and anything torch.compile fuses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from mesh.pipeline import stage_ids_of_rank
 from models.flops import head_flops_per_token, layer_flops_per_token
 from planning.gpus import GPU, GPUS, PLANNER_GPUS
-from planning.memory_estimate import DegreesOf, MemoryLayout, block_parameters, degrees, even_stage_layers
+from planning.memory_estimate import block_parameters, even_stage_layers
 
 if TYPE_CHECKING:
-    from mesh.dims import ParallelDims
     from models.llama import ModelArgs
+    from planning.layout import Layout
 
 GPUS_PER_NODE = 8
 # The share of a GPU's maximum achievable matmul throughput that a training step's matmuls reached, derived once
@@ -97,33 +97,6 @@ class Stack:
 # meshloom: FSDP2 reduce-scatters fp32 gradients, torch's pipeline schedules post their sends asynchronously,
 # and full checkpointing repeats 3 of the 4 TP+SP collectives of a forward (tests/test_activation_checkpoint.py).
 MESHLOOM = Stack("meshloom", True, "fsdp", 4, False, 0.75)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout(DegreesOf):
-    """The degrees of one plan (``dims``: mesh/dims.py's ParallelDims; ``layout.dp`` is dp_replicate x dp_shard,
-    as everywhere) and how the step runs on them: the pipeline schedule, stages per rank, sequences per
-    micro-batch, activation checkpointing, CP's attention."""
-
-    dims: ParallelDims = field(default_factory=degrees)
-    schedule: str = "1F1B"
-    stages_per_rank: int = 1
-    sequences_per_microbatch: int = 1
-    ac: str = "full"  # none | selective | full
-    cp_attention: str = "allgather"
-    stage_layers: tuple[tuple[int, ...], ...] = ()  # () = as even as possible (memory_estimate.even_stage_layers)
-
-    @property
-    def gpus(self) -> int:
-        return self.dims.world_size
-
-    @property
-    def n_stages(self) -> int:
-        return self.pp * self.stages_per_rank
-
-    def describe(self) -> str:
-        extra = f", dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else ""
-        return f"tp={self.tp}, cp={self.cp}, pp={self.pp}, dp_shard={self.dp_shard}, ep={self.ep}{extra}"
 
 
 # ---- the model, as the time model sees it -------------------------------------------------------------------
@@ -261,7 +234,7 @@ def stage_ids(layout: Layout, pp_rank: int) -> list[int]:
     """The stages pipeline rank ``pp_rank`` runs (looped schedules r, r + pp, ...; V-shaped r and 2·pp - 1 - r)."""
     if layout.pp == 1:
         return [0]
-    return stage_ids_of_rank(pp_rank, layout.pp, layout.stages_per_rank, layout.schedule)
+    return stage_ids_of_rank(pp_rank, layout.pp, layout.stages_per_rank, layout.pp_schedule)
 
 
 @dataclass
@@ -294,7 +267,7 @@ def microbatch_seconds(
     n = seqs * workload.seq_len / cp  # tokens of the micro-batch on this rank's cp slice
     flops_rate = efficiency * gpu.bf16_tflops * 1e12
     hbm = gpu.hbm_tb_s * 1e12
-    full, selective = layout.ac == "full", layout.ac == "selective"
+    full, selective = layout.activation_checkpoint == "full", layout.activation_checkpoint == "selective"
     w = 2  # bytes of an activation element on the wire (bf16/fp16)
     t = StepTime()
     for i in layers:
@@ -363,7 +336,7 @@ def step_time(
     t = StepTime(**{k: m * value for k, value in vars(mb).items()})
     work = mb.step * m
     if p > 1:
-        t.bubble = (p - 1) / (v * m) * work / (3 if layout.schedule in ZERO_BUBBLE else 1)
+        t.bubble = (p - 1) / (v * m) * work / (3 if layout.pp_schedule in ZERO_BUBBLE else 1)
         hop = layout.sequences_per_microbatch * workload.seq_len / layout.cp * workload.dim * 2 / layout.tp
         hops = 2 * (v * m + p - 1) if stack.p2p_blocking else 2 * (v * p - 1)
         t.pp = hops * hop / link(gpu, layout.gpus // p + 1)  # ranks r and r + gpus/pp
@@ -393,22 +366,3 @@ def dp_seconds(layout: Layout, stack: Stack, gpu: GPU, params: dict[str, float],
         backward = (2 * mb.matmul + 2 * mb.memory_bound) / 3 + mb.recompute + mb.tp
         return max(0.0, allreduce - backward)
     return allreduce
-
-
-# ---- memory, for meshloom's model -------------------------------------------------------------------------------
-
-
-def memory_layout(layout: Layout, seq_len: int, microbatches: int, mixed_precision: str = "bf16") -> MemoryLayout:
-    """The planning/memory_estimate.py view of a ``Layout`` trained by meshloom."""
-    return MemoryLayout(
-        dims=layout.dims,
-        seq_len=seq_len,
-        sequences_per_microbatch=layout.sequences_per_microbatch,
-        pp_schedule=layout.schedule,
-        pp_microbatches=microbatches,
-        stages_per_rank=layout.stages_per_rank,
-        activation_checkpoint=layout.ac,
-        mixed_precision=mixed_precision,
-        cp_attention=layout.cp_attention,
-        fsdp=True,
-    )

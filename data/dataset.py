@@ -157,16 +157,19 @@ def _cached_stream(source: str, tokenizer, max_bytes: int, field: str, vocab_siz
     return _raw_cache[key]
 
 
-def load_data(cfg: Config) -> Splits:
-    """The tokenizer and the train / validation streams of ``cfg``, every rule checked (module docstring)."""
+def load_data(cfg: Config, vocab_size: int | None = None, steps: int | None = None) -> Splits:
+    """The tokenizer and the train / validation streams of ``cfg``, every rule checked (module docstring).
+    ``vocab_size`` and ``steps``: the model's and the run's (planning/plan.py), when a transformers folder or
+    training.epochs sets them; by default the config's."""
     d, t = cfg.data, cfg.training
+    vocab_size, steps = vocab_size or cfg.model.vocab_size, steps or t.steps
     tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
-    check_vocab(tokenizer, cfg.model.vocab_size)
-    train, about = _cached_stream(d.source, tokenizer, d.max_bytes, "data.source", cfg.model.vocab_size)
+    check_vocab(tokenizer, vocab_size)
+    train, about = _cached_stream(d.source, tokenizer, d.max_bytes, "data.source", vocab_size)
     train_docs, masks = document_starts(d.source, d.document_mask, "data.source")
     val, val_about, val_docs = None, "", None
     if d.val_source:
-        val, val_about = _cached_stream(d.val_source, tokenizer, d.max_bytes, "data.val_source", cfg.model.vocab_size)
+        val, val_about = _cached_stream(d.val_source, tokenizer, d.max_bytes, "data.val_source", vocab_size)
         val_about = f"data.val_source: {val_about}"
         if train_docs is not None:
             val_docs, _ = document_starts(d.val_source, "on", "data.val_source")
@@ -202,7 +205,7 @@ def load_data(cfg: Config) -> Splits:
     description = f"{d.source}: {about} | tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size:,}{eos})" + (
         f" | validation: {val_about}" if val is not None else ""
     )
-    passes = passes_line(_length(train), t.seq_len, t.global_batch, t.steps)
+    passes = passes_line(_length(train), t.seq_len, t.global_batch, steps)
     if t.epochs:
         passes += f" (training.epochs={t.epochs:g} set the steps)"
     description += f" | document masks: {masks}\n  passes        {passes}"
@@ -251,20 +254,21 @@ def passes_line(train_tokens: int, seq_len: int, global_batch: int, steps: int) 
     )
 
 
-def resolve_epochs(cfg: Config) -> None:
-    """``training.epochs`` > 0 sets ``training.steps`` from the training stream's size (the same on every rank),
-    over any steps a TOML file gives; the banner's passes line says so."""
+def epoch_steps(cfg: Config, vocab_size: int | None = None) -> int:
+    """The run's optimizer steps: ``training.steps``, or with ``training.epochs`` > 0 the steps that many passes
+    over the training stream take (the same on every rank; the banner's passes line says so). The config is not
+    changed: the plan holds the result (planning/plan.py: ``LayoutPlan.steps``)."""
     t = cfg.training
     if not t.epochs:
-        return
-    train = load_data(cfg).train
+        return t.steps
+    train = load_data(cfg, vocab_size).train
     span, per_step = stream_span(_length(train), t.seq_len), t.global_batch * t.seq_len
-    t.steps = max(1, -(-int(round(t.epochs * span)) // per_step))
+    return max(1, -(-int(round(t.epochs * span)) // per_step))
 
 
-def check_data(cfg: Config) -> None:
+def check_data(cfg: Config, vocab_size: int | None = None, steps: int | None = None) -> None:
     """Every data rule, before any process group (raises the same ConfigError on every rank)."""
-    load_data(cfg)
+    load_data(cfg, vocab_size, steps)
 
 
 def stream_digest(source: str) -> str | None:

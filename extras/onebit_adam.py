@@ -33,17 +33,12 @@ More in docs/dp_savers.md: "extras/onebit_adam.py", at its end.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from mesh.data_parallel import sum_from_mean
 from runtime.process import reduced_as_one, sum_in_place
-
-if TYPE_CHECKING:
-    from mesh.dims import ParallelDims
-    from runtime.config import Config
 
 
 class OneBitAdam(torch.optim.AdamW):
@@ -142,35 +137,3 @@ class OneBitAdam(torch.optim.AdamW):
             denom = (v / (1 - beta2**self.warmup_steps)).sqrt_().add_(group["eps"])
             p.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1**t))
         return None
-
-
-def onebit_adam_errors(dims: ParallelDims, cfg: Config) -> list[str]:
-    """1-bit Adam (extras/onebit_adam.py) compresses the momentum of whole, replicated parameters: each rank must
-    hold every parameter and its whole Adam state (one reason per broken field)."""
-    p, t = cfg.parallel, cfg.training
-    why = "parallel.grad_compression=onebit_adam compresses the momentum of whole replicated parameters"
-    errors = []
-    if dims.dp_shard > 1:
-        errors.append(
-            f"{why}, but parallel.dp_shard={dims.dp_shard} shards the parameters and Adam states with FSDP "
-            "(no rank holds a whole momentum to compress); set parallel.dp_replicate to the data-parallel degree "
-            "and parallel.dp_shard=1, or use grad_compression=bf16 with sharding."
-        )
-    for name, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp)):
-        if degree > 1:
-            errors.append(
-                f"{why}, but parallel.{name}={degree} splits the model across ranks, which 1-bit Adam's plain "
-                f"replicated model does not support; set parallel.{name}=1 (a pure data-parallel layout)."
-            )
-    if t.mixed_precision != "fp32":
-        errors.append(
-            f"parallel.grad_compression=onebit_adam with training.mixed_precision={t.mixed_precision}: meshloom's "
-            "bf16 lives in FSDP's MixedPrecisionPolicy, which 1-bit Adam's replicated model does not use; set "
-            "training.mixed_precision=fp32."
-        )
-    if p.fsdp_cpu_offload:
-        errors.append(
-            "parallel.fsdp_cpu_offload=true with parallel.grad_compression=onebit_adam: offloading is FSDP's, and "
-            "1-bit Adam runs on a replicated model without FSDP; turn one of them off."
-        )
-    return errors

@@ -195,7 +195,7 @@ def write_pipeline_timeline(
     events, windows = timeline.gather(control, pp_ranks)
     if not is_logger:
         return
-    schedule, n_local, microbatches = plan.pp_schedule, plan.stages_per_rank, plan.pp_microbatches
+    schedule, n_local, microbatches = plan.layout.pp_schedule, plan.layout.stages_per_rank, plan.layout.pp_microbatches
     rows = bubble_report(events, windows)
     predicted = predicted_bubble(schedule, plan.dims.pp, microbatches, n_local)
     measured = sum(r["idle_fraction"] for r in rows) / len(rows)

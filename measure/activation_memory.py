@@ -130,9 +130,10 @@ def formula_bytes(
     """The formula of the module docstring, in bytes: planning/memory_estimate.py's count for one block without
     activation checkpointing (the library the layout planner and the memory checks use). ``regather``
     (``parallel.sp_regather``, with SP): the gathered inputs are saved as their sequence shards."""
-    from planning.memory_estimate import MemoryLayout, layer_activation_bytes
+    from planning.layout import Layout
+    from planning.memory_estimate import layer_activation_bytes
 
-    layout = MemoryLayout(
+    layout = Layout(
         tp=tp,
         seq_len=seq,
         sequences_per_microbatch=batch,

@@ -35,9 +35,9 @@ def measure(ep: int, ep_within_dp_shard: bool) -> dict:
     from launch.local_runs import ROOT
     from mesh.dims import build_mesh
     from mesh.expert_parallel import local_expert_bytes
-    from planning.options import model_parts
     from planning.plan import LayoutPlan
     from runtime.config import load_config
+    from training.build import build_step
 
     cfg = load_config(path=str(ROOT / "configs" / "debug_moe.toml"), overrides={**MOE, "parallel.ep": ep})
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
@@ -45,7 +45,7 @@ def measure(ep: int, ep_within_dp_shard: bool) -> dict:
     meshes = build_mesh(
         plan.dims, device, timeout_s=120, has_experts=True, fsdp_with_tp=True, ep_within_dp_shard=ep_within_dp_shard
     )
-    model = model_parts(cfg, plan, meshes, device)[0]
+    model = build_step(cfg, plan, meshes, device).parts[0]
     n_local = plan.model.moe.n_experts // ep
     first = meshes.ep.get_local_rank() * n_local
     return {

@@ -39,24 +39,21 @@ def local_bytes(t: torch.Tensor) -> int:
 
 def measure(config: str = CONFIG) -> dict[str, int]:
     """Rank body: build the FSDP2 model over dp_shard = world, take one AdamW step, count local bytes."""
-    from mesh.dims import build_mesh
-    from planning.options import model_parts
     from planning.plan import LayoutPlan
     from runtime.config import load_config
-    from training.optimizer import Optimizers
+    from training.build import build_meshes, build_step
 
     world = dist.get_world_size()
     cfg = load_config(path=config, overrides={"parallel.dp_shard": world})
     plan = LayoutPlan.resolve(cfg, world, dist.get_rank())
     dims, args = plan.dims, plan.model
-    meshes = build_mesh(dims, torch.device("cpu"), timeout_s=60)
-    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
-    optimizers = Optimizers([model], cfg)
+    built = build_step(cfg, plan, build_meshes(plan, torch.device("cpu"), timeout_s=60), torch.device("cpu"))
+    model, optimizers = built.parts[0], built.optimizers
     optimizer = optimizers.optimizers[0]
 
     # One step on a small batch; each rank takes its rows, the loss is scaled by the global token count.
     tokens = torch.randint(0, args.vocab_size, (2 * world, 33), generator=torch.Generator().manual_seed(0))
-    rows = tokens.chunk(dims.dp)[meshes.dp.get_local_rank()]
+    rows = tokens.chunk(dims.dp)[built.meshes.dp.get_local_rank()]
     loss = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten(), reduction="sum")
     (loss / tokens[:, 1:].numel()).backward()
     optimizer.step()

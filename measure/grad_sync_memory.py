@@ -52,16 +52,15 @@ def live_tensor_bytes() -> int:
 def held_after_backward(overrides: dict, reduce: bool) -> dict:
     """Rank body: bytes of gradient state held after one micro-batch with the reduction on or off."""
     from extras.reduce_once_per_step import reduction_window
-    from mesh.dims import build_mesh
-    from planning.options import model_parts
     from planning.plan import LayoutPlan
     from runtime.config import load_config
+    from training.build import build_meshes, build_step
     from training.loss import token_loss_sum
 
     cfg = load_config(path="configs/debug.toml", overrides=overrides)
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
-    meshes = build_mesh(plan.dims, torch.device("cpu"), timeout_s=120)
-    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
+    meshes = build_meshes(plan, torch.device("cpu"), timeout_s=120)
+    model = build_step(cfg, plan, meshes, torch.device("cpu")).parts[0]
     tokens = torch.randint(0, plan.model.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
     before = live_tensor_bytes()
     with reduction_window([model], reduce=reduce, hsdp=plan.dims.dp_replicate > 1):

@@ -72,12 +72,10 @@ def measure(offload: bool, steps: int, seq_len: int, batch: int, device: torch.d
 
     On a CPU ``device`` (the smoke test) there is no device memory to read: ``resident``/``peak`` are 0.
     """
-    from mesh.dims import build_mesh
-    from planning.options import model_parts
     from planning.plan import LayoutPlan
     from runtime.config import load_config
+    from training.build import build_meshes, build_step
     from training.loss import token_loss_sum
-    from training.optimizer import Optimizers
 
     world = dist.get_world_size()
     cfg = load_config(
@@ -94,9 +92,8 @@ def measure(offload: bool, steps: int, seq_len: int, batch: int, device: torch.d
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     before = allocated(device)
-    meshes = build_mesh(plan.dims, device, timeout_s=600, host_tensors=offload)
-    net = model_parts(cfg, plan, meshes, device)[0]
-    optimizers = Optimizers([net], cfg)
+    built = build_step(cfg, plan, build_meshes(plan, device, timeout_s=600), device)  # host groups under offload
+    net, optimizers = built.parts[0], built.optimizers
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
         tokens = torch.randint(0, plan.model.vocab_size, (batch, seq_len + 1), generator=gen).to(device)

@@ -47,14 +47,11 @@ def step_peak(split: str) -> dict:
     from torch.utils._pytree import tree_leaves
 
     from measure.saved_bytes import remember
-    from mesh.dims import build_mesh
     from mesh.pipeline import run_schedule
-    from planning.memory_estimate import MemoryLayout, rank_memory
-    from planning.options import model_parts
+    from planning.memory_estimate import rank_memory
     from planning.plan import LayoutPlan
     from runtime.config import load_config
-    from training.optimizer import Optimizers
-    from training.step import pipeline_schedule
+    from training.build import build_meshes, build_step
 
     class LiveBytes(TorchDispatchMode):
         """The peak of the bytes of op outputs created under the mode and still alive (step 2)."""
@@ -78,25 +75,21 @@ def step_peak(split: str) -> dict:
     cfg = load_config(path=CONFIG, overrides={**LAYOUT, "parallel.pp_split": split})
     rank, device = dist.get_rank(), torch.device("cpu")
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), rank)
-    meshes = build_mesh(plan.dims, device, timeout_s=120)
-    parts = model_parts(cfg, plan, meshes, device)
-    schedule, _, _ = pipeline_schedule(parts, plan, meshes, device)  # the schedule train.py builds
-    optimizers = Optimizers(parts, cfg)
+    built = build_step(cfg, plan, build_meshes(plan, device, timeout_s=120), device)  # as train.py builds it
+    schedule, optimizers = built.schedule, built.optimizers
     seq = cfg.training.seq_len
     tokens = torch.randint(0, plan.model.vocab_size, (plan.local_batch, seq + 1), generator=torch.Generator())
 
     def step() -> None:
-        run_schedule(schedule, list(plan.stage_ids), plan.n_stages, tokens[:, :-1], tokens[:, 1:], False)
+        run_schedule(schedule, list(plan.stage_ids), plan.layout.n_stages, tokens[:, :-1], tokens[:, 1:], False)
         optimizers.step()
 
     step()  # 1: shapes inferred, Adam's state created
     dist.barrier()
     before = live_tensor_bytes()
     with LiveBytes() as live:
-        run_schedule(schedule, list(plan.stage_ids), plan.n_stages, tokens[:, :-1], tokens[:, 1:], False)
-    estimate = rank_memory(
-        plan.model, MemoryLayout.of_plan(plan, cfg), plan.stage_layers, plan.pp_rank, plan.stage_ids
-    ).total
+        run_schedule(schedule, list(plan.stage_ids), plan.layout.n_stages, tokens[:, :-1], tokens[:, 1:], False)
+    estimate = rank_memory(plan.model, plan.layout, plan.stage_layers, plan.pp_rank, plan.stage_ids).total
     return {"split": plan.split_line(), "measured": before + live.peak, "estimate": estimate}
 
 

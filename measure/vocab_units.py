@@ -50,21 +50,20 @@ def measure(vocab_units: bool) -> dict[str, int]:
     """Rank body: build the model under FSDP over all ranks, one forward and backward; this rank's bytes."""
     import mesh.data_parallel
     from launch.local_runs import DEBUG_CONFIG
-    from mesh.dims import build_mesh
     from mesh.private_api import fsdp_units
-    from planning.options import model_parts
     from planning.plan import LayoutPlan
     from runtime.config import load_config
+    from training.build import build_meshes, build_step
 
     world = dist.get_world_size()
     cfg = load_config(path=DEBUG_CONFIG, overrides={**OVERRIDES, "parallel.dp_shard": world})
     plan = LayoutPlan.resolve(cfg, world, dist.get_rank())
-    meshes = build_mesh(plan.dims, torch.device("cpu"), timeout_s=120)
+    meshes = build_meshes(plan, torch.device("cpu"), timeout_s=120)
     units = mesh.data_parallel.vocabulary_units
     if not vocab_units:
         mesh.data_parallel.vocabulary_units = lambda model: []  # the root keeps the embedding, norm and head
     try:
-        model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
+        model = build_step(cfg, plan, meshes, torch.device("cpu")).parts[0]
     finally:
         mesh.data_parallel.vocabulary_units = units
     n_units = fsdp_units(model)  # the norm and head, sharded as a list, are one unit

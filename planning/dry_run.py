@@ -25,12 +25,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mesh.dims import MESH_DIMS
-from planning.memory_estimate import MemoryLayout, rank_memory, rank_parameters, stage_parameters
+from mesh.pipeline import stage_ids_of_rank
+from planning.memory_estimate import rank_memory, rank_parameters, stage_parameters
 from planning.plan import LayoutPlan
 from runtime.config import ConfigError
 
 if TYPE_CHECKING:
-    from runtime.config import Config
+    from runtime.config import Config, ModelConfig
 
 DRY_RUN, WORLD_SIZE = "--dry-run", "--world-size"
 
@@ -62,13 +63,13 @@ def size(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:,.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:,.1f} MiB"
 
 
-def dry_run(cfg: Config, world_size: int) -> str:
-    """Steps 2-3: the banner of ``cfg`` on ``world_size`` ranks, or a ConfigError naming every broken rule."""
-    plan = LayoutPlan.resolve(cfg, world_size, rank=0)
-    d, p, m = plan.dims, cfg.parallel, plan.model
-    ranks_per_pp = world_size // d.pp
+def dry_run(cfg: Config, world_size: int, model_config: ModelConfig | None = None) -> str:
+    """Steps 2-3: the banner of ``cfg`` on ``world_size`` ranks, or a ConfigError naming every broken rule
+    (``model_config``: a transformers folder's [model], checkpoint/hf_folder.py: ``folder_model``)."""
+    plan = LayoutPlan.resolve(cfg, world_size, rank=0, model_config=model_config)
+    d, layout, m = plan.dims, plan.layout, plan.model
     lines = [
-        f"meshloom dry run | world {world_size} | {d.describe()} | {cfg.training.mixed_precision} | "
+        f"meshloom dry run | world {world_size} | {d.describe()} | {layout.mixed_precision} | "
         "no process group; no data, checkpoint or run.dir file touched",
         "  mesh (outermost first: consecutive ranks differ in tp, then cp, ...)",
         *(f"  {name:<13} size {getattr(d, name):>3}" for name in MESH_DIMS),
@@ -76,12 +77,10 @@ def dry_run(cfg: Config, world_size: int) -> str:
     if d.ep > 1:
         lines.append(f"  {'ep':<13} size {d.ep:>3}   (borrowed from dp_shard x cp x tp: the MoE experts' ranks)")
     lines.append(f"  parameters    {m.num_params():,} total")
-    layout = MemoryLayout.of_plan(plan, cfg)
     for pp_rank in range(d.pp):
-        rank_plan = plan if pp_rank == 0 else LayoutPlan.resolve(cfg, world_size, rank=pp_rank * ranks_per_pp)
-        stages = rank_plan.stage_ids
+        stages = tuple(stage_ids_of_rank(pp_rank, d.pp, layout.stages_per_rank, layout.pp_schedule))
         layers = [i for s in stages for i in plan.stage_layers[s]]
-        params = stage_parameters(m, layers, 0 in stages, plan.n_stages - 1 in stages)
+        params = stage_parameters(m, layers, 0 in stages, plan.layout.n_stages - 1 in stages)
         owned = rank_parameters(m, layout, params)
         memory = rank_memory(m, layout, plan.stage_layers, pp_rank, stages)
         if d.pp > 1:
@@ -98,11 +97,13 @@ def dry_run(cfg: Config, world_size: int) -> str:
     lines.append(f"  batch         {plan.batch_line()}")
     if d.pp > 1:
         lines.append(
-            f"  pipeline      {plan.pp_schedule}, {plan.n_stages} stages ({plan.stages_per_rank} per rank), "
-            f"{plan.pp_microbatches} micro-batches per forward call; {plan.split_line()} (pp_split {p.pp_split})"
+            f"  pipeline      {plan.layout.pp_schedule}, {plan.layout.n_stages} stages ({plan.layout.stages_per_rank} per rank), "
+            f"{plan.layout.pp_microbatches} micro-batches per forward call; {plan.split_line()} (pp_split {layout.pp_split})"
         )
     if d.cp > 1:
-        lines.append(f"  context       cp {d.cp}, {p.cp_attention} attention, {plan.seq_len // d.cp} tokens per rank")
+        lines.append(
+            f"  context       cp {d.cp}, {layout.cp_attention} attention, {plan.seq_len // d.cp} tokens per rank"
+        )
     c = cfg.checkpoint
     lines += [
         "  not checked (they need files or the machine; the launch checks them on every rank before any collective):",

@@ -30,15 +30,14 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from extras.onebit_adam import onebit_adam_errors
 from mesh.pipeline import SCHEDULE_FAMILIES, SCHEDULES, schedules_of, stage_ids_of_rank
-from planning.memory_estimate import MemoryLayout, RankMemory, even_stage_layers, rank_memory
+from planning.memory_estimate import RankMemory, even_stage_layers, rank_memory
 from runtime.config import ConfigError, PipelineSchedule
 
 if TYPE_CHECKING:
     from mesh.dims import ParallelDims
     from models.llama import ModelArgs
-    from runtime.config import Config
+    from planning.layout import Layout
 
 # The one table of schedule families is mesh/pipeline.py's; the config lists the names a user may type.
 assert set(SCHEDULES) == set(typing.get_args(PipelineSchedule)), "runtime/config.py and SCHEDULE_FAMILIES disagree"
@@ -48,6 +47,8 @@ assert set(SCHEDULES) == set(typing.get_args(PipelineSchedule)), "runtime/config
 class BatchSplit:
     """global_batch = micro x dp x accumulation, in sequences; the fields are None where the split fails."""
 
+    global_batch: int  # training.global_batch
+    requested_micro: int  # training.micro_batch (0: the whole local batch)
     local: int | None  # sequences per step on one data-parallel rank (None: dp does not divide global_batch)
     micro: int | None  # sequences per forward call of the training loop (None: it does not divide ``local``)
 
@@ -59,50 +60,57 @@ class BatchSplit:
 def batch_split(global_batch: int, dp: int, micro_batch: int) -> BatchSplit:
     """The per-rank batch and micro-batch (``micro_batch = 0``: all of the local batch at once)."""
     if global_batch % dp:
-        return BatchSplit(None, None)
+        return BatchSplit(global_batch, micro_batch, None, None)
     local = global_batch // dp
     if micro_batch < 0 or (micro_batch and local % micro_batch):
-        return BatchSplit(local, None)
-    return BatchSplit(local, micro_batch or local)
+        return BatchSplit(global_batch, micro_batch, local, None)
+    return BatchSplit(global_batch, micro_batch, local, micro_batch or local)
 
 
 def layout_errors(
-    dims: ParallelDims, cfg: Config, model: ModelArgs, n_local: int, microbatches: int, batch: BatchSplit
+    layout: Layout, model: ModelArgs, batch: BatchSplit, requested_dp_shard: int | None = None
 ) -> list[str]:
-    """Every rule the layout breaks (steps 1-9 of the module docstring), as messages naming field, value, fix."""
-    errors = world_errors(dims, cfg)
-    errors += tensor_parallel_errors(dims, cfg, model)
-    errors += context_parallel_errors(dims, cfg)
+    """Every rule the layout breaks (steps 1-9 of the module docstring), as messages naming field, value, fix.
+    ``requested_dp_shard``: parallel.dp_shard as written (-1: the rest of the world), when it differs."""
+    dims = layout.dims
+    errors = degree_errors(layout, model, requested_dp_shard)
     if dims.pp > 1:
         # The per-rank batch is unknown while the batch split is broken (reported below); check the rest.
         errors += pipeline_errors(
             dims.pp,
-            cfg.parallel.pp_schedule,
-            n_local,
-            microbatches,
+            layout.pp_schedule,
+            layout.stages_per_rank,
+            layout.pp_microbatches,
             batch.micro,
-            cfg.parallel.pp_split,
+            layout.pp_split,
             model.n_layers,
-            compiled=cfg.training.compile,
+            compiled=layout.compile,
         )
-    errors += expert_errors(dims, cfg)
-    errors += compile_errors(dims, cfg)
-    errors += batch_errors(dims, cfg, batch)
-    errors += saver_errors(dims, cfg, batch.accumulation)
-    t = cfg.training
-    if t.seq_len > model.max_seq_len:
+    errors += compile_errors(layout)
+    errors += batch_errors(dims, batch)
+    errors += saver_errors(layout, batch)
+    if layout.seq_len > model.max_seq_len:
         errors.append(
-            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={model.max_seq_len}; raise "
+            f"training.seq_len={layout.seq_len} exceeds model.max_seq_len={model.max_seq_len}; raise "
             "model.max_seq_len or shorten training.seq_len."
         )
     return errors
 
 
-def world_errors(dims: ParallelDims, cfg: Config) -> list[str]:
+def degree_errors(layout: Layout, model: ModelArgs, requested_dp_shard: int | None = None) -> list[str]:
+    """Rules 1, 2, 3 and 5: the degrees against the world, the model and the sequence, whatever the schedule, the
+    batch and the savers (the cluster planner's search filters its candidates with these: cluster/search.py)."""
+    dims = layout.dims
+    errors = world_errors(dims, dims.dp_shard if requested_dp_shard is None else requested_dp_shard)
+    errors += tensor_parallel_errors(layout, model)
+    errors += context_parallel_errors(layout, model)
+    return errors + expert_errors(dims, model)
+
+
+def world_errors(dims: ParallelDims, requested_dp_shard: int) -> list[str]:
     """Rule 1: the degrees multiply to WORLD_SIZE."""
-    p = cfg.parallel
-    if p.dp_shard == -1:
-        others = p.dp_replicate * p.cp * p.tp * p.pp
+    if requested_dp_shard == -1:
+        others = dims.dp_replicate * dims.cp * dims.tp * dims.pp
         if dims.world_size % others:
             return [
                 f"parallel.dp_shard=-1 cannot fill the world: WORLD_SIZE={dims.world_size} is not divisible by "
@@ -119,10 +127,10 @@ def world_errors(dims: ParallelDims, cfg: Config) -> list[str]:
     ]
 
 
-def tensor_parallel_errors(dims: ParallelDims, cfg: Config, model: ModelArgs) -> list[str]:
+def tensor_parallel_errors(layout: Layout, model: ModelArgs) -> list[str]:
     """Rule 2: the model splits evenly over the tp ranks, and so does every sequence where TP splits it."""
     errors: list[str] = []
-    t, p = cfg.training, cfg.parallel
+    dims, t, p = layout.dims, layout, layout
     if model.dim % model.n_heads:
         errors.append(f"model.dim={model.dim} is not divisible by model.n_heads={model.n_heads}; pick a multiple.")
     if model.n_heads % model.n_kv_heads:
@@ -157,7 +165,7 @@ def tensor_parallel_errors(dims: ParallelDims, cfg: Config, model: ModelArgs) ->
             f"parallel.tp={dims.tp}: under TP each tp rank runs the MoE layers on its own chunk of every sequence "
             "(mesh/moe_token_split.TokenSplitMoE); change seq_len."
         )
-    if p.sp_regather and (cfg.training.activation_checkpoint != "none" or cfg.training.compile):
+    if p.sp_regather and (layout.activation_checkpoint != "none" or layout.compile):
         errors.append(
             "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false: a "
             "checkpointed block keeps no gathered input to begin with (full) or keeps it by policy (selective), and "
@@ -172,33 +180,35 @@ def tensor_parallel_errors(dims: ParallelDims, cfg: Config, model: ModelArgs) ->
     return errors
 
 
-def context_parallel_errors(dims: ParallelDims, cfg: Config) -> list[str]:
+def context_parallel_errors(layout: Layout, model: ModelArgs) -> list[str]:
     """The rules of context parallelism (mesh/context_parallel.py), as messages naming the field and the fix."""
+    dims, t = layout.dims, layout
     if dims.cp == 1:
         return []
     errors: list[str] = []
-    t, m = cfg.training, cfg.model
+    aux = model.moe.aux_loss_coef if model.moe else 0.0
+    capacity = model.moe.capacity_factor if model.moe else 0.0
     if t.seq_len % (2 * dims.cp):
         errors.append(
             f"training.seq_len={t.seq_len} is not divisible by 2*parallel.cp={2 * dims.cp}: each cp rank holds two "
             f"equal chunks of every sequence (chunks r and 2cp-1-r, for the causal load balance); use a multiple "
             f"of {2 * dims.cp} or another parallel.cp."
         )
-    elif dims.tp > 1 and cfg.parallel.sequence_parallel and (t.seq_len // dims.cp) % dims.tp:
+    elif dims.tp > 1 and layout.sequence_parallel and (t.seq_len // dims.cp) % dims.tp:
         errors.append(
             f"training.seq_len={t.seq_len} / parallel.cp={dims.cp} = {t.seq_len // dims.cp} tokens per cp rank, "
             f"not divisible by parallel.tp={dims.tp}, which sequence parallelism needs; make seq_len a multiple of "
             f"cp*tp={dims.cp * dims.tp} (and of 2*cp) or set parallel.sequence_parallel=false."
         )
-    if m.n_experts and m.moe_aux_loss_coef > 0:
+    if aux > 0:
         errors.append(
-            f"model.moe_aux_loss_coef={m.moe_aux_loss_coef} with parallel.cp={dims.cp}: the auxiliary loss is computed "
+            f"model.moe_aux_loss_coef={aux} with parallel.cp={dims.cp}: the auxiliary loss is computed "
             "per whole sequence, and a cp rank holds only part of each; set model.moe_aux_loss_coef=0 (the "
             "aux-loss-free bias, model.moe_bias_update_rate, works with cp) or parallel.cp=1."
         )
-    if m.n_experts and m.moe_capacity_factor > 0:
+    if capacity > 0:
         errors.append(
-            f"model.moe_capacity_factor={m.moe_capacity_factor} with parallel.cp={dims.cp}: expert capacity is counted "
+            f"model.moe_capacity_factor={capacity} with parallel.cp={dims.cp}: expert capacity is counted "
             "per whole sequence, and a cp rank holds only part of each; set model.moe_capacity_factor=0 "
             "(dropless) or parallel.cp=1."
         )
@@ -275,19 +285,19 @@ def pipeline_errors(
     return errors
 
 
-def expert_errors(dims: ParallelDims, cfg: Config) -> list[str]:
+def expert_errors(dims: ParallelDims, model: ModelArgs) -> list[str]:
     """Rule 5: top_k within the experts; ep divides the experts and the dp_shard x cp x tp ranks it borrows
     (mesh/dims.build_mesh unflattens those into efsdp x ep)."""
     errors: list[str] = []
-    m = cfg.model
-    if m.n_experts and not 1 <= m.top_k <= m.n_experts:
-        errors.append(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}.")
+    n_experts = model.moe.n_experts if model.moe else 0
+    if model.moe and not 1 <= model.moe.top_k <= n_experts:
+        errors.append(f"model.top_k={model.moe.top_k} must be between 1 and model.n_experts={n_experts}.")
     if dims.ep > 1:
-        if m.n_experts == 0:
+        if n_experts == 0:
             errors.append(f"parallel.ep={dims.ep} needs an MoE model; set model.n_experts or parallel.ep=1.")
-        elif m.n_experts % dims.ep:
+        elif n_experts % dims.ep:
             errors.append(
-                f"parallel.ep={dims.ep} does not divide model.n_experts={m.n_experts}; each ep rank must own "
+                f"parallel.ep={dims.ep} does not divide model.n_experts={n_experts}; each ep rank must own "
                 "the same number of experts: choose an ep that divides n_experts."
             )
         borrowed = dims.dp_shard * dims.cp * dims.tp
@@ -300,12 +310,12 @@ def expert_errors(dims: ParallelDims, cfg: Config) -> list[str]:
     return errors
 
 
-def compile_errors(dims: ParallelDims, cfg: Config) -> list[str]:
+def compile_errors(layout: Layout) -> list[str]:
     """Layouts that ``training.compile`` cannot run in torch 2.13, refused before the first step where each failed
     (measured on CPU; docs/profiling.md, Appendix A.5)."""
-    if not cfg.training.compile:
+    if not layout.compile:
         return []
-    errors = []
+    dims, errors = layout.dims, []
     if dims.tp > 1:
         errors.append(
             f"training.compile=true with parallel.tp={dims.tp}: in torch 2.13 the backward of a DTensor "
@@ -322,32 +332,31 @@ def compile_errors(dims: ParallelDims, cfg: Config) -> list[str]:
     return errors
 
 
-def batch_errors(dims: ParallelDims, cfg: Config, batch: BatchSplit) -> list[str]:
+def batch_errors(dims: ParallelDims, batch: BatchSplit) -> list[str]:
     """Rule 7: the global batch splits evenly into dp ranks and then into micro-batches."""
-    t = cfg.training
     if batch.local is None:
         return [
-            f"training.global_batch={t.global_batch} is not divisible by the data-parallel degree "
+            f"training.global_batch={batch.global_batch} is not divisible by the data-parallel degree "
             f"dp_replicate*dp_shard={dims.dp}; use a multiple of {dims.dp}."
         ]
     if batch.micro is None:
         return [
-            f"training.micro_batch={t.micro_batch} does not divide the per-rank batch {batch.local} "
-            f"(global_batch {t.global_batch} / dp {dims.dp}); use a divisor of {batch.local} or 0 for all of it."
+            f"training.micro_batch={batch.requested_micro} does not divide the per-rank batch {batch.local} "
+            f"(global_batch {batch.global_batch} / dp {dims.dp}); use a divisor of {batch.local} or 0 for all of it."
         ]
     return []
 
 
-def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> list[str]:
-    """Every gradient-sync, compression and offload setting that cannot work on this layout; ``accumulation``: loop
-    forward/backward calls per step (None when the batch does not split)."""
-    p, t = cfg.parallel, cfg.training
+def saver_errors(layout: Layout, batch: BatchSplit) -> list[str]:
+    """Every gradient-sync, compression and offload setting that cannot work on this layout (the batch: how many
+    forward/backward calls a step accumulates, None when it does not split)."""
+    dims, p, t, accumulation = layout.dims, layout, layout, batch.accumulation
     errors: list[str] = []
     accumulates = accumulation is not None and accumulation > 1
     if p.grad_sync == "step" and dims.pp > 1 and accumulates:
         errors.append(
             f"parallel.grad_sync=step with parallel.pp={dims.pp} and {accumulation} accumulated micro-batches "
-            f"(training.micro_batch={t.micro_batch}): the pipeline schedule reduces gradients at the end of each "
+            f"(training.micro_batch={batch.requested_micro}): the pipeline schedule reduces gradients at the end of each "
             "of its steps and cannot defer that; set training.micro_batch=0 and raise parallel.pp_microbatches "
             "instead (the schedule accumulates its micro-batches without reducing), or grad_sync=microbatch."
         )
@@ -382,7 +391,39 @@ def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> l
                 "PowerSGD runs on a replicated (DDP) model without FSDP; turn one of them off."
             )
     if p.grad_compression == "onebit_adam" and dims.dp > 1:
-        errors += onebit_adam_errors(dims, cfg)  # extras/onebit_adam.py
+        errors += onebit_adam_errors(layout)
+    return errors
+
+
+def onebit_adam_errors(layout: Layout) -> list[str]:
+    """1-bit Adam (extras/onebit_adam.py) compresses the momentum of whole, replicated parameters: each rank must
+    hold every parameter and its whole Adam state (one reason per broken field)."""
+    dims = layout.dims
+    why = "parallel.grad_compression=onebit_adam compresses the momentum of whole replicated parameters"
+    errors = []
+    if dims.dp_shard > 1:
+        errors.append(
+            f"{why}, but parallel.dp_shard={dims.dp_shard} shards the parameters and Adam states with FSDP "
+            "(no rank holds a whole momentum to compress); set parallel.dp_replicate to the data-parallel degree "
+            "and parallel.dp_shard=1, or use grad_compression=bf16 with sharding."
+        )
+    for name, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp)):
+        if degree > 1:
+            errors.append(
+                f"{why}, but parallel.{name}={degree} splits the model across ranks, which 1-bit Adam's plain "
+                f"replicated model does not support; set parallel.{name}=1 (a pure data-parallel layout)."
+            )
+    if layout.mixed_precision != "fp32":
+        errors.append(
+            f"parallel.grad_compression=onebit_adam with training.mixed_precision={layout.mixed_precision}: meshloom's "
+            "bf16 lives in FSDP's MixedPrecisionPolicy, which 1-bit Adam's replicated model does not use; set "
+            "training.mixed_precision=fp32."
+        )
+    if layout.fsdp_cpu_offload:
+        errors.append(
+            "parallel.fsdp_cpu_offload=true with parallel.grad_compression=onebit_adam: offloading is FSDP's, and "
+            "1-bit Adam runs on a replicated model without FSDP; turn one of them off."
+        )
     return errors
 
 
@@ -395,7 +436,7 @@ MEMORY_MARGIN = 1.5
 GIB = 2**30
 
 
-def peak_rank_memory(args: ModelArgs, layout: MemoryLayout, stage_layers, pp_schedule: str | None) -> RankMemory:
+def peak_rank_memory(args: ModelArgs, layout: Layout, stage_layers, pp_schedule: str | None) -> RankMemory:
     """The estimate of the pipeline rank that holds the most (every rank computes the same number, so every
     rank reaches the same verdict without a collective)."""
     n_stages, pp = len(stage_layers), layout.pp
@@ -408,27 +449,27 @@ def peak_rank_memory(args: ModelArgs, layout: MemoryLayout, stage_layers, pp_sch
     return max(ranks, key=lambda memory: memory.total)
 
 
-def check_memory(plan, cfg: Config, budget: tuple[int, str] | None) -> None:
+def check_memory(plan, budget: tuple[int, str] | None) -> None:
     """Raise a ConfigError when the busiest rank's estimate exceeds ``budget`` (bytes, and whose) by ``MEMORY_MARGIN``,
     naming what would fit: an FSDP degree, full activation checkpointing, the most layers."""
     if budget is None:
         return  # the machine does not say how much memory it has
     limit, where = budget
-    layout = MemoryLayout.of_plan(plan, cfg)
+    layout = plan.layout
     args, stages = plan.model, [list(layers) for layers in plan.stage_layers]
-    peak = peak_rank_memory(args, layout, stages, plan.pp_schedule)
+    peak = peak_rank_memory(args, layout, stages, layout.pp_schedule)
     if peak.total <= MEMORY_MARGIN * limit:
         return
 
-    def fits(model_args: ModelArgs, with_layout: MemoryLayout, stage_layers) -> bool:
-        return peak_rank_memory(model_args, with_layout, stage_layers, plan.pp_schedule).total <= limit
+    def fits(model_args: ModelArgs, with_layout: Layout, stage_layers) -> bool:
+        return peak_rank_memory(model_args, with_layout, stage_layers, layout.pp_schedule).total <= limit
 
     def even(n_layers: int) -> list[list[int]]:
         return even_stage_layers(n_layers, len(stages))
 
-    d, m, options = plan.dims, cfg.model, []
+    d, m, options = plan.dims, plan.model_config, []
 
-    def sharded(n: int, checkpoint: str = layout.activation_checkpoint) -> MemoryLayout:
+    def sharded(n: int, checkpoint: str = layout.activation_checkpoint) -> Layout:
         """This layout with FSDP over n shards: the states split n ways, and each rank's share of the global
         batch shrinks with the data-parallel degree (down to one sequence)."""
         sequences = max(1, layout.sequences_per_microbatch * d.dp_shard // n)

@@ -4,7 +4,7 @@ Nothing here builds a model or a process group, so a layout can be judged before
 layout planner (cluster/plan_layout.py) adds a search and a time model on top, and the same functions serve a
 dry run, a "will it fit" check before allocation, and a memory-balanced pipeline split. Inputs: a
 ``ModelArgs`` (models/llama.py; MoE layers through ``args.moe``), the degrees, the batch and sequence, the
-pipeline schedule, the activation checkpointing mode and the precision, gathered in ``MemoryLayout``.
+pipeline schedule, the activation checkpointing mode and the precision, gathered in ``Layout`` (planning/layout.py).
 
 Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
 
@@ -23,124 +23,19 @@ More in docs/combining.md: "planning/memory_estimate.py", at its end.
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mesh.ac_policies import SELECTIVE, keeps_matmul
-from mesh.dims import ParallelDims
 
 if TYPE_CHECKING:  # (no planning.plan import, even here: planning/plan.py may import this module)
     from models.llama import ModelArgs
-    from runtime.config import Config
+    from planning.layout import Layout
 
 STATE_BYTES = 16  # fp32 weights 4 + fp32 gradients 4 + Adam m, v 8, per owned parameter
-COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
 LOGIT_PEAK_BYTES = 12  # per logit around the loss: measure/logits_memory.py measures 10.0 forward, 12.0 backward
 LOGIT_KEPT_BYTES = 4  # per logit of a micro-batch waiting for its backward: the fp32 log-softmax
 ROUTING_BYTES = 32  # per routed (token, expert) pair: three int64 indices, two fp32 gates (models/moe.py: MoE)
-
-
-DEGREES = ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep")
-
-
-def degrees(
-    *, tp: int = 1, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int = 1, ep: int = 1
-) -> ParallelDims:
-    """The ``ParallelDims`` (mesh/dims.py) of a layout given degree by degree: the world is their product (ep is
-    borrowed from the others, so it does not multiply)."""
-    world = tp * pp * dp_replicate * dp_shard * cp
-    return ParallelDims(tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, world_size=world)
-
-
-class DegreesOf:
-    """Read-only views of ``self.dims``' degrees, so that ``layout.tp`` reads as before. ``dp`` is what it is
-    everywhere in meshloom: dp_replicate x dp_shard (ParallelDims.dp), the ranks that see different data."""
-
-    dims: ParallelDims
-
-    tp = property(lambda self: self.dims.tp)
-    pp = property(lambda self: self.dims.pp)
-    dp_replicate = property(lambda self: self.dims.dp_replicate)
-    dp_shard = property(lambda self: self.dims.dp_shard)
-    cp = property(lambda self: self.dims.cp)
-    ep = property(lambda self: self.dims.ep)
-    dp = property(lambda self: self.dims.dp)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryLayout(DegreesOf):
-    """Everything besides the model that decides what a rank holds: ``dims`` and how the step runs on them. Degrees
-    given one by one (``MemoryLayout(tp=2)``, ``dataclasses.replace``) build or update ``dims``."""
-
-    dims: ParallelDims = field(default_factory=degrees)
-    seq_len: int
-    sequences_per_microbatch: int = 1  # one pipeline micro-batch (or one forward call without pipelining)
-    pp_schedule: str = "1F1B"
-    pp_microbatches: int = 1
-    stages_per_rank: int = 1
-    activation_checkpoint: str = "none"  # none | full | selective
-    mixed_precision: str = "bf16"  # bf16 | fp32
-    sequence_parallel: bool = True
-    sp_regather: bool = False
-    cp_attention: str = "allgather"  # allgather | ring
-    fsdp: bool = True  # FSDP2 wraps the model (planning/plan.py: uses_fsdp)
-    cpu_offload: bool = False  # parallel.fsdp_cpu_offload
-    tp: InitVar[int | None] = None  # the shorthand (class docstring)
-    pp: InitVar[int | None] = None
-    dp_replicate: InitVar[int | None] = None
-    dp_shard: InitVar[int | None] = None
-    cp: InitVar[int | None] = None
-    ep: InitVar[int | None] = None
-
-    def __post_init__(self, *given: int | None) -> None:
-        changes = {k: v for k, v in zip(DEGREES, given, strict=True) if v is not None}
-        if changes:
-            merged = {k: getattr(self.dims, k) for k in DEGREES} | changes
-            object.__setattr__(self, "dims", degrees(**merged))
-
-    @property
-    def sp(self) -> bool:
-        return self.tp > 1 and self.sequence_parallel
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of one micro-batch on this rank (context parallelism splits each sequence)."""
-        return self.sequences_per_microbatch * self.seq_len // self.cp
-
-    @property
-    def dtype_bytes(self) -> int:
-        return COMPUTE_BYTES[self.mixed_precision]
-
-    @classmethod
-    def of_plan(cls, plan, cfg: Config) -> MemoryLayout:
-        """The layout a resolved ``LayoutPlan`` (planning/plan.py) and its config describe."""
-        return cls.of_config(
-            cfg, plan.dims, plan.micro_batch, plan.pp_microbatches, plan.stages_per_rank, fsdp=plan.fsdp
-        )
-
-    @classmethod
-    def of_config(
-        cls, cfg: Config, d, micro_batch: int, pp_microbatches: int, stages_per_rank: int, *, fsdp: bool
-    ) -> MemoryLayout:
-        """The same from the pieces ``LayoutPlan.resolve`` works out before the plan exists (``d``: the
-        ParallelDims), for ``pp_split = memory``."""
-        p, t = cfg.parallel, cfg.training
-        per_microbatch = micro_batch // pp_microbatches if d.pp > 1 else micro_batch
-        return cls(
-            dims=d,
-            seq_len=t.seq_len,
-            sequences_per_microbatch=per_microbatch,
-            pp_schedule=p.pp_schedule if d.pp > 1 else "1F1B",
-            pp_microbatches=pp_microbatches,
-            stages_per_rank=stages_per_rank,
-            activation_checkpoint=t.activation_checkpoint,
-            mixed_precision=t.mixed_precision,
-            sequence_parallel=p.sequence_parallel,
-            sp_regather=p.sp_regather,
-            cp_attention=p.cp_attention,
-            fsdp=fsdp,
-            cpu_offload=p.fsdp_cpu_offload,
-        )
 
 
 # ---- 1. parameters and states ----------------------------------------------------------------------------
@@ -177,7 +72,7 @@ def stage_parameters(args: ModelArgs, layers, first: bool, last: bool) -> dict[s
     return total
 
 
-def rank_parameters(args: ModelArgs, layout: MemoryLayout, params: dict[str, int]) -> float:
+def rank_parameters(args: ModelArgs, layout: Layout, params: dict[str, int]) -> float:
     """How many of ``params`` one rank owns after TP, EP and FSDP (item 1 of the module docstring)."""
     shards = layout.dp_shard * layout.cp if layout.fsdp else 1
     # experts: ep ranks borrowed from dp_shard x cp x tp (mesh/dims.py), FSDP over the rest (efsdp), so under FSDP
@@ -187,12 +82,12 @@ def rank_parameters(args: ModelArgs, layout: MemoryLayout, params: dict[str, int
     return params["tp"] / (layout.tp * shards) + params["whole"] / shards + experts
 
 
-def states_bytes(args: ModelArgs, layout: MemoryLayout, params: dict[str, int]) -> float:
+def states_bytes(args: ModelArgs, layout: Layout, params: dict[str, int]) -> float:
     """Item 1: 16 bytes per owned parameter; none on the device with CPU offload."""
-    return 0.0 if layout.cpu_offload else STATE_BYTES * rank_parameters(args, layout, params)
+    return 0.0 if layout.fsdp_cpu_offload else STATE_BYTES * rank_parameters(args, layout, params)
 
 
-def gathered_parameters(layout: MemoryLayout, params: dict[str, int]) -> float:
+def gathered_parameters(layout: Layout, params: dict[str, int]) -> float:
     """Parameters of ``params`` this rank holds gathered: TP and EP still split them, FSDP does not."""
     return params["tp"] / layout.tp + params["whole"] + params["experts"] / layout.ep
 
@@ -207,13 +102,13 @@ def token_split_parameters(args: ModelArgs, layer_id: int) -> int:
     return args.dim * args.moe.n_experts + shared
 
 
-def gathered_block(args: ModelArgs, layout: MemoryLayout, layer_id: int) -> float:
+def gathered_block(args: ModelArgs, layout: Layout, layer_id: int) -> float:
     """Block ``layer_id``'s parameters gathered on this rank: ``gathered_parameters``, the token-split ones whole."""
     whole = token_split_parameters(args, layer_id) * (1 - 1 / layout.tp)
     return gathered_parameters(layout, block_parameters(args, layer_id)) + whole
 
 
-def gathered_bytes(args: ModelArgs, layout: MemoryLayout, layers, first: bool, last: bool) -> float:
+def gathered_bytes(args: ModelArgs, layout: Layout, layers, first: bool, last: bool) -> float:
     """Item 2: FSDP's unsharded copies of the weights (and gradients) this rank computes with."""
     if not layout.fsdp:
         return 0.0
@@ -237,7 +132,7 @@ def gathered_bytes(args: ModelArgs, layout: MemoryLayout, layers, first: bool, l
 # ---- 3. activations ----------------------------------------------------------------------------------------
 
 
-def layer_activation_terms(args: ModelArgs, layer_id: int, layout: MemoryLayout, mode: str) -> dict[str, float]:
+def layer_activation_terms(args: ModelArgs, layer_id: int, layout: Layout, mode: str) -> dict[str, float]:
     """Bytes one block keeps for backward for one micro-batch on this rank, by term (item 3 of the docstring)."""
     n, h, a, w, t = layout.tokens, args.dim, args.n_heads, layout.dtype_bytes, layout.tp
     g = args.n_kv_heads * args.head_dim
@@ -280,7 +175,7 @@ def layer_activation_terms(args: ModelArgs, layer_id: int, layout: MemoryLayout,
     return terms
 
 
-def ffn_activation_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout) -> float:
+def ffn_activation_bytes(args: ModelArgs, layer_id: int, layout: Layout) -> float:
     """The FFN's share of ``layer_activation_terms`` without checkpointing: a SwiGLU, or an MoE layer."""
     n, w, t = layout.tokens, layout.dtype_bytes, layout.tp
     if not args.is_moe_layer(layer_id):
@@ -295,7 +190,7 @@ def ffn_activation_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout) -
     return n / t * per_token + routed * (kept * args.dim * w + 4 * m.hidden_dim * w + ROUTING_BYTES) + shared
 
 
-def selective_ffn_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout, mode: str = "selective_keep_mm") -> float:
+def selective_ffn_bytes(args: ModelArgs, layer_id: int, layout: Layout, mode: str = "selective_keep_mm") -> float:
     """An MoE layer's activation bytes under a selective ``mode`` (router, topk, expert and shared-expert matmuls, EP
     all-to-alls); a dense layer: 0, its matmuls are in the block's list."""
     n, w, t, h = layout.tokens, layout.dtype_bytes, layout.tp, args.dim
@@ -314,13 +209,13 @@ def selective_ffn_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout, mo
     return router + routed * ((2 * m.hidden_dim + h) * w + 12 + exchanged) + shared
 
 
-def layer_activation_bytes(args: ModelArgs, layer_id: int, layout: MemoryLayout, mode: str | None = None) -> float:
+def layer_activation_bytes(args: ModelArgs, layer_id: int, layout: Layout, mode: str | None = None) -> float:
     """Item 3 in one number: bytes block ``layer_id`` keeps for one micro-batch under ``mode`` (default: the
     layout's ``activation_checkpoint``)."""
     return sum(layer_activation_terms(args, layer_id, layout, mode or layout.activation_checkpoint).values())
 
 
-def rebuild_bytes(args: ModelArgs, layers, layout: MemoryLayout) -> float:
+def rebuild_bytes(args: ModelArgs, layers, layout: Layout) -> float:
     """With checkpointing, backward rebuilds one block at a time: the largest block's unsaved bytes, once."""
     if layout.activation_checkpoint == "none" or not layers:
         return 0.0
@@ -353,7 +248,7 @@ def chunks_in_flight(schedule: str, pp: int, pp_rank: int, microbatches: int, st
 # ---- 5. logits, and the whole rank -------------------------------------------------------------------------
 
 
-def logits_bytes(args: ModelArgs, layout: MemoryLayout, held: int = 1) -> float:
+def logits_bytes(args: ModelArgs, layout: Layout, held: int = 1) -> float:
     """Item 5: the peak around the loss, plus the saved log-softmax of ``held - 1`` other micro-batches."""
     logits = layout.tokens * args.vocab_size / layout.tp
     return logits * (LOGIT_PEAK_BYTES + LOGIT_KEPT_BYTES * max(0, held - 1))
@@ -373,7 +268,7 @@ class RankMemory:
 
 def rank_memory(
     args: ModelArgs,
-    layout: MemoryLayout,
+    layout: Layout,
     stage_layers: list[list[int]] | tuple[tuple[int, ...], ...],
     pp_rank: int = 0,
     stage_ids: list[int] | tuple[int, ...] = (0,),
@@ -395,7 +290,7 @@ def rank_memory(
     )
 
 
-def last_stage_held(layout: MemoryLayout) -> int:
+def last_stage_held(layout: Layout) -> int:
     """The last stage's chunks in flight: one for single-stage and looped schedules' last rank per round, all of
     them under GPipe and LoopedBFS (every forward first)."""
     if layout.pp > 1 and layout.pp_schedule in ("GPipe", "LoopedBFS"):
@@ -410,8 +305,3 @@ def even_stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     sizes = [base + (1 if s >= n_stages - extra else 0) for s in range(n_stages)]
     bounds = [sum(sizes[:s]) for s in range(n_stages + 1)]
     return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
-
-
-# The shorthand's InitVars left class attributes (None) that hide DegreesOf's views: remove them.
-for _name in DEGREES:
-    delattr(MemoryLayout, _name)

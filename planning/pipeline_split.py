@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from mesh.pipeline import stage_ids_of_rank
 from models.flops import head_flops_per_token, layer_flops_per_token
 from planning.memory_estimate import (
-    MemoryLayout,
     block_parameters,
     chunks_in_flight,
     gathered_bytes,
@@ -30,6 +29,7 @@ from planning.memory_estimate import (
 
 if TYPE_CHECKING:
     from models.llama import ModelArgs
+    from planning.layout import Layout
 
 
 def layer_costs(args: ModelArgs, policy: str, seq_len: int) -> tuple[list[float], float, float]:
@@ -81,14 +81,14 @@ def stages_of(sizes: list[int]) -> list[list[int]]:
     return [list(range(bounds[k], bounds[k + 1])) for k in range(len(sizes))]
 
 
-def rank_peaks(args: ModelArgs, layout: MemoryLayout, sizes: list[int], schedule: str) -> list[float]:
+def rank_peaks(args: ModelArgs, layout: Layout, sizes: list[int], schedule: str) -> list[float]:
     """Each pipeline rank's estimated peak bytes (planning/memory_estimate.py: rank_memory) under the split ``sizes``."""
     stages, pp = stages_of(sizes), layout.pp
     n_local = len(sizes) // pp
     return [rank_memory(args, layout, stages, r, stage_ids_of_rank(r, pp, n_local, schedule)).total for r in range(pp)]
 
 
-def memory_split(args: ModelArgs, layout: MemoryLayout, n_stages: int, schedule: str) -> list[int]:
+def memory_split(args: ModelArgs, layout: Layout, n_stages: int, schedule: str) -> list[int]:
     """Layers per stage that make the pipeline ranks' peak memory (``rank_memory``) as even as whole layers allow. Split
     each rank's peak into its stages' shares and minimise the largest (``minmax_split``, exact); with several stages per
     rank, then move one cut by one layer while the sorted peaks get lexicographically smaller."""
@@ -136,7 +136,7 @@ def memory_split(args: ModelArgs, layout: MemoryLayout, n_stages: int, schedule:
 
 
 def split_layers(
-    args: ModelArgs, n_stages: int, policy: str, seq_len: int, layout: MemoryLayout | None = None
+    args: ModelArgs, n_stages: int, policy: str, seq_len: int, layout: Layout | None = None
 ) -> list[list[int]]:
     """Layer indices of each stage under ``policy`` (params | flops | memory | "n0,n1,..."); ``memory`` needs
     the ``layout`` whose peaks it balances."""
@@ -144,7 +144,7 @@ def split_layers(
         sizes = balanced_split(*layer_costs(args, policy, seq_len), n_stages)
     elif policy == "memory":
         if layout is None:
-            raise ValueError("pp_split 'memory' needs the MemoryLayout whose ranks it balances")
+            raise ValueError("pp_split 'memory' needs the Layout whose ranks it balances")
         sizes = memory_split(args, layout, n_stages, layout.pp_schedule)
     else:
         sizes = [int(x) for x in policy.split(",")]

@@ -26,12 +26,12 @@ import json
 from dataclasses import dataclass
 
 from planning.dry_run import size
-from planning.memory_estimate import MemoryLayout, rank_memory, rank_parameters, stage_parameters
+from planning.memory_estimate import rank_memory, rank_parameters, stage_parameters
 from planning.plan import LayoutPlan
 from runtime.config import ConfigError
 
 if False:  # pragma: no cover  (type names only)
-    from runtime.config import Config
+    from runtime.config import Config, ModelConfig
 
 SIMULATE, PP_RANKS, OUT, ROUTING, WORLD_SIZE = (
     "--simulate",
@@ -101,9 +101,9 @@ def parse_simulate(argv: list[str]) -> tuple[SimulateArgs | None, list[str]]:
     return SimulateArgs(int(world), pp_ranks, values.get(OUT), routing), rest
 
 
-def refusals(cfg: Config, plan: LayoutPlan) -> list[str]:
-    """Step 2: what this config does that a simulation cannot run, each with its reason."""
-    p, t, m = cfg.parallel, cfg.training, plan.model
+def refusals(plan: LayoutPlan) -> list[str]:
+    """Step 2: what this layout does that a simulation cannot run, each with its reason."""
+    layout, m = plan.layout, plan.model
     found = []
     if m.moe is not None and m.moe.capacity_factor > 0:
         found.append(
@@ -111,26 +111,26 @@ def refusals(cfg: Config, plan: LayoutPlan) -> list[str]:
             "the experts' input (models/moe.py, step 3); fake tensors hold no counts. Simulate the dropless "
             "layer (capacity_factor=0)."
         )
-    if m.moe is not None and t.mixed_precision == "fp32":
+    if m.moe is not None and layout.mixed_precision == "fp32":
         found.append(
             "training.mixed_precision=fp32 with MoE layers: torch's shape function for the experts' grouped matmul "
             "(aten._grouped_mm) accepts bf16 only (the CUDA kernel's rule), though the CPU kernel runs fp32. "
             "Simulate it with training.mixed_precision=bf16."
         )
-    if not plan.fsdp and plan.dims.tp == 1:
+    if not plan.layout.fsdp and plan.dims.tp == 1:
         found.append(
             "a layout with neither FSDP nor TP (fp32, dp_shard = dp_replicate = cp = tp = 1): materialising its plain "
             "meta-device weights swaps each parameter for a new one (nn.Module.to_empty), which torch refuses for "
             "fake tensors (FSDP's and TP's parameters are DTensors, which it swaps). "
             "Simulate it with training.mixed_precision=bf16 (FSDP then holds the weights, as at scale)."
         )
-    if p.fsdp_cpu_offload:
+    if layout.fsdp_cpu_offload:
         found.append("parallel.fsdp_cpu_offload=true: the states live in host memory, which the meter does not split.")
-    if t.compile:
+    if layout.compile:
         found.append("training.compile=true: a compiled block is traced, not run op by op; simulate it eagerly.")
-    if p.grad_compression in ("powersgd", "onebit_adam"):
+    if layout.grad_compression in ("powersgd", "onebit_adam"):
         found.append(
-            f"parallel.grad_compression={p.grad_compression}: its replicated model communicates through DDP's "
+            f"parallel.grad_compression={layout.grad_compression}: its replicated model communicates through DDP's "
             "buckets and reads its state on the host."
         )
     return found
@@ -146,14 +146,15 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def estimate(cfg: Config, world_size: int, pp_rank: int) -> tuple[float, dict[str, float]]:
+def estimate(cfg: Config, world_size: int, pp_rank: int, model_config=None) -> tuple[float, dict[str, float]]:
     """The planner's bytes for the same rank, split the way the simulation splits them."""
-    first = LayoutPlan.resolve(cfg, world_size, rank=0)
-    plan = LayoutPlan.resolve(cfg, world_size, rank=pp_rank * (world_size // first.dims.pp))
-    layout, m, stages = MemoryLayout.of_plan(plan, cfg), plan.model, plan.stage_ids
+    first = LayoutPlan.resolve(cfg, world_size, rank=0, model_config=model_config)
+    rank = pp_rank * (world_size // first.dims.pp)
+    plan = LayoutPlan.resolve(cfg, world_size, rank=rank, model_config=model_config)
+    layout, m, stages = plan.layout, plan.model, plan.stage_ids
     memory = rank_memory(m, layout, plan.stage_layers, pp_rank, stages)
     layers = [i for s in stages for i in plan.stage_layers[s]]
-    owned = rank_parameters(m, layout, stage_parameters(m, layers, 0 in stages, plan.n_stages - 1 in stages))
+    owned = rank_parameters(m, layout, stage_parameters(m, layers, 0 in stages, plan.layout.n_stages - 1 in stages))
     per = memory.states / 16 if owned else 0.0  # states are 16 bytes per owned parameter: 4 + 4 + 8
     split = {
         "parameters": 4 * per,
@@ -179,12 +180,12 @@ def why(simulated: float, estimated: float, sim: dict, est: dict) -> str | None:
     )
 
 
-def simulate(cfg: Config, args: SimulateArgs, run_rank) -> dict:
+def simulate(cfg: Config, args: SimulateArgs, run_rank, model_config: ModelConfig | None = None) -> dict:
     """Steps 2-4 for every pipeline rank asked for; the report (``--simulate-out``'s JSON). ``run_rank(cfg,
     world_size, pp_rank)`` is step 3 (training/simulated_rank.py: ``simulate_rank``, handed in by train.py: the
     plan's room does not import the training loop)."""
-    plan = LayoutPlan.resolve(cfg, args.world_size, rank=0)
-    problems = refusals(cfg, plan)
+    plan = LayoutPlan.resolve(cfg, args.world_size, rank=0, model_config=model_config)
+    problems = refusals(plan)
     if problems:
         raise ConfigError("the simulation cannot run this config:\n  - " + "\n  - ".join(problems))
     pp = plan.dims.pp
@@ -194,8 +195,8 @@ def simulate(cfg: Config, args: SimulateArgs, run_rank) -> dict:
         raise ConfigError(f"{PP_RANKS} {bad}: this layout has pp {pp}, so pipeline ranks 0..{pp - 1}.")
     rows = []
     for pp_rank in ranks:
-        row = in_fresh_process(run_rank, cfg, args.world_size, pp_rank)
-        total, split = estimate(cfg, args.world_size, pp_rank)
+        row = in_fresh_process(run_rank, cfg, args.world_size, pp_rank, True, False, model_config)
+        total, split = estimate(cfg, args.world_size, pp_rank, model_config)
         row["estimated_bytes"] = round(total)
         row["estimated_categories"] = {k: round(v) for k, v in split.items()}
         row["why"] = why(row["simulated_peak_bytes"], total, row["categories"], split)
@@ -204,7 +205,7 @@ def simulate(cfg: Config, args: SimulateArgs, run_rank) -> dict:
     return {
         "world_size": args.world_size,
         "layout": plan.dims.describe(),
-        "mixed_precision": cfg.training.mixed_precision,
+        "mixed_precision": plan.layout.mixed_precision,
         "routing": routing,
         "memory_model": NOT_MODELLED,
         "ranks": rows,
@@ -240,9 +241,10 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_simulation(cfg: Config, args: SimulateArgs, run_rank) -> str:
-    """``train.py --simulate``: the report printed (and written as JSON with ``--simulate-out``)."""
-    report = simulate(cfg, args, run_rank)
+def run_simulation(cfg: Config, args: SimulateArgs, run_rank, model_config: ModelConfig | None = None) -> str:
+    """``train.py --simulate``: the report printed (and written as JSON with ``--simulate-out``); ``model_config``:
+    a transformers folder's [model] (checkpoint/hf_folder.py: ``folder_model``)."""
+    report = simulate(cfg, args, run_rank, model_config)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

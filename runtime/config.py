@@ -518,8 +518,10 @@ def _in_range(value, meta: dict) -> bool:
     )
 
 
-def check_values(cfg: Config) -> None:
-    """Every field's range (from its metadata), then the rules between fields; one ConfigError lists all."""
+def check_values(cfg: Config, model: ModelConfig | None = None, steps: int | None = None) -> None:
+    """Every field's range (from its metadata), then the rules between fields; one ConfigError lists all.
+    ``model`` and ``steps``: what the run trains when a transformers folder or training.epochs sets them (by
+    default the config's own)."""
     broken = []
     for section_name, section in _sections(cfg).items():
         for name, f in _fields(section).items():
@@ -536,7 +538,8 @@ def check_values(cfg: Config) -> None:
                 and not _in_range(value, f.metadata)
             ):
                 broken.append(f"{key}={value!r} must be {rule}; the default is {f.default!r}.")
-    m, p = cfg.model, cfg.parallel
+    m, p = model or cfg.model, cfg.parallel
+    steps = steps or cfg.training.steps
     if p.dp_shard == 0:
         broken.append("parallel.dp_shard=0 must be >= 1, or -1 for 'the rest of the world'.")
     if cfg.data.tokenizer == "bytes" and m.vocab_size < 256:
@@ -556,7 +559,7 @@ def check_values(cfg: Config) -> None:
             f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be < model.rope_high_freq_factor="
             f"{m.rope_high_freq_factor} (llama3 RoPE scaling blends between the two); e.g. 1 and 4."
         )
-    broken += pad_problems(cfg)
+    broken += pad_problems(m, p.tp)
     d = cfg.data
     if d.val_source and d.val_fraction:
         broken.append(
@@ -568,10 +571,10 @@ def check_values(cfg: Config) -> None:
             f"eval.interval={cfg.eval.interval} needs a validation split: set --data.val_source (a prepared folder "
             "or text) or --data.val_fraction (e.g. 0.01 holds out the last 1% of data.source)."
         )
-    if cfg.profile.enabled and cfg.profile.start_step > cfg.training.steps:
+    if cfg.profile.enabled and cfg.profile.start_step > steps:
         broken.append(
             f"profile.start_step={cfg.profile.start_step} comes after the last step (training.steps="
-            f"{cfg.training.steps}); profile an earlier step or train longer."
+            f"{steps}); profile an earlier step or train longer."
         )
     if broken:
         raise ConfigError("invalid settings:\n  - " + "\n  - ".join(broken))
@@ -607,19 +610,19 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def pad_problems(cfg: Config) -> list[str]:
+def pad_problems(m: ModelConfig, tp: int) -> list[str]:
     """model.pad_token_id within the vocabulary; model.freeze_pad_embedding where the embedding is whole (not
-    vocab-sharded by tensor parallelism, whose ranks see shifted ids). Checked again once a transformers folder
-    has set pad_token_id (checkpoint/hf_folder.py)."""
-    m, out = cfg.model, []
+    vocab-sharded by tensor parallelism, whose ranks see shifted ids). Checked again on the [model] a
+    transformers folder gives (checkpoint/hf_folder.py)."""
+    out = []
     if m.pad_token_id >= m.vocab_size:
         out.append(
             f"model.pad_token_id={m.pad_token_id} is not an id of model.vocab_size={m.vocab_size}; use -1 (none) "
             "or an id below the vocabulary size."
         )
-    if m.freeze_pad_embedding and m.pad_token_id >= 0 and cfg.parallel.tp > 1:
+    if m.freeze_pad_embedding and m.pad_token_id >= 0 and tp > 1:
         out.append(
-            f"model.freeze_pad_embedding=true with parallel.tp={cfg.parallel.tp}: tensor parallelism shards the "
+            f"model.freeze_pad_embedding=true with parallel.tp={tp}: tensor parallelism shards the "
             "embedding by vocabulary, where the pad row's lookup gradient is not held out; set "
             "--model.freeze_pad_embedding false (every row trains) or parallel.tp 1."
         )
@@ -640,13 +643,14 @@ def dense_layer_ids(text: str, n_layers: int) -> tuple[int, ...]:
     return ids
 
 
-def model_args(cfg: Config):
-    """The ``[model]`` section as ``models.llama.ModelArgs`` (with ``MoEArgs`` for an MoE model)."""
+def model_args(cfg: Config, model: ModelConfig | None = None):
+    """The ``[model]`` section (or ``model``: a transformers folder's, checkpoint/hf_folder.py) as
+    ``models.llama.ModelArgs`` (with ``MoEArgs`` for an MoE model)."""
     from models.llama import ModelArgs
     from models.moe import MoEArgs
     from models.rope import RopeScaling
 
-    m = cfg.model
+    m = model or cfg.model
     args = ModelArgs(
         dim=m.dim,
         n_layers=m.n_layers,

@@ -199,7 +199,7 @@ CONFIG_ERRORS = [
         ["--model.rope_scaling", "llama3", "--model.rope_low_freq_factor", "4"],
         ["model.rope_low_freq_factor=4.0 must be < model.rope_high_freq_factor=4.0"],
     ),
-    # a transformers folder as checkpoint.init_from (checkpoint/hf_folder.py: unsupported, adopt_folder_config)
+    # a transformers folder as checkpoint.init_from (checkpoint/hf_folder.py: unsupported, folder_model)
     ("hf_attention_bias", 1, init_from(attention_bias=True), ["attention_bias=True", "supports only False"]),
     ("hf_mlp_bias", 1, init_from(mlp_bias=True), ["mlp_bias=True", "supports only False", "Llama-family decoders"]),
     ("hf_sliding_window", 1, init_from(sliding_window=4096), ["sliding_window=4096", "full attention"]),
@@ -264,7 +264,7 @@ CONFIG_ERRORS = [
     ),
     ("ep_without_experts", 2, ["--parallel.ep", "2", "--parallel.dp_shard", "2"], ["parallel.ep=2 needs an MoE model"]),
     ("sp_regather_without_tp", 1, ["--parallel.sp_regather", "true"], ["parallel.sp_regather=true re-gathers"]),
-    # 1-bit Adam where it cannot apply (extras/onebit_adam.py: onebit_adam_errors); AdamW is meshloom's only
+    # 1-bit Adam where it cannot apply (planning/layout_rules.py: onebit_adam_errors); AdamW is meshloom's only
     # optimizer, so "not an Adam" cannot arise
     ("onebit_warmup_0", 1, ["--parallel.onebit_warmup_steps", "0"], ["parallel.onebit_warmup_steps=0 must be >= 1"]),
     (
@@ -339,7 +339,6 @@ def test_the_memory_check_refuses_only_a_clear_excess_and_its_suggestions_fit(tm
     model sizes are checked here; a larger FSDP degree also needs a larger global batch). run.memory_check
     false lets anything through."""
     from planning.layout_rules import MEMORY_MARGIN, peak_rank_memory
-    from planning.memory_estimate import MemoryLayout
     from runtime.config import ConfigError, load_config
     from train import check_config
 
@@ -352,7 +351,7 @@ def test_the_memory_check_refuses_only_a_clear_excess_and_its_suggestions_fit(tm
 
     wide = {"model.dim": 2048, "model.n_layers": 24}
     plan, _ = check_config(config(**wide, **{"run.memory_check": False}), 1)
-    need = peak_rank_memory(plan.model, MemoryLayout.of_plan(plan, config(**wide)), plan.stage_layers, None).total
+    need = peak_rank_memory(plan.model, plan.layout, plan.stage_layers, None).total
     assert need > 12 * plan.model.num_params(), "at least the states (16 bytes a parameter, fp32 Adam)"
     machine(need / MEMORY_MARGIN * 1.01)
     check_config(config(**wide), 1)  # within the margin: left to try

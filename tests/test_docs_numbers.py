@@ -157,9 +157,10 @@ def cp_pairs(seq: int, cp: int, rank: int) -> int:
 def layer_terms(preset: str = "llama3-8b", seq: int = 8192, tp: int = 1, precision: str = "bf16") -> dict:
     """Bytes one block keeps for backward, by term (`planning/memory_estimate.py: layer_activation_terms`)."""
     from cluster.presets import PRESETS
-    from planning.memory_estimate import MemoryLayout, layer_activation_terms
+    from planning.layout import Layout
+    from planning.memory_estimate import layer_activation_terms
 
-    layout = MemoryLayout(seq_len=seq, tp=tp, mixed_precision=precision)
+    layout = Layout(seq_len=seq, tp=tp, mixed_precision=precision)
     return layer_activation_terms(PRESETS[preset], 0, layout, "none")
 
 

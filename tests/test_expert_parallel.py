@@ -169,15 +169,15 @@ def expert_shapes(overrides: dict, ep_within_dp_shard: bool = False) -> dict:
     shape, which experts this rank holds, and the bytes of its local expert weights."""
     from mesh.dims import build_mesh
     from mesh.expert_parallel import local_expert_bytes
-    from planning.options import model_parts
     from planning.plan import LayoutPlan
+    from training.build import build_step
 
     cfg = load_config(path=MOE_CONFIG, overrides=overrides)
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
     meshes = build_mesh(
         plan.dims, torch.device("cpu"), 60, has_experts=True, fsdp_with_tp=True, ep_within_dp_shard=ep_within_dp_shard
     )
-    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
+    model = build_step(cfg, plan, meshes, torch.device("cpu")).parts[0]
     experts = model.layers["0"].feed_forward.experts
     return {
         "local": {n: tuple(getattr(p, "to_local", lambda p=p: p)().shape) for n, p in experts.named_parameters()},

@@ -12,10 +12,10 @@ from launch.spawn import run_on_ranks
 from mesh.dims import build_mesh
 from mesh.grad_clip import global_grad_norm
 from mesh.tensor_parallel import loss_context
-from planning.options import model_parts
 from planning.plan import LayoutPlan
 from runtime.config import load_config, model_args
 from tests.api_path import comm_counts
+from training.build import build_step
 
 
 def batch() -> torch.Tensor:
@@ -33,7 +33,7 @@ def sharded_norm_and_collectives(overrides: dict, fsdp_with_tp: bool) -> tuple[f
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
     dims = plan.dims
     meshes = build_mesh(dims, torch.device("cpu"), timeout_s=60, fsdp_with_tp=fsdp_with_tp)
-    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
+    model = build_step(cfg, plan, meshes, torch.device("cpu")).parts[0]
     tokens = batch()
     rows = tokens.chunk(dims.dp)[meshes.dp.get_local_rank()]  # this rank's share of the batch
     with loss_context(dims.tp > 1):  # vocab-sharded logits under TP

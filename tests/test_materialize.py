@@ -68,7 +68,7 @@ LAYOUTS = {
 
 def build_on_stand_in(world: int, rank: int, config: str, overrides: dict) -> tuple[list[nn.Module], bool]:
     """train.py's model parts for ``rank`` of the layout, materialised on the stand-in device."""
-    from planning.options import model_parts
+    from training.build import build_step
 
     cfg = load_config(path=config, overrides=overrides)
     plan = LayoutPlan.resolve(cfg, world, rank)
@@ -79,10 +79,10 @@ def build_on_stand_in(world: int, rank: int, config: str, overrides: dict) -> tu
             60,
             has_experts=plan.model.moe is not None,
             host_tensors=cfg.parallel.fsdp_cpu_offload,
-            fsdp_with_tp=plan.fsdp and plan.dims.tp > 1,
+            fsdp_with_tp=plan.layout.fsdp and plan.dims.tp > 1,
         )
         try:
-            parts = model_parts(cfg, plan, meshes, STAND_IN)  # runs check_placement itself
+            parts = build_step(cfg, plan, meshes, STAND_IN).parts  # runs check_placement itself
         except RuntimeError as exc:  # raised by check_placement: report it as the test's failure
             pytest.fail(str(exc))
     return parts, cfg.parallel.fsdp_cpu_offload

@@ -26,16 +26,18 @@ def bf16_state_dtypes() -> dict:
     import torch.nn.functional as F
 
     from mesh.dims import build_mesh
-    from planning.options import model_parts
     from planning.plan import LayoutPlan
     from runtime.config import load_config
+    from training.build import build_step
     from training.optimizer import Optimizers
 
     world = dist.get_world_size()
     cfg = load_config(path=DEBUG_CONFIG, overrides={"parallel.dp_shard": world, "training.mixed_precision": "bf16"})
     plan = LayoutPlan.resolve(cfg, world, dist.get_rank())
     args = plan.model
-    model = model_parts(cfg, plan, build_mesh(plan.dims, torch.device("cpu"), timeout_s=60), torch.device("cpu"))[0]
+    model = build_step(cfg, plan, build_mesh(plan.dims, torch.device("cpu"), timeout_s=60), torch.device("cpu")).parts[
+        0
+    ]
     optimizer = Optimizers([model], cfg).optimizers[0]
     tokens = torch.randint(0, args.vocab_size, (world, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
     logits = model(tokens[:, :-1])

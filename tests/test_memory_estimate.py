@@ -14,8 +14,8 @@ from measure.schedule_ir import activations_in_flight, schedule_actions
 from mesh.pipeline import SCHEDULE_FAMILIES, stage_ids_of_rank
 from models.llama import ModelArgs
 from models.moe import MoEArgs
+from planning.layout import Layout
 from planning.memory_estimate import (
-    MemoryLayout,
     chunks_in_flight,
     even_stage_layers,
     ffn_activation_bytes,
@@ -39,7 +39,7 @@ def test_llama3_8b_layer_by_hand_with_grouped_query_attention():
     #   log-sum-exp (fp32)         4·8192·32                   =   1,048,576
     #   SwiGLU                     4·8192·14336·2              = 939,524,096
     #                                                     total = 1,376,845,824
-    layout = MemoryLayout(seq_len=8192, sequences_per_microbatch=1, mixed_precision="bf16")
+    layout = Layout(seq_len=8192, sequences_per_microbatch=1, mixed_precision="bf16")
     assert layer_activation_bytes(LLAMA8B, 0, layout, "none") == 1_376_845_824
     # The same model with 32 kv heads (multi-head attention) keeps k and v 4x wider: 2·8192·(4096 - 1024)·2 more.
     mha = ModelArgs(**{**vars(LLAMA8B), "n_kv_heads": 32})
@@ -51,7 +51,7 @@ def test_llama3_8b_layer_by_hand_with_grouped_query_attention():
     assert 1_376_845_824 / 1_375_731_712 == pytest.approx(1.0008, abs=1e-4)
     # Full checkpointing keeps the block's bf16 input, 8192·4096·2; with tp = 4 and SP, a quarter of it.
     assert layer_activation_bytes(LLAMA8B, 0, layout, "full") == 67_108_864
-    sp4 = MemoryLayout(tp=4, seq_len=8192, sequences_per_microbatch=1, activation_checkpoint="full")
+    sp4 = Layout(tp=4, seq_len=8192, sequences_per_microbatch=1, activation_checkpoint="full")
     assert layer_activation_bytes(LLAMA8B, 0, sp4) == 16_777_216
 
 
@@ -60,12 +60,12 @@ def test_llama3_8b_states_by_hand():
     # 3·4096·14336 = 218,103,808, x 32 = 6,979,321,856, plus embedding and head 2·128256·4096 = 1,050,673,152:
     # 8,029,995,008. Whole on every tp rank: the norms, 32·2·4096 + 4096 = 266,240 (together: 8,030,261,248 = Ψ).
     # One rank owns 8,029,995,008 / 8 + 266,240 / 4 = 1,003,815,936 parameters, 16 bytes each.
-    layout = MemoryLayout(tp=2, dp_shard=4, seq_len=8192)
+    layout = Layout(tp=2, dp_shard=4, seq_len=8192)
     params = stage_parameters(LLAMA8B, range(32), first=True, last=True)
     assert params == {"tp": 8_029_995_008, "whole": 266_240, "experts": 0}
     assert sum(params.values()) == LLAMA8B.num_params()
     assert states_bytes(LLAMA8B, layout, params) == 16 * 1_003_815_936
-    assert states_bytes(LLAMA8B, MemoryLayout(tp=2, dp_shard=4, seq_len=8192, cpu_offload=True), params) == 0
+    assert states_bytes(LLAMA8B, Layout(tp=2, dp_shard=4, seq_len=8192, fsdp_cpu_offload=True), params) == 0
 
 
 def test_mixtral_states_by_hand():
@@ -76,7 +76,7 @@ def test_mixtral_states_by_hand():
     # 100,335,616. Whole (two norms 2·4096 per layer, the final norm) 32·8,192 + 4096 = 266,240, owned 1/16:
     # 16,640. In all 2,918,924,544 parameters, 16 bytes each.
     mixtral = PRESETS["mixtral-8x7b"]
-    layout = MemoryLayout(dp_shard=16, ep=8, seq_len=4096)
+    layout = Layout(dp_shard=16, ep=8, seq_len=4096)
     params = stage_parameters(mixtral, range(32), first=True, last=True)
     assert params == {"tp": 1_605_369_856, "whole": 266_240, "experts": 45_097_156_608}
     assert states_bytes(mixtral, layout, params) == 16 * 2_918_924_544
@@ -90,7 +90,7 @@ def test_mixtral_states_with_ep_borrowing_tp():
     # experts over dp_shard alone, as the estimate did while ep could not borrow tp, gives 2x their bytes; the
     # router whole on each tp rank, as before issue 39, 2,919,006,720.)
     mixtral = PRESETS["mixtral-8x7b"]
-    layout = MemoryLayout(tp=2, dp_shard=8, ep=8, seq_len=4096)
+    layout = Layout(tp=2, dp_shard=8, ep=8, seq_len=4096)
     params = stage_parameters(mixtral, range(32), first=True, last=True)
     assert states_bytes(mixtral, layout, params) == 16 * 2_918_941_184
 
@@ -128,13 +128,13 @@ def test_layer_bytes_equal_what_autograd_saves(args):
 
     batch, seq = 2, 32
     for dtype, precision in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        layout = MemoryLayout(seq_len=seq, sequences_per_microbatch=batch, mixed_precision=precision)
+        layout = Layout(seq_len=seq, sequences_per_microbatch=batch, mixed_precision=precision)
         estimate = layer_activation_bytes(args, 0, layout, "none")
         measured = measured_block_bytes(args, batch, seq, dtype)
         # exact for the dense block; the MoE block's routing (indices, gates) is counted per routed pair, so a
         # few bytes per token of bookkeeping may differ: within 0.5%
         assert estimate == pytest.approx(measured, rel=0 if args.moe is None else 5e-3), precision
-    fp32 = MemoryLayout(seq_len=seq, sequences_per_microbatch=batch, mixed_precision="fp32")
+    fp32 = Layout(seq_len=seq, sequences_per_microbatch=batch, mixed_precision="fp32")
     for mode in ("selective", "selective_keep_mm", "full"):  # every policy of mesh/ac_policies.py's table
         assert layer_activation_bytes(args, 0, fp32, mode) == kept_bytes(args, batch, seq, mode), mode
 
@@ -164,7 +164,7 @@ def test_uneven_stages_and_the_rank_that_holds_the_most():
     args = PRESETS["llama3-405b"]
     stages = [list(range(0, 7))] + [list(range(7 + 8 * k, 15 + 8 * k)) for k in range(14)] + [list(range(119, 126))]
     assert sum(len(s) for s in stages) == 126
-    layout = MemoryLayout(tp=8, pp=16, dp_shard=64, seq_len=8192, pp_microbatches=32, activation_checkpoint="full")
+    layout = Layout(tp=8, pp=16, dp_shard=64, seq_len=8192, pp_microbatches=32, activation_checkpoint="full")
     first = rank_memory(args, layout, stages, 0, [0])
     # states: 7 blocks + the embedding over tp 8 x dp 64; activations: 16 in flight x 7 layers x the block input
     # 8192·16384·2 / 8 (SP), plus one block rebuilt
@@ -175,7 +175,7 @@ def test_uneven_stages_and_the_rank_that_holds_the_most():
 
 
 def test_the_layout_of_a_resolved_plan(tmp_path):
-    """MemoryLayout.of_plan reads a LayoutPlan: pipeline micro-batches of micro_batch / pp_microbatches sequences."""
+    """Layout.of_plan reads a LayoutPlan: pipeline micro-batches of micro_batch / pp_microbatches sequences."""
     from runtime.config import load_config
     from train import check_config
 
@@ -191,7 +191,7 @@ def test_the_layout_of_a_resolved_plan(tmp_path):
         ]
     )
     plan, _ = check_config(cfg, 8)
-    layout = MemoryLayout.of_plan(plan, cfg)
+    layout = plan.layout
     assert (layout.tp, layout.pp, layout.dp_shard, layout.pp_microbatches) == (2, 2, 2, 4)
     assert layout.sequences_per_microbatch == 2  # 16 sequences / dp 2 = 8 per step, cut into 4 micro-batches
     memory = rank_memory(plan.model, layout, plan.stage_layers, plan.pp_rank, plan.stage_ids)
@@ -276,7 +276,7 @@ def test_layer_bytes_under_tp_equal_what_each_ac_mode_keeps():
     assert per_rank[0] == per_rank[1]
     for (name, sp, rg, mode), measured in per_rank[0].items():
         args = DENSE if name == "dense" else MOE
-        layout = MemoryLayout(
+        layout = Layout(
             tp=2, seq_len=32, sequences_per_microbatch=2, mixed_precision="fp32", sequence_parallel=sp, sp_regather=rg
         )
         estimate = layer_activation_bytes(args, 0, layout, mode)
@@ -299,9 +299,7 @@ def test_selective_keeps_less_than_none_and_full_least_everywhere():
         for tp in (1, 2, 4, 8):
             for seq, mb, cp in ((2048, 1, 1), (8192, 1, 1), (8192, 4, 1), (131072, 1, 16)):
                 for sp in (False, True):
-                    layout = MemoryLayout(
-                        tp=tp, cp=cp, seq_len=seq, sequences_per_microbatch=mb, sequence_parallel=sp, ep=1
-                    )
+                    layout = Layout(tp=tp, cp=cp, seq_len=seq, sequences_per_microbatch=mb, sequence_parallel=sp, ep=1)
                     for i in (0, args.n_layers - 1):
                         none, keep_mm, selective, full = (
                             layer_activation_bytes(args, i, layout, m)
@@ -344,7 +342,7 @@ def test_an_moe_layers_token_split_weights_are_gathered_whole_and_ep_keeps_the_e
     # the combine's index_copy_ saves the experts' output, 8192 pairs x 7168 x 2 bytes = 117,440,512 a layer.
     moe = MoEArgs(n_experts=384, top_k=8, hidden_dim=2048, n_shared_experts=1)
     args = ModelArgs(dim=7168, n_layers=2, n_heads=64, n_kv_heads=8, vocab_size=1024, ffn_dim=18432, moe=moe)
-    layout = MemoryLayout(pp=2, tp=8, dp_shard=16, ep=64, seq_len=8192)
+    layout = Layout(pp=2, tp=8, dp_shard=16, ep=64, seq_len=8192)
     attention = 2 * 7168 * 7168 + 2 * 7168 * 896  # k and v: 8 heads of 7168 / 64 = 112
     experts = 3 * 384 * 7168 * 2048
     gathered = attention / 8 + 399_114_240 + 2 * 7168 + experts / 64

@@ -323,15 +323,16 @@ def test_selective_recompute_under_tp_adds_the_row_parallel_matmuls():
     (mesh/activation_checkpoint.py recomputes them): for Llama 3 8B that is 2h² + 2hH of a block's forward
     matmul FLOPs per token, about 35% of them (attention's score FLOPs left out of the share)."""
     from cluster.presets import PRESETS
-    from cluster.step_time import MESHLOOM, Layout, LlamaWorkload, degrees, microbatch_seconds
+    from cluster.step_time import MESHLOOM, LlamaWorkload, microbatch_seconds
     from models.flops import layer_matmul_params
+    from planning.layout import Layout, degrees
 
     args = PRESETS["llama3-8b"]
     work, gpu = LlamaWorkload(args, 8192), planner_gpu("h100")
     eff = matmul_efficiency(gpu)
 
     def recompute(tp: int, ac: str) -> float:
-        layout = Layout(dims=degrees(tp=tp, dp_shard=8 // tp), ac=ac)
+        layout = Layout(dims=degrees(tp=tp, dp_shard=8 // tp), activation_checkpoint=ac)
         return microbatch_seconds(work, layout, MESHLOOM, gpu, [0], False, eff).recompute
 
     row = 2 * args.dim * (args.n_heads * args.head_dim + args.hidden_dim)

@@ -9,7 +9,8 @@ from launch.local_runs import DEBUG_CONFIG, train_on
 from mesh.pipeline import SCHEDULE_FAMILIES
 from models.llama import ModelArgs
 from planning.dry_run import dry_run
-from planning.memory_estimate import MemoryLayout, layer_activation_bytes
+from planning.layout import Layout
+from planning.memory_estimate import layer_activation_bytes
 from planning.pipeline_split import memory_split, rank_peaks, split_layers
 from planning.plan import LayoutPlan
 from runtime.config import load_config
@@ -18,9 +19,9 @@ from tests.training_runs import assert_same_curve
 HAND = ModelArgs(dim=16, n_layers=8, n_heads=2, n_kv_heads=2, vocab_size=32, ffn_dim=32)
 
 
-def hand_layout(activation_checkpoint: str) -> MemoryLayout:
+def hand_layout(activation_checkpoint: str) -> Layout:
     # pp 4, 1F1B, 4 micro-batches of 2 sequences x 32 tokens (n = 64 tokens), fp32, no FSDP, no TP.
-    return MemoryLayout(
+    return Layout(
         pp=4,
         seq_len=32,
         sequences_per_microbatch=2,
@@ -71,7 +72,7 @@ def test_memory_split_is_the_best_cut_for_every_schedule(schedule, ac, sharded):
     args = ModelArgs(dim=16, n_layers=10, n_heads=2, n_kv_heads=2, vocab_size=64, ffn_dim=32)
     v = SCHEDULE_FAMILIES[schedule].natural_stages_per_rank
     pp = 4 // v
-    layout = MemoryLayout(
+    layout = Layout(
         pp=pp,
         seq_len=32,
         sequences_per_microbatch=2,

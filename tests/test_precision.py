@@ -33,7 +33,7 @@ def test_the_plan_resolves_auto_for_the_device_on_one_process(monkeypatch, devic
     cfg = load_config([])
     assert cfg.training.mixed_precision == "auto"
     plan = LayoutPlan.resolve(cfg, 1)
-    assert cfg.training.mixed_precision == precision and plan.fsdp is fsdp
+    assert cfg.training.mixed_precision == precision and plan.layout.fsdp is fsdp
 
 
 def test_tf32_is_turned_on_for_fp32_on_cuda_only_and_the_banner_says_so():

@@ -230,13 +230,13 @@ def offload_applied(overrides: dict) -> bool:
 
     from mesh.dims import build_mesh
     from mesh.private_api import fsdp_units, offloads_to_host
-    from planning.options import model_parts
     from planning.plan import LayoutPlan
+    from training.build import build_step
 
     cfg = load_config(path=DEBUG_CONFIG, overrides=overrides)
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
     meshes = build_mesh(plan.dims, torch.device("cpu"), timeout_s=60)
-    model = model_parts(cfg, plan, meshes, torch.device("cpu"))[0]
+    model = build_step(cfg, plan, meshes, torch.device("cpu")).parts[0]
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]  # the root has no parameters
     return fsdp_units(model) == UNITS and all(offloads_to_host(u) for u in units)
 

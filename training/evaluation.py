@@ -50,7 +50,7 @@ def evaluate(
     loader.load_state_dict({"tokens_consumed": 0})  # step 1
     trained = 0  # the global count of trained targets over the steps (global_batch x seq_len each, unmasked)
     # the exception of step 2: torch 2.13's forward-only path fails on the V-shaped schedules
-    forward_only = schedule is None or SCHEDULE_FAMILIES[plan.pp_schedule].forward_only_eval
+    forward_only = schedule is None or SCHEDULE_FAMILIES[plan.layout.pp_schedule].forward_only_eval
     for part in parts:
         part.eval()
     f64 = torch.float64

@@ -43,7 +43,7 @@ def param_groups(part: nn.Module, weight_decay: float) -> list[dict]:
 class Optimizers:
     """One AdamW + LambdaLR per model part, stepped together."""
 
-    def __init__(self, parts: list[nn.Module], cfg: Config, replicate_group=None):
+    def __init__(self, parts: list[nn.Module], cfg: Config, replicate_group=None, steps: int | None = None):
         t = cfg.training
         self.parts = parts
         adamw = {"lr": t.lr, "betas": (t.beta1, t.beta2), "foreach": True}
@@ -67,7 +67,8 @@ class Optimizers:
             # computes what foreach computes (bit for bit on torch 2.13's CPU kernels)
             fused = {**adamw, "foreach": None, "fused": True}
             self.optimizers = [torch.optim.AdamW(param_groups(part, t.weight_decay), **fused) for part in parts]
-        schedule = lambda step: lr_factor(step, t.warmup_steps, t.steps, t.min_lr_ratio)  # noqa: E731
+        total = steps or t.steps  # the plan's (training.epochs may set it)
+        schedule = lambda step: lr_factor(step, t.warmup_steps, total, t.min_lr_ratio)  # noqa: E731
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, schedule) for opt in self.optimizers]
 
     @property

@@ -65,12 +65,12 @@ def trace_path(run_dir: str | Path, rank: int) -> Path:
 class StepProfiler(Extra):
     """torch.profiler over the configured steps of this rank (see the module docstring)."""
 
-    def __init__(self, cfg, rank: int, device: torch.device, first_step: int):
+    def __init__(self, cfg, rank: int, device: torch.device, first_step: int, steps: int):
         p = cfg.profile
         self.rank, self.device = rank, device
         self.out = Path(cfg.run.dir) / "profile"
         self.start = max(p.start_step, first_step)
-        self.last = min(self.start + p.steps - 1, cfg.training.steps)
+        self.last = min(self.start + p.steps - 1, steps)
         self.memory = p.memory_snapshot
         self.cuda_memory = self.memory and device.type == "cuda"
         self.written: list[Path] = []
@@ -156,16 +156,16 @@ class NoProfiler(Extra):
         pass
 
 
-def step_profiler(cfg, rank: int, device: torch.device, first_step: int) -> StepProfiler | NoProfiler:
+def step_profiler(cfg, rank: int, device: torch.device, first_step: int, steps: int) -> StepProfiler | NoProfiler:
     """A StepProfiler when ``profile.enabled`` and a recorded step lies ahead, else a NoProfiler."""
-    if not cfg.profile.enabled or max(cfg.profile.start_step, first_step) > cfg.training.steps:
+    if not cfg.profile.enabled or max(cfg.profile.start_step, first_step) > steps:
         return NoProfiler()
-    return StepProfiler(cfg, rank, device, first_step)
+    return StepProfiler(cfg, rank, device, first_step, steps)
 
 
 def for_run(ctx: RunContext) -> StepProfiler | None:
     """On with ``profile.enabled`` while a recorded step lies ahead (``step_profiler``)."""
-    profiler = step_profiler(ctx.cfg, ctx.plan.rank, ctx.device, first_step=ctx.start_step + 1)
+    profiler = step_profiler(ctx.cfg, ctx.plan.rank, ctx.device, ctx.start_step + 1, ctx.plan.steps)
     return None if isinstance(profiler, NoProfiler) else profiler
 
 

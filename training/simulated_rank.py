@@ -26,7 +26,7 @@ import torch
 from planning.plan import LayoutPlan
 
 if TYPE_CHECKING:
-    from runtime.config import Config
+    from runtime.config import Config, ModelConfig
 
 
 class SimulatedLoader:
@@ -72,16 +72,21 @@ def rank_owners(params: list, optimizers) -> tuple[set, set, set]:
     )
 
 
-def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True, comm_debug: bool = False) -> dict:
+def simulate_rank(
+    cfg: Config,
+    world_size: int,
+    pp_rank: int,
+    fake: bool = True,
+    comm_debug: bool = False,
+    model_config: ModelConfig | None = None,
+) -> dict:
     """Steps 1-3 for one pipeline rank: its measured peak by category and step 2's collectives (``fake=False``: real
-    tensors on a fake world; ``comm_debug``: CommDebugMode counts)."""
+    tensors on a fake world; ``comm_debug``: CommDebugMode counts; ``model_config``: a transformers folder's
+    [model], checkpoint/hf_folder.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from extras.base import Extras
-    from mesh.dims import build_mesh
     from mesh.expert_parallel import balanced_split_sizes, use_split_sizes
-    from mesh.parallelize import build_model_parts
     from mesh.private_api import (
         eager_functional_collectives,
         fake_world,
@@ -89,60 +94,35 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True,
         own_fake_mode_for_sharding_propagation,
         skip_warm_up_vote,
     )
-    from mesh.tied_embeddings import TiedEmbeddings
-    from planning.options import parallel_options
     from planning.sim_accounting import Collectives, LiveBytes
-    from training.optimizer import Optimizers
-    from training.step import StepParts, accumulate_gradients, global_loss_and_norm, pipeline_schedule
+    from training.build import build_meshes, build_step
+    from training.step import accumulate_gradients, global_loss_and_norm
 
-    first = LayoutPlan.resolve(cfg, world_size, rank=0)
+    first = LayoutPlan.resolve(cfg, world_size, rank=0, model_config=model_config)
     rank = pp_rank * (world_size // first.dims.pp)
-    plan = LayoutPlan.resolve(cfg, world_size, rank=rank)
-    device, timeout_s = torch.device("cpu"), cfg.parallel.collective_timeout_s
+    plan = LayoutPlan.resolve(cfg, world_size, rank=rank, model_config=model_config)
+    device = torch.device("cpu")
     started = time.perf_counter()
     with fake_world(world_size, rank), contextlib.ExitStack() as stack:
-        meshes = build_mesh(
-            plan.dims,
-            device,
-            timeout_s,
-            has_experts=plan.model.moe is not None,
-            fsdp_with_tp=plan.fsdp and plan.dims.tp > 1,
-        )
+        meshes = build_meshes(plan, device, cfg.parallel.collective_timeout_s)
         fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True)) if fake else None
         stack.enter_context(own_fake_mode_for_sharding_propagation())
         stack.enter_context(meshes_outside_fake_mode())
         stack.enter_context(eager_functional_collectives())
         stack.enter_context(use_split_sizes(balanced_split_sizes))
         memory = stack.enter_context(
-            LiveBytes(plan.model.vocab_size // plan.dims.tp if plan.n_stages - 1 in plan.stage_ids else -1, fake_mode)
+            LiveBytes(
+                plan.model.vocab_size // plan.dims.tp if plan.layout.n_stages - 1 in plan.stage_ids else -1, fake_mode
+            )
         )
         stack.enter_context(memory.following_resizes())
         comms = stack.enter_context(Collectives(group_dims(meshes)))
         comms.counting = False
         torch.manual_seed(cfg.training.seed)
-        options = parallel_options(cfg, plan, meshes, device)
-        parts = build_model_parts(plan.model, plan.stage_layers, plan.stage_ids, meshes, options, device)
-        schedule, _, loss_divisor = pipeline_schedule(parts, plan, meshes, device)
-        if schedule is not None:
-            skip_warm_up_vote(schedule)
-        tied = TiedEmbeddings.build(parts, meshes, timeout_s)
-        optimizers = Optimizers(parts, cfg, replicate_group=meshes.world["dp_replicate"].get_group())
-        loader = SimulatedLoader(plan)
-        step = StepParts(
-            parts,
-            schedule,
-            plan,
-            meshes,
-            device,
-            optimizers,
-            loader,
-            tied,
-            None,
-            Extras(),
-            loss_divisor,
-            reduce_every_microbatch=cfg.parallel.grad_sync == "microbatch",
-            grad_clip=cfg.training.grad_clip,
-        )
+        step = build_step(cfg, plan, meshes, device, SimulatedLoader(plan))
+        if step.schedule is not None:
+            skip_warm_up_vote(step.schedule)
+        loader, optimizers = step.loader, step.optimizers
         memory.owners = lambda: rank_owners(step.params, optimizers)
         build_peak = memory.reset_peak()  # the build's peak (one full parameter at a time), reported beside
         torch_counts = {}

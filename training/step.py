@@ -71,8 +71,17 @@ class DivergenceError(FloatingPointError):
 
 
 @dataclass
+class UnloggedSteps:
+    """The steps trained since the last host read (the step's ledger): read together on the next log step."""
+
+    records: list = field(default_factory=list)  # (record, loss, norm, since, start, end) of each such step
+    last_end: Any = None  # the previous step's end reading: tokens/s is timed from it (step 7)
+    first_bad: Any = None  # step 5's flag on the device: the first non-finite step, 0 while none
+
+
+@dataclass
 class StepParts:
-    """Everything one step touches, built once by train.py's ``build``."""
+    """What was built for one rank's step (training/build.py: ``build_step``), and the steps not yet logged."""
 
     parts: list[nn.Module]  # this rank's model parts (the whole model, or its pipeline stages)
     schedule: Any  # the pipeline schedule, or None
@@ -85,13 +94,11 @@ class StepParts:
     throughput: Throughput
     extras: Extra  # the run's extras as one (extras/base.py: Extras)
     loss_divisor: LossDivisor | None = None  # what the pipeline schedule's loss divides by (``pipeline_schedule``)
-    reduce_every_microbatch: bool = True  # parallel.grad_sync = microbatch
+    stages: list = field(default_factory=list)  # the pipeline stages of this rank (none without pipelining)
     grad_clip: float = 1.0
     advice: str = ""  # what a DivergenceError suggests (``divergence_advice``)
     before_update: Callable[[], None] = lambda: None  # the checkpointer's wait for an async save's copy
-    unread: list = field(default_factory=list)  # records not yet logged: (record, loss, norm, since, start, end)
-    last_end: Any = None  # the previous step's end reading: tokens/s is timed from it (step 7)
-    first_bad: Any = None  # step 5's flag on the device: the first non-finite step, 0 while none
+    unlogged: UnloggedSteps = field(default_factory=UnloggedSteps)
     params: list = field(init=False)
     counted: list = field(init=False)
     moe_layer_ids: list[int] = field(init=False)
@@ -110,13 +117,14 @@ class StepParts:
         return "device plane: " + ", ".join(names) if names else "none (one process)"
 
 
-def divergence_advice(cfg: Config) -> str:
-    """The fix a DivergenceError names: the fields of ``cfg`` that make a step diverge less easily."""
+def divergence_advice(cfg: Config, precision: str) -> str:
+    """The fix a DivergenceError names: the fields of ``cfg`` that make a step diverge less easily (``precision``:
+    the layout's resolved training.mixed_precision)."""
     t = cfg.training
     return (
         f"Lower training.lr (now {t.lr})"
         + (", set training.grad_clip" if t.grad_clip <= 0 else "")
-        + (", or try training.mixed_precision=fp32" if t.mixed_precision == "bf16" else "")
+        + (", or try training.mixed_precision=fp32" if precision == "bf16" else "")
         + ", then resume with --checkpoint.resume auto."
     )
 
@@ -132,9 +140,9 @@ def pipeline_schedule(
     schedule, stages = build_pipeline_schedule(
         parts,
         list(plan.stage_ids),
-        plan.n_stages,
-        schedule=plan.pp_schedule,
-        microbatches=plan.pp_microbatches,
+        plan.layout.n_stages,
+        schedule=plan.layout.pp_schedule,
+        microbatches=plan.layout.pp_microbatches,
         pp_group=meshes.pp.get_group(),
         device=device,
         loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / scale.tokens,
@@ -172,7 +180,7 @@ def forward_backward(
             return loss_value(loss.detach()).to(dtype or loss.dtype)
         with named_range("pipeline schedule"):  # the schedule's own per-action ranges nest inside
             losses = run_schedule(
-                schedule, list(plan.stage_ids), plan.n_stages, inputs, targets, not backward, documents
+                schedule, list(plan.stage_ids), plan.layout.n_stages, inputs, targets, not backward, documents
             )
         if not losses:
             return torch.zeros((), device=inputs.device, dtype=dtype)
@@ -187,7 +195,7 @@ def accumulate_gradients(s: StepParts, batch, step: int) -> torch.Tensor:
     with phase(f"step {step}: forward and backward", s.device_groups):
         s.extras.before_forward_backward()  # after data loading: the pipeline timeline's window
         for index, (inputs, targets) in enumerate(batch):
-            reduce = s.reduce_every_microbatch or index == len(batch) - 1
+            reduce = s.plan.layout.grad_sync == "microbatch" or index == len(batch) - 1
             with reduction_window(s.parts, reduce=reduce, hsdp=dims.dp_replicate > 1):
                 inputs, targets = to_device((inputs, targets), s.device)  # pinned, non-blocking on CUDA
                 trained = s.loader.trained_tokens  # the global count of trained targets (data/loader.py)
@@ -228,32 +236,34 @@ def read_step(s: StepParts, loss: torch.Tensor, norm: torch.Tensor, log: bool) -
     log step, the loss and norm of every unlogged step and of this one, then the flag, in one ``tolist`` (the
     unlogged steps' pairs first, this step's last); otherwise the flag alone, and nothing else read."""
     if not log:
-        return int(s.first_bad), []
-    pairs = [t for _, loss_, norm_, *_ in s.unread for t in (loss_, norm_)]
+        return int(s.unlogged.first_bad), []
+    pairs = [t for _, loss_, norm_, *_ in s.unlogged.records for t in (loss_, norm_)]
     # float64: the flag is a step number, exact in float64, and the loss and norm lose nothing
-    values = torch.stack([*(t.double() for t in (*pairs, loss, norm)), s.first_bad.double()]).tolist()
+    values = torch.stack([*(t.double() for t in (*pairs, loss, norm)), s.unlogged.first_bad.double()]).tolist()
     return int(values.pop()), values
 
 
 def flag_non_finite(s: StepParts, loss: torch.Tensor, norm: torch.Tensor, step: int) -> torch.Tensor:
     """Step 5 on the device: ``first_bad`` becomes ``step`` if this step is the first non-finite one; returns the
     optimizer's ``found_inf`` (1.0 once any step was non-finite: nothing from then on is applied)."""
-    if s.first_bad is None:
-        s.first_bad = torch.zeros((), dtype=torch.int64, device=loss.device)
+    ledger = s.unlogged
+    if ledger.first_bad is None:
+        ledger.first_bad = torch.zeros((), dtype=torch.int64, device=loss.device)
     finite = torch.isfinite(loss) & torch.isfinite(norm)
-    s.first_bad = torch.where(finite | (s.first_bad > 0), s.first_bad, torch.full_like(s.first_bad, step))
-    return (s.first_bad > 0).float()
+    first_now = torch.full_like(ledger.first_bad, step)
+    ledger.first_bad = torch.where(finite | (ledger.first_bad > 0), ledger.first_bad, first_now)
+    return (ledger.first_bad > 0).float()
 
 
 def diverged(s: StepParts, bad: int, step: int, pair: tuple, values: list[float]) -> DivergenceError:
     """The error for the first non-finite step ``bad`` (<= ``step``, whose loss and norm are ``pair``), with
     that step's loss and norm: from ``values`` (a log step's read) or read now (the run stops anyway)."""
-    steps = [r["step"] for r, *_ in s.unread] + [step]
+    steps = [r["step"] for r, *_ in s.unlogged.records] + [step]
     index = steps.index(bad)
     if values:
         bad_loss, bad_norm = values[2 * index : 2 * index + 2]
     else:
-        pairs = [(loss, norm) for _, loss, norm, *_ in s.unread] + [pair]
+        pairs = [(loss, norm) for _, loss, norm, *_ in s.unlogged.records] + [pair]
         bad_loss, bad_norm = torch.stack([t.double() for t in pairs[index]]).tolist()
     return DivergenceError(
         f"at step {bad} the loss is {bad_loss} and the gradient norm {bad_norm}; the step was not applied "
@@ -304,9 +314,11 @@ def train_step(s: StepParts, step: int, log: bool = True, check: bool = False) -
         "tokens_consumed": s.loader.tokens_consumed,
         **load_metrics(moe_load),
     }
-    since = start if s.last_end is None else s.last_end  # the loop's whole iteration, as torchtitan times it
-    s.last_end = end
-    s.unread.append((record, loss, norm, since, start, end))
+    since = (
+        start if s.unlogged.last_end is None else s.unlogged.last_end
+    )  # the loop's whole iteration, as torchtitan times it
+    s.unlogged.last_end = end
+    s.unlogged.records.append((record, loss, norm, since, start, end))
     if log:
         fill_records(s, values)
     return record
@@ -315,10 +327,10 @@ def train_step(s: StepParts, step: int, log: bool = True, check: bool = False) -
 def fill_records(s: StepParts, values: list[float]) -> None:
     """Step 7 on a log step: the unlogged records and this one get loss, norm and tokens/s, timed end to end between
     steps (as torchtitan); ``window_tokens_per_s`` times train_step alone."""
-    for index, (record, _, _, since, start, end) in enumerate(s.unread):
+    for index, (record, _, _, since, start, end) in enumerate(s.unlogged.records):
         tokens_per_s = s.plan.global_tokens / seconds_between(since, end)
         window = s.plan.global_tokens / seconds_between(start, end)
         record.update(loss=values[2 * index], grad_norm=values[2 * index + 1], tokens_per_s=tokens_per_s)
         record["window_tokens_per_s"] = window
         record.update(s.throughput.fields(tokens_per_s))
-    s.unread.clear()
+    s.unlogged.records.clear()

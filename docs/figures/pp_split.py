@@ -25,10 +25,11 @@ def pp_split_rows() -> list[tuple[str, list[int], list]]:
     """(split name, layers per stage, each rank's RankMemory) for uniform, params and memory."""
     from mesh.pipeline import stage_ids_of_rank
     from models.llama import ModelArgs
-    from planning.memory_estimate import MemoryLayout, rank_memory
+    from planning.layout import Layout
+    from planning.memory_estimate import rank_memory
     from planning.pipeline_split import memory_split, split_layers, stages_of
 
-    args, layout = ModelArgs(**SHAPE), MemoryLayout(**LAYOUT)
+    args, layout = ModelArgs(**SHAPE), Layout(**LAYOUT)
     splits = {
         "equal layers": [args.n_layers // 4] * 4,
         "pp_split params": [len(s) for s in split_layers(args, 4, "params", layout.seq_len)],
