@@ -300,7 +300,7 @@ class CheckpointManager:
             )
             return
         # Steps 1-3 of "Asynchronous saves": the copy runs in the stager's thread; wait_staged waits for it.
-        self._close_stager()  # the previous save is written (self.wait() above): its copy is no longer needed
+        self._close_stager()  # the previous save is written (self.wait() above): nothing reads its copy again
         self.stager = self.new_stager()
         synchronize(self.device)  # the state the side stream copies is the one the queued optimizer step wrote
         response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager)

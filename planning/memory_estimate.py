@@ -118,7 +118,7 @@ def degrees(
 
 
 class DegreesOf:
-    """Read-only views of ``self.dims``' degrees, so that ``layout.tp`` reads as before. ``dp`` is what it is
+    """Read-only views of ``self.dims``' degrees, so that ``layout.tp`` reads like a field of the layout. ``dp`` is what it is
     everywhere in meshloom: dp_replicate x dp_shard (ParallelDims.dp), the ranks that see different data."""
 
     dims: ParallelDims
