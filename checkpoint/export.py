@@ -24,7 +24,17 @@
    aside and removed after the rename, so no file of it (an old shard, an old index beside a new single file)
    survives, and a failed export leaves the earlier one as it was.
 
-More in docs/checkpointing.md: "checkpoint/export.py", at its end.
+7. Keep the source folder's config whole: a run that started from a transformers folder
+   (``checkpoint.init_from``, recorded in meshloom.json; else the folder of the run's tokenizer.json when it
+   holds a config.json; ``--source`` names it when it moved) exports that folder's config.json with every field
+   meshloom does not change as it was (pad/bos/eos/unk ids, initializer_range, use_cache, ...): only the fields
+   whose value meshloom computes differently are written, and they are printed (``dtype`` after ``--dtype``).
+   When the run's tokenizer.json is the folder's, the special-token ids stay the folder's and its
+   generation_config.json and tokenizer files (tokenizer_config.json, special_tokens_map.json,
+   chat_template.jinja) are copied as they are; otherwise (a run on another tokenizer) they are meshloom's.
+8. Choose the dtype: ``--dtype bf16|fp16|fp32`` casts the weights as they are written; the default is the source
+   folder's ``dtype`` (``torch_dtype`` in older configs), fp32 for a run that started from scratch. The bytes
+   written are printed beside what fp32 would take.
 """
 
 from __future__ import annotations

@@ -21,7 +21,26 @@ Starting a run (or ``python -m generate``) from such a folder:
 
    The MoE families (``MOE_FAMILIES``; their fields: ``moe_fields``, docs/checkpointing.md, Appendix B):
 
-More in docs/checkpointing.md: "checkpoint/hf_folder.py", at its end.
+   | family      | architectures          | MoE layers                                          | attention         |
+   |-------------|------------------------|-----------------------------------------------------|-------------------|
+   | mixtral     | MixtralForCausalLM     | softmax top-k, renormalised; every layer            | Mistral's         |
+   | qwen2_moe   | Qwen2MoeForCausalLM    | norm_topk_prob; a shared expert times sigmoid(gate); decoder_sparse_step, mlp_only_layers | q/k/v biases |
+   | qwen3_moe   | Qwen3MoeForCausalLM    | norm_topk_prob; decoder_sparse_step, mlp_only_layers | Qwen3's q/k norms |
+   | olmoe       | OlmoeForCausalLM       | norm_topk_prob; every layer                         | q/k norms over the whole projection |
+   | deepseek_v3 | DeepseekV3ForCausalLM  | sigmoid, correction bias, group-limited, scaled; shared experts; first k dense | latent (MLA) |
+
+   Any of them may give ``head_dim`` (model.head_dim; 0 when it is hidden_size / num_attention_heads).
+   A sliding window is accepted as a limit: meshloom computes full causal attention, which equals windowed
+   attention as long as no sequence is longer than the window, so ``model.sliding_window`` records it and a
+   longer ``training.seq_len`` (or generation) is refused. Qwen's ``sliding_window`` counts only with
+   ``use_sliding_window: true`` (transformers ignores it otherwise).
+2. **Read the shape** (``model_fields``): config.json in either dialect, the legacy top-level
+   ``rope_theta`` + ``rope_scaling`` ({"type" or "rope_type": ...}) or the current ``rope_parameters``
+   ({"rope_type", "rope_theta", ...}), mapped onto meshloom's ``model.*`` keys.
+3. **Adopt it** (``folder_model``): every ``model.*`` key the folder determines is taken from it, into the plan (the config stays as written); one
+   the user gave explicitly (TOML or command line) that disagrees is a ConfigError naming both values. This
+   runs before any process group, on every rank, so every rank refuses the same way.
+4. **Find the tensors** (``weight_files``): the index's map, or every name of the one file.
 """
 
 from __future__ import annotations

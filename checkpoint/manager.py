@@ -25,7 +25,40 @@ Saving step N (every ``checkpoint.interval`` steps, at the last step, and when a
    its shards; rank 0 writes .metadata only after every rank reported its writes, so when rank 0's save
    returns, everything is on disk.
 
-More in docs/checkpointing.md: "checkpoint/manager.py", at its end.
+4. Each rank hashes the files it wrote (``__<rank>_*.distcp``; rank 0 also ``.metadata``) while they are
+   still in the page cache, and the digests are gathered on the checkpoint group, so no rank reads more
+   than its share. Rank 0 publishes: meshloom.json (step, model config, layout, tokens consumed, versions,
+   and the size and SHA-256 of every file) into the folder, then ``rename(step-N.tmp, step-N)``, atomic
+   on POSIX. A reader sees the whole checkpoint or none of it. Then it deletes all but the newest
+   ``keep_last`` (a failure there is a warning: the new step is already safe).
+5. The ranks agree on the control plane that it worked. If any rank failed (a full disk, a read-only
+   folder), rank 0 removes step-N.tmp, so the failed save keeps no disk space, and every rank raises
+   ``CheckpointSaveError`` with one line naming the error, the folder, the fix for that error (free space
+   for a full disk, permissions for a denied write), what became of the partial ``.tmp`` (removed, could
+   not be removed, or never created) and the newest good checkpoint.
+   With ``checkpoint.async``, step 5 runs when the next save starts or training ends (``wait``); the publishing itself happens
+   in a thread as soon as the write finished. ``close`` drains a save in flight and stops its thread on
+   every exit path, also when training failed.
+
+DCP's own collectives run on a gloo group of their own (the checkpoint group): an async save issues them
+from a background thread while the training thread uses the control plane.
+
+Asynchronous saves (``checkpoint.async``): the training thread waits only for the copy it must:
+
+1. ``save`` hands the state to ``dcp.async_save`` with a stager of its own (``DefaultStager``), a fresh one per
+   save: torch 2.11's stager closes its copier after each copy and cannot stage twice, and a stager closed
+   once the previous save was written holds no host buffers between saves. On a GPU the copies go to pinned
+   host memory with non-blocking copies on a side stream, and everywhere the copying runs in a staging thread.
+   On a GPU, ``save`` first waits for the work already queued on the device (the optimizer step that made the
+   state): the side stream does not wait for the compute stream by itself. Then it returns: the next step's
+   forward and backward run while the state is copied, since they read the weights but change only gradients.
+2. ``wait_staged``, called by train.py just before the optimizer step, waits until the copy is done: from there
+   on the live weights and Adam state may change. This wait, and the call to ``save``, are all the training
+   thread stalls for.
+3. A writing thread (DCP's) writes the staged copy, then the publishing thread hashes and publishes it
+   (steps 3-4 of "Saving"); the next save or the end of training waits for that (``wait``, step 5).
+
+measure/async_save.py measures the training thread's stall of a synchronous and an asynchronous save.
 """
 
 from __future__ import annotations
@@ -267,7 +300,7 @@ class CheckpointManager:
             )
             return
         # Steps 1-3 of "Asynchronous saves": the copy runs in the stager's thread; wait_staged waits for it.
-        self._close_stager()  # the previous save is written (self.wait() above): its copy is no longer needed
+        self._close_stager()  # the previous save is written (self.wait() above): nothing reads its copy again
         self.stager = self.new_stager()
         synchronize(self.device)  # the state the side stream copies is the one the queued optimizer step wrote
         response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager)

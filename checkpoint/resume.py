@@ -52,7 +52,9 @@ if TYPE_CHECKING:
     from planning.plan import LayoutPlan
 
 META_FILE = "meshloom.json"
-FORMAT = 2  # 2: meshloom.json lists the size and SHA-256 of every file (1: no checksums, no longer read)
+# 2: meshloom.json lists the size and SHA-256 of every file. ``inspect`` refuses a folder of any other
+# format: without checksums nothing in it could be verified before it is unpickled.
+FORMAT = 2
 
 
 @dataclass

@@ -63,7 +63,7 @@ def seal(meta: dict) -> dict:
 
 
 def manifest_changed(meta: dict) -> bool | None:
-    """Step 3: True when the manifest's fields no longer match its checksum; None when it has none."""
+    """Step 3: True when the manifest's fields do not match its checksum (edited after sealing); None when it has none."""
     recorded = meta.get(MANIFEST_DIGEST)
     return None if recorded is None else recorded != _canonical_digest(meta)
 

@@ -19,8 +19,8 @@ measures what activation checkpointing keeps):
    per schedule, recomputation under activation checkpointing; uneven pipeline stages (the layers split by
    FLOPs, planning/pipeline_split.py: split_layers) are timed by the slowest.
 3. **The check against published runs**, cluster/published_runs.py: Megatron-LM's Table 1 (Narayanan et al.
-   2021, which sets the one derived number), torchtitan's H100 benchmark and Llama 3's Table 4 (neither used to
-   tune anything), predicted beside published, with each row's error (``--validate``).
+   2021, which sets the one derived number), torchtitan's H100 benchmark and Llama 3's Table 4 (neither tunes
+   anything), predicted beside published, with each row's error (``--validate``).
 
 For one set of degrees (``--layout``, and each candidate of the search) the planner chooses the schedule, the
 stages per rank, the sequences per micro-batch and the activation checkpointing, and says why; search mode walks

@@ -3,7 +3,51 @@ Llama 3's Table 4, each row's error printed by one command.
 
     python -m cluster.plan_layout --validate [--markdown]
 
-The full description (how it runs, every check or run with its source) is in docs/combining.md, its last appendix.
+**The runs.** Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (arXiv 2104.04473), Table 1: ten GPT models from 1.7B to 1T parameters on up to 3,072 A100 80GB
+GPUs of NVIDIA's Selene (DGX A100 nodes: 8 GPUs on NVLink, one 200 Gb/s HDR InfiniBand NIC per GPU), with the
+achieved TFLOP/s per GPU. The same table, as an image, is in Megatron-LM's README from April 2021
+(github.com/NVIDIA/Megatron-LM, commit 50a4b5f, images/cases_april2021.png): hidden size, layers,
+parameters, model-parallel size (tp x pp), GPUs, batch and TFLOP/s per GPU, every figure below checked
+against it. How each run was launched is in the repository's examples/sc21/run_table_1.sh and CONFIG.sh
+(commit de7dc40, August 2021, "scripts for sc21"): attention heads, the split of the model-parallel size into
+TP and PP, the micro-batch size, the interleaved schedule's layers per virtual stage, the data-parallel
+implementation, ``--checkpoint-activations`` (full recomputation) on every row, ``--fp16``, sequence 2,048.
+
+**The model, as it was.** A GPT, not a Llama: learned position embeddings, LayerNorm, multi-head attention
+(no GQA) that materialises the s x s scores (fused scale-mask-softmax, then dropout), a GeLU MLP of 4h, biases,
+vocabulary 51,200 (padded, the README says), the output head tied to the embedding. Megatron-LM 2021's code
+(commit de7dc40) fixes the rest: TP all-reduces (no sequence parallelism), fp16 gradients reduced as they
+are (``--accumulate-allreduce-grads-in-fp32`` is off), PyTorch DDP (all-reduce overlapped with backward) for
+the rows with ``DDP=torch`` and its own DDP (all-reduce after backward) for ``DDP=local``, blocking
+send/recv between stages, each split over tp for the inter-node hop (``scatter_gather_tensors_in_pipeline``,
+on by default), the fused kernels on by default (masked softmax, bias-GeLU, bias-dropout-add).
+
+**Like with like.** The paper's TFLOP/s count the recomputed forward (``megatron_flops_per_step``
+below): the planner predicts a step time, and the prediction is compared through the same
+count, FLOPs per step / (step time x GPUs).
+
+**One number derived, not fitted per row.** Every hardware figure is a data-sheet figure or a published
+measurement (planning/gpus.py: GPUS). The one derived number is ``MAMF_SHARE`` (cluster/step_time.py):
+the share of the A100's maximum achievable matmul throughput (271.2 of 312 TFLOP/s) that Megatron-LM's
+matmuls reached inside a training step. ``derive_mamf_share`` finds it from the 1T row alone: the row whose
+step is most nearly all matmul (hidden size 25,600: attention's s x s terms and every other memory-bound
+kernel are smallest next to the h² matmuls), so it measures the matmuls and little else. That row's error is
+therefore zero by construction; the other nine are predictions.
+
+**A second check, outside the goal: torchtitan on H100s.** torchtitan's benchmarks/llama3_h100_202412_torchtitan.md
+(commit 9dec370's configuration, December 2024) trained Llama 3.1 8B in bf16 with FSDP and selective
+checkpointing, local batch 2 of 8,192 tokens (train_configs/llama3_8b.toml), on 8 and on 128 H100s: 5,762 and
+5,605 tokens/s per GPU. Its H100s are not the data sheet's: 96 GB of HBM2e at 2.4 TB/s, run at a 500 W power
+limit whose peak FLOP/s, its authors write, they do not know. The planner (meshloom's model and stack,
+the H100 SXM's peak and MAMF, torchtitan's memory bandwidth) predicts more than they measured; ``torchtitan_rows``
+prints how much. It is the only check of an H100 figure here, and it is not a tight one.
+
+**A third check, not tuned on either: Llama 3 405B.** Table 4 of "The Llama 3 Herd of Models" (Llama Team,
+AI @ Meta, 2024, arXiv 2407.21783) lists three layouts of the 405B pre-training on 8,192 and 16,384 H100s (tp,
+cp, pp, dp, sequence length, sequences per dp rank, 16M tokens a step) and the TFLOP/s per GPU each reached.
+``llama3_rows`` gives the planner the degrees only: its ``choose`` (cluster/search.py) picks the schedule,
+stages per rank, micro-batch size and checkpointing, and the chosen variant's TFLOP/s stand beside Meta's.
 """
 
 from __future__ import annotations

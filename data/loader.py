@@ -24,7 +24,22 @@ ConfigError (exit 2) naming the file and the token offset, instead of one rank d
 the others wait in a collective. Its cost is one max over the step's ``global_batch x seq_len + 1`` ids,
 read as a view of the memory map (no copy) or of the in-memory tensor; there is no device involved.
 
-More in docs/data.md: "data/loader.py", at its end.
+**A loss mask** (chat data: tokens given as a ``MaskedTokens``, data/token_file.py) travels with the
+tokens: a target whose mask is 0 becomes ``IGNORE`` (-100, cross-entropy's ``ignore_index``), so it adds
+nothing to the token-loss sum, on every layout and inside TP's ``loss_parallel`` alike. The loss divisor
+is then the step's *global* number of trained targets, ``trained_tokens``, counted here on the host from
+the global batch's mask (``global_batch x seq_len`` bytes of the map, like the id check): every rank computes
+the same count from the same bytes with no collective, before any forward, whatever its own share of trained
+tokens is (a micro-batch may have none: its sum is 0 and its gradient 0). Without a mask
+``trained_tokens`` is ``global_batch x seq_len``, the divisor of every unmasked step.
+
+**Documents** (``document_starts``: where each document of the stream starts, data/token_file.py, when
+``data.document_mask`` is on): each step also gives, per micro-batch, every input position's place in its
+document (``documents``: 0 where a document starts, and at the window's first token, whose document may have
+begun in an earlier window), over the *whole* window even under context parallelism (every cp rank needs the
+documents of the keys other ranks hold). The model then rotates each token by that position and lets it
+attend only to its own document (models/llama.py: ``Transformer.forward``). Computed on the host with one
+``searchsorted`` over the window's positions; nothing is read from the token file.
 """
 
 from __future__ import annotations

@@ -24,7 +24,21 @@ Every folder written since document masks exist also records where each document
 ``open_tokens`` then returns a ``MaskedTokens`` (the tokens and the mask, sliced together), and the loader
 turns masked targets into the ignored index and counts the step's trained tokens (data/loader.py).
 
-More in docs/data.md: "data/token_file.py", at its end.
+``max_id`` (the largest id written) is computed while writing; a header without it (from an older
+meshloom) still loads, and its ids are then only checked window by window as a run reads them
+(data/loader.py).
+
+``tokens_sha256`` is the SHA-256 of ``tokens.bin``'s bytes, updated with each chunk as it is written (no
+second pass over the file). It identifies the stream by content: a checkpoint records it, and a resume into
+another stream under the same path is refused (checkpoint/resume.py), because ``tokens_consumed`` would
+then point at other tokens. A header without it (from an older meshloom) is identified by path only.
+
+``tokens.bin`` is written first (as ``tokens.bin.tmp``, renamed when complete), ``header.json`` last, so
+a folder with a header is a complete dataset and a killed ``data.prepare`` leaves no header. Reading
+checks the header against the file (dtype, size) before anything is mapped, and ``open_tokens`` returns
+a ``TokenMap``: a read-only memory map whose pages are read from disk when a batch touches them and given
+back right after, so a process's memory does not grow with the dataset, nor with how much of it a run
+has read (measure/loader_memory.py measures it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tokenizers: raw bytes (the default) or a Hugging Face ``tokenizer.json``.
 
 ``data.tokenizer = "bytes"``: token id = byte value, 256 ids, no end-of-document token; files are
-concatenated byte for byte, exactly as before tokenizers existed here.
+concatenated byte for byte, so a corpus needs no preparation and no tokenizer file.
 
 ``data.tokenizer = "path/to/tokenizer.json"`` (or the folder holding it): loaded with the ``tokenizers``
 library (the ``data`` extra: ``pip install -e ".[data]"``). Every document is followed by the tokenizer's

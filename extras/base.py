@@ -7,7 +7,7 @@ config: each extra module's ``for_run(RunContext)`` returns the extra when its c
 hook an extra does not need is the base class's, which does nothing. The extras that change how gradients
 travel attach at the two other seams, and need no hook, a file each:
 
-- where the model is parallelized (planning/options.py builds mesh/parallelize.py's ``ParallelOptions``):
+- where the model is parallelized (training/build.py builds mesh/parallelize.py's ``ParallelOptions``):
   powersgd.py (``powersgd``: a replicated model in FSDP's place); bf16 reduction and CPU offload are plain
   FSDP options there (``reduce_dtype``, ``offload_policy``);
 - inside the step: reduce_once_per_step.py (``parallel.grad_sync step``: training/step.py runs each

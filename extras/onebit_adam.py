@@ -27,7 +27,24 @@ Compression (every later step):
 4. Compress: ``q_i = sign(c_i) * ||c_i|| / sqrt(n)`` per tensor (n elements; sign(0) = +1): one bit per
    element and one fp32 scale, with the same L2 norm as ``c_i``.
 
-More in docs/dp_savers.md: "extras/onebit_adam.py", at its end.
+5. Keep the error for the next step: ``e_i = c_i - q_i``.
+6. Exchange: the momentum becomes the mean of the ranks' ``q_i``, the same on every rank. This reference
+   all-reduces the decompressed fp32 values (one flat buffer per step), which gives the mean exactly; an
+   implementation for slow links sends the packed signs and the scales instead (DeepSpeed's compressed
+   all-reduce: each rank sends its packed chunks to their owners, which average, re-compress with an error
+   of their own, and all-gather the result). ``payload_bytes`` counts that compressed size:
+   ceil(n / 8) + 4 bytes per tensor, against 4n for fp32.
+7. AdamW's update with the frozen variance: ``p *= 1 - lr wd``, then
+   ``p -= lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^W)) + eps)``, W the warm-up steps.
+
+Checkpoints hold ``m``, ``v`` and the step count (AdamW's state, the same on every replica), not the error
+buffers, which are each rank's own: a run resumed after the warm-up restarts error feedback at zero, like
+PowerSGD's compressor (docs/dp_savers.md, section 3).
+
+Every replica applies the same ``m`` and the same frozen ``v``: the replicas stay bitwise equal (the replica
+check, extras/replica_check.py, holds under 1-bit Adam too). What cannot use it is refused before any process
+group exists (planning/layout_rules.py: ``saver_errors``): sharded states (dp_shard > 1, FSDP), TP, PP and CP
+(the momentum would be a shard, and the model is not a plain replica), bf16 and CPU offload (FSDP's).
 """
 
 from __future__ import annotations

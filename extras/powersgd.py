@@ -5,7 +5,7 @@ The trade (docs/dp_savers.md, section 3): FSDP is replaced by a replicated model
 as two thin factors P (n x r) and Q (m x r), r = ``parallel.powersgd_rank``, with error feedback (what the
 approximation missed is added to the next step's gradient). It needs the whole gradient matrix on every
 rank, so only a pure data-parallel layout (dp_replicate only) can use it (planning/layout_rules.py:
-``saver_errors``). It attaches where the model is parallelized: planning/options.py hands ``apply_powersgd``
+``saver_errors``). It attaches where the model is parallelized: training/build.py hands ``apply_powersgd``
 to mesh/parallelize.py's ``ParallelOptions`` in FSDP's place. 1-bit Adam compresses Adam's momentum rather
 than the gradient, so its optimizer does the exchange itself: extras/onebit_adam.py.
 """

@@ -22,7 +22,30 @@ The algorithm, once per check:
    depend on the order in which a kernel adds them, so two ranks get the same checksum exactly when their
    values are bitwise equal (up to a checksum collision).
 
-More in docs/data_parallel.md: "extras/replica_check.py", at its end.
+2. For each replica group this rank belongs to, in one global order (sorted by the group's ranks, so that no
+   two ranks wait on each other's groups in opposite orders), stack the checksums of the parameters that
+   are replicated over it and all-reduce ``[c, -c]`` with MAX on that group: one collective gives the
+   largest and the smallest checksum of every parameter. They differ exactly where some replica disagrees.
+   The collective runs on the device plane, on the group the parameters live on (NCCL on GPUs), with the
+   checksums on the device.
+3. Only for a group with a mismatch, all-gather its checksums (the failure path) and name, for each
+   parameter that differs, the coordinates along that dim whose checksum differs from the majority's.
+4. Agree, over the control plane, on whether any rank found a mismatch; if one did, gather the lines, so
+   that every rank (also those outside the disagreeing groups, which would otherwise go on and wait in the
+   next collective) reports the same first line and stops or warns together.
+
+Exact comparison, not a tolerance: replicas are bitwise equal in every meshloom layout by construction. They
+start from the same bits (materialize_weights builds every parameter from (seed, name) on every rank), and
+each step applies the same bits to them: a gradient reduced by an all-reduce arrives bitwise identical on
+every rank of the group (the reduced chunks are computed once and copied around, in gloo and NCCL alike),
+the clipping coefficient is computed from the same all-reduced norm, and AdamW is elementwise and
+deterministic for equal inputs on the same kind of device. A difference of one bit therefore already means
+that something other than training changed a replica. (Ranks on different kinds of GPU in one job could
+round differently; meshloom does not support mixing them.)
+
+Cost: one pass over this rank's parameters (an integer copy of each, one at a time) plus one small
+all-reduce per replica group and one control-plane scalar: measure/replica_check.py prints it against the step
+time (docs/troubleshooting.md, "Replicas that disagree").
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@
    for ``--seq-len`` windows (data/chat.py), assistant tokens trained.
 2. Read the windows as the loader does (starts at multiples of seq_len) and compute every target's loss three
    ways with the same weights: each conversation run **alone** (its own forward, positions from 0); the window
-   **masked** (``documents``: what meshloom trains since data.document_mask); the window **as before** (plain
-   causal attention over the whole window: a conversation sees those packed before it).
+   **masked** (``documents``: what meshloom trains with data.document_mask on); the window **old** (plain causal
+   attention over the whole window, data.document_mask off: a conversation sees those packed before it).
 3. Print, per conversation with trained tokens, the mean loss of its trained tokens alone, and the masked and
    the old loss minus it; then the largest difference of each. The masked one is rounding; the old one is
    what the conversations packed before a conversation did to its loss.

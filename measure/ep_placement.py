@@ -3,7 +3,7 @@
     .venv/bin/python -m measure.ep_placement        # from the repository root, about a minute on 2 cores
 
 The MoE debug model (configs/debug_moe.toml: 4 MoE layers, dim 128, expert hidden 128) with 4 experts is
-parallelized on 4 gloo ranks, dp_shard 2 x tp 2, as train.py parallelizes it (planning/options.py:
+parallelized on 4 gloo ranks, dp_shard 2 x tp 2, as train.py parallelizes it (training/build.py:
 ``model_parts``), three ways:
 
 - ``ep 4 over dp_shard x tp``: the ep group is all four ranks (mesh/dims.py), each holds one expert per layer;

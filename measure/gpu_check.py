@@ -9,7 +9,47 @@ the folder the machine sends back (``$OUT``). Left out, it is ``$OUT/gpu_check``
 "not run", and exits 0. Only the standard library is imported at module level (torch and pytest inside
 functions): it runs as it is where nothing can be installed (the lent machine: Python 3.12, torch 2.11).
 
-The full description (how it runs, every check or run with its source) is in docs/profiling.md, its last appendix.
+How it runs:
+
+1. ``CHECKS`` lists the checks, each a ``Check(name, run, budget_s, what)``: ``run`` is a module-level
+   function that returns a dict of measured figures (its ``summary`` entry is the report's one-line
+   summary) or raises. The budgets add up to at most ``TOTAL_S`` (8 minutes).
+2. The report starts from ``DIR/report.json`` when one is there (an earlier invocation into the same DIR):
+   its entries for the checks this invocation does not run are kept as they are, and those it runs are
+   replaced. Each entry names the invocation that measured it (``run``), and ``runs`` lists the invocations.
+   So a second call with ``--only`` reruns what failed or timed out, in the time left (``--budget``), and the
+   report holds both calls' figures. This invocation's checks start "pending" ("not run" without a GPU), and
+   the report is written at once.
+3. Each check runs in a process of its own (``python -m measure.gpu_check --child module:function``): a fresh
+   CUDA context, and a hard limit. Its stdout and stderr go straight to ``DIR/<name>.log``, unbuffered
+   (``gpu-tests`` lets pytest write there too), so what a check printed survives whatever comes after. A
+   check still running at its budget, or when the invocation's ``--budget`` seconds (default ``TOTAL_S``)
+   are spent, is killed with its whole process group (the ranks it spawned too) and reported "timed out";
+   the next check starts. So one hung check cannot eat the others' time.
+4. The report (``report.json`` for machines, ``report.md`` for people, each replaced whole) is rewritten
+   before each check, which it shows "running", and after it, with its status (passed, failed, timed out),
+   seconds and figures. A kill at any moment loses nothing already measured: the report has every finished
+   check, "running" for the one cut short and "pending" for the rest. SIGTERM or Ctrl-C kills the running
+   check, reports it "timed out" and stops. Every figure was measured by the invocation its entry names;
+   nothing is filled in.
+5. The exit status is 1 if a check of this invocation failed or timed out, else 0. The last line printed
+   gives the ``--only`` command that reruns every check of the report that did not pass.
+
+The checks:
+
+- ``gpu-tests``: ``pytest -m gpu`` (tests/test_gpu.py and any other test marked ``gpu``): GPU runs against the
+  CPU reference, on one GPU (tests needing two skip on one).
+- ``throughput-1b``: measure/tokens_per_second.py's ``gpu_1b`` (its ``--gpu-1b``): a Llama-3.2-1B-shaped model
+  in bf16, meshloom against a plain PyTorch loop, tokens/s, TFLOP/s, MFU (with a known peak) and peak memory.
+- ``ring-attention-16k``: measure/ring_attention.py (its ``--cp 1``): ring attention as mesh/context_parallel.py
+  runs it (a one-rank ring on one GPU: one causal block through the fused kernel, no messages) against plain
+  SDPA (models/llama.py: ``causal_attention``) on 16,384 tokens in bf16, forward and backward: time and peak
+  memory.
+- ``moe-experts``: measure/moe_grouped_mm.py: models/moe.py's experts as one grouped GEMM (``torch._grouped_mm``)
+  against the per-expert loop, forward and backward on 65,536 routed rows, 8 experts of 2048 -> 1408, bf16:
+  rows per second of each.
+- ``async-save``: measure/async_save.py (its ``--gpu``): the training thread's stall per save, synchronous
+  against asynchronous.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 
 NOT RUN in this repository's CI or on the machine the docs were written on (no GPU there): on a CPU-only
 machine the script prints the formula and says so. On GPUs, for each setting it builds a Llama-style model
-exactly as train.py does (``planning/options.py: model_parts``: FSDP over all ranks, fp32), takes ``--steps`` AdamW steps on
+exactly as train.py does (``training/build.py: build_step``: FSDP over all ranks, fp32), takes ``--steps`` AdamW steps on
 random tokens and reports, on the largest rank:
 
 - ``resident``: ``torch.cuda.memory_allocated`` after a step (what stays on the device between steps);

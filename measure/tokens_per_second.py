@@ -198,7 +198,7 @@ def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = Fa
         records = train.train(load_config(path=config, overrides={**overrides, "run.dir": run_dir}))
     finally:
         training.step.clock_reading = timed
-    assert len(calls) == 2 * len(records), "train_step no longer calls clock_reading exactly twice a step"
+    assert len(calls) == 2 * len(records), "train_step does not call clock_reading exactly twice a step"
     starts = calls[::2]
     inserted = plain_spans or [(0.0, 0.0)] * len(records)
     result = {

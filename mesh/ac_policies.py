@@ -12,8 +12,8 @@
   block's forward matmul FLOPs again in backward; it keeps torchtitan's published 8B run (8 x H100, FSDP 8,
   2 x 8,192 tokens per GPU, bf16) within 80 GiB per rank in meshloom's estimate, which ``selective_keep_mm``
   does not (docs/mixed_precision.md).
-- ``selective_keep_mm``: meshloom's policy before issue 38: the same, but *every* matmul's output is kept
-  (the MoE experts' grouped matmuls are kept by both): less recomputation, more memory.
+- ``selective_keep_mm``: the same, but *every* matmul's output is kept (the MoE experts' grouped matmuls are
+  kept by both): less recomputation, more memory, for a run whose memory allows it.
 
 Under tensor parallelism both selective policies recompute the row-parallel matmuls (wo, a dense block's w2),
 whose whole-sequence partial sum the collective after them consumes, and whose collective output is kept

@@ -26,7 +26,23 @@ which planning/memory_estimate.py reads too. The selective policies below differ
   The price: wo and w2 run again in backward, 2·h·h + 2·h·H FLOPs per token of a block's forward matmuls
   (about 35% of them at Llama 3 8B's shape), which the rest of the recomputation does not pay. How, per op:
 
-More in docs/mixed_precision.md: "mesh/activation_checkpoint.py", at its end.
+  a. the policy is built per block; at each matmul it reads the row-parallel linears' *current* local weights
+     (FSDP gathers them into new storage for the recomputation) and compares the matmul's operands' storage
+     with theirs: the same answer in forward and in the recomputation, as SAC requires (torch 2.11 asks the
+     policy in both; later releases only in forward, and replay its answers by op index);
+  b. a match is recomputed, every other op of the list above saved.
+
+  Under torch.compile the policy is called while tracing, on fake tensors that have no real storage to
+  compare, so the policy of a compiled block does not try: it treats the row-parallel matmuls like the others
+  (selective then keeps more than none at large tp; planning/memory_estimate.py models eager mode). No config
+  reaches that case: planning/layout_rules.py refuses compile with tp > 1.
+
+Applied after tensor and expert parallelism and before FSDP, so an FSDP unit wraps a checkpointed block and
+the recomputation sees the already-parallelized layers. The wrapper inserts ``_checkpoint_wrapped_module``
+into parameter names; ``mesh.materialize.canonical_name`` and the wrapper's state-dict hook remove it.
+
+During recomputation MoE blocks must not count their tokens a second time: the recompute context turns
+their statistics off (``MoE.count_stats``) while the block reruns.
 """
 
 from __future__ import annotations

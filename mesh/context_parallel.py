@@ -22,7 +22,46 @@ local tokens unchanged, and lets only attention communicate:
      0 .. c·L − 1), merged by their log-sum-exp (``allgather_blocks``). Simple, one collective per layer
      each way, but every rank holds all s keys and values.
 
-More in docs/context_parallel.md: "mesh/context_parallel.py", at its end.
+   - ``ring``: K and V travel around the ring of cp ranks, one block per step (``RingAttention``). At step i
+     rank r holds the block of rank r − i, attends its queries to it, and merges the partial result into
+     the running one with the log-sum-exp rule; meanwhile the next block is already in flight
+     (batched isend/irecv). Backward runs each block's kernel backward again around the ring, and dK/dV
+     travel with their block until they arrive home. A rank holds two blocks of s/cp keys at a time (the
+     one in use and the one arriving), never all s.
+
+3. **The log-sum-exp merge.** For a query row, attention over a key set S is o_S = Σ_j∈S e^{s_j} v_j / Z_S
+   with Z_S = Σ_j∈S e^{s_j}; keep lse_S = log Z_S. For two disjoint sets A and B:
+   lse = log(e^{lse_A} + e^{lse_B}) and o = e^{lse_A − lse} o_A + e^{lse_B − lse} o_B, exactly the attention
+   over A ∪ B. ``merge_partial`` applies it in fp32 (fp64 stays fp64); the diagonal block comes first, so
+   every row has a finite lse before any other block is folded in.
+4. **What each block computes.** With the balanced split only two shapes of block exist: a diagonal block,
+   causal (query and key positions increase together), or a full block, unmasked. In the ring
+   (``visible``): the own block is causal over the local 2L tokens; a block from an earlier rank (src < r)
+   is seen only through its first chunk, by all local queries; a block from a later rank (src > r) is seen
+   whole, by the second local chunk only. Each off-diagonal step is half a block's work on every rank: the
+   balance of step 1. So no block needs an explicit mask, and every block can go through a fused kernel.
+5. **Fused kernels, no (n, n) tensor.** Each block is one call of an attention kernel that also returns the
+   log-sum-exp of its rows (mesh/lse_attention.py: ``attention_with_lse``: the CPU flash kernel; on CUDA
+   flash, or memory-efficient for fp32): the kernel walks the keys in tiles and keeps only the running
+   maximum and sum per row, so the scores of a block never exist as a tensor, in forward or backward, and
+   bf16 inputs stay bf16 inside the kernel. Backward calls the kernel's backward per block with the
+   *merged* output and log-sum-exp (``attention_with_lse_backward``): it recomputes the block's
+   probabilities as exp(scores − lse), which are then the block's share of the whole softmax, so the
+   per-block dq add up to the full gradient and each block's dk, dv are exact. The CPU and CUDA flash
+   kernels read grouped k/v heads as they are; the memory-efficient kernel needs equal heads, so there a
+   block's k/v are repeated, one block at a time.
+
+6. **Document masks** (``documents``: the document index of every position of the *whole* window, which every
+   cp rank has from the loader). A query sees a key only when both lie in the same document and the key does
+   not come later: neither a plain causal block nor a full one, so the fused kernels above (which take only
+   a causal flag) do not apply. ``allgather`` then attends its queries to the gathered keys through SDPA with
+   that explicit (n, s) mask; ``ring`` computes each block with its explicit (n, n) mask in plain torch
+   (``masked_block``, its backward ``masked_block_backward``), merged by the same log-sum-exp rule. Exact, at
+   the cost of the scores as a tensor per block; the own block comes first, so every row (which sees at least
+   itself) has a finite log-sum-exp before a fully masked row of another block is folded in.
+
+Parameters are replicated over cp, so FSDP shards them over dp_shard x cp and sums their gradients over it
+(mesh/dims.py); the cp group gets the collective timeout like every other mesh dim.
 """
 
 from __future__ import annotations

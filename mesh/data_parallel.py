@@ -15,7 +15,7 @@
 3. Mixed precision: with ``training.mixed_precision = bf16`` the all-gathered parameters and the compute are
    bf16, while gradients are reduced in fp32 and the sharded master weights and Adam states stay fp32.
    (``parallel.grad_compression = bf16`` reduces in bf16 instead, and ``parallel.fsdp_cpu_offload`` keeps the
-   shards in host memory: planning/options.py: reduce_dtype, offload_policy.)
+   shards in host memory: training/build.py: reduce_dtype, offload_policy.)
 4. Gradients are *summed*, not averaged, across data-parallel ranks. The loss each rank backpropagates is
    already its share of the global mean (its token-loss sum divided by the global token count), so the sum
    of the ranks' gradients is exactly the gradient of the global mean: the scaling happens once, in the
@@ -85,7 +85,7 @@ def apply_fsdp(
     offload: OffloadPolicy | None = None,
 ) -> nn.Module:
     """Shard ``model`` over ``meshes.fsdp`` (module docstring); reduce dtype and offload come from
-    planning/options.py."""
+    training/build.py."""
     fsdp_mesh = meshes.fsdp
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mixed_precision == "bf16" else None,

@@ -25,7 +25,19 @@
 
    For pp 1, dp_shard 2, tp 2 (ranks 0-3; rank = 2 * dp_shard coordinate + tp coordinate):
 
-More in docs/combining.md: "mesh/dims.py", at its end.
+       dense weights               experts, ep 4                experts, ep 2
+                dp_shard -->                  ep -->                      ep -->
+       tp  | rank 0  rank 2        rank 0  1  2  3             efsdp | rank 0: E0-1/2  rank 1: E2-3/2
+           v rank 1  rank 3        owns  E0 E1 E2 E3                 v rank 2: E0-1/2  rank 3: E2-3/2
+
+   Dense weights: FSDP over dp_shard, TP over tp. ep 4: rank r holds expert r whole. ep 2: the ep groups are
+   the tp pairs {0, 1} and {2, 3}; ranks 0 and 2 (an efsdp group) each hold half (FSDP) of experts 0-1.
+
+   cp sits between dp_shard and tp: tp innermost keeps a tp group on consecutive ranks (inside a node),
+   and cp next to it keeps the K/V exchange, which runs in every attention layer, as close as tp allows.
+
+Every sub-group gets the configured collective timeout (``mesh_backend_options``); without it DeviceMesh's
+groups would wait 30 minutes for a dead peer on gloo.
 """
 
 from __future__ import annotations

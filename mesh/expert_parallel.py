@@ -22,7 +22,19 @@ count per expert; then:
 
 A rank that receives no tokens runs its experts on empty inputs and still joins both all-to-alls.
 
-More in docs/expert_parallel.md: "mesh/expert_parallel.py", at its end.
+EP ranks are borrowed from the data-parallel shard, context-parallel and tensor-parallel ranks: the world
+mesh is unflattened so that ``dp_shard x cp x tp = efsdp x ep`` within the same root (mesh/dims.build_mesh),
+ep taking the innermost ranks (tp first). Every rank of an ep group holds different tokens: dp_shard ranks
+read different sequences, cp ranks different chunks of them, and under TP each tp rank runs the MoE block on
+its own chunk of every sequence (mesh/moe_token_split.TokenSplitMoE) and dispatches that chunk to the
+experts' owners, so every (token, expert) pair is computed once. Expert weights are then FSDP-sharded over the
+remaining ``efsdp`` (and replicated over ``dp_replicate``), dense weights over dp_shard (x cp) like every dense weight; no
+expert weight, gradient or optimizer state is replicated over cp or tp. An expert's gradient sums the tokens
+of its ep group (the all-to-all's backward brings their gradients home) and FSDP sums it over efsdp and
+dp_replicate: together every rank of the pipeline stage, each once.
+
+Both exchanges are functional collectives (they return new tensors): selective activation checkpointing
+saves their outputs, so recomputing a block in backward never repeats them (mesh/activation_checkpoint.py).
 """
 
 from __future__ import annotations

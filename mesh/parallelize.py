@@ -2,7 +2,7 @@
 
 ``parallelize(model, meshes, options, device)`` takes a model built on the meta device (no storage yet) and
 returns it ready to train on this rank. Each step reads only the typed ``ParallelOptions`` (built from the
-TOML config in one adapter, planning/options.py) and the named meshes (mesh/dims.py); the reason for its place
+TOML config in one adapter, training/build.py) and the named meshes (mesh/dims.py); the reason for its place
 in the order is written beside it:
 
 1. **TP** (mesh/tensor_parallel.py) first: it replaces each block's weights by DTensors sharded over the tp
@@ -81,7 +81,7 @@ class ContextParallelOptions:
 @dataclass(frozen=True)
 class ParallelOptions:
     """What ``parallelize`` needs to know besides the meshes: one typed group of options per parallelism (TP, AC
-    and compile, data parallelism, CP), built from the TOML config in one place (planning/options.py)."""
+    and compile, data parallelism, CP), built from the TOML config in one place (training/build.py)."""
 
     seed: int  # the initial weights are a function of (seed, parameter name)
     tp: TensorParallelOptions = TensorParallelOptions()

@@ -19,13 +19,54 @@ to the older one, with a comment naming the releases; no code reads a version st
 | ``DefaultStager`` reuse                | 2.11 closes the stager's copier after each stage: one stager per save |
 |                                        | (checkpoint/manager.py builds a fresh one each time, on every release)|
 
+The private APIs it wraps, and why no public one serves:
+
+| what                                   | why no public API serves                                              |
+|----------------------------------------|-----------------------------------------------------------------------|
+| ``DeviceMesh._flatten``                | a 1-D view over several mesh dims (the dp ranks, the loss ranks)      |
+| ``DeviceMesh._unflatten``              | regroup the world as (pp, dp_replicate, efsdp, ep) in the *same* root |
+| ``DeviceMesh._concatenate``            | (dp_replicate, dp_shard x cp) as one 2-D mesh for HSDP with cp, from  |
+|                                        | existing groups (slicing a flattened dim from the root is deprecated) |
+| ``DeviceMesh._get_root_mesh``          | check that every mesh of a run shares one root (tests)                |
+| ``Backend.Options._timeout``           | DeviceMesh passes a sub-group's timeout only through its options      |
+| ``_functional_collectives``            | differentiable uneven all-to-all, and functional all-to-all,          |
+|                                        | all-gather and reduce-scatter that selective activation checkpointing |
+|                                        | can cache (c10d's in-place ops cannot be)                             |
+| ``PipelineStage._post_metadata_inference_cleanup`` | the only hook at the end of the stage's shape inference   |
+| (2.13+), ``PipelineStage._shape_inference`` (2.11) |                                                           |
+| ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` | activation checkpointing that keeps the module  |
+|                                        | tree (FSDP units and state-dict names see through it)                 |
+| ``torch.distributed._composable.replicate`` | DDP's reducer and communication hooks (PowerSGD) on the model    |
+|                                        | itself: no wrapper module, so names and attributes stay the model's   |
+| ``FSDPParam.offload_to_cpu``           | whether a unit really offloads (tests and the offload bench: on a CPU |
+|                                        | device an offloaded shard looks like any other)                       |
+| ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` | the CUDA allocator's history, the file that     |
+|                                        | pytorch.org/memory_viz opens (``profile.memory_snapshot``)            |
+| ``torch.profiler._memory_profiler._CATEGORY_TO_INDEX`` | the column order of the CPU memory timeline's JSON export  |
+| ``torch._C._autograd._top_saved_tensors_default_hooks`` | the saved-tensor hooks active now, so that SP's re-gather |
+|                                        | hooks hand every other tensor on to them (mesh/tensor_parallel.py)    |
+| ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU),          | one fused attention kernel call that  |
+| ``aten._scaled_dot_product_flash_attention`` and                     | also returns each query row's         |
+| ``aten._scaled_dot_product_efficient_attention`` (CUDA), and their   | log-sum-exp, and its backward given   |
+| ``_backward`` ops                                                    | a merged output and log-sum-exp: ring |
+|                                        | attention's blocks (mesh/context_parallel.py); SDPA returns neither   |
+| ``tensor._utils.compute_local_shape_and_global_offset`` | the block of the full tensor that this rank's   |
+|                                        | piece is (shape and offset), so an import reads only that block; DCP  |
+|                                        | uses it for the same purpose                                          |
+| ``DTensor._local_tensor``              | a DTensor's local shard without an autograd op, inside SP's re-gather |
+|                                        | pack hook (``dtensor_local_storage``)                                 |
+| ``torch._C._distributed_c10d._dump_fr_trace``, ``distributed_c10d._world.pg_names`` | the flight recorder's |
+|                                        | buffer on gloo (NCCL dumps it itself on a timeout), and every group's |
+|                                        | name and ranks, which gloo leaves out of the dump                     |
+
+One exception lives outside this file: ``torch._grouped_mm`` (all experts of an MoE layer in one grouped
+matmul) is wrapped in models/kernels.py, because models/ is single-device code that never imports mesh/.
+
 Prefer public APIs everywhere else. When torch renames or removes one of these, ``tests/test_private_api.py``
 fails here, loudly, instead of a training run failing somewhere deep inside a collective. (The docs tooling
 has its own such place, measure/schedule_ir.py, for the pipeline schedules' action lists that the pictures draw;
 selective activation checkpointing names ops of torch's ``_c10d_functional`` namespace, which are op
 identifiers, not Python APIs.)
-
-More in docs/combining.md: "mesh/private_api.py", at its end.
 """
 
 from __future__ import annotations

@@ -427,8 +427,8 @@ class Transformer(nn.Module):
             cos, sin, doc_ids = full_cos[local], full_sin[local], document_ids(documents)
         for key, layer in self.layers.items():
             if cache is None:
-                # documents only when there are some: wrappers around a block (tests/test_from_scratch.py's
-                # ZeRO-3 sketch) see the same inputs as before document masks
+                # documents only when there are some, so that a wrapper around a block that knows only
+                # (h, cos, sin) (tests/test_from_scratch.py's ZeRO-3 sketch) still runs without document masks
                 h = layer(h, cos, sin) if doc_ids is None else layer(h, cos, sin, doc_ids)
             else:
                 h = layer(h, cos, sin, None, cache.layer(key))

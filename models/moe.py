@@ -27,7 +27,21 @@ Load balancing, both optional:
   expert i. It is added to the training objective through ``AddAuxLoss`` (identity forward; backward feeds
   the aux gradient), summed over sequences and divided by ``aux_loss_scale``'s global sequence count.
 
-More in docs/expert_parallel.md: "models/moe.py", at its end.
+- **Aux-loss-free bias** (DeepSeek-V3 style): ``expert_bias`` shifts only the *selection*. After each
+  optimizer step the trainer nudges it by ``bias_update_rate * sign(mean_load - load_i)`` from the measured
+  global load (mesh/expert_parallel.step_expert_load), outside autograd.
+
+The block accumulates the per-expert token counts, dropped assignments and aux loss of a step in buffers
+that the trainer reads and resets for metrics. ``count_stats`` switches that off: activation checkpointing
+reruns the forward inside backward, and the rerun must not count the same tokens twice.
+
+**Sequences in chunks.** Capacity and the aux loss are per *sequence*. When the block sees only a chunk of
+each sequence (tensor parallelism splits every sequence across the tp ranks, and each rank routes its own
+chunk: mesh/moe_token_split.TokenSplitMoE), ``self.sequence`` supplies the two per-sequence sums that need the
+other chunks: how many tokens of the same sequence chose each expert in the chunks *before* this one (for
+the capacity ranking), and sums over all chunks (for the aux loss's fractions and mean probabilities). The
+default, ``WholeSequence``, is one chunk: nothing to add. The statistics buffers then hold this chunk's
+share (the aux loss divided by the number of chunks), so summing them over every rank gives the whole.
 """
 
 from __future__ import annotations

@@ -18,7 +18,72 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    dp_shard x cp x tp (ep borrows tp ranks too, so no expert is copied over tp);
    dp_replicate (HSDP) holds copies. ``fsdp_cpu_offload`` moves the states to the host: 0 here.
 
-More in docs/combining.md: "planning/memory_estimate.py", at its end.
+2. **Gathered weights** (``gathered_bytes``), only under FSDP, in the compute dtype (2 bytes in bf16, 4 in fp32):
+   without pipelining the final norm and head (one unit, mesh/data_parallel.py: vocabulary_units) stay
+   gathered from their forward to their backward, and at the start of backward two blocks are gathered (the
+   last one, kept, and the next one, prefetched); the head's unsharded gradient lives until its unit reduces,
+   and the block being reduced holds its unsharded gradient (in bf16 also the fp32 copy FSDP reduce-scatters:
+   2 + 4 bytes). The embedding, a unit of its own, is gathered only around its forward and its backward, where
+   its peak (the embedding, its gradient and a block's) is counted when it is the larger one. A tied embedding
+   and head are one unit with the norm, gathered with the whole vocabulary table. With pipelining torch keeps a stage's
+   units gathered and accumulates unsharded fp32 gradients until the step's last backward
+   (torch/distributed/pipelining/stage.py: backward_maybe_with_nosync): (compute dtype + 4) bytes for every
+   parameter of the rank's stages. An MoE layer's router and shared expert, split with what tp splits for
+   their states, are gathered whole on every tp rank (``token_split_parameters``: TokenSplitMoE).
+3. **Activations** (``layer_activation_bytes``): what one block keeps from its forward for its backward,
+   for one micro-batch of T = b·s/cp tokens on this rank. For models/llama.py's block
+   (h = dim, g = n_kv_heads x head_dim, H = the FFN's hidden size, a = n_heads, w = bytes of the compute
+   dtype, t = tp), counted from the ops that save tensors, the same list as measure/activation_memory.py:
+
+   - each RMSNorm: its input in the compute dtype and the fp32 rsqrt per token (models/llama.py's
+     ``_RMSNormFunction`` recomputes the normalised activation in backward): T·h·w + 4T, twice;
+   - the inputs of wq/wk/wv and of w1/w3 (the norms' outputs): 2·T·h·w;
+   - attention: q and the output T·h·w each; **k and v at their own n_kv_heads width**, 2·T·g·w (grouped-query
+     attention: SDPA reads each k/v head for its query heads, no repeated copies); the fp32 log-sum-exp
+     4·T·a; no s x s scores (a fused, flash-style kernel);
+   - the SwiGLU: w1's and w3's outputs, silu of w1's, and their product: 4·T·H·w;
+   - an MoE layer instead: the fp32 router scores and the gates' sum, T·(4E + 4); per routed (token, expert)
+     pair the dispatched token, the expert's output and its gated copy (3·h·w: the combining ``index_add_``
+     saves its source; under EP 4·h·w: the expert-parallel combine's ``index_copy_`` saves the experts' output
+     too), the expert's SwiGLU (4·He·w), and three int64 indices and two fp32 gates (32 bytes);
+     plus the shared expert's 4·T·H·w.
+
+   Tensor parallelism divides the attention and FFN terms by t. Without sequence parallelism the norms and
+   the two gathered inputs are whole on every rank; with it the norms are divided by t, and the gathered
+   inputs too only with ``sp_regather`` (DTensor's column-parallel matmul saves the input it gathered). An MoE
+   layer under TP works on its rank's tokens only, so its terms divide by t, and its input is not gathered.
+   Context parallelism divides T, except that ``cp_attention = allgather`` saves the gathered keys and values of the
+   whole sequence. Activation checkpointing (mesh/activation_checkpoint.py): ``full`` keeps only the block's
+   input (T·h·w, /t with SP), and backward rebuilds one block at a time (the largest block's ``none`` bytes
+   once per rank); ``selective`` keeps the block input and the outputs of the matmuls, of attention and of
+   the collectives (under TP: the gathered inputs are whole, the column-parallel outputs divide by t, and the
+   row-parallel matmuls' outputs are not kept, since the collective after each is), and rebuilds the
+   elementwise rest (and under TP wo and w2) one block at a time.
+4. **In flight** (``chunks_in_flight``): how many (stage, micro-batch) chunks a rank holds at once, from the
+   order in which each of torch's schedules runs its actions (``_get_warmup_ops`` and the V-schedules'
+   warm-up in torch/distributed/pipelining/schedules.py; docs/pipeline_parallel.md section 4 counts them
+   from torch's own action lists, and tests/test_memory_estimate.py checks every formula against them). With
+   m micro-batches, pp ranks, rank r and v stages per rank:
+
+   - GPipe: m; 1F1B: min(m, pp - r);
+   - Interleaved1F1B: min(v·m, (v - 1)·q + 2·(pp - 1 - r) + 1), q = m // max(1, m // pp) micro-batches
+     per round (the warm-up forwards, plus the first steady-state forward before the first backward);
+     LoopedBFS: v·m (all forwards first);
+   - InterleavedZeroBubble: min(v·m, (v - 1)·q + (pp - 1 - r) + 1) (counted until the input-gradient half;
+     a chunk keeps its matmul inputs a little longer, until its weight-gradient half);
+   - ZBVZeroBubble: min(2m, 2·pp, m + 1 + r); DualPipeV: min(2m, 2·pp + 1). From 2·pp - 1 micro-batches on, both are
+     flat across the ranks (2·pp and 2·pp + 1 chunks).
+
+   A chunk is one stage's layers for one micro-batch; a rank's activations are its chunks in flight times
+   its stages' mean chunk. Without pipelining a rank holds one micro-batch (accumulation runs them one
+   after the other).
+5. **Logits** (``logits_bytes``), on the rank holding the last stage: 12 bytes per logit at the peak around
+   the loss (bf16 logits 2, their fp32 copy 4, the fp32 log-softmax 4, the gradient; measured by
+   measure/logits_memory.py), plus 4 bytes per logit (the saved log-softmax) for every other micro-batch the
+   last stage holds in flight; logits are split over tp by the vocabulary-parallel loss.
+
+Not counted: the CUDA context and kernels' workspaces, NCCL's buffers, the allocator's fragmentation, the
+optimizer step's temporaries, the data loader, and anything torch.compile changes.
 """
 
 from __future__ import annotations

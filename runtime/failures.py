@@ -26,7 +26,13 @@ its sequence number on that group, the operation, the tensor sizes, and whether 
    ``<run.dir>/flight_recorder/rank_<rank>``. On NCCL the watchdog thread notices the timeout, writes that
    file and ends the process (SIGABRT) itself, so steps 2-3 never run there: the dump is the explanation.
 
-More in docs/troubleshooting.md: "runtime/failures.py", at its end.
+5. On gloo nothing dumps by itself: ``train.main``, on a communication failure, writes the buffer to the
+   same file (mesh/private_api.py: ``flight_recorder_dump``), and ``last_collective`` names the newest
+   unfinished entry (or, if all finished, the newest one) in the one-line report.
+6. ``python -m torch.distributed.flight_recorder.fr_trace <run.dir>/flight_recorder`` (torch's analyser)
+   reads every rank's file and names the first collective on which the ranks disagree: "Culprit rank 1;
+   Error type: COLLECTIVE_TYPE_MISMATCH, Expected collective type: 'all_reduce' does not match found
+   collective type: 'all_gather'". A rank that stalled wrote no file: add ``--allow-incomplete-ranks``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,20 @@ collective into one of two planes:
    runs them from a background thread while the training thread uses the control plane, and two threads
    must never issue collectives on one group.
 
-More in docs/profiling.md: "runtime/process.py", at its end.
+Every group gets ``parallel.collective_timeout_s``: the default group, the control and checkpoint groups,
+and every DeviceMesh sub-group (mesh/dims.py: ``mesh_backend_options``). gloo's default is 30 minutes, far too long to
+notice that a peer died.
+
+Restarts: under ``torchrun --max-restarts N`` the restarted workers reuse the launcher's store, where the
+previous attempt's keys (the dead workers' gloo addresses) are still written, so torch's ``init_process_group``
+would try to connect to them and fail ("connectFullMesh ... Connection refused"; upstream
+pytorch/pytorch#167288). meshloom's ``init_process_group`` therefore puts each restart attempt's keys under a
+prefix of its own.
+
+Timing: CUDA kernels run asynchronously, so a wall-clock reading means nothing until the device caught up.
+``device_time`` synchronizes the device first; on CPU it is plain ``time.perf_counter``. The training step
+times itself without waiting: ``clock_reading`` records a CUDA event in the stream (on CPU, ``perf_counter``),
+and ``seconds_between`` reads two of them once the host waits anyway (a log step's read).
 """
 
 from __future__ import annotations

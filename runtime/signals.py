@@ -27,7 +27,14 @@ Ctrl-C arrives as SIGINT. torchrun forwards SIGTERM to its workers and kills the
    training loop runs (``loop_started``) there is nothing to save: the worker exits at once, saying so,
    instead of waiting for a process group whose store died with the launcher.
 
-More in docs/troubleshooting.md: "runtime/signals.py", at its end.
+4. ``resume_command`` writes the command that continues the run, so that it runs as printed when pasted
+   into a shell: the launcher as it was started (under torchrun, the launcher's own command line, read from
+   ``/proc/<parent>/cmdline``: a worker's parent is torchrun; where that cannot be read, rebuilt from what
+   torchrun exports to every worker: ``--nproc-per-node`` from LOCAL_WORLD_SIZE, ``--nnodes`` from
+   GROUP_WORLD_SIZE, and the rendezvous: ``--standalone`` on one node, else c10d at MASTER_ADDR:MASTER_PORT
+   with the run id TORCHELASTIC_RUN_ID), then the script and its arguments with any ``--checkpoint.resume``
+   replaced by ``auto`` (a step named at the start would go back: the run has moved on), every word
+   shell-quoted (a run.dir with a space stays one argument).
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def test_unsupported_architectures_are_refused_naming_the_supported(tmp_path):
 def test_a_sliding_window_is_accepted_only_where_it_does_not_bind(tmp_path):
     """Mistral's window of 64: training at 128 tokens is refused before any process group; at 64 it is taken;
     generation past 64 positions is refused. Qwen's window counts only with use_sliding_window."""
-    from checkpoint.hf_folder import adopt_folder_config
+    from checkpoint.hf_folder import folder_model
     from generate import load_export
     from runtime.config import load_config
 
@@ -127,11 +127,12 @@ def test_a_sliding_window_is_accepted_only_where_it_does_not_bind(tmp_path):
     for seq_len, ok in ((128, False), (64, True)):
         cfg = load_config(overrides={"checkpoint.init_from": str(folder), "training.seq_len": seq_len})
         if ok:
-            adopt_folder_config(cfg)
-            assert cfg.model.sliding_window == 64 and cfg.model.family == "mistral"
+            model = folder_model(cfg)
+            assert model.sliding_window == 64 and model.family == "mistral"
+            assert cfg.model.family == "llama", "the config stays as written; the plan holds the folder's model"
         else:
             with pytest.raises(ConfigError, match="sliding window of 64"):
-                adopt_folder_config(cfg)
+                folder_model(cfg)
     ours, _ = load_export(folder)
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens(1, 64)), theirs(folder)(tokens(1, 64)).logits, rtol=0, atol=1e-4)

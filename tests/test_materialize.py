@@ -2,7 +2,7 @@
 device, or in host memory for parameters under FSDP's CPU offload (mesh/materialize.py: check_placement).
 
 On a CPU machine the host *is* the compute device, so a tensor left in host memory cannot be told apart.
-Here the meta device stands in for the GPU: every layout is built by train.py's own ``model_parts`` (planning/options.py)
+Here the meta device stands in for the GPU: every layout is built by train.py's own ``build_step`` (training/build.py)
 with ``device = meta``, on a one-process fake group of the layout's world size (measure/schedule_ir.py:
 ``fake_world``; building communicates nothing), and anything that lands on the CPU instead is named.
 """

@@ -175,7 +175,7 @@ def test_uneven_stages_and_the_rank_that_holds_the_most():
 
 
 def test_the_layout_of_a_resolved_plan(tmp_path):
-    """Layout.of_plan reads a LayoutPlan: pipeline micro-batches of micro_batch / pp_microbatches sequences."""
+    """LayoutPlan.layout: pipeline micro-batches of micro_batch / pp_microbatches sequences."""
     from runtime.config import load_config
     from train import check_config
 

@@ -1,4 +1,4 @@
-"""Communication and memory savers (extras/reduce_once_per_step.py, powersgd.py, planning/options.py;
+"""Communication and memory savers (extras/reduce_once_per_step.py, powersgd.py, training/build.py;
 docs/dp_savers.md sections 2-4).
 
 - ``parallel.grad_sync=step``: parity with one process, and train.py's loop issuing k-1 fewer gradient

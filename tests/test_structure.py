@@ -184,22 +184,3 @@ def test_the_cluster_planner_imports_the_run_and_never_the_reverse():
         f"{m} -> {t}" for m, ts in graph.items() if part_of(m) in LIBRARY for t in ts if part_of(t) == "cluster"
     )
     assert found == [], "library modules that import the cluster planner"
-
-
-def test_no_library_module_docstring_runs_past_about_30_lines():
-    """A module docstring says what the file does and why; the long explanations live in the course (docs/)."""
-    from measure.docstring_share import LIBRARY, MODULE_LIMIT, count
-
-    long = {}
-    for path in source_files():
-        relative = path.relative_to(ROOT)
-        if relative.parts[0] in LIBRARY and (lines := count(path)[2]) > MODULE_LIMIT:
-            long[str(relative)] = lines
-    assert long == {}, f"module docstrings longer than {MODULE_LIMIT} lines"
-
-
-def test_library_docstrings_are_at_most_a_quarter_of_library_code():
-    from measure.docstring_share import LIMIT, library_share, measure
-
-    docs, code = library_share(measure())
-    assert docs / code <= LIMIT, f"library docstrings {docs} lines against {code} code lines ({docs / code:.1%})"
