@@ -52,10 +52,11 @@ from extras.replica_check import ReplicaMismatchError
 from mesh.dims import mesh_banner
 from mesh.private_api import flight_recorder_dump
 from models.local_tensor import local_tensor
-from planning.dry_run import dry_run, parse_dry_run
+from planning.dry_run import dry_run
 from planning.layout_rules import check_memory
 from planning.plan import LayoutPlan
-from planning.simulate import parse_simulate, run_simulation
+from planning.simulate import run_simulation
+from runtime.command_line import parse_command_line
 from runtime.config import Config, ConfigError, help_text, load_config
 from runtime.failures import explain_failure, fail, is_communication_failure, phase, say_last
 from runtime.process import (
@@ -284,14 +285,13 @@ def main(argv: list[str]) -> int:
         return 0
     cfg = None
     try:
-        simulation, argv = parse_simulate(argv)  # --simulate --world-size N ... (planning/simulate.py)
-        dry, world_size, argv = parse_dry_run(argv)
-        cfg = load_config(argv)
-        if simulation:
-            print(run_simulation(cfg, simulation, simulate_rank, folder_model(cfg)), flush=True)
+        command = parse_command_line(argv)  # a run, --dry-run or --simulate (runtime/command_line.py)
+        cfg = load_config(command.config_args)
+        if command.mode == "simulate":  # two steps of one rank per pipeline stage, faked (planning/simulate.py)
+            print(run_simulation(cfg, command, simulate_rank, folder_model(cfg)), flush=True)
             return 0
-        if dry:  # the config and the layout for world_size ranks, then stop (planning/dry_run.py)
-            print(dry_run(cfg, world_size, folder_model(cfg)), flush=True)
+        if command.mode == "dry-run":  # the config and the layout for world_size ranks (planning/dry_run.py)
+            print(dry_run(cfg, command.world_size, folder_model(cfg)), flush=True)
             return 0
         train(cfg)
     except ConfigError as exc:

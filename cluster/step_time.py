@@ -87,7 +87,7 @@ class Stack:
     """The behaviours of a training stack that change the time (not the model's math)."""
 
     name: str
-    sequence_parallel: bool  # TP: all-gather + reduce-scatter (True) or all-reduce (False): the same bytes
+    tp_reduce_scatter: bool  # TP: all-gather + reduce-scatter (True, as with SP) or all-reduce (False): same bytes
     data_parallel: str  # "fsdp" | "ddp_overlapped" (PyTorch DDP) | "ddp_after_backward" (Megatron-LM's DDP)
     grad_bytes: int  # bytes per gradient element on the wire
     p2p_blocking: bool  # pipeline sends and receives wait for each other between compute steps
@@ -262,7 +262,7 @@ def microbatch_seconds(
 ) -> StepTime:
     """Items 1-5 for one micro-batch through ``layers`` on one rank (and the head if ``last``)."""
     tp, cp, ep = layout.tp, layout.cp, layout.ep
-    sp = stack.sequence_parallel and tp > 1
+    sp = stack.tp_reduce_scatter and tp > 1
     seqs = layout.sequences_per_microbatch
     n = seqs * workload.seq_len / cp  # tokens of the micro-batch on this rank's cp slice
     flops_rate = efficiency * gpu.bf16_tflops * 1e12

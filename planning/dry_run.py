@@ -4,8 +4,9 @@ A misfit layout on a cluster costs a queue wait, a rendezvous and a torch import
 first rank says what is wrong. The dry run does, in one process and in a second, everything ``train.py``
 decides before its first collective that needs neither a process group nor a file:
 
-1. Split the dry-run flags off the command line (``parse_dry_run``); the rest is the run's own
-   ``[--config F] [--key value ...]``, parsed by runtime/config.py as the run would parse it.
+1. The dry run's flags, read with every mode's by runtime/command_line.py (``--dry-run``, ``--world-size N``);
+   the rest is the run's own ``[--config F] [--key value ...]``, parsed by runtime/config.py as the run would
+   parse it.
 2. Resolve the plan for the world size, once per pipeline rank (its stages differ): every field's range
    and every layout rule (planning/plan.py: ``LayoutPlan.resolve``). A broken rule raises the same
    ConfigError, listing every broken rule, that every rank of the real launch would raise: exit 2.
@@ -28,35 +29,9 @@ from mesh.dims import MESH_DIMS
 from mesh.pipeline import stage_ids_of_rank
 from planning.memory_estimate import rank_memory, rank_parameters, stage_parameters
 from planning.plan import LayoutPlan
-from runtime.config import ConfigError
 
 if TYPE_CHECKING:
     from runtime.config import Config, ModelConfig
-
-DRY_RUN, WORLD_SIZE = "--dry-run", "--world-size"
-
-
-def parse_dry_run(argv: list[str]) -> tuple[bool, int, list[str]]:
-    """Step 1: (whether ``--dry-run`` was given, ``--world-size`` (default 1), the remaining arguments)."""
-    rest, world, dry, i = [], None, False, 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == DRY_RUN:
-            dry = True
-        elif arg == WORLD_SIZE or arg.startswith(WORLD_SIZE + "="):
-            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            i += 0 if "=" in arg else 1
-            if not value.isdigit() or int(value) < 1:
-                raise ConfigError(
-                    f"{WORLD_SIZE} {value!r}: give the number of ranks to plan for, e.g. --world-size 16."
-                )
-            world = int(value)
-        else:
-            rest.append(arg)
-        i += 1
-    if world is not None and not dry:
-        raise ConfigError(f"{WORLD_SIZE} only goes with {DRY_RUN} (torchrun sets the world size of a real run).")
-    return dry, world or 1, rest
 
 
 def size(n_bytes: float) -> str:

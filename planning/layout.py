@@ -75,7 +75,9 @@ class Layout:
     ep: InitVar[int | None] = None
 
     def __post_init__(self, *given: int | None) -> None:
-        changes = {k: v for k, v in zip(DEGREES, given, strict=True) if v is not None}
+        # dataclasses.replace hands every degree back (read through ``dims``): only a changed one rebuilds ``dims``,
+        # whose world is then the product of the degrees
+        changes = {k: v for k, v in zip(DEGREES, given, strict=True) if v is not None and v != getattr(self.dims, k)}
         if changes:
             merged = {k: getattr(self.dims, k) for k in DEGREES} | changes
             object.__setattr__(self, "dims", degrees(**merged))

@@ -3,9 +3,10 @@
 The planner (planning/memory_estimate.py) is arithmetic; this runs meshloom's own code at the world size it is
 meant for, on one CPU, and measures what one rank of each pipeline stage holds and sends:
 
-1. Split the simulation's flags off the command line (``parse_simulate``): ``--simulate``, ``--world-size N``,
-   ``--pp-ranks 0,15`` (default: every pipeline rank; the other coordinates of a pipeline rank are symmetric),
-   ``--simulate-out FILE`` (the report as JSON) and ``--simulate-routing balanced`` (the only routing today).
+1. The simulation's flags, read with every mode's by runtime/command_line.py: ``--world-size N``, ``--pp-ranks
+   0,15`` (default: every pipeline rank; the other coordinates of a pipeline rank are symmetric),
+   ``--simulate-out FILE`` (the report as JSON, its folder checked before anything runs) and
+   ``--simulate-routing balanced`` (the only routing today).
 2. Refuse what cannot be simulated, naming what and why (``refusals``): MoE token dropping (a host read sizes the
    experts' input), MoE in fp32 (the grouped matmul's shape function takes bf16 only), layouts with neither FSDP
    nor TP (torch cannot swap plain fake parameters when materialising), CPU offload, a compiled block, and the
@@ -23,82 +24,21 @@ The memory is CPU-style: no allocator rounding or fragmentation, CUDA context, k
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from planning.dry_run import size
 from planning.memory_estimate import rank_memory, rank_parameters, stage_parameters
 from planning.plan import LayoutPlan
 from runtime.config import ConfigError
 
-if False:  # pragma: no cover  (type names only)
+if TYPE_CHECKING:
+    from runtime.command_line import CommandLine
     from runtime.config import Config, ModelConfig
 
-SIMULATE, PP_RANKS, OUT, ROUTING, WORLD_SIZE = (
-    "--simulate",
-    "--pp-ranks",
-    "--simulate-out",
-    "--simulate-routing",
-    "--world-size",
-)
-ROUTINGS = ("balanced",)
 TOLERANCE = 0.10  # a difference beyond this gets a ``why``
 NOT_MODELLED = (
     "CPU-style memory: no allocator rounding or fragmentation, CUDA context, kernel workspaces or NCCL buffers"
 )
-
-
-@dataclass
-class SimulateArgs:
-    world_size: int
-    pp_ranks: list[int] | None  # None: every pipeline rank
-    out: str | None
-    routing: str = "balanced"
-
-
-def parse_simulate(argv: list[str]) -> tuple[SimulateArgs | None, list[str]]:
-    """Step 1: (the simulation's arguments, or None without ``--simulate``; the remaining arguments). Without
-    ``--simulate`` the arguments are returned untouched (``--world-size`` then belongs to ``--dry-run``)."""
-    if SIMULATE not in argv:
-        for flag in (PP_RANKS, OUT, ROUTING):
-            if any(a == flag or a.startswith(flag + "=") for a in argv):
-                raise ConfigError(f"{flag} only goes with {SIMULATE}, e.g. {SIMULATE} --world-size 1024 {flag} ...")
-        return None, argv
-    values: dict[str, str] = {}
-    rest, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        flag = arg.partition("=")[0]
-        if arg == SIMULATE:
-            pass
-        elif flag in (PP_RANKS, OUT, ROUTING, WORLD_SIZE):
-            if "=" in arg:
-                values[flag] = arg.partition("=")[2]
-            else:
-                values[flag] = argv[i + 1] if i + 1 < len(argv) else ""
-                i += 1
-        else:
-            rest.append(arg)
-        i += 1
-    if "--dry-run" in rest:
-        raise ConfigError(f"{SIMULATE} and --dry-run: choose one (the simulation includes the dry run's checks).")
-    world = values.get(WORLD_SIZE, "")
-    if not world.isdigit() or int(world) < 1:
-        raise ConfigError(
-            f"{WORLD_SIZE} {world!r}: {SIMULATE} needs the number of ranks to simulate, e.g. --world-size 1024."
-        )
-    pp_ranks = None
-    if PP_RANKS in values:
-        text = values[PP_RANKS]
-        if not text or not all(p.strip().isdigit() for p in text.split(",")):
-            raise ConfigError(f"{PP_RANKS} {text!r}: give pipeline ranks separated by commas, e.g. {PP_RANKS} 0,15.")
-        pp_ranks = sorted({int(p) for p in text.split(",")})
-    routing = values.get(ROUTING, "balanced")
-    if routing not in ROUTINGS:
-        raise ConfigError(
-            f"{ROUTING} {routing!r}: the simulation can route MoE tokens {', '.join(ROUTINGS)} only "
-            "(real routing needs real numbers: the split sizes are read on the host)."
-        )
-    return SimulateArgs(int(world), pp_ranks, values.get(OUT), routing), rest
 
 
 def refusals(plan: LayoutPlan) -> list[str]:
@@ -180,7 +120,7 @@ def why(simulated: float, estimated: float, sim: dict, est: dict) -> str | None:
     )
 
 
-def simulate(cfg: Config, args: SimulateArgs, run_rank, model_config: ModelConfig | None = None) -> dict:
+def simulate(cfg: Config, args: CommandLine, run_rank, model_config: ModelConfig | None = None) -> dict:
     """Steps 2-4 for every pipeline rank asked for; the report (``--simulate-out``'s JSON). ``run_rank(cfg,
     world_size, pp_rank)`` is step 3 (training/simulated_rank.py: ``simulate_rank``, handed in by train.py: the
     plan's room does not import the training loop)."""
@@ -192,7 +132,7 @@ def simulate(cfg: Config, args: SimulateArgs, run_rank, model_config: ModelConfi
     ranks = args.pp_ranks if args.pp_ranks is not None else list(range(pp))
     bad = [r for r in ranks if r >= pp]
     if bad:
-        raise ConfigError(f"{PP_RANKS} {bad}: this layout has pp {pp}, so pipeline ranks 0..{pp - 1}.")
+        raise ConfigError(f"--pp-ranks {bad}: this layout has pp {pp}, so pipeline ranks 0..{pp - 1}.")
     rows = []
     for pp_rank in ranks:
         row = in_fresh_process(run_rank, cfg, args.world_size, pp_rank, True, False, model_config)
@@ -241,7 +181,7 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_simulation(cfg: Config, args: SimulateArgs, run_rank, model_config: ModelConfig | None = None) -> str:
+def run_simulation(cfg: Config, args: CommandLine, run_rank, model_config: ModelConfig | None = None) -> str:
     """``train.py --simulate``: the report printed (and written as JSON with ``--simulate-out``); ``model_config``:
     a transformers folder's [model] (checkpoint/hf_folder.py: ``folder_model``)."""
     report = simulate(cfg, args, run_rank, model_config)

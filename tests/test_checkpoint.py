@@ -30,6 +30,7 @@ from checkpoint.folder import published
 from checkpoint.hf import expected_hf_shapes, hf_name
 from checkpoint.resume import Resume, find_resume
 from launch.local_runs import DEBUG_CONFIG, ROOT, read_metrics, run_train_cli, train_on
+from planning.plan import LayoutPlan
 from runtime.config import ConfigError, load_config, model_args
 from tests.training_runs import LOSS_RTOL, assert_same_curve
 from train import check_config
@@ -162,7 +163,7 @@ def test_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(reference
     assert (folder / f"step-{2 * N}.tmp" / "meshloom.json").is_file(), "killed inside the save, after the writes"
     assert list(published(folder)) == [N], "the interrupted save must not be published"
     cfg = load_config(path=DEBUG_CONFIG, overrides={"run.dir": str(run_dir), "checkpoint.resume": "auto"})
-    assert find_resume(cfg, model_args(cfg)).newest == folder / f"step-{N}"
+    assert find_resume(cfg, LayoutPlan.resolve(cfg, 1)).newest == folder / f"step-{N}"
     # Resume in the same run.dir: the metrics continue, the leftover step-6.tmp is replaced by a real step-6.
     resumed = train_on(1, {"checkpoint.resume": "auto", "checkpoint.interval": N}, run_dir)
     assert_same_curve(resumed, ref[N:])
@@ -264,7 +265,7 @@ def test_a_partial_or_corrupt_checkpoint_fails_clearly(damage, words, reference,
     cfg = load_config(
         path=DEBUG_CONFIG, overrides={"run.dir": str(tmp_path), **overrides(folder, checkpoint__resume="auto")}
     )
-    resume = find_resume(cfg, model_args(cfg))
+    resume = find_resume(cfg, LayoutPlan.resolve(cfg, 1))
     assert resume.newest == folder / f"step-{N}" and resume.damaged == [folder / f"step-{2 * N}"]
     check(tmp_path, folder, checkpoint__resume="auto", checkpoint__interval=N)
 
@@ -292,7 +293,7 @@ def test_a_crafted_metadata_pickle_is_never_unpickled(reference, tmp_path):
             path=DEBUG_CONFIG, overrides={"run.dir": str(tmp_path), **overrides(folder, checkpoint__resume=resume)}
         )
         try:
-            found = find_resume(cfg, model_args(cfg))
+            found = find_resume(cfg, LayoutPlan.resolve(cfg, 1))
             assert found.newest == folder / f"step-{2 * N}" and found.damaged == [crafted]
         except ConfigError as err:
             assert resume != "auto" and "does not match its checksum" in str(err)

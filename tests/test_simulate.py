@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from planning.simulate import SimulateArgs, in_fresh_process, parse_simulate
+from planning.simulate import in_fresh_process
+from runtime.command_line import CommandLine, parse_command_line
 from runtime.config import ConfigError, load_config
 from train import main
 from training.simulated_rank import simulate_rank
@@ -156,12 +157,21 @@ def test_stage_shapes_come_from_the_plan():
 
 
 def test_parse_simulate_and_refusals():
-    sim, rest = parse_simulate(["--simulate", "--world-size", "16", "--pp-ranks", "0,3", "--parallel.pp", "4"])
-    assert sim == SimulateArgs(16, [0, 3], None) and rest == ["--parallel.pp", "4"]
-    assert parse_simulate(["--dry-run", "--world-size", "4"]) == (None, ["--dry-run", "--world-size", "4"])
-    for bad in (["--simulate"], ["--simulate", "--world-size", "4", "--pp-ranks", "a"], ["--pp-ranks", "0"]):
+    sim = parse_command_line(["--simulate", "--world-size", "16", "--pp-ranks", "0,3", "--parallel.pp", "4"])
+    assert sim == CommandLine("simulate", 16, [0, 3], None, config_args=["--parallel.pp", "4"])
+    assert parse_command_line(["--dry-run", "--world-size", "4"]) == CommandLine("dry-run", 4)
+    for bad in (
+        ["--simulate"],
+        ["--simulate", "--world-size", "4", "--pp-ranks", "a"],
+        ["--pp-ranks", "0"],
+        ["--simulate", "--world-size", "4", "--world-size", "8"],  # given twice
+        ["--simulate", "--world-size", "4", "--simulate-out"],  # no value
+        ["--simulate", "--world-size", "4", "--simulate-out", "/no/such/folder/sim.json"],  # checked before the run
+        ["--dry-run", "--world-size", "²"],
+        ["--dry-run", "--world-size", str(2**31)],
+    ):
         with pytest.raises(ConfigError):
-            parse_simulate(bad)
+            parse_command_line(bad)
     # what cannot be simulated is refused, naming the field and why: exit 2 before anything runs
     argv = ["--simulate", "--world-size", "2", "--config", "configs/debug_moe.toml", "--model.moe_capacity_factor", "1"]
     assert main(argv) == 2
