@@ -34,16 +34,15 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from checkpoint.folder import check_writable, checkpoint_bytes, checkpoint_folder
+from checkpoint.folder import check_writable, checkpoint_bytes, checkpoint_folder, locked_folders
 from checkpoint.hf_folder import folder_model
 from checkpoint.manager import CheckpointManager, CheckpointSaveError
 from checkpoint.resume import Resume, find_resume
-from data.dataset import check_data, epoch_steps, load_data, passes_done, stream_span
+from data.dataset import check_data, epoch_steps, load_data, stream_span, wrap_notice
 from extras import pipeline_timeline, rank_balance, replica_check
 from extras.base import RunContext
 from extras.rank_balance import RankBalance
@@ -73,8 +72,8 @@ from runtime.signals import StopRequested, loop_started, restart_attempt, resume
 from runtime.startup import start_process
 from training import profiling
 from training.build import build_meshes, build_step
-from training.evaluation import eval_due, evaluate
-from training.loaders import batch_loader
+from training.evaluation import eval_due, evaluate_step
+from training.loaders import run_loaders
 from training.metrics import MetricsWriter, Progress, format_step, open_metrics
 from training.mfu import Throughput, peak_tflops
 from training.profiling import named_range
@@ -122,7 +121,8 @@ class Run:
 def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitStack) -> Run:
     """Step 2 of the module docstring; everything that needs closing is closed by ``stack``, on every exit path."""
     t, timeout_s = cfg.training, cfg.parallel.collective_timeout_s
-    device, control = start_process(cfg, run_folders(cfg, resume), plan.dims.world_size, plan.rank, stack)
+    folders = locked_folders(cfg, uses_checkpoints=bool(resume.candidates or resume.damaged))
+    device, control = start_process(cfg, folders, plan.dims.world_size, plan.rank, stack)
     precision = plan.layout.mixed_precision
     tf32 = enable_tf32(device, precision)  # fp32 on CUDA: TF32 matmuls (runtime/process.py)
     torch.manual_seed(t.seed)
@@ -133,11 +133,7 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     with phase("checking the checkpoint folder and the resume checkpoint", "control plane"):
         checkpoints.start()
     data = load_data(cfg, plan.model.vocab_size, plan.steps)
-    loader = batch_loader(data.train, plan, meshes, data.train_documents)
-    loader.allow_empty_steps = cfg.data.allow_empty_steps  # else a step with no trained token stops the run
-    val_loader = None if data.val is None else batch_loader(data.val, plan, meshes, data.val_documents)
-    if val_loader is not None:
-        val_loader.allow_empty_steps = True  # its divisor is the sum over eval.steps batches
+    loader, val_loader = run_loaders(data, plan, meshes, cfg.data.allow_empty_steps)
     peak = peak_tflops(t.peak_tflops, device, "tf32" if tf32 else precision)
     throughput = Throughput(plan.model, t.seq_len, plan.dims.world_size, peak)
     with phase("building and parallelizing the model", "device plane"):
@@ -161,14 +157,6 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
     run.progress = Progress(plan.steps, start_step, t.global_batch * t.seq_len)
     run.span = stream_span(int(data.train.shape[0]), t.seq_len)
     return run
-
-
-def run_folders(cfg: Config, resume: Resume) -> list[tuple[str, Path]]:
-    """The (field, folder) pairs this run locks: run.dir, and the checkpoint folder when the run uses one."""
-    folders = [("run.dir", Path(cfg.run.dir))]
-    if cfg.checkpoint.interval > 0 or resume.candidates or resume.damaged:
-        folders.append(("checkpoint.folder", checkpoint_folder(cfg)))
-    return folders
 
 
 # Each extra's ``for_run`` decides from the config whether it is on; the order is the hooks' order.
@@ -221,16 +209,7 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     record = train_step(s, step, log, check=agree or run.checkpoints.due(step))
     if eval_due(step, cfg.eval.interval, last):
         with phase(f"step {step}: validation", s.device_groups):
-            record["val_loss"] = evaluate(
-                s.parts,
-                s.schedule,
-                run.val_loader,
-                s.plan,
-                s.meshes,
-                steps=cfg.eval.steps,
-                device=s.device,
-                loss_divisor=s.loss_divisor,
-            )
+            record["val_loss"] = evaluate_step(s, run.val_loader, cfg.eval.steps)
     run.records.append(record)
     with phase(f"saving step {step}", "checkpoint group, control plane"), named_range("checkpoint save"):
         run.checkpoints.maybe_save(step, s.parts, s.optimizers, s.loader)
@@ -240,14 +219,9 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
             # every rank's compute time rides on the agreement (extras/rank_balance.py, step 2)
             signum, compute_times = signals.agreed_stop(run.control, run.balance.compute_s)
         record.update(balance_fields(compute_times))
-    t = cfg.training
-    wraps = passes_done(step, run.span, t.seq_len, t.global_batch)
-    if run.is_logger and wraps > passes_done(step - 1, run.span, t.seq_len, t.global_batch):
-        total = last * t.global_batch * t.seq_len / run.span
-        print(
-            f"data: step {step} wrapped the training stream: pass {wraps + 1} begins (the run makes {total:.2f})",
-            flush=True,
-        )
+    wrapped = wrap_notice(step, run.span, cfg.training.seq_len, cfg.training.global_batch, last)
+    if run.is_logger and wrapped:
+        print(wrapped, flush=True)
     if log:
         lost = folder_lost()  # run.dir removed or replaced under the run: stop before writing (runtime/run_dir.py)
         if lost is not None:

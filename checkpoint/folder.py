@@ -40,6 +40,15 @@ def checkpoint_folder(cfg: Config) -> Path:
     return Path(cfg.checkpoint.folder or Path(cfg.run.dir) / "checkpoints")
 
 
+def locked_folders(cfg: Config, uses_checkpoints: bool) -> list[tuple[str, Path]]:
+    """The (field, folder) pairs a run locks (runtime/startup.py): run.dir, and the checkpoint folder when the run
+    saves into it or resumes from it."""
+    folders = [("run.dir", Path(cfg.run.dir))]
+    if cfg.checkpoint.interval > 0 or uses_checkpoints:
+        folders.append(("checkpoint.folder", checkpoint_folder(cfg)))
+    return folders
+
+
 def published(folder: Path) -> dict[int, Path]:
     """step -> folder of every published step-N (``.tmp`` and other names are ignored), oldest first."""
     if not folder.is_dir():

@@ -243,6 +243,15 @@ def passes_done(step: int, span: int, seq_len: int, global_batch: int) -> int:
     return max(0, (step * global_batch * seq_len - seq_len) // span)
 
 
+def wrap_notice(step: int, span: int, seq_len: int, global_batch: int, steps: int) -> str | None:
+    """The line the loop prints on the step whose windows wrap the training stream (None on every other step)."""
+    wraps = passes_done(step, span, seq_len, global_batch)
+    if wraps == passes_done(step - 1, span, seq_len, global_batch):
+        return None
+    total = steps * global_batch * seq_len / span
+    return f"data: step {step} wrapped the training stream: pass {wraps + 1} begins (the run makes {total:.2f})"
+
+
 def passes_line(train_tokens: int, seq_len: int, global_batch: int, steps: int) -> str:
     """The banner's words on passes: how many the run makes and the step where the stream first wraps."""
     span, per_step = stream_span(train_tokens, seq_len), global_batch * seq_len

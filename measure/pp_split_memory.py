@@ -3,8 +3,8 @@
     python -m measure.pp_split_memory        # from the repository root, about a minute on 2 cores
 
 The debug model with 8 layers (fp32, no FSDP: pp 4 is the whole world), 1F1B with 4 micro-batches of 2
-sequences, built and stepped on 4 gloo ranks as train.py does (``model_parts``,
-``build_pipeline_schedule``, ``Optimizers``). Under 1F1B rank r holds up to 4 - r micro-batches of
+sequences, built and stepped on 4 gloo ranks by train.py's own build (training/build.py: ``build_step``:
+the stages, their 1F1B schedule and the optimizers). Under 1F1B rank r holds up to 4 - r micro-batches of
 activations, so with equal layers the first rank holds the most; the memory split gives it fewer layers.
 Each rank:
 

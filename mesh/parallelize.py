@@ -59,7 +59,7 @@ class TensorParallelOptions:
 
 @dataclass(frozen=True)
 class DataParallelOptions:
-    fsdp: bool = False  # FSDP2 wraps the model (planning/plan.py: uses_fsdp)
+    fsdp: bool = False  # FSDP2 wraps the model (planning/layout.py: uses_fsdp)
     mixed_precision: str = "fp32"  # fp32 | bf16 (FSDP's policy: bf16 compute, fp32 master weights)
     reshard_after_forward: str = "default"  # default | always | never
     reduce_dtype: torch.dtype = torch.float32  # the dtype FSDP reduces gradients in (bf16: an extra's choice)

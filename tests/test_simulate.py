@@ -156,7 +156,7 @@ def test_stage_shapes_come_from_the_plan():
     assert tuple(first["output_args"].shape) == (2, 64, 128) and first["output_args"].dtype == torch.bfloat16
 
 
-def test_parse_simulate_and_refusals():
+def test_the_simulation_flags_and_refusals():
     sim = parse_command_line(["--simulate", "--world-size", "16", "--pp-ranks", "0,3", "--parallel.pp", "4"])
     assert sim == CommandLine("simulate", 16, [0, 3], None, config_args=["--parallel.pp", "4"])
     assert parse_command_line(["--dry-run", "--world-size", "4"]) == CommandLine("dry-run", 4)

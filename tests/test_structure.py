@@ -184,3 +184,16 @@ def test_the_cluster_planner_imports_the_run_and_never_the_reverse():
         f"{m} -> {t}" for m, ts in graph.items() if part_of(m) in LIBRARY for t in ts if part_of(t) == "cluster"
     )
     assert found == [], "library modules that import the cluster planner"
+
+
+def test_train_py_only_composes():
+    """train.py reads in one sitting: at most 300 lines, no function over 60 (the build lives in training/build.py,
+    the layout in planning/layout.py, the command line in runtime/command_line.py)."""
+    source = (ROOT / "train.py").read_text()
+    assert len(source.splitlines()) <= 300
+    long = [
+        f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60
+    ]
+    assert long == []

@@ -37,10 +37,18 @@ from training.step import forward_backward
 if TYPE_CHECKING:
     from mesh.dims import Meshes
     from planning.plan import LayoutPlan
+    from training.step import StepParts
 
 
 def eval_due(step: int, interval: int, last_step: int) -> bool:
     return interval > 0 and (step % interval == 0 or step == last_step)
+
+
+def evaluate_step(s: StepParts, loader, steps: int) -> float:
+    """``evaluate`` with what the training step was built with (training/build.py)."""
+    return evaluate(
+        s.parts, s.schedule, loader, s.plan, s.meshes, steps=steps, device=s.device, loss_divisor=s.loss_divisor
+    )
 
 
 def evaluate(

@@ -37,6 +37,19 @@ def batch_loader(tokens, plan: LayoutPlan, meshes: Meshes, document_starts=None)
     )
 
 
+def run_loaders(data, plan: LayoutPlan, meshes: Meshes, allow_empty_steps: bool):
+    """The training loader and the validation loader (None without a validation split) of ``data``
+    (data/dataset.py: ``Splits``). A training step with no trained token stops the run unless
+    ``allow_empty_steps``; a validation batch may have none (its divisor is the sum over eval.steps batches)."""
+    train = batch_loader(data.train, plan, meshes, data.train_documents)
+    train.allow_empty_steps = allow_empty_steps
+    if data.val is None:
+        return train, None
+    val = batch_loader(data.val, plan, meshes, data.val_documents)
+    val.allow_empty_steps = True
+    return train, val
+
+
 def to_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """A micro-batch's tensors on ``device`` without a host wait: on CUDA each is copied into pinned host memory
     and from there with ``non_blocking`` (the copy is queued on the stream; from pageable memory the host would
