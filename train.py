@@ -14,7 +14,7 @@ The file reads top to bottom as the algorithm:
 1. ``check_config``: every check that needs no process group (layout, memory, data, run.dir), on every rank;
 2. ``build``: the process group and the one mesh, the model parts parallelized (mesh/parallelize.py), the
    pipeline schedule, the optimizer, the data loaders, the checkpointer (restoring a resumed run), the
-   metrics writer and the run's extras (extras/base.py: hooks the loop calls whichever extras are on);
+   metrics writer and the run's observers (observers/base.py: hooks the loop calls whichever observers are on);
 3. ``train``: for each step, ``train_step`` (training/step.py), then validation, a save, the agreement on
    whether to stop (every ``run.agree_every`` steps and on log steps), and the log line;
 4. ``main``: the exit status of every way a run ends (the user-facing contract).
@@ -44,16 +44,17 @@ from checkpoint.hf_folder import adopt_folder_config
 from checkpoint.manager import CheckpointManager, CheckpointSaveError
 from checkpoint.resume import Resume, find_resume
 from data.dataset import check_data, load_data, passes_done, resolve_epochs, stream_span
-from extras import pipeline_timeline, rank_balance, replica_check
-from extras.base import Extras, RunContext
-from extras.rank_balance import RankBalance
-from extras.rank_balance import fields as balance_fields
-from extras.replica_check import ReplicaMismatchError
 from mesh.dims import build_mesh, mesh_banner
 from mesh.parallelize import build_model_parts
 from mesh.private_api import flight_recorder_dump
 from mesh.tied_embeddings import TiedEmbeddings
 from models.local_tensor import local_tensor
+from observers.base import Observers, RunContext
+from observers.profiling import named_range
+from observers.rank_balance import RankBalance
+from observers.rank_balance import fields as balance_fields
+from observers.registry import add_observers
+from observers.replica_check import ReplicaMismatchError
 from planning.dry_run import dry_run, parse_dry_run
 from planning.layout_rules import check_memory
 from planning.options import parallel_options
@@ -73,13 +74,11 @@ from runtime.process import (
 from runtime.run_dir import RunFolderLost, check_run_dir, folder_lost
 from runtime.signals import StopRequested, loop_started, restart_attempt, resume_command
 from runtime.startup import start_process
-from training import profiling
 from training.evaluation import eval_due, evaluate
 from training.loaders import batch_loader
 from training.metrics import MetricsWriter, Progress, format_step, open_metrics
 from training.mfu import Throughput, peak_tflops
 from training.optimizer import Optimizers
-from training.profiling import named_range
 from training.simulated_rank import simulate_rank
 from training.step import StepParts, divergence_advice, pipeline_schedule, train_step
 
@@ -113,7 +112,7 @@ class Run:
     checkpoints: CheckpointManager
     val_loader: object  # the validation loader, or None
     writer: MetricsWriter
-    balance: RankBalance  # each rank's step compute time, shared on the stop agreement (extras/rank_balance.py)
+    balance: RankBalance  # each rank's step compute time, shared on the stop agreement (observers/rank_balance.py)
     start_step: int  # the last step already done (0, or the resumed checkpoint's)
     is_logger: bool
     records: list[dict] = field(default_factory=list)
@@ -200,22 +199,15 @@ def run_folders(cfg: Config, resume: Resume) -> list[tuple[str, Path]]:
     return folders
 
 
-# Each extra's ``for_run`` decides from the config whether it is on; the order is the hooks' order.
-EXTRAS = (profiling.for_run, rank_balance.for_run, pipeline_timeline.for_run, replica_check.for_run)
-
-
 def build_extras(
     cfg, plan, meshes, device, control, parts, stages, tied, start_step, stack
-) -> tuple[Extras, RankBalance]:
-    """The run's extras (extras/base.py), each one only when its config key asks for it; closed by ``stack``."""
-    ctx = RunContext(cfg, plan, meshes, device, control, parts, stages, tied, start_step)
-    extras = Extras()
-    stack.callback(extras.close)  # the profiler writes a trace still open when the run ends inside it
-    for on in EXTRAS:
-        if (extra := on(ctx)) is not None:
-            extras.add(extra)
-    balance = next(extra for extra in extras.extras if isinstance(extra, RankBalance))
-    return extras, balance
+) -> tuple[Observers, RankBalance]:
+    """The run's observers (observers/registry.py), each one only when its config key asks for it, and the
+    rank-balance clock among them, by name; closed by ``stack``."""
+    observers = Observers()
+    stack.callback(observers.close)  # the profiler writes a trace still open when the run ends inside it
+    add_observers(observers, RunContext(cfg, plan, meshes, device, control, parts, stages, tied, start_step))
+    return observers, observers.named("rank_balance")
 
 
 def train(cfg: Config) -> list[dict]:
@@ -269,7 +261,7 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     signum = None
     if agree:
         with phase(f"step {step}: agreeing whether to stop", "control plane"):
-            # every rank's compute time rides on the agreement (extras/rank_balance.py, step 2)
+            # every rank's compute time rides on the agreement (observers/rank_balance.py, step 2)
             signum, compute_times = signals.agreed_stop(run.control, run.balance.compute_s)
         record.update(balance_fields(compute_times))
     t = cfg.training

@@ -23,7 +23,8 @@ LIBRARY = (
     "data",
     "runtime",
     "training",
-    "extras",
+    "savers",
+    "observers",
     "train.py",
     "generate.py",
 )

@@ -30,10 +30,10 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from extras.onebit_adam import onebit_adam_errors
 from mesh.pipeline import SCHEDULE_FAMILIES, SCHEDULES, schedules_of, stage_ids_of_rank
 from planning.memory_estimate import MemoryLayout, RankMemory, even_stage_layers, rank_memory
 from runtime.config import ConfigError, PipelineSchedule
+from savers.onebit_adam import onebit_adam_errors
 
 if TYPE_CHECKING:
     from mesh.dims import ParallelDims
@@ -382,7 +382,7 @@ def saver_errors(dims: ParallelDims, cfg: Config, accumulation: int | None) -> l
                 "PowerSGD runs on a replicated (DDP) model without FSDP; turn one of them off."
             )
     if p.grad_compression == "onebit_adam" and dims.dp > 1:
-        errors += onebit_adam_errors(dims, cfg)  # extras/onebit_adam.py
+        errors += onebit_adam_errors(dims, cfg)  # savers/onebit_adam.py
     return errors
 
 

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-from extras.powersgd import apply_powersgd
 from mesh.parallelize import (
     ContextParallelOptions,
     DataParallelOptions,
@@ -25,6 +24,7 @@ from mesh.parallelize import (
     TensorParallelOptions,
     build_model_parts,
 )
+from savers.powersgd import apply_powersgd
 
 if TYPE_CHECKING:
     from torch import nn

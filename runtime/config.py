@@ -194,7 +194,7 @@ class ParallelConfig:
     collective_timeout_s: int = opt(
         300, "seconds a collective may wait for a peer before the job fails", ge=1, le=MAX_TIMEOUT_S
     )
-    # Communication and memory savers (extras/: reduce_once_per_step, powersgd; FSDP options in planning/options.py: bf16 reduction, cpu offload; docs/dp_savers.md, sections 2-4).
+    # Communication and memory savers (savers/: reduce_once_per_step, powersgd, onebit_adam; FSDP options in planning/options.py: bf16 reduction, cpu offload; docs/dp_savers.md, sections 2-4).
     grad_sync: Literal["microbatch", "step"] = opt(
         "microbatch", "reduce gradients after every micro-batch, or once per step (accumulate locally until the last)"
     )

@@ -264,7 +264,7 @@ CONFIG_ERRORS = [
     ),
     ("ep_without_experts", 2, ["--parallel.ep", "2", "--parallel.dp_shard", "2"], ["parallel.ep=2 needs an MoE model"]),
     ("sp_regather_without_tp", 1, ["--parallel.sp_regather", "true"], ["parallel.sp_regather=true re-gathers"]),
-    # 1-bit Adam where it cannot apply (extras/onebit_adam.py: onebit_adam_errors); AdamW is meshloom's only
+    # 1-bit Adam where it cannot apply (savers/onebit_adam.py: onebit_adam_errors); AdamW is meshloom's only
     # optimizer, so "not an Adam" cannot arise
     ("onebit_warmup_0", 1, ["--parallel.onebit_warmup_steps", "0"], ["parallel.onebit_warmup_steps=0 must be >= 1"]),
     (

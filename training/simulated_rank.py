@@ -78,7 +78,6 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from extras.base import Extras
     from mesh.dims import build_mesh
     from mesh.expert_parallel import balanced_split_sizes, use_split_sizes
     from mesh.parallelize import build_model_parts
@@ -90,6 +89,7 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True,
         skip_warm_up_vote,
     )
     from mesh.tied_embeddings import TiedEmbeddings
+    from observers.base import Observers
     from planning.options import parallel_options
     from planning.sim_accounting import Collectives, LiveBytes
     from training.optimizer import Optimizers
@@ -138,7 +138,7 @@ def simulate_rank(cfg: Config, world_size: int, pp_rank: int, fake: bool = True,
             loader,
             tied,
             None,
-            Extras(),
+            Observers(),
             loss_divisor,
             reduce_every_microbatch=cfg.parallel.grad_sync == "microbatch",
             grad_clip=cfg.training.grad_clip,

@@ -22,7 +22,7 @@ The algorithm, once per check:
    depend on the order in which a kernel adds them, so two ranks get the same checksum exactly when their
    values are bitwise equal (up to a checksum collision).
 
-More in docs/data_parallel.md: "extras/replica_check.py", at its end.
+More in docs/data_parallel.md: "observers/replica_check.py", at its end.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from extras.base import Extra, RunContext
 from mesh.private_api import all_gather_into
 from models.local_tensor import local_tensor
+from observers.base import Observer, RunContext
 from runtime.failures import phase
 
 # Position weights repeat with this period (a prime, so that a period rarely lines up with a tensor's rows).
@@ -210,7 +210,7 @@ def for_run(ctx: RunContext) -> ReplicaCheck | None:
     )
 
 
-class ReplicaCheck(Extra):
+class ReplicaCheck(Observer):
     """``debug.check_replicas = N``: every N steps, after timing and before logging or saving, compare the replicas."""
 
     def __init__(self, every: int, action: str, parts, world_mesh, tied, device: torch.device, control):

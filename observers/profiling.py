@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
 
-from extras.base import Extra, RunContext
+from observers.base import Observer, RunContext
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,7 @@ def trace_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "profile" / f"rank{rank}.pt.trace.json"
 
 
-class StepProfiler(Extra):
+class StepProfiler(Observer):
     """torch.profiler over the configured steps of this rank (see the module docstring)."""
 
     def __init__(self, cfg, rank: int, device: torch.device, first_step: int):
@@ -141,7 +141,7 @@ class StepProfiler(Extra):
             self.written.append(timeline)
 
 
-class NoProfiler(Extra):
+class NoProfiler(Observer):
     """What the loop holds when profiling is off: every call does nothing."""
 
     written: list[Path] = []

@@ -27,7 +27,7 @@ Compression (every later step):
 4. Compress: ``q_i = sign(c_i) * ||c_i|| / sqrt(n)`` per tensor (n elements; sign(0) = +1): one bit per
    element and one fp32 scale, with the same L2 norm as ``c_i``.
 
-More in docs/dp_savers.md: "extras/onebit_adam.py", at its end.
+More in docs/dp_savers.md: "savers/onebit_adam.py", at its end.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from mesh.data_parallel import sum_from_mean
-from runtime.process import reduced_as_one, sum_in_place
+from mesh.reductions import reduced_as_one, sum_in_place
 
 if TYPE_CHECKING:
     from mesh.dims import ParallelDims
@@ -145,7 +145,7 @@ class OneBitAdam(torch.optim.AdamW):
 
 
 def onebit_adam_errors(dims: ParallelDims, cfg: Config) -> list[str]:
-    """1-bit Adam (extras/onebit_adam.py) compresses the momentum of whole, replicated parameters: each rank must
+    """1-bit Adam (savers/onebit_adam.py) compresses the momentum of whole, replicated parameters: each rank must
     hold every parameter and its whole Adam state (one reason per broken field)."""
     p, t = cfg.parallel, cfg.training
     why = "parallel.grad_compression=onebit_adam compresses the momentum of whole replicated parameters"
