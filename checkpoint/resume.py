@@ -123,8 +123,10 @@ def _show(value) -> str:
 
 def compatibility_problems(meta: dict, dcp_meta, cfg: Config, args: ModelArgs) -> list[str]:
     """What differs between the checkpoint's model and this run's (empty: it loads)."""
-    saved, current = meta.get("model", {}), dataclasses.asdict(cfg.model)
+    saved, current = dict(meta.get("model", {})), dataclasses.asdict(cfg.model)
     defaults = dataclasses.asdict(ModelConfig())  # a field added after the save had its default then
+    for model in (saved, current):  # a preset only names keys, which are compared one by one
+        model.pop("preset", None)
     diffs = [
         f"model.{key}: checkpoint {_show(saved.get(key, defaults.get(key)))}, config {_show(current.get(key))}"
         for key in sorted(set(saved) | set(current))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cluster.presets import PRESETS
 from cluster.search import choose
 from cluster.step_time import MESHLOOM, Layout, LlamaWorkload, Stack, matmul_efficiency, planner_gpu, step_time
+from models.presets import PRESETS
 from planning.memory_estimate import degrees
 
 VOCAB, SEQ = 51200, 2048
