@@ -14,7 +14,7 @@ The file reads top to bottom as the algorithm:
 1. ``check_config``: every check that needs no process group (layout, memory, data, run.dir), on every rank;
 2. ``build``: the process group and the one mesh, the model parts parallelized (mesh/parallelize.py), the
    pipeline schedule, the optimizer, the data loaders, the checkpointer (restoring a resumed run), the
-   metrics writer and the run's extras (extras/base.py: hooks the loop calls whichever extras are on);
+   metrics writer and the run's observers (observers/base.py: hooks the loop calls whichever observers are on);
 3. ``train``: for each step, ``train_step`` (training/step.py), then validation, a save, the agreement on
    whether to stop (every ``run.agree_every`` steps and on log steps), and the log line;
 4. ``main``: the exit status of every way a run ends (the user-facing contract).
@@ -43,14 +43,15 @@ from checkpoint.hf_folder import folder_model
 from checkpoint.manager import CheckpointManager, CheckpointSaveError
 from checkpoint.resume import Resume, find_resume
 from data.dataset import check_data, epoch_steps, load_data, stream_span, wrap_notice
-from extras import pipeline_timeline, rank_balance, replica_check
-from extras.base import RunContext
-from extras.rank_balance import RankBalance
-from extras.rank_balance import fields as balance_fields
-from extras.replica_check import ReplicaMismatchError
 from mesh.dims import mesh_banner
 from mesh.private_api import flight_recorder_dump
 from models.local_tensor import local_tensor
+from observers.base import RunContext
+from observers.profiling import named_range
+from observers.rank_balance import RankBalance
+from observers.rank_balance import fields as balance_fields
+from observers.registry import add_observers
+from observers.replica_check import ReplicaMismatchError
 from planning.dry_run import dry_run
 from planning.layout_rules import check_memory
 from planning.plan import LayoutPlan
@@ -70,13 +71,11 @@ from runtime.process import (
 from runtime.run_dir import RunFolderLost, check_run_dir, folder_lost
 from runtime.signals import StopRequested, loop_started, restart_attempt, resume_command
 from runtime.startup import start_process
-from training import profiling
 from training.build import build_meshes, build_step
 from training.evaluation import eval_due, evaluate_step
 from training.loaders import run_loaders
 from training.metrics import MetricsWriter, Progress, format_step, open_metrics
 from training.mfu import Throughput, peak_tflops
-from training.profiling import named_range
 from training.simulated_rank import simulate_rank
 from training.step import StepParts, train_step
 
@@ -105,12 +104,12 @@ class Run:
     """What ``build`` made for this rank: the step's parts, and what the loop around the step uses."""
 
     cfg: Config
-    step: StepParts  # model parts, schedule, optimizer, loader, extras: training/step.py
+    step: StepParts  # model parts, schedule, optimizer, loader, observers: training/step.py
     control: ControlPlane  # the CPU group for small control messages (runtime/process.py)
     checkpoints: CheckpointManager
     val_loader: object  # the validation loader, or None
     writer: MetricsWriter
-    balance: RankBalance  # each rank's step compute time, shared on the stop agreement (extras/rank_balance.py)
+    balance: RankBalance  # each rank's step compute time, shared on the stop agreement (observers/rank_balance.py)
     start_step: int  # the last step already done (0, or the resumed checkpoint's)
     is_logger: bool
     records: list[dict] = field(default_factory=list)
@@ -152,26 +151,19 @@ def build(cfg: Config, plan: LayoutPlan, resume: Resume, stack: contextlib.ExitS
         metrics_from = 0  # a restart before the first checkpoint replays everything
     writer = open_metrics(cfg.run.dir, cfg.run.tensorboard, control, is_logger, metrics_from)
     stack.callback(writer.close)
-    balance = add_extras(step, cfg, control, start_step, stack)
+    balance = add_run_observers(step, cfg, control, start_step, stack)
     run = Run(cfg, step, control, checkpoints, val_loader, writer, balance, start_step, is_logger)
     run.progress = Progress(plan.steps, start_step, t.global_batch * t.seq_len)
     run.span = stream_span(int(data.train.shape[0]), t.seq_len)
     return run
 
 
-# Each extra's ``for_run`` decides from the config whether it is on; the order is the hooks' order.
-EXTRAS = (profiling.for_run, rank_balance.for_run, pipeline_timeline.for_run, replica_check.for_run)
-
-
-def add_extras(step: StepParts, cfg: Config, control, start_step: int, stack) -> RankBalance:
-    """The run's extras (extras/base.py) into ``step.extras``, each one only when its config key asks for it;
-    closed by ``stack``. Returns the rank-balance clock, which rides on the stop agreement."""
-    ctx = RunContext(cfg, step.plan, step.meshes, step.device, control, step.parts, step.stages, step.tied, start_step)
-    stack.callback(step.extras.close)  # the profiler writes a trace still open when the run ends inside it
-    for on in EXTRAS:
-        if (extra := on(ctx)) is not None:
-            step.extras.add(extra)
-    return next(extra for extra in step.extras.extras if isinstance(extra, RankBalance))
+def add_run_observers(step: StepParts, cfg: Config, control, start_step: int, stack) -> RankBalance:
+    """The run's observers (observers/registry.py) into ``step.observers``, each one only when its config key asks
+    for it; closed by ``stack``. Returns the rank-balance clock, which rides on the stop agreement."""
+    stack.callback(step.observers.close)  # the profiler writes a trace still open when the run ends inside it
+    add_observers(step.observers, RunContext(cfg, step, control, start_step))
+    return step.observers.named("rank_balance")
 
 
 def train(cfg: Config) -> list[dict]:
@@ -193,7 +185,7 @@ def train(cfg: Config) -> list[dict]:
                 stop_after(run, step, signum)
         with phase("finishing the last save", "checkpoint group, control plane"):
             run.checkpoints.finish()
-        run.step.extras.finish()  # the pipeline timeline is gathered and written
+        run.step.observers.finish()  # the pipeline timeline is gathered and written
     return run.records
 
 
@@ -201,7 +193,7 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     """One step of the loop: train, validate when due, save when due, agree on stopping, log; the signal to stop
     on, or None."""
     cfg, s, last = run.cfg, run.step, run.step.plan.steps
-    s.extras.begin_step(step)
+    s.observers.begin_step(step)
     log = step % cfg.run.log_every == 0 or step == last or eval_due(step, cfg.eval.interval, last)
     agree = log or step % cfg.run.agree_every == 0  # the stop agreement: not every step (run.agree_every)
     # training/step.py; on a log step it reads the loss and grad norm; before an agreement or a save, the
@@ -216,7 +208,7 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
     signum = None
     if agree:
         with phase(f"step {step}: agreeing whether to stop", "control plane"):
-            # every rank's compute time rides on the agreement (extras/rank_balance.py, step 2)
+            # every rank's compute time rides on the agreement (observers/rank_balance.py, step 2)
             signum, compute_times = signals.agreed_stop(run.control, run.balance.compute_s)
         record.update(balance_fields(compute_times))
     wrapped = wrap_notice(step, run.span, cfg.training.seq_len, cfg.training.global_batch, last)
@@ -227,10 +219,10 @@ def loop_step(run: Run, step: int, signals: StopSignals) -> int | None:
         if lost is not None:
             raise lost
         run.writer.log(record)
-        lines = s.extras.after_log(record)  # the rank-balance warning
+        lines = s.observers.after_log(record)  # the rank-balance warning
         if run.is_logger:
             print("\n".join([f"{format_step(record)} | {run.progress.line(step)}", *lines]), flush=True)
-    s.extras.end_step(step)
+    s.observers.end_step(step)
     return signum if step < last else None
 
 

@@ -130,8 +130,10 @@ def _show(value) -> str:
 def compatibility_problems(meta: dict, dcp_meta, cfg: Config, plan: LayoutPlan) -> list[str]:
     """What differs between the checkpoint's model and this run's (empty: it loads)."""
     args = plan.model
-    saved, current = meta.get("model", {}), dataclasses.asdict(plan.model_config)
+    saved, current = dict(meta.get("model", {})), dataclasses.asdict(plan.model_config)
     defaults = dataclasses.asdict(ModelConfig())  # a field added after the save had its default then
+    for model in (saved, current):  # a preset only names keys, which are compared one by one
+        model.pop("preset", None)
     diffs = [
         f"model.{key}: checkpoint {_show(saved.get(key, defaults.get(key)))}, config {_show(current.get(key))}"
         for key in sorted(set(saved) | set(current))

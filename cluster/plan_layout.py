@@ -38,7 +38,6 @@ import argparse
 import json
 import sys
 
-from cluster.presets import PRESETS
 from cluster.published_runs import (
     derive_mamf_share,
     llama3_markdown,
@@ -54,6 +53,7 @@ from mesh.pipeline import SCHEDULE_FAMILIES
 from models.flops import flops_per_token
 from models.llama import ModelArgs
 from models.moe import MoEArgs
+from models.presets import PRESETS
 from planning.gpus import PLANNER_GPUS
 from planning.layout import Layout, degrees
 

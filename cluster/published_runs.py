@@ -54,9 +54,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cluster.presets import PRESETS
 from cluster.search import choose
 from cluster.step_time import MESHLOOM, LlamaWorkload, Stack, matmul_efficiency, planner_gpu, step_time
+from models.presets import PRESETS
 from planning.layout import Layout, degrees
 
 VOCAB, SEQ = 51200, 2048

@@ -210,7 +210,7 @@ def main() -> None:
         f"one process, bf16: measured {bf16:,}, formula {formula_bytes(args, b, s, dtype_bytes=2):,.0f}, "
         f"Korthikanti's count for these kernels 2(6bsh + 2bsg + 4bsH) = {paper:,.0f}: {bf16 / paper:.4f}"
     )
-    from cluster.presets import PRESETS
+    from models.presets import PRESETS
 
     llama8b = PRESETS["llama3-8b"]
     print(

@@ -4,12 +4,12 @@
 
 The MoE debug model (configs/debug_moe.toml: 4 MoE layers, dim 128, expert hidden 128) with 4 experts is
 parallelized on 4 gloo ranks, dp_shard 2 x tp 2, as train.py parallelizes it (training/build.py:
-``model_parts``), three ways:
+``build_step``), three ways:
 
 - ``ep 4 over dp_shard x tp``: the ep group is all four ranks (mesh/dims.py), each holds one expert per layer;
 - ``ep 2 over dp_shard x tp``: the ep groups are the tp pairs, FSDP shards each expert pair over dp_shard (efsdp);
-- ``ep 2 within dp_shard``: the earlier layout (``build_mesh(..., ep_within_dp_shard=True)``), ep groups across
-  dp_shard, every tp rank holding the same two experts per layer whole.
+- ``ep 2 within dp_shard``: the earlier layout (``build_layout_mesh(..., ep_within_dp_shard=True)``, here: no run
+  takes it), ep groups across dp_shard, every tp rank holding the same two experts per layer whole.
 
 What is measured, per rank: the bytes of the expert weights it holds (the local shards of every
 ``experts`` module, mesh/expert_parallel.local_expert_bytes), fp32. Gradients and the two fp32 AdamW moments
@@ -18,8 +18,14 @@ follow the same shards, so the expert training state is 4x that. Nothing is trai
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from mesh.dims import Meshes, ParallelDims
 
 WORLD = 4
 MOE = {"model.n_experts": 4, "parallel.dp_shard": 2, "parallel.tp": 2}
@@ -30,10 +36,38 @@ LAYOUTS = {  # name: (parallel.ep, ep_within_dp_shard)
 }
 
 
+def build_layout_mesh(
+    dims: ParallelDims,
+    device: torch.device,
+    timeout_s: float,
+    fsdp_with_tp: bool = False,
+    ep_within_dp_shard: bool = False,
+) -> Meshes:
+    """mesh/dims.py's ``build_mesh`` for an MoE model; ``ep_within_dp_shard``: the earlier expert layout instead,
+    dp_shard = efsdp x ep (row-major), experts FSDP-sharded over (dp_replicate, efsdp) and replicated over tp, whose
+    ranks then sum their expert gradients (``Meshes.experts_replicated_over_tp``). Every rank calls it."""
+    from mesh.dims import build_mesh, mesh_backend_options
+    from mesh.private_api import unflatten_mesh
+
+    if not ep_within_dp_shard:
+        return build_mesh(dims, device, timeout_s, has_experts=True, fsdp_with_tp=fsdp_with_tp)
+    if dims.cp > 1:
+        raise ValueError(
+            f"ep_within_dp_shard with cp={dims.cp}: experts would be FSDP-sharded over efsdp x cp "
+            "with ep in between; build the default expert meshes (ep over dp_shard x cp x tp)"
+        )
+    # the mesh without meshloom's expert views (ep 1), then the earlier ones, views of the same root
+    meshes = build_mesh(dataclasses.replace(dims, ep=1), device, timeout_s, has_experts=True, fsdp_with_tp=fsdp_with_tp)
+    options = mesh_backend_options(device, timeout_s)
+    shape, names = (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep")
+    experts = unflatten_mesh(meshes.world, "dp_shard", shape, names, options)
+    fsdp = experts[("dp_replicate", "efsdp") if dims.dp_replicate > 1 else ("efsdp",)]
+    return dataclasses.replace(meshes, ep=experts["ep"], expert_fsdp=fsdp, experts_replicated_over_tp=True)
+
+
 def measure(ep: int, ep_within_dp_shard: bool) -> dict:
     """Rank body: the model parallelized for the layout; this rank's expert weight bytes and experts held."""
     from launch.local_runs import ROOT
-    from mesh.dims import build_mesh
     from mesh.expert_parallel import local_expert_bytes
     from planning.plan import LayoutPlan
     from runtime.config import load_config
@@ -42,9 +76,7 @@ def measure(ep: int, ep_within_dp_shard: bool) -> dict:
     cfg = load_config(path=str(ROOT / "configs" / "debug_moe.toml"), overrides={**MOE, "parallel.ep": ep})
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
     device = torch.device("cpu")
-    meshes = build_mesh(
-        plan.dims, device, timeout_s=120, has_experts=True, fsdp_with_tp=True, ep_within_dp_shard=ep_within_dp_shard
-    )
+    meshes = build_layout_mesh(plan.dims, device, 120, fsdp_with_tp=True, ep_within_dp_shard=ep_within_dp_shard)
     model = build_step(cfg, plan, meshes, device).parts[0]
     n_local = plan.model.moe.n_experts // ep
     first = meshes.ep.get_local_rank() * n_local

@@ -12,7 +12,7 @@ variant, from the same initial weights on the same data:
 - ``bf16``:         the same all-reduce in bf16 (``parallel.grad_compression bf16``);
 - ``powersgd r1``:  DDP + torch's PowerSGD hook, rank 1 (``parallel.grad_compression powersgd``);
 - ``powersgd r4``:  rank 4 (``parallel.powersgd_rank 4``).
-- ``1-bit adam``:   1-bit Adam (``parallel.grad_compression onebit_adam``, extras/onebit_adam.py): exact Adam for
+- ``1-bit adam``:   1-bit Adam (``parallel.grad_compression onebit_adam``, savers/onebit_adam.py): exact Adam for
                     the first ``ONEBIT_WARMUP`` steps, then the momentum sent as signs and one scale per tensor.
 
 Per variant it prints the bytes of gradient reduction per step and rank (``measure/grad_traffic.py``: the
@@ -152,7 +152,7 @@ def powersgd_elements(shapes: list[tuple[int, ...]], rank: int) -> int:
 
 
 def llama8b_shapes() -> list[tuple[int, ...]]:
-    from cluster.presets import PRESETS
+    from models.presets import PRESETS
 
     args = PRESETS["llama3-8b"]
     head_dim = args.dim // args.n_heads

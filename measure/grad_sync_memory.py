@@ -3,7 +3,7 @@
     .venv/bin/python -m measure.grad_sync_memory        # from the repository root, about a minute
 
 The debug model (Ψ = 853,120, fp32) built as train.py builds it, on 2 or 4 gloo ranks. One micro-batch's
-forward and backward runs inside ``extras.reduce_once_per_step.reduction_window`` with the reduction on (``microbatch``) or
+forward and backward runs inside ``savers.reduce_once_per_step.reduction_window`` with the reduction on (``microbatch``) or
 off (``step``, a non-final micro-batch); then the bytes of every live tensor storage of the process are added
 up (``gc``, each storage once) and compared with the count before the forward. Activations are freed by then,
 so the difference is the gradient state the rank carries into the next micro-batch:
@@ -51,9 +51,9 @@ def live_tensor_bytes() -> int:
 
 def held_after_backward(overrides: dict, reduce: bool) -> dict:
     """Rank body: bytes of gradient state held after one micro-batch with the reduction on or off."""
-    from extras.reduce_once_per_step import reduction_window
     from planning.plan import LayoutPlan
     from runtime.config import load_config
+    from savers.reduce_once_per_step import reduction_window
     from training.build import build_meshes, build_step
     from training.loss import token_loss_sum
 

@@ -199,7 +199,7 @@ REASONS = {
         False,
         "every run.agree_every steps and on log steps, the ranks agree whether a signal asked them to stop, and "
         "share their step compute times "
-        "(extras/rank_balance.py), in one all-gather over the CPU control-plane group (runtime/signals.py): "
+        "(observers/rank_balance.py), in one all-gather over the CPU control-plane group (runtime/signals.py): "
         "a host tensor",
     ),
     EMBEDDING_MASK: (

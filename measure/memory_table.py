@@ -14,7 +14,7 @@ That is 16 bytes per parameter before a single activation is stored. Sharding ov
 
 from __future__ import annotations
 
-from cluster.presets import PRESETS
+from models.presets import PRESETS
 
 K = 12  # fp32 master weights + Adam m + Adam v, 4 bytes each
 DP_SIZES = (8, 64, 512)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from cluster.presets import PRESETS
 from mesh.pipeline import build_stage_module
 from models.llama import ModelArgs
+from models.presets import PRESETS
 from planning.pipeline_split import layer_costs, split_layers
 
 DEBUG = ModelArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64)  # configs/debug.toml

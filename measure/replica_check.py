@@ -1,4 +1,4 @@
-"""The replica check's cost (extras/replica_check.py) against the training step, from one run.
+"""The replica check's cost (observers/replica_check.py) against the training step, from one run.
 
     .venv/bin/python -m measure.replica_check               # 4 gloo ranks, dp_replicate 2 x tp 2, 12 steps
     .venv/bin/python -m measure.replica_check --steps 20 --dim 256 --layers 8
@@ -23,15 +23,15 @@ WARMUP = 2
 
 def timed_run(overrides: dict, run_dir: str) -> dict:
     """Rank body: train with the check timed; this rank's check times, step times, and checked parameters."""
-    import extras.replica_check
+    import observers.replica_check
     import train
-    from extras.replica_check import replica_groups
     from launch.local_runs import DEBUG_CONFIG
+    from observers.replica_check import replica_groups
     from runtime.config import load_config
     from runtime.process import device_time
 
     checks, counted = [], {}
-    original = extras.replica_check.check_replicas
+    original = observers.replica_check.check_replicas
 
     def timed(named_params, world_mesh, device, *args, **kwargs):
         start = device_time(device)
@@ -48,7 +48,7 @@ def timed_run(overrides: dict, run_dir: str) -> dict:
             )
         return out
 
-    extras.replica_check.check_replicas = timed
+    observers.replica_check.check_replicas = timed
     base = {"run.dir": run_dir, "run.tensorboard": False, "debug.check_replicas": 1}
     records = train.train(load_config(path=DEBUG_CONFIG, overrides={**base, **overrides}))
     return {"checks": checks, "records": records, **counted}

@@ -47,7 +47,7 @@ def peak_bytes(fn, device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     from torch.profiler import ProfilerActivity, profile
 
-    from training.profiling import summarize_memory_timeline
+    from observers.profiling import summarize_memory_timeline
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         fn()

@@ -276,7 +276,7 @@ def gpu_1b(
     overrides: list[str] | tuple[str, ...] = (),
     event=None,
 ) -> dict:
-    """Llama-3.2-1B's shape (cluster/presets.py: PRESETS["llama3-1b"]) in bf16 on one GPU: meshloom vs the plain loop.
+    """Llama-3.2-1B's shape (models/presets.py: PRESETS["llama3-1b"]) in bf16 on one GPU: meshloom vs the plain loop.
 
     Not run here (no GPU on the machine this was written on); ``--smoke`` runs the same path with one layer
     and short sequences on whatever device there is, so the script itself is checked; ``event`` (meshloom_steps)
@@ -285,7 +285,7 @@ def gpu_1b(
     """
     import torch
 
-    from cluster.presets import PRESETS
+    from models.presets import PRESETS
 
     p = PRESETS["llama3-1b"]
     seq = 2048

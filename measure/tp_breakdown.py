@@ -59,9 +59,9 @@ def profiled_run(overrides: dict, run_dir: str) -> str:
     """Rank body: train with the profiler on; returns this rank's trace path."""
     import torch.distributed as dist
 
+    from observers.profiling import trace_path
     from runtime.config import load_config
     from train import train
-    from training.profiling import trace_path
 
     train(load_config(path=DEBUG, overrides={**overrides, "run.dir": run_dir}))
     return str(trace_path(run_dir, dist.get_rank()))

@@ -112,7 +112,7 @@ class Meshes:
     ep: DeviceMesh | None = None  # MoE with ep > 1: the expert-parallel ranks (from dp_shard x cp x tp)
     expert_fsdp: DeviceMesh | None = None  # ... and what FSDP shards expert weights over: (dp_replicate, efsdp)
     # Whether every tp rank holds the same experts (each computing their gradient from its own tokens, so the
-    # gradients are summed over tp): without ep, or with ep carved from dp_shard alone (``ep_within_dp_shard``).
+    # gradients are summed over tp): without ep (and in measure/ep_placement.py's earlier layout, ep from dp_shard).
     experts_replicated_over_tp: bool = True
     # An MoE model under FSDP with tp > 1: what FSDP shards an MoE block's router and shared expert over,
     # (dp_replicate,) dp_shard x cp x tp. Under TP's token split the tp ranks see different tokens, like data
@@ -139,11 +139,9 @@ def build_mesh(
     has_experts: bool = False,
     host_tensors: bool = False,
     fsdp_with_tp: bool = False,
-    ep_within_dp_shard: bool = False,
 ) -> Meshes:
     """The world mesh with named dims (pp, dp_replicate, dp_shard, cp, tp) and its named views (one root).
-    ``fsdp_with_tp`` adds the flattened (dp_shard, cp, tp) group; ``ep_within_dp_shard``: the earlier expert layout,
-    kept for comparison (measure/ep_placement.py)."""
+    ``fsdp_with_tp`` adds the flattened (dp_shard, cp, tp) group."""
     options = mesh_backend_options(device, timeout_s, host_tensors)
     world = init_device_mesh(
         device.type,
@@ -162,7 +160,7 @@ def build_mesh(
             token_split = concatenate_meshes([world["dp_replicate"], shard_tp]) if dims.dp_replicate > 1 else shard_tp
     ep = expert_fsdp = None
     if has_experts and dims.ep > 1:
-        ep, expert_fsdp = (_experts_within_dp_shard if ep_within_dp_shard else _expert_meshes)(world, dims, options)
+        ep, expert_fsdp = _expert_meshes(world, dims, options)
     return Meshes(
         world=world,
         dp=flatten_mesh(world, ("dp_replicate", "dp_shard"), "dp", options),
@@ -173,7 +171,7 @@ def build_mesh(
         loss=flatten_mesh(world, MESH_DIMS[:-1], "pp_dp_cp", options),  # every dim but tp (the last)
         ep=ep,
         expert_fsdp=expert_fsdp,
-        experts_replicated_over_tp=ep is None or ep_within_dp_shard,
+        experts_replicated_over_tp=ep is None,
         token_split=token_split,
     )
 
@@ -192,18 +190,6 @@ def _expert_meshes(world: DeviceMesh, dims: ParallelDims, options) -> tuple[Devi
     )
     fsdp = experts[("experts_dp_replicate", "efsdp") if dims.dp_replicate > 1 else ("efsdp",)]
     return experts["ep"], fsdp
-
-
-def _experts_within_dp_shard(world: DeviceMesh, dims: ParallelDims, options) -> tuple[DeviceMesh, DeviceMesh]:
-    """The earlier layout: dp_shard = efsdp x ep (row-major), experts FSDP-sharded over (dp_replicate, efsdp)
-    and replicated over tp, whose ranks then sum their expert gradients (``Meshes.experts_replicated_over_tp``)."""
-    if dims.cp > 1:
-        raise ValueError(
-            f"ep_within_dp_shard with cp={dims.cp}: experts would be FSDP-sharded over efsdp x cp "
-            "with ep in between; build the default expert meshes (ep over dp_shard x cp x tp)"
-        )
-    experts = unflatten_mesh(world, "dp_shard", (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"), options)
-    return experts["ep"], experts[("dp_replicate", "efsdp") if dims.dp_replicate > 1 else ("efsdp",)]
 
 
 def _fsdp_with_cp(world: DeviceMesh, dims: ParallelDims, options) -> DeviceMesh:

@@ -49,9 +49,9 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from mesh.private_api import all_to_all_autograd, all_to_all_functional
+from mesh.reductions import sum_over
 from models.local_tensor import local_tensor
 from models.moe import MoE
-from runtime.process import sum_over
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from runtime.process import sum_over
+from mesh.reductions import sum_over
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

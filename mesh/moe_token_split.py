@@ -18,9 +18,9 @@ from mesh.private_api import (
     all_reduce_functional,
     mesh_ranks,
 )
+from mesh.reductions import sum_in_place
 from models.local_tensor import local_tensor
 from models.moe import MoE
-from runtime.process import sum_in_place
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

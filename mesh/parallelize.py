@@ -13,8 +13,8 @@ in the order is written beside it:
    recomputed forward repeats the block's own computation; selective AC never repeats a collective.
 4. **compile** each block, after AC: the compiled region then contains the checkpointed block.
 5. **Data parallelism** last among the wrappers: FSDP2 (mesh/data_parallel.py) makes its units of the blocks as
-   they now are, and shards TP's DTensors further over the data-parallel dims (2-D). An extra may supply a
-   replicated model in FSDP's place (``options.dp.replicate``: PowerSGD's DDP, extras/powersgd.py), and a
+   they now are, and shards TP's DTensors further over the data-parallel dims (2-D). A saver may supply a
+   replicated model in FSDP's place (``options.dp.replicate``: PowerSGD's DDP, savers/powersgd.py), and a
    layout with neither keeps plain tensors (``options.dp.fsdp`` false: one process, or 1-bit Adam's replicas).
 6. **Weights** (mesh/materialize.py): storage is allocated only now, under the final sharding, and filled with
    the layout-independent initial weights (a function of seed and name), so every layout starts alike. Under
@@ -62,9 +62,9 @@ class DataParallelOptions:
     fsdp: bool = False  # FSDP2 wraps the model (planning/layout.py: uses_fsdp)
     mixed_precision: str = "fp32"  # fp32 | bf16 (FSDP's policy: bf16 compute, fp32 master weights)
     reshard_after_forward: str = "default"  # default | always | never
-    reduce_dtype: torch.dtype = torch.float32  # the dtype FSDP reduces gradients in (bf16: an extra's choice)
+    reduce_dtype: torch.dtype = torch.float32  # the dtype FSDP reduces gradients in (bf16: a saver's choice)
     offload: OffloadPolicy | None = None  # FSDP2's CPU offload policy, or None
-    replicate: Callable[[nn.Module], nn.Module] | None = None  # an extra's replicated model in FSDP's place
+    replicate: Callable[[nn.Module], nn.Module] | None = None  # a saver's replicated model in FSDP's place
 
     @property
     def host_params(self) -> bool:
@@ -102,7 +102,7 @@ def parallelize(model: nn.Module, meshes: Meshes, options: ParallelOptions, devi
     if options.compile:  # 4. compile
         for block in model.layers.values():
             block.compile()
-    if dp.replicate is not None:  # 5. an extra's replicated model (pure data parallelism): weights first
+    if dp.replicate is not None:  # 5. a saver's replicated model (pure data parallelism): weights first
         materialize_weights(model, device, options.seed)
         check_placement(model, device)
         return dp.replicate(model)

@@ -47,9 +47,9 @@ from mesh.moe_token_split import moe_plan
 from mesh.private_api import (
     all_reduce_functional,
 )
+from mesh.reductions import reduced_as_one
 from mesh.sequence_parallel import GatherSavingShard
 from models.moe import MoE
-from runtime.process import reduced_as_one
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -1,4 +1,4 @@
-"""The local tensor of a possibly distributed tensor: the one definition mesh/, extras/ and models/ share.
+"""The local tensor of a possibly distributed tensor: the one definition mesh/, observers/ and models/ share.
 
 Duck typing (``to_local``) keeps models/ free of torch.distributed: a DTensor answers with its local shard, a
 plain tensor is its own local tensor."""

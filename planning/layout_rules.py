@@ -396,7 +396,7 @@ def saver_errors(layout: Layout, batch: BatchSplit) -> list[str]:
 
 
 def onebit_adam_errors(layout: Layout) -> list[str]:
-    """1-bit Adam (extras/onebit_adam.py) compresses the momentum of whole, replicated parameters: each rank must
+    """1-bit Adam (savers/onebit_adam.py) compresses the momentum of whole, replicated parameters: each rank must
     hold every parameter and its whole Adam state (one reason per broken field)."""
     dims = layout.dims
     why = "parallel.grad_compression=onebit_adam compresses the momentum of whole replicated parameters"

@@ -104,6 +104,7 @@ PipelineSchedule = Literal[
 
 @dataclass
 class ModelConfig:
+    preset: str = opt("", "a named shape (models/presets.py, e.g. llama3-8b): its [model] keys, under explicit ones")
     dim: int = opt(128, "model width (hidden size)", ge=1)
     n_layers: int = opt(4, "transformer blocks", ge=1)
     n_heads: int = opt(8, "query heads per attention", ge=1)
@@ -194,7 +195,7 @@ class ParallelConfig:
     collective_timeout_s: int = opt(
         300, "seconds a collective may wait for a peer before the job fails", ge=1, le=MAX_TIMEOUT_S
     )
-    # Communication and memory savers (extras/: reduce_once_per_step, powersgd; FSDP options in training/build.py: bf16 reduction, cpu offload; docs/dp_savers.md, sections 2-4).
+    # Communication and memory savers (savers/: reduce_once_per_step, powersgd, onebit_adam; FSDP options in training/build.py: bf16 reduction, cpu offload; docs/dp_savers.md, sections 2-4).
     grad_sync: Literal["microbatch", "step"] = opt(
         "microbatch", "reduce gradients after every micro-batch, or once per step (accumulate locally until the last)"
     )
@@ -499,6 +500,17 @@ def load_config(argv: list[str] | None = None, *, path: str | None = None, overr
     for key, value in pairs:
         _set(cfg, key, value, from_text=not typed or isinstance(value, str))
         explicit.add(KEY_ALIASES.get(key, key))
+    if cfg.model.preset:  # the preset's [model] keys, except those given explicitly (models/presets.py)
+        from models.presets import PRESETS, preset_keys
+
+        if cfg.model.preset not in PRESETS:
+            raise ConfigError(
+                f"model.preset={cfg.model.preset!r} is not a preset; the presets are {', '.join(PRESETS)}."
+            )
+        for name, value in preset_keys(cfg.model.preset).items():
+            if f"model.{name}" not in explicit:
+                setattr(cfg.model, name, value)
+                explicit.add(f"model.{name}")  # asked for by name: a model folder's config.json must not overrule it
     cfg.explicit_keys = frozenset(explicit)
     return cfg
 

@@ -12,8 +12,8 @@ collective into one of two planes:
 
 1. **Device plane** (tensors on the device its group serves). The model's own traffic and the numbers
    derived from it: FSDP all-gather/reduce-scatter, TP/SP, pipeline send/recv, EP all-to-all, the gradient
-   norm, the loss sum, the MoE expert load. Groups: the DeviceMesh's (NCCL on GPUs, gloo on CPU).
-   ``sum_over`` checks the tensor's device against the mesh before it reduces.
+   norm, the loss sum, the MoE expert load. Groups: the DeviceMesh's (NCCL on GPUs, gloo on CPU). Its
+   collectives live in mesh/ (the small sums: mesh/reductions.py, whose ``sum_over`` checks the tensor's device).
 2. **Control plane** (CPU objects on one dedicated gloo group). Small messages that steer the run: did any
    rank fail (``raise_if_any_failed``), stop on a signal (``gather_floats``, which also carries each rank's
    step compute time), barriers around run.dir and the
@@ -313,37 +313,6 @@ class ControlPlane:
             if is_config_error:
                 raise ConfigError(f"{message} (reported by rank {rank})")
             raise error_type(f"rank {rank} failed while {what}: {name}: {message}")
-
-
-# ---- device plane ----------------------------------------------------------------------------------------
-def sum_over(tensor: torch.Tensor, mesh) -> torch.Tensor:
-    """In-place sum of ``tensor`` over the ranks of ``mesh`` (a 1-D DeviceMesh): a device-plane collective."""
-    if tensor.device.type != mesh.device_type:
-        raise RuntimeError(
-            f"a {tensor.device.type} tensor cannot be reduced on a {mesh.device_type} mesh: device-plane "
-            "collectives take tensors on the device their group serves (runtime/process.py)"
-        )
-    if mesh.size() > 1:
-        dist.all_reduce(tensor, group=mesh.get_group())
-    return tensor
-
-
-def reduced_as_one(tensors: list[torch.Tensor], reduce) -> list[torch.Tensor]:
-    """Concatenate ``tensors``, reduce the flat buffer once (``reduce(flat) -> flat``: one collective instead of
-    one per tensor), split it back: the reduced values, each viewed like its input."""
-    flat = reduce(torch.cat([t.reshape(-1) for t in tensors]))
-    return [r.view_as(t) for t, r in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True)]
-
-
-def sum_in_place(tensors: list[torch.Tensor], group) -> None:
-    """Sum each of ``tensors`` over ``group``'s ranks with one all-reduce, written back into each tensor."""
-
-    def all_reduce(flat: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(flat, group=group)
-        return flat
-
-    for t, summed in zip(tensors, reduced_as_one(tensors, all_reduce), strict=True):
-        t.copy_(summed)
 
 
 # ---- timing ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ Ctrl-C arrives as SIGINT. torchrun forwards SIGTERM to its workers and kills the
 2. At the end of every step the ranks agree on the control plane (``agreed_stop``: one all-gather of the
    signal numbers, the highest wins), because the signal reaches ranks at slightly different moments and all
    of them must stop after the *same* step. Each rank's step compute time rides along in the same message
-   (extras/rank_balance.py), so the spread across ranks costs no collective of its own. train.py then saves that step (when checkpointing is configured),
+   (observers/rank_balance.py), so the spread across ranks costs no collective of its own. train.py then saves that step (when checkpointing is configured),
    prints the step and the resume command (``resume_command``, step 4), and exits with 128 + signal.
 3. ``ParentWatch`` covers a launcher that died without forwarding anything (SIGKILL of torchrun, a lost
    SSH session): a daemon thread notices that this process was re-parented and sends itself SIGTERM, so

@@ -111,7 +111,7 @@ def test_expert_parallel_exchanges_counts_then_two_all_to_alls_each_way():
         assert r["backward"] == {"all_to_all_single": 2 * layers}
 
 
-# ---- gradient accumulation: one reduction per step with grad_sync=step (extras/reduce_once_per_step.py) ----------------------
+# ---- gradient accumulation: one reduction per step with grad_sync=step (savers/reduce_once_per_step.py) ----------------------
 
 K = 3  # micro-batches accumulated per step
 
@@ -122,9 +122,9 @@ def accumulate_counting_reductions(
     """K micro-batches through meshloom's FSDP (or PowerSGD's replicated model), each inside reduction_window
     (``forward_outside``: only the backward inside, the common mistake); returns the gradient reductions by
     (collective, group) and the full gradients."""
-    from extras.powersgd import apply_powersgd
-    from extras.reduce_once_per_step import reduction_window
     from measure.grad_traffic import GradientTraffic
+    from savers.powersgd import apply_powersgd
+    from savers.reduce_once_per_step import reduction_window
 
     meshes = api_meshes(dp_replicate, dp_shard)
     if powersgd:

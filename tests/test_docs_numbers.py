@@ -74,7 +74,7 @@ def capacity(cf: float, seq: int, k: int, experts: int) -> int:
 
 def preset(name: str):
     """A models/llama.py preset's ModelArgs ('llama3-8b')."""
-    from cluster.presets import PRESETS
+    from models.presets import PRESETS
 
     return PRESETS[name]
 
@@ -92,8 +92,8 @@ def stages(schedule: str) -> int:
 
 
 def bubble(schedule: str, p: int, m: int) -> float:
-    """The chapter 4 formula, `extras/pipeline_timeline.py: predicted_bubble` (0 for ZB-V/DualPipeV's steady state)."""
-    from extras.pipeline_timeline import predicted_bubble
+    """The chapter 4 formula, `observers/pipeline_timeline.py: predicted_bubble` (0 for ZB-V/DualPipeV's steady state)."""
+    from observers.pipeline_timeline import predicted_bubble
 
     return predicted_bubble(schedule, p, m, stages(schedule))
 
@@ -156,7 +156,7 @@ def cp_pairs(seq: int, cp: int, rank: int) -> int:
 @cache
 def layer_terms(preset: str = "llama3-8b", seq: int = 8192, tp: int = 1, precision: str = "bf16") -> dict:
     """Bytes one block keeps for backward, by term (`planning/memory_estimate.py: layer_activation_terms`)."""
-    from cluster.presets import PRESETS
+    from models.presets import PRESETS
     from planning.layout import Layout
     from planning.memory_estimate import layer_activation_terms
 
@@ -175,7 +175,7 @@ def korthikanti(s: int, h: int, b: int = 1) -> float:
 
 def fp32_norm_copies(preset: str = "llama3-8b", seq: int = 8192) -> float:
     """The fp32 copies of its input that meshloom's two RMSNorms per layer keep: 2 · 4 bytes · s · h."""
-    from cluster.presets import PRESETS
+    from models.presets import PRESETS
 
     return 2 * 4 * seq * PRESETS[preset].dim
 

@@ -26,7 +26,19 @@ import pytest
 
 from launch.local_runs import ROOT
 
-ROOMS = ("checkpoint", "cluster", "data", "extras", "launch", "measure", "mesh", "models", "planning", "runtime")
+ROOMS = (
+    "checkpoint",
+    "cluster",
+    "data",
+    "launch",
+    "measure",
+    "mesh",
+    "models",
+    "observers",
+    "planning",
+    "runtime",
+    "savers",
+)
 ROOMS += ("training", "train.py", "generate.py")
 
 # Files being rewritten elsewhere (issue 46): their failures are listed here until the rewrite lands, and this

@@ -167,15 +167,15 @@ CP_KNOBS = {"model.moe_aux_loss_coef": 0.0, "model.moe_bias_update_rate": 0.01}
 def expert_shapes(overrides: dict, ep_within_dp_shard: bool = False) -> dict:
     """Rank body: the MoE debug model parallelized for ``overrides``; each expert weight's local and global
     shape, which experts this rank holds, and the bytes of its local expert weights."""
-    from mesh.dims import build_mesh
+    from measure.ep_placement import build_layout_mesh
     from mesh.expert_parallel import local_expert_bytes
     from planning.plan import LayoutPlan
     from training.build import build_step
 
     cfg = load_config(path=MOE_CONFIG, overrides=overrides)
     plan = LayoutPlan.resolve(cfg, dist.get_world_size(), dist.get_rank())
-    meshes = build_mesh(
-        plan.dims, torch.device("cpu"), 60, has_experts=True, fsdp_with_tp=True, ep_within_dp_shard=ep_within_dp_shard
+    meshes = build_layout_mesh(
+        plan.dims, torch.device("cpu"), 60, fsdp_with_tp=True, ep_within_dp_shard=ep_within_dp_shard
     )
     model = build_step(cfg, plan, meshes, torch.device("cpu")).parts[0]
     experts = model.layers["0"].feed_forward.experts

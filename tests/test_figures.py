@@ -131,8 +131,8 @@ def recorded_order(microbatches: int) -> dict:
     """Run every schedule for two steps on this rank (pp = world) and record the second step's F/B/I/W order."""
     import torch.nn.functional as F
 
-    from extras.pipeline_timeline import PipelineTimeline
     from models.llama import ModelArgs
+    from observers.pipeline_timeline import PipelineTimeline
 
     args = ModelArgs(dim=16, n_layers=4, n_heads=2, n_kv_heads=1, vocab_size=256, multiple_of=16)
     rank, pp = dist.get_rank(), dist.get_world_size()
@@ -229,15 +229,16 @@ def test_mesh_figure_groups_are_meshloom_process_groups(sizes, ep):
 @pytest.mark.parametrize("title, ep, within", figures.PLACEMENT_LAYOUTS, ids=["ep4", "ep2", "ep2-within-dp_shard"])
 def test_expert_placement_figure_holds_what_meshloom_places(title, ep, within):
     """The picture's experts per rank, against the ep coordinate and efsdp size of meshloom's meshes."""
+    from measure.ep_placement import build_layout_mesh
     from measure.schedule_ir import fake_world
-    from mesh.dims import ParallelDims, build_mesh
+    from mesh.dims import ParallelDims
 
     sizes, n_experts = figures.PLACEMENT_SIZES, 4
     drawn = figures.expert_holdings(sizes, ep, n_experts, within)
     dims = ParallelDims(**sizes, ep=ep, world_size=4)
     for rank in range(4):
         with fake_world(4, rank):
-            meshes = build_mesh(dims, torch.device("cpu"), 60, has_experts=True, ep_within_dp_shard=within)
+            meshes = build_layout_mesh(dims, torch.device("cpu"), 60, ep_within_dp_shard=within)
             first = meshes.ep.get_local_rank() * n_experts // ep
             real = (list(range(first, first + n_experts // ep)), 1 / meshes.expert_fsdp.size())
         assert drawn[rank] == real, (title, rank)

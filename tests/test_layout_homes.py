@@ -16,7 +16,8 @@ from pathlib import Path
 from planning.layout import CONFIG_KEYS, DEGREES, Layout
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARY = ("checkpoint", "cluster", "data", "extras", "launch", "measure", "mesh", "models", "planning", "runtime")
+LIBRARY = ("checkpoint", "cluster", "data", "launch", "measure", "mesh", "models", "observers", "planning", "runtime")
+LIBRARY += ("savers",)
 LIBRARY += ("training",)
 
 # A field's names besides its own: its config key's name and the name mesh/'s typed options give it.

@@ -8,12 +8,12 @@ import dataclasses
 
 import pytest
 
-from cluster.presets import PRESETS
 from measure.saved_bytes import SavedBytes, kept_bytes, storage_ptr
 from measure.schedule_ir import activations_in_flight, schedule_actions
 from mesh.pipeline import SCHEDULE_FAMILIES, stage_ids_of_rank
 from models.llama import ModelArgs
 from models.moe import MoEArgs
+from models.presets import PRESETS
 from planning.layout import Layout
 from planning.memory_estimate import (
     chunks_in_flight,

@@ -1,9 +1,9 @@
 import torch
 import torch.nn.functional as F
 
-from cluster.presets import PRESETS
 from models.flops import layer_matmul_params
 from models.llama import ModelArgs, Transformer
+from models.presets import PRESETS
 
 
 def matmul_params_per_token(args: ModelArgs) -> int:

@@ -39,7 +39,7 @@ def test_the_standin_rejects_a_cpu_tensor_on_the_default_group():
 
 def control_plane_paths(run_dir: str) -> dict:
     """Rank body: every control-plane message meshloom sends, on a cuda:gloo default group."""
-    from extras.pipeline_timeline import PipelineTimeline
+    from observers.pipeline_timeline import PipelineTimeline
     from runtime.config import ConfigError
     from runtime.process import init_process_group
     from runtime.signals import StopSignals

@@ -322,9 +322,9 @@ def test_selective_recompute_under_tp_adds_the_row_parallel_matmuls():
     """cluster/step_time.py item 1: selective AC reruns the memory-bound kernels, and under tp > 1 also wo and w2
     (mesh/activation_checkpoint.py recomputes them): for Llama 3 8B that is 2h² + 2hH of a block's forward
     matmul FLOPs per token, about 35% of them (attention's score FLOPs left out of the share)."""
-    from cluster.presets import PRESETS
     from cluster.step_time import MESHLOOM, LlamaWorkload, microbatch_seconds
     from models.flops import layer_matmul_params
+    from models.presets import PRESETS
     from planning.layout import Layout, degrees
 
     args = PRESETS["llama3-8b"]

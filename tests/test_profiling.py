@@ -1,4 +1,4 @@
-"""Profiling on demand, MFU and the communication share (training/profiling.py, models/flops.py, training/mfu.py, training/comm_share.py)."""
+"""Profiling on demand, MFU and the communication share (observers/profiling.py, models/flops.py, training/mfu.py, training/comm_share.py)."""
 
 import json
 
@@ -8,10 +8,10 @@ import torch
 import training.comm_share as comm_share
 from launch.local_runs import DEBUG_CONFIG, ROOT, train_on
 from models.flops import flops_per_token
+from observers.profiling import RANGES, summarize_memory_timeline, trace_path
 from planning.gpus import table_peak_tflops
 from runtime.config import ConfigError, check_values, load_config, model_args
 from training.mfu import Throughput, peak_tflops
-from training.profiling import RANGES, summarize_memory_timeline, trace_path
 
 MOE_CONFIG = str(ROOT / "configs" / "debug_moe.toml")
 
@@ -136,7 +136,7 @@ def test_comm_share_table_and_json_are_consistent(layout, request, capsys):
     assert report["rule_of_thumb_exposed_share"] == 0.30
     ranks = report["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["device"] == "cpu" for r in ranks)
-    # one row per rank, then the compute spread across them (extras/rank_balance.py's 15% rule)
+    # one row per rank, then the compute spread across them (observers/rank_balance.py's 15% rule)
     assert [line.split()[0] for line in printed.splitlines()[2:4]] == ["0", "1"]
     compute = [r["compute_ms"] for r in ranks]
     assert report["compute_spread"] == pytest.approx(max(compute) / min(compute))

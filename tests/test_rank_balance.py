@@ -1,4 +1,4 @@
-"""The spread of step compute time across ranks (extras/rank_balance.py): in metrics.jsonl on every step,
+"""The spread of step compute time across ranks (observers/rank_balance.py): in metrics.jsonl on every step,
 a console warning when one rank stays slower than the 15% rule, and none in a clean run."""
 
 import contextlib
@@ -6,9 +6,9 @@ import io
 
 import torch
 
-from extras.rank_balance import SPREAD_RULE, WARN_AFTER, RankBalance, compute_clock, fields
 from launch.local_runs import read_metrics, run_training
 from launch.spawn import run_on_ranks
+from observers.rank_balance import SPREAD_RULE, WARN_AFTER, RankBalance, compute_clock, fields
 
 TINY = {"model.n_layers": 2, "training.seq_len": 64, "training.global_batch": 4, "training.steps": 4}
 

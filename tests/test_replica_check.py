@@ -1,4 +1,4 @@
-"""The replica check (extras/replica_check.py): a diverged replica is named and stops the run with exit 4.
+"""The replica check (observers/replica_check.py): a diverged replica is named and stops the run with exit 4.
 
 Clean runs are checked after every step in the multi-rank parity runs (tests/training_runs.py:
 ``CHECK_REPLICAS``, used by the shared data-parallel and expert-parallel runs and by the TP, PP and CP
@@ -11,9 +11,9 @@ import io
 import pytest
 import torch
 
-from extras.replica_check import checksum
 from launch.local_runs import DEBUG_CONFIG, train_on
 from launch.spawn import run_on_ranks
+from observers.replica_check import checksum
 from tests.training_runs import CHECK_REPLICAS
 
 # ---- the checksum ------------------------------------------------------------------------------------------
@@ -130,8 +130,8 @@ def compare_a_tied_pair(differ: bool) -> list[str]:
     weight, compared through ``tied_replicas`` over the pp group (their embedding group when pp = 2)."""
     import torch.distributed as dist
 
-    from extras.replica_check import compare_replicas, tied_replicas
     from mesh.dims import ParallelDims, build_mesh
+    from observers.replica_check import compare_replicas, tied_replicas
     from runtime.process import init_process_group
 
     control = init_process_group(torch.device("cpu"), 60)
@@ -163,7 +163,7 @@ class OneRankControl:
 
 def test_tied_embedding_copies_on_one_rank_are_compared_without_a_collective():
     # A V-shaped schedule puts both ends on one rank: no group, a local comparison.
-    from extras.replica_check import compare_replicas, tied_replicas
+    from observers.replica_check import compare_replicas, tied_replicas
 
     weight = torch.randn(8, 4)
     same = tied_replicas([("embedding", weight), ("head", weight.clone())], None)

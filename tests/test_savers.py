@@ -1,4 +1,4 @@
-"""Communication and memory savers (extras/reduce_once_per_step.py, powersgd.py, training/build.py;
+"""Communication and memory savers (savers/reduce_once_per_step.py, powersgd.py, training/build.py;
 docs/dp_savers.md sections 2-4).
 
 - ``parallel.grad_sync=step``: parity with one process, and train.py's loop issuing k-1 fewer gradient
@@ -337,7 +337,7 @@ def test_powersgd_resumes_from_a_checkpoint_and_its_checkpoint_resumes_elsewhere
 def test_onebit_adam_resumed_inside_its_warm_up_continues_the_curve(tmp_path):
     # Saved at step 2 of a 3-step warm-up, resumed: the compressed steps 4-6 start from the same m, v and step
     # count (AdamW's state in the checkpoint) and from zero error buffers in both runs, so the curve continues
-    # at fp32 parity. (After the warm-up the per-rank error buffers are not saved: extras/onebit_adam.py.)
+    # at fp32 parity. (After the warm-up the per-rank error buffers are not saved: savers/onebit_adam.py.)
     onebit = {"parallel.grad_compression": "onebit_adam", **REPLICATE2, "parallel.onebit_warmup_steps": 3}
     folder = {"checkpoint.folder": str(tmp_path / "ck")}
     whole = train_on(2, {**onebit, **folder, "checkpoint.interval": 2, "checkpoint.keep_last": 0}, tmp_path / "a")

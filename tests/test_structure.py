@@ -154,7 +154,19 @@ def test_a_missing_dev_dependency_fails_its_tests_instead_of_skipping_them():
     assert found == [], "tests that skip or work around a missing dependency"
 
 
-LIBRARY = {"models", "mesh", "planning", "checkpoint", "data", "runtime", "training", "extras", "train", "generate"}
+LIBRARY = {
+    "models",
+    "mesh",
+    "planning",
+    "checkpoint",
+    "data",
+    "runtime",
+    "training",
+    "savers",
+    "observers",
+    "train",
+    "generate",
+}
 
 
 def test_no_library_room_imports_the_measurement_room():

@@ -22,7 +22,7 @@ from tests.reference import reference_losses
 from tests.training_runs import CHECK_REPLICAS, LOSS_RTOL, assert_same_curve
 
 TIED = {"model.tie_embeddings": True}
-# Multi-rank runs also compare the two pipeline copies every step (extras/replica_check.py: tied_replicas).
+# Multi-rank runs also compare the two pipeline copies every step (observers/replica_check.py: tied_replicas).
 TIED_CHECKED = {**TIED, **CHECK_REPLICAS}
 # The one-process reference also saves at steps 3 and 6 (saving does not change the curve): one run serves the
 # parity tests and the resume from a whole model's checkpoint.

@@ -19,7 +19,7 @@ from launch.local_runs import DEBUG_CONFIG, train_on
 # up at 1e-3 or more (a gradient scaled by 1/dp, a wrong data slice, a different init).
 LOSS_RTOL = 1e-5
 
-# Multi-rank parity runs also compare their replicas after every step (extras/replica_check.py): a layout that
+# Multi-rank parity runs also compare their replicas after every step (observers/replica_check.py): a layout that
 # left two replicas of a parameter with different bits fails there, and a clean layout shows no false positive.
 CHECK_REPLICAS = {"debug.check_replicas": 1}
 

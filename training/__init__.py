@@ -4,6 +4,5 @@
 - ``evaluation.py``: the validation loss, forward only, as a global token mean
 - ``metrics.py``:    the console line, metrics.jsonl, TensorBoard
 - ``throughput.py``: TFLOP/s per device and MFU from models/flops.py, the peak table
-- ``profiling.py``:  the profile.* keys: torch.profiler over chosen steps, named ranges, memory snapshots
 - ``comm_share.py``: ``python -m training.comm_share RUN_DIR``: compute / communication / exposed communication
 """

@@ -9,7 +9,7 @@ how the step is built, so the build is written once:
    tensors on the groups under CPU offload.
 2. ``parallel_options``: the layout as the typed options mesh/ takes (mesh/parallelize.py: ``ParallelOptions``;
    mesh/ never reads the config), with what a gradient saver changes there: bf16 reduction, CPU offload, and
-   PowerSGD's replicated model in FSDP's place (savers: extras/powersgd.py).
+   PowerSGD's replicated model in FSDP's place (savers/powersgd.py).
 3. ``build_step``: the model parts parallelized (``build_model_parts``: the whole model, or this rank's pipeline
    stages), the pipeline schedule over them, a tied embedding's pipeline copies, the optimizers, and the
    ``StepParts`` that training/step.py's ``train_step`` runs. Every rank calls it in the same order: building
@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-from extras.base import Extras
-from extras.powersgd import apply_powersgd
 from mesh.dims import build_mesh
 from mesh.parallelize import (
     ContextParallelOptions,
@@ -35,6 +33,8 @@ from mesh.parallelize import (
     build_model_parts,
 )
 from mesh.tied_embeddings import TiedEmbeddings
+from observers.base import Observers
+from savers.powersgd import apply_powersgd
 from training.optimizer import Optimizers
 from training.step import StepParts, divergence_advice, pipeline_schedule
 
@@ -109,7 +109,7 @@ def build_step(
 ) -> StepParts:
     """Step 3: this rank's step for ``plan`` (``cfg``: the seed, the optimizer's settings, the clip). ``loader``:
     the batches ``train_step`` reads (None for a measurement that runs the parts itself); ``before_update``: the
-    checkpointer's wait for an async save's copy. The run's observers are added to ``StepParts.extras`` after."""
+    checkpointer's wait for an async save's copy. The run's observers are added to ``StepParts.observers`` after."""
     t = cfg.training
     options = parallel_options(plan.layout, t.seed, meshes, device)
     parts = build_model_parts(plan.model, plan.stage_layers, plan.stage_ids, meshes, options, device)
@@ -127,7 +127,7 @@ def build_step(
         loader,
         tied,
         throughput,
-        Extras(),
+        Observers(),
         loss_divisor,
         stages=stages,
         grad_clip=t.grad_clip,

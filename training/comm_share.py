@@ -21,7 +21,7 @@ time, each the union of intervals (nested or overlapping events count once):
 So ``compute + exposed + other = step``, and ``exposed + overlapped = communication``. The rule of thumb
 printed next to each rank: exposed communication under 30% of the step. One row per rank; under the rows,
 the spread of compute across the ranks (max / min of their compute, the slowest rank named) against the
-15% rule that extras/rank_balance.py applies to every step of a run. (On a 2-core CPU, gloo's threads
+15% rule that observers/rank_balance.py applies to every step of a run. (On a 2-core CPU, gloo's threads
 compete with the training thread for the same cores, so "overlapped" time is not free there the way it is
 with NCCL's kernels beside a GPU's compute kernels.)
 """
@@ -181,8 +181,8 @@ def format_table(summaries: list[dict]) -> str:
 
 
 def spread_line(summaries: list[dict]) -> str:
-    """The ranks' compute spread, max / min, against extras/rank_balance.py's 15% rule."""
-    from extras.rank_balance import SPREAD_RULE
+    """The ranks' compute spread, max / min, against observers/rank_balance.py's 15% rule."""
+    from observers.rank_balance import SPREAD_RULE
 
     slowest = max(summaries, key=lambda s: s["compute_ms"])
     fastest = min(s["compute_ms"] for s in summaries)

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from mesh.pipeline import SCHEDULE_FAMILIES
-from runtime.process import sum_over
+from mesh.reductions import sum_over
 from training.step import forward_backward
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ and LR schedule, so that its optimizer state can be saved and loaded under the p
 (checkpoint/), whatever the pipeline split. Within a part, parameters are grouped by (weight decay, mesh):
 fused foreach kernels cannot mix DTensors that live on different meshes (dense vs expert weights).
 
-With ``parallel.grad_compression onebit_adam`` the optimizer is 1-bit Adam (extras/onebit_adam.py), which
+With ``parallel.grad_compression onebit_adam`` the optimizer is 1-bit Adam (savers/onebit_adam.py), which
 exchanges the data-parallel gradient (warm-up) or the compressed momentum (after it) itself:
 ``prepare_gradients`` runs before clipping, ``agree_on_norm`` after it; both do nothing for plain AdamW.
 """
@@ -50,7 +50,7 @@ class Optimizers:
         # 1-bit Adam has no found_inf: the step reads the divergence flag before every update instead
         self.obeys_found_inf = cfg.parallel.grad_compression != "onebit_adam"
         if not self.obeys_found_inf:
-            from extras.onebit_adam import OneBitAdam
+            from savers.onebit_adam import OneBitAdam
 
             self.optimizers = [
                 OneBitAdam(
@@ -76,7 +76,7 @@ class Optimizers:
         return self.schedulers[0].get_last_lr()[0]
 
     def prepare_gradients(self) -> None:
-        """Before clipping: 1-bit Adam's data-parallel exchange of the gradients (extras/onebit_adam.py, step 1)."""
+        """Before clipping: 1-bit Adam's data-parallel exchange of the gradients (savers/onebit_adam.py, step 1)."""
         for opt in self.optimizers:
             if hasattr(opt, "prepare_gradients"):
                 opt.prepare_gradients()

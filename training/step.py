@@ -5,7 +5,7 @@
 2. Forward and backward of each micro-batch (``forward_backward``); the loss that is backpropagated is the
    token-loss sum divided by the *global* token count (training/loss.py), so data-parallel ranks sum their
    gradients and the scale is applied once. With ``grad_sync = step`` only the last micro-batch's backward
-   reduces (extras/reduce_once_per_step.py: ``reduction_window``; forward and backward inside the window).
+   reduces (savers/reduce_once_per_step.py: ``reduction_window``; forward and backward inside the window).
 3. The gradients TP leaves partial are summed (norm weights under sequence parallelism, MoE blocks whose tp
    ranks computed from their own tokens), and a tied embedding's two pipeline copies get the sum of theirs.
 4. The step's global numbers, before anything changes: the loss is the global mean (sum the token-loss sums
@@ -24,7 +24,7 @@
 6. The optimizer step (after an async save's copy is taken: the step changes what it copies), then the MoE
    layers' global expert load and their aux-loss-free bias update from it (on the device, obeying the flag;
    the load is read to the host on log steps only).
-7. The step's clock stops; the extras' ``after_step`` hooks run (extras/base.py); the record is returned. On a
+7. The step's clock stops; the observers' ``after_step`` hooks run (observers/base.py); the record is returned. On a
    log step the records of the steps since the last log get their loss, norm and tokens/s (read in step 5 and
    from the clock, whose events the device has passed by then); on other steps they wait, so a record is
    complete once a later log step (the last step is always one) has run.
@@ -39,27 +39,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from extras.reduce_once_per_step import reduction_window
 from mesh.dims import MESH_DIMS
 from mesh.expert_parallel import load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
 from mesh.moe_token_split import sum_token_split_gradients
 from mesh.pipeline import build_pipeline_schedule, run_schedule
+from mesh.reductions import sum_over
 from mesh.tensor_parallel import loss_context, loss_value, reduce_partial_gradients
+from observers.profiling import named_range
 from runtime.failures import phase
-from runtime.process import clock_reading, seconds_between, sum_over
+from runtime.process import clock_reading, seconds_between
+from savers.reduce_once_per_step import reduction_window
 from training.loaders import to_device
 from training.loss import LossDivisor, divisor, token_loss_sum
 from training.metrics import peak_memory_bytes
-from training.profiling import named_range
 
 if TYPE_CHECKING:
     from torch import nn
 
     from data.loader import GlobalBatchLoader
-    from extras.base import Extra
     from mesh.dims import Meshes
     from mesh.tied_embeddings import TiedEmbeddings
+    from observers.base import Observer
     from planning.plan import LayoutPlan
     from runtime.config import Config
     from training.mfu import Throughput
@@ -92,7 +93,7 @@ class StepParts:
     loader: GlobalBatchLoader
     tied: TiedEmbeddings  # a tied embedding's pipeline copies (none without them)
     throughput: Throughput
-    extras: Extra  # the run's extras as one (extras/base.py: Extras)
+    observers: Observer  # the run's observers as one (observers/base.py: Observers)
     loss_divisor: LossDivisor | None = None  # what the pipeline schedule's loss divides by (``pipeline_schedule``)
     stages: list = field(default_factory=list)  # the pipeline stages of this rank (none without pipelining)
     grad_clip: float = 1.0
@@ -193,7 +194,7 @@ def accumulate_gradients(s: StepParts, batch, step: int) -> torch.Tensor:
     plan, dims = s.plan, s.plan.dims
     loss_sum = torch.zeros((), device=s.device)
     with phase(f"step {step}: forward and backward", s.device_groups):
-        s.extras.before_forward_backward()  # after data loading: the pipeline timeline's window
+        s.observers.before_forward_backward()  # after data loading: the pipeline timeline's window
         for index, (inputs, targets) in enumerate(batch):
             reduce = s.plan.layout.grad_sync == "microbatch" or index == len(batch) - 1
             with reduction_window(s.parts, reduce=reduce, hsdp=dims.dp_replicate > 1):
@@ -210,7 +211,7 @@ def accumulate_gradients(s: StepParts, batch, step: int) -> torch.Tensor:
                     documents=docs,
                     loss_divisor=s.loss_divisor,
                 )
-        s.extras.after_forward_backward()
+        s.observers.after_forward_backward()
         if dims.tp > 1:
             reduce_partial_gradients(s.params)
             if s.moe_layer_ids:  # each tp rank computed its MoE blocks' gradients from its own tokens
@@ -225,7 +226,7 @@ def global_loss_and_norm(s: StepParts, loss_sum: torch.Tensor, step: int) -> tup
     """Step 4: the global mean loss and the clipped model's gradient norm, the same on every rank, on the device."""
     with phase(f"step {step}: loss sum and gradient norm", "device plane: the loss mesh (pp x dp x cp), pp"):
         sum_over(loss_sum, s.meshes.loss)
-        s.optimizers.prepare_gradients()  # 1-bit Adam: the replicas' exchange (extras/onebit_adam.py)
+        s.optimizers.prepare_gradients()  # 1-bit Adam: the replicas' exchange (savers/onebit_adam.py)
         with named_range("gradient clipping"):
             grad_norm = s.optimizers.agree_on_norm(clip_grad_norm(s.params, s.grad_clip, s.meshes.pp, s.counted))
         return loss_sum / divisor(s.loader.trained_tokens), grad_norm
@@ -276,7 +277,7 @@ def train_step(s: StepParts, step: int, log: bool = True, check: bool = False) -
     loop logs this step, so the step reads its loss and norm (and those of the unlogged steps before it);
     ``check``: the loop agrees on stopping or saves after this step, so the step reads the divergence flag."""
     start = clock_reading(s.device)
-    s.extras.step_started(time.perf_counter())
+    s.observers.step_started(time.perf_counter())
     with named_range("data loading"):
         batch = s.loader.next_batch()
     loss, norm = global_loss_and_norm(s, accumulate_gradients(s, batch, step), step)
@@ -301,8 +302,8 @@ def train_step(s: StepParts, step: int, log: bool = True, check: bool = False) -
             else {}
         )  # read on log steps only; the bias update obeys the divergence flag on the device
     end = clock_reading(s.device)
-    s.extras.step_timed(time.perf_counter())
-    s.extras.after_step(step)  # after the step is timed (a check step's throughput stays comparable)
+    s.observers.step_timed(time.perf_counter())
+    s.observers.after_step(step)  # after the step is timed (a check step's throughput stays comparable)
     record = {
         "step": step,
         "loss": None,  # these three on a log step (``fill_records``)

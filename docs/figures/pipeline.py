@@ -18,11 +18,11 @@ def darker(hex_colour: str, by: float = 0.4) -> str:
 def empty_pipeline_bubble(schedule: str, pp: int, microbatches: int, v: int) -> float:
     """The bubble docs/pipeline_parallel.md, section 3 states for a step that starts from an empty pipeline.
 
-    `extras/pipeline_timeline.py: predicted_bubble` gives 0 for ZB-V and DualPipeV: their steady state. meshloom
+    `observers/pipeline_timeline.py: predicted_bubble` gives 0 for ZB-V and DualPipeV: their steady state. meshloom
     clips by the global norm every step, so every step starts empty and keeps the fill: with F = I = W they idle
     as much as interleaved zero bubble, (p-1)/(3vm+p-1), for m >= 2p.
     """
-    from extras.pipeline_timeline import predicted_bubble
+    from observers.pipeline_timeline import predicted_bubble
 
     predicted = predicted_bubble(schedule, pp, microbatches, v)
     if predicted == 0:
@@ -32,7 +32,7 @@ def empty_pipeline_bubble(schedule: str, pp: int, microbatches: int, v: int) -> 
 
 def pipeline_svg(schedule: str, pp: int, microbatches: int) -> str:
     """One row per rank, a box per F/B/I/W of torch's action list run with unit times, every box labelled."""
-    from extras.pipeline_timeline import COLOURS, predicted_bubble
+    from observers.pipeline_timeline import COLOURS, predicted_bubble
 
     ideal = pipeline_ideal(schedule, pp, microbatches)
     timed, v = ideal["timed"], ideal["v"]
@@ -105,7 +105,7 @@ def pipeline_svg(schedule: str, pp: int, microbatches: int) -> str:
 
 
 def pipeline_table(pp: int, microbatches: int) -> str:
-    from extras.pipeline_timeline import predicted_bubble
+    from observers.pipeline_timeline import predicted_bubble
 
     lines = [
         f"pp={pp}, m={microbatches}: torch's action lists run with F = I = W = 1, B = 2 (per rank's worth of "

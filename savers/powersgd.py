@@ -7,7 +7,7 @@ approximation missed is added to the next step's gradient). It needs the whole g
 rank, so only a pure data-parallel layout (dp_replicate only) can use it (planning/layout_rules.py:
 ``saver_errors``). It attaches where the model is parallelized: training/build.py hands ``apply_powersgd``
 to mesh/parallelize.py's ``ParallelOptions`` in FSDP's place. 1-bit Adam compresses Adam's momentum rather
-than the gradient, so its optimizer does the exchange itself: extras/onebit_adam.py.
+than the gradient, so its optimizer does the exchange itself: savers/onebit_adam.py.
 """
 
 from __future__ import annotations

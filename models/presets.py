@@ -1,6 +1,9 @@
-"""Llama-3-shaped model presets for the planner (memory tables, layouts, published runs): shapes only.
+"""Named model shapes (Llama 3, Mixtral), defined once: for the runs and for the planner.
 
-Values follow Meta's published configs (and Mistral's for Mixtral); training never reads them.
+Values follow Meta's published configs (and Mistral's for Mixtral). A run takes one by name with the config key
+``model.preset`` (configs/llama3_8b.toml: ``preset = "llama3-8b"``): ``preset_keys`` gives the ``[model]`` keys
+it stands for, and any ``[model]`` key the file or the command line gives explicitly overrides the preset's.
+The cluster planner (cluster/), the memory tables and the tests read ``PRESETS`` directly.
 """
 
 from __future__ import annotations
@@ -8,7 +11,6 @@ from __future__ import annotations
 from models.llama import ModelArgs
 from models.moe import MoEArgs
 
-# Llama-3-shaped presets, for planning (memory tables, layouts). Values follow Meta's published configs.
 PRESETS: dict[str, ModelArgs] = {
     "llama3-1b": ModelArgs(
         dim=2048,
@@ -71,3 +73,30 @@ PRESETS: dict[str, ModelArgs] = {
         moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=14336),
     ),
 }
+
+
+def preset_keys(name: str) -> dict[str, object]:
+    """The ``[model]`` config keys (runtime/config.py: ``ModelConfig``) that give preset ``name``'s shape."""
+    args = PRESETS[name]
+    keys: dict[str, object] = {
+        "dim": args.dim,
+        "n_layers": args.n_layers,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
+        "vocab_size": args.vocab_size,
+        "ffn_dim": args.hidden_dim,  # the SwiGLU width the preset's rule gives (Llama's multiple_of, multiplier)
+        "norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_seq_len": args.max_seq_len,
+    }
+    if args.moe is not None:
+        keys |= {
+            "n_experts": args.moe.n_experts,
+            "top_k": args.moe.top_k,
+            "moe_every": args.moe_every,
+            "moe_ffn_dim": args.moe.hidden_dim,
+            "moe_shared_experts": args.moe.n_shared_experts,
+            "moe_score_func": args.moe.score_func,
+            "moe_route_norm": args.moe.route_norm,
+        }
+    return keys

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
 
-from extras.base import Extra, RunContext
+from observers.base import Observer, RunContext
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,7 @@ def trace_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "profile" / f"rank{rank}.pt.trace.json"
 
 
-class StepProfiler(Extra):
+class StepProfiler(Observer):
     """torch.profiler over the configured steps of this rank (see the module docstring)."""
 
     def __init__(self, cfg, rank: int, device: torch.device, first_step: int, steps: int):
@@ -141,7 +141,7 @@ class StepProfiler(Extra):
             self.written.append(timeline)
 
 
-class NoProfiler(Extra):
+class NoProfiler(Observer):
     """What the loop holds when profiling is off: every call does nothing."""
 
     written: list[Path] = []
@@ -165,7 +165,7 @@ def step_profiler(cfg, rank: int, device: torch.device, first_step: int, steps: 
 
 def for_run(ctx: RunContext) -> StepProfiler | None:
     """On with ``profile.enabled`` while a recorded step lies ahead (``step_profiler``)."""
-    profiler = step_profiler(ctx.cfg, ctx.plan.rank, ctx.device, ctx.start_step + 1, ctx.plan.steps)
+    profiler = step_profiler(ctx.cfg, ctx.step.plan.rank, ctx.step.device, ctx.start_step + 1, ctx.step.plan.steps)
     return None if isinstance(profiler, NoProfiler) else profiler
 
 

@@ -10,7 +10,7 @@ micro-batch but the last the window switches the reduction off, so the gradients
 - HSDP (dp_replicate x dp_shard): the reduce-scatter inside the shard group still runs on every
   micro-batch (fast links, the gradient stays sharded), only the all-reduce across the replicas is
   skipped; the reduce-scattered shards are summed locally until the last micro-batch: +4Ψ/dp_shard;
-- PowerSGD's replicated model (extras/powersgd.py): DDP's own switch, read by the *forward*, which is why
+- PowerSGD's replicated model (savers/powersgd.py): DDP's own switch, read by the *forward*, which is why
   the forward belongs inside the window.
 
 Under pipeline parallelism torch's schedule already does this across its own micro-batches (its stages

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from extras.base import Extra, RunContext
 from mesh.pipeline import SCHEDULE_FAMILIES
+from observers.base import Observer, RunContext
 from runtime.process import ControlPlane, synchronize
 
 COLOURS = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b"}
@@ -220,14 +220,16 @@ def write_pipeline_timeline(
     print(f"  bubble: measured {measured:.1%} (mean over ranks) vs predicted {shown}", flush=True)
 
 
-def for_run(ctx: RunContext) -> PipelineTimelineExtra | None:
+def for_run(ctx: RunContext) -> PipelineTimelineObserver | None:
     """On with ``run.pp_timeline`` on a pipelined run."""
-    if not (ctx.cfg.run.pp_timeline and ctx.stages):
+    if not (ctx.cfg.run.pp_timeline and ctx.step.stages):
         return None
-    return PipelineTimelineExtra(ctx.stages, ctx.plan, ctx.meshes.pp, ctx.control, ctx.cfg.run.dir, ctx.device)
+    return PipelineTimelineObserver(
+        ctx.step.stages, ctx.step.plan, ctx.step.meshes.pp, ctx.control, ctx.cfg.run.dir, ctx.step.device
+    )
 
 
-class PipelineTimelineExtra(Extra):
+class PipelineTimelineObserver(Observer):
     """``run.pp_timeline``: times every pipeline action of each step (its window opens after data loading, so
     it holds only the pipeline's work); after the last step, the last step's timeline is written to run.dir."""
 

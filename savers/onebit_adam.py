@@ -42,7 +42,7 @@ buffers, which are each rank's own: a run resumed after the warm-up restarts err
 PowerSGD's compressor (docs/dp_savers.md, section 3).
 
 Every replica applies the same ``m`` and the same frozen ``v``: the replicas stay bitwise equal (the replica
-check, extras/replica_check.py, holds under 1-bit Adam too). What cannot use it is refused before any process
+check, observers/replica_check.py, holds under 1-bit Adam too). What cannot use it is refused before any process
 group exists (planning/layout_rules.py: ``saver_errors``): sharded states (dp_shard > 1, FSDP), TP, PP and CP
 (the momentum would be a shard, and the model is not a plain replica), bf16 and CPU offload (FSDP's).
 """
@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from mesh.data_parallel import sum_from_mean
-from runtime.process import reduced_as_one, sum_in_place
+from mesh.reductions import reduced_as_one, sum_in_place
 
 
 class OneBitAdam(torch.optim.AdamW):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from extras.base import Extra, RunContext
+from observers.base import Observer, RunContext
 from runtime.process import device_time
 
 if TYPE_CHECKING:
@@ -60,12 +60,12 @@ def fields(times: list[float]) -> dict:
 
 def for_run(ctx: RunContext) -> RankBalance:
     """Always on: metrics.jsonl's compute_spread."""
-    return RankBalance(ctx.plan.rank, ctx.device)
+    return RankBalance(ctx.step.plan.rank, ctx.step.device)
 
 
-class RankBalance(Extra):
-    """Times this rank's compute in each step (step 1) and warns when the spread lasts (step 4); an extra whose
-    hooks (extras/base.py) start and stop the clock and give the warning."""
+class RankBalance(Observer):
+    """Times this rank's compute in each step (step 1) and warns when the spread lasts (step 4); an observer whose
+    hooks (observers/base.py) start and stop the clock and give the warning."""
 
     def __init__(self, rank: int, device: torch.device):
         self.device = device

@@ -56,9 +56,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from extras.base import Extra, RunContext
 from mesh.private_api import all_gather_into
 from models.local_tensor import local_tensor
+from observers.base import Observer, RunContext
 from runtime.failures import phase
 
 # Position weights repeat with this period (a prime, so that a period rarely lines up with a tensor's rows).
@@ -229,11 +229,17 @@ def for_run(ctx: RunContext) -> ReplicaCheck | None:
     if not d.check_replicas:
         return None
     return ReplicaCheck(
-        d.check_replicas, d.check_replicas_action, ctx.parts, ctx.meshes.world, ctx.tied, ctx.device, ctx.control
+        d.check_replicas,
+        d.check_replicas_action,
+        ctx.step.parts,
+        ctx.step.meshes.world,
+        ctx.step.tied,
+        ctx.step.device,
+        ctx.control,
     )
 
 
-class ReplicaCheck(Extra):
+class ReplicaCheck(Observer):
     """``debug.check_replicas = N``: every N steps, after timing and before logging or saving, compare the replicas."""
 
     def __init__(self, every: int, action: str, parts, world_mesh, tied, device: torch.device, control):
