@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ from planning.layout_rules import check_memory
 from planning.plan import LayoutPlan
 from planning.simulate import run_simulation
 from runtime.command_line import parse_command_line
-from runtime.config import Config, ConfigError, help_text, load_config
+from runtime.config import ConfigError, help_text, load_config
 from runtime.failures import explain_failure, fail, is_communication_failure, phase, say_last
 from runtime.process import (
     ControlPlane,
@@ -78,6 +79,9 @@ from training.metrics import MetricsWriter, Progress, format_step, open_metrics
 from training.mfu import Throughput, peak_tflops
 from training.simulated_rank import simulate_rank
 from training.step import StepParts, train_step
+
+if TYPE_CHECKING:
+    from runtime.schema import Config
 
 
 def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPlan, Resume]:

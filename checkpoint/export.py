@@ -59,8 +59,9 @@ from checkpoint.resume import META_FILE, inspect
 from checkpoint.safe_pickle import planner, reader
 from checkpoint.state import MODEL, split, with_tied_head
 from checkpoint.verify import METADATA, digest_problems
-from runtime.config import Config, ConfigError, model_args
+from runtime.config import ConfigError, model_args
 from runtime.options import check_out_folder, path_option
+from runtime.schema import Config
 
 
 def choose_checkpoint(path: str | Path) -> Path:

@@ -26,11 +26,15 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from runtime.config import Config, ConfigError
+from runtime.config import ConfigError
 from runtime.run_dir import refuse_symlink_loop
+
+if TYPE_CHECKING:
+    from runtime.schema import Config
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STALE = ("step-*.tmp", "step-*.deleting")

@@ -373,7 +373,8 @@ def generation_config(eos_token_id: int | None) -> dict:
 def model_args_from_hf_config(config: dict) -> ModelArgs:
     """meshloom's ModelArgs for a transformers config.json (checkpoint/hf_folder.py: refusals, both dialects)."""
     from checkpoint.hf_folder import model_fields, unsupported
-    from runtime.config import Config, model_args
+    from runtime.config import model_args
+    from runtime.schema import Config
 
     problems = unsupported(config)
     if problems:

@@ -48,8 +48,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from runtime.config import Config, ConfigError, ModelConfig
+from runtime.config import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.schema import Config, ModelConfig
 
 # model_type -> (the architecture transformers writes, the biases its attention has)
 FAMILIES = {

@@ -71,6 +71,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -86,9 +87,12 @@ from checkpoint.state import apply_training_state, training_state
 from checkpoint.verify import METADATA, digest_problems, file_digests, seal
 from data.dataset import stream_identity
 from mesh.dims import ParallelDims
-from runtime.config import Config, ConfigError
+from runtime.config import ConfigError
 from runtime.process import ControlPlane, all_gather_objects, new_cpu_group, synchronize
 from runtime.run_dir import RunFolderLost, folder_lost
+
+if TYPE_CHECKING:
+    from runtime.schema import Config
 
 
 class CheckpointSaveError(RuntimeError):

@@ -46,7 +46,8 @@ from checkpoint.verify import manifest_changed, manifest_problems
 from data.dataset import stream_digest
 from data.tokenizers import load_tokenizer
 from models.llama import Transformer
-from runtime.config import Config, ConfigError, ModelConfig
+from runtime.config import ConfigError
+from runtime.schema import Config, ModelConfig
 
 if TYPE_CHECKING:
     from planning.plan import LayoutPlan

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from data.token_file import (
     TOKENS,
@@ -33,7 +34,10 @@ from data.token_file import (
     read_header,
 )
 from data.tokenizers import ByteTokenizer, check_vocab, load_tokenizer
-from runtime.config import Config, ConfigError
+from runtime.config import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.schema import Config
 
 
 @dataclass

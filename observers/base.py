@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.config import Config
     from runtime.process import ControlPlane
+    from runtime.schema import Config
 
 
 @dataclass(frozen=True)

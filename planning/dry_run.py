@@ -31,7 +31,7 @@ from planning.memory_estimate import rank_memory, rank_parameters, stage_paramet
 from planning.plan import LayoutPlan
 
 if TYPE_CHECKING:
-    from runtime.config import Config, ModelConfig
+    from runtime.schema import Config, ModelConfig
 
 
 def size(n_bytes: float) -> str:

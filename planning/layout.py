@@ -28,7 +28,7 @@ from mesh.dims import ParallelDims
 
 if TYPE_CHECKING:
     from models.llama import ModelArgs
-    from runtime.config import Config
+    from runtime.schema import Config
 
 DEGREES = ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep")
 COMPUTE_BYTES = {"bf16": 2, "fp32": 4}

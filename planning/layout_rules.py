@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 
 from mesh.pipeline import SCHEDULE_FAMILIES, SCHEDULES, schedules_of, stage_ids_of_rank
 from planning.memory_estimate import RankMemory, even_stage_layers, rank_memory
-from runtime.config import ConfigError, PipelineSchedule
+from runtime.config import ConfigError
+from runtime.schema import PipelineSchedule
 
 if TYPE_CHECKING:
     from mesh.dims import ParallelDims

@@ -38,7 +38,7 @@ from runtime.process import device_type_of
 if TYPE_CHECKING:
     from mesh.dims import ParallelDims
     from models.llama import ModelArgs
-    from runtime.config import Config, ModelConfig
+    from runtime.schema import Config, ModelConfig
 
 
 @dataclass(frozen=True)

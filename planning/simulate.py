@@ -33,7 +33,7 @@ from runtime.config import ConfigError
 
 if TYPE_CHECKING:
     from runtime.command_line import CommandLine
-    from runtime.config import Config, ModelConfig
+    from runtime.schema import Config, ModelConfig
 
 TOLERANCE = 0.10  # a difference beyond this gets a ``why``
 NOT_MODELLED = (

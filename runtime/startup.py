@@ -32,7 +32,7 @@ from runtime.signals import ParentWatch
 if TYPE_CHECKING:
     import torch
 
-    from runtime.config import Config
+    from runtime.schema import Config
 
 
 def start_process(

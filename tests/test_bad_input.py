@@ -581,7 +581,7 @@ def test_under_torchrun_every_worker_exits_2_with_the_message(args, words, tmp_p
 def test_help_lists_every_key_with_its_default_and_meaning():
     import dataclasses
 
-    from runtime.config import FIELD_KEYS, Config
+    from runtime.schema import FIELD_KEYS, Config
 
     proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

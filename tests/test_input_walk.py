@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 import train
 from launch.local_runs import ROOT
-from runtime.config import FIELD_KEYS, Config, _in_range, load_config, type_problem
+from runtime.config import _in_range, load_config, type_problem
+from runtime.schema import FIELD_KEYS, Config
 
 # Boundary values of every type: empty, blank, huge, tiny, nan/inf, non-ASCII digits, negative zero, a NUL.
 BOUNDARY = [

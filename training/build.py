@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from mesh.dims import Meshes
     from planning.layout import Layout
     from planning.plan import LayoutPlan
-    from runtime.config import Config
+    from runtime.schema import Config
     from training.mfu import Throughput
 
 

@@ -26,7 +26,7 @@ import torch
 from planning.plan import LayoutPlan
 
 if TYPE_CHECKING:
-    from runtime.config import Config, ModelConfig
+    from runtime.schema import Config, ModelConfig
 
 
 class SimulatedLoader:

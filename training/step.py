@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from mesh.tied_embeddings import TiedEmbeddings
     from observers.base import Observer
     from planning.plan import LayoutPlan
-    from runtime.config import Config
+    from runtime.schema import Config
     from training.mfu import Throughput
     from training.optimizer import Optimizers
 
