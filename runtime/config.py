@@ -1,9 +1,9 @@
 """Run configuration: TOML files plus dotted command-line overrides, checked before anything else runs.
 
-Every field of the schema (runtime/schema.py) can be set in a TOML file (``[training] steps = 20``) and overridden on the command line
-(``--training.steps 20`` or ``--training.steps=20``). With no ``--config`` the schema's defaults are the embedded
-default run: a tiny Llama on the default corpus that trains in seconds on a CPU. ``python train.py --help``
-prints every key with its default and meaning (``help_text``).
+Every field of the schema (runtime/schema.py) can be set in a TOML file (``[training] steps = 20``) and
+overridden on the command line (``--training.steps 20`` or ``--training.steps=20``). With no ``--config`` the
+schema's defaults are the embedded default run: a tiny Llama on the default corpus that trains in seconds on a
+CPU. ``python train.py --help`` prints every key with its default and meaning (``help_text``).
 
 Input is strict, because a silently misread setting costs a whole run:
 
