@@ -14,6 +14,7 @@ program's `import config` or `import data` can never find meshloom's. Imports ar
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +210,13 @@ def test_train_py_only_composes():
         if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60
     ]
     assert long == []
+
+
+def test_every_measurement_is_indexed_once():
+    """measure/__init__.py groups the measurements by the chapter they back, the tools and the shared counters: a
+    new module must say where it belongs."""
+    index = ast.get_docstring(ast.parse((ROOT / "measure" / "__init__.py").read_text()))
+    listed = re.findall(r"``(\w+)``", index)
+    modules = sorted(p.stem for p in (ROOT / "measure").glob("*.py") if p.stem != "__init__")
+    assert sorted(set(listed)) == modules
+    assert len(listed) == len(set(listed)), "a module listed twice"
