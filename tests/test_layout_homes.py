@@ -11,6 +11,7 @@ function hands it from one object to another by name: a keyword argument ``name=
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 from planning.layout import CONFIG_KEYS, DEGREES, Layout
@@ -41,8 +42,9 @@ def library_files() -> list[Path]:
     return files
 
 
+@cache
 def parsed() -> list[tuple[Path, ast.Module]]:
-    return [(f, ast.parse(f.read_text(), str(f))) for f in library_files()]
+    return tuple((f, ast.parse(f.read_text(), str(f))) for f in library_files())
 
 
 def declarations(field: str, trees) -> set[str]:
@@ -60,40 +62,53 @@ def declarations(field: str, trees) -> set[str]:
 
 def copies(field: str, trees) -> set[str]:
     """The functions that copy ``field`` by name (module docstring)."""
-    names, key, found = names_of(field), CONFIG_KEYS[field], set()
+    names, key = names_of(field), CONFIG_KEYS[field]
+    return {
+        where
+        for where, (keywords, keys) in copy_index(trees).items()
+        if key in keys or any(arg in names and attr in names for arg, attr in keywords)
+    }
+
+
+def copy_index(trees) -> dict[str, tuple[set, set]]:
+    """Per function: the ``name=obj.attr`` keyword pairs and the config keys paired with a value read elsewhere."""
+    if trees is parsed():
+        return _library_index()
+    return _index(trees)
+
+
+@cache
+def _library_index() -> dict[str, tuple[set, set]]:
+    return _index(parsed())
+
+
+def _index(trees) -> dict[str, tuple[set, set]]:
+    index = {}
     for path, tree in trees:
         for func in ast.walk(tree):
             if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
+            keywords, keys = set(), set()
             for node in ast.walk(func):
-                by_keyword = (
-                    isinstance(node, ast.keyword)
-                    and node.arg in names
-                    and isinstance(node.value, ast.Attribute)
-                    and node.value.attr in names
-                )
-                by_key = (
-                    isinstance(node, ast.Tuple)
-                    and len(node.elts) == 2
-                    and _is(node.elts[0], key)
-                    and _read(node.elts[1])
-                ) or (
-                    isinstance(node, ast.Dict)
-                    and any(_is(k, key) and _read(v) for k, v in zip(node.keys, node.values, strict=True))
-                )
-                if by_keyword or by_key:
-                    found.add(f"{path.relative_to(ROOT)}:{func.name}")
-                    break
-    return found
+                if isinstance(node, ast.keyword) and node.arg and isinstance(node.value, ast.Attribute):
+                    keywords.add((node.arg, node.value.attr))
+                elif isinstance(node, ast.Tuple) and len(node.elts) == 2 and _read(node.elts[1]):
+                    keys.add(_text(node.elts[0]))
+                elif isinstance(node, ast.Dict):
+                    keys |= {_text(k) for k, v in zip(node.keys, node.values, strict=True) if _read(v)}
+            where = f"{path.relative_to(ROOT)}:{func.name}"
+            old = index.get(where, (set(), set()))
+            index[where] = (old[0] | keywords, old[1] | keys)
+    return index
+
+
+def _text(node) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
 def _read(node) -> bool:
     """A value read from another object (``obj.name``, ``e["name"]``): a copy, not a setting of its own."""
     return isinstance(node, ast.Attribute | ast.Subscript)
-
-
-def _is(node, text: str) -> bool:
-    return isinstance(node, ast.Constant) and node.value == text
 
 
 def test_each_layout_field_has_at_most_three_types_and_two_copies():
