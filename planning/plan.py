@@ -2,20 +2,24 @@
 
 ``LayoutPlan.resolve`` runs on every rank before any process group exists:
 
-1. Check every field against its range (runtime/config.py: ``check_values``), then resolve the degrees
-   (``ParallelDims.resolve``) and the model's shapes (``model_args``).
+1. Check every field against its range (runtime/config.py: ``check_values``), with the model the run trains
+   (the config's [model], or the one a transformers folder gives: checkpoint/hf_folder.py, ``folder_model``)
+   and its steps (``training.steps``, or what ``training.epochs`` makes of the data), then the model's shapes
+   (``model_args``).
 2. Derive the batch arithmetic: global batch = micro-batch x dp x accumulation. The local batch is
    global_batch / dp sequences per step; without pipelining the loop runs ``accumulation`` forward/backward
    passes of ``micro_batch`` sequences, with pipelining the schedule splits the local batch into
    ``pp_microbatches`` pieces itself (planning/layout_rules.py: ``batch_split``). Context parallelism consumes
    no batch: the cp ranks of one dp rank split each of its sequences.
-3. Derive the pipeline: stages per rank (1, or 2 for looped and V schedules), the number of stages, the
-   layers of each stage (``pp_split``) and this rank's stage ids.
+3. Make the layout (planning/layout.py: ``Layout.from_config``): the degrees, stages per rank (1, or 2 for
+   looped and V schedules), the schedule's micro-batches, the precision ``auto`` resolves to, whether FSDP
+   wraps the model.
 4. Check every rule against the world size, the model and the batch (planning/layout_rules.py:
    ``layout_errors``), and raise one ConfigError listing each broken rule with its field, value and fix.
    The same text on every rank, before any collective could hang.
+5. Derive the pipeline: the layers of each stage (``pp_split``) and this rank's stage ids.
 
-Everything else (train.py, the checkpoint metadata, the pipeline timeline) reads these fields instead of
+The config is never written: what the run derives lives here. Everything else (train.py, the checkpoint metadata, the pipeline timeline) reads these fields instead of
 recomputing them. Two names to keep apart: ``micro_batch`` is the number of *sequences* one call of the
 training loop's forward/backward takes (``accumulation`` such calls per step); ``pp_microbatches`` is how
 many *pieces* the pipeline schedule cuts each of those calls into.
@@ -85,7 +89,7 @@ class LayoutPlan:
         steps: int | None = None,
         device_type: str | None = None,
     ) -> LayoutPlan:
-        """Steps 1-4 of the module docstring; raises ConfigError on a misfit. ``model_config``: a transformers
+        """Steps 1-5 of the module docstring; raises ConfigError on a misfit. ``model_config``: a transformers
         folder's [model] (checkpoint/hf_folder.py: ``folder_model``); ``steps``: from training.epochs
         (data/dataset.py: ``epoch_steps``); ``device_type``: the device kind ``mixed_precision = auto`` resolves
         for (default: this machine's). The config itself is never written."""
