@@ -19,10 +19,11 @@
    The same text on every rank, before any collective could hang.
 5. Derive the pipeline: the layers of each stage (``pp_split``) and this rank's stage ids.
 
-The config is never written: what the run derives lives here. Everything else (train.py, the checkpoint metadata, the pipeline timeline) reads these fields instead of
-recomputing them. Two names to keep apart: ``micro_batch`` is the number of *sequences* one call of the
-training loop's forward/backward takes (``accumulation`` such calls per step); ``pp_microbatches`` is how
-many *pieces* the pipeline schedule cuts each of those calls into.
+The config is never written: what the run derives lives here. Everything else (train.py, the checkpoint
+metadata, the pipeline timeline) reads these fields instead of recomputing them. Two names to keep apart:
+``micro_batch`` is the number of *sequences* one call of the training loop's forward/backward takes
+(``accumulation`` such calls per step); ``pp_microbatches`` is how many *pieces* the pipeline schedule cuts each
+of those calls into.
 """
 
 from __future__ import annotations
