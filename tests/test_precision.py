@@ -24,7 +24,8 @@ def test_auto_is_bf16_on_cuda_and_fp32_on_cpu_and_an_explicit_choice_stays():
 @pytest.mark.parametrize("device_type, precision, fsdp", [("cpu", "fp32", False), ("cuda", "bf16", True)])
 def test_the_plan_resolves_auto_for_the_device_on_one_process(monkeypatch, device_type, precision, fsdp):
     # one process, no data parallelism: on CUDA the default is still bf16 compute with fp32 master weights
-    # (FSDP's mixed-precision policy over one rank), on CPU fp32 without FSDP, as before
+    # (FSDP's mixed-precision policy over one rank), on CPU fp32 without FSDP; the plan holds it, the config
+    # keeps what the user wrote
     import planning.plan
     from planning.plan import LayoutPlan
     from runtime.config import load_config
@@ -33,7 +34,8 @@ def test_the_plan_resolves_auto_for_the_device_on_one_process(monkeypatch, devic
     cfg = load_config([])
     assert cfg.training.mixed_precision == "auto"
     plan = LayoutPlan.resolve(cfg, 1)
-    assert cfg.training.mixed_precision == precision and plan.layout.fsdp is fsdp
+    assert plan.layout.mixed_precision == precision and plan.layout.fsdp is fsdp
+    assert cfg.training.mixed_precision == "auto"
 
 
 def test_tf32_is_turned_on_for_fp32_on_cuda_only_and_the_banner_says_so():
