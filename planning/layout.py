@@ -21,6 +21,7 @@ planner do; ``dataclasses.replace(layout, dp_shard=8)`` changes one degree.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -90,21 +91,21 @@ class Layout:
         from mesh.pipeline import default_microbatches, stages_per_rank
         from runtime.process import choose_precision
 
-        values = {name: read_key(cfg, key) for name, key in CONFIG_KEYS.items() if name not in DEGREES}
+        written = {name: read_key(cfg, key) for name, key in CONFIG_KEYS.items() if name not in DEGREES}
         dims = cls.resolve_dims(cfg, world_size)
-        requested_stages = values.pop("stages_per_rank")
-        pipelined = dims.pp > 1
-        n_local = stages_per_rank(values["pp_schedule"], requested_stages) if pipelined else 1
-        microbatches = (values["pp_microbatches"] or default_microbatches(dims.pp * n_local)) if pipelined else 1
-        precision = choose_precision(values["mixed_precision"], device_type, values["grad_compression"])
-        layout = cls(
-            dims=dims,
-            sequences_per_microbatch=micro_batch // microbatches if pipelined and microbatches else micro_batch,
-            stages_per_rank=n_local,
-            **(values | {"pp_microbatches": microbatches, "mixed_precision": precision, "fsdp": False}),
-        )
-        if not pipelined:
-            layout = layout.replace(pp_schedule="1F1B")
+        # decided, not copied: the schedule's stages and micro-batches (one stage, one micro-batch unpipelined),
+        # the precision auto becomes on the target device, and whether FSDP wraps the model
+        schedule = written["pp_schedule"] if dims.pp > 1 else "1F1B"
+        n_local = stages_per_rank(schedule, written["stages_per_rank"]) if dims.pp > 1 else 1
+        microbatches = (written["pp_microbatches"] or default_microbatches(dims.pp * n_local)) if dims.pp > 1 else 1
+        decided = {
+            "pp_schedule": schedule,
+            "stages_per_rank": n_local,
+            "pp_microbatches": microbatches,
+            "sequences_per_microbatch": micro_batch // microbatches,
+            "mixed_precision": choose_precision(written["mixed_precision"], device_type, written["grad_compression"]),
+        }
+        layout = cls(dims=dims, **(written | decided))
         return layout.replace(fsdp=uses_fsdp(layout, has_experts=model.moe is not None))
 
     @staticmethod
@@ -113,8 +114,6 @@ class Layout:
         return ParallelDims.resolve(world_size, **{d: read_key(cfg, CONFIG_KEYS[d]) for d in DEGREES})
 
     def replace(self, **changes) -> Layout:
-        import dataclasses
-
         return dataclasses.replace(self, **changes)
 
     # ---- derived values ----
