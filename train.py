@@ -57,7 +57,7 @@ from planning.dry_run import dry_run
 from planning.layout_rules import check_memory
 from planning.plan import LayoutPlan
 from planning.simulate import run_simulation
-from runtime.command_line import parse_command_line
+from runtime.command_line import first_run_args, next_commands, parse_command_line
 from runtime.config import ConfigError, help_text, load_config
 from runtime.failures import explain_failure, fail, is_communication_failure, phase, say_last
 from runtime.process import (
@@ -190,6 +190,8 @@ def train(cfg: Config) -> list[dict]:
         with phase("finishing the last save", "checkpoint group, control plane"):
             run.checkpoints.finish()
         run.step.observers.finish()  # the pipeline timeline is gathered and written
+    if run.is_logger and run.checkpoints.last_saved is not None:
+        print(next_commands(run.checkpoints.folder, cfg.run.dir), flush=True)
     return run.records
 
 
@@ -257,6 +259,7 @@ def main(argv: list[str]) -> int:
     try:
         command = parse_command_line(argv)  # a run, --dry-run or --simulate (runtime/command_line.py)
         cfg = load_config(command.config_args)
+        cfg = load_config(first_run_args(command.config_args, cfg.training.steps))  # no --config: save at the end
         if command.mode == "simulate":  # two steps of one rank per pipeline stage, faked (planning/simulate.py)
             print(run_simulation(cfg, command, simulate_rank, folder_model(cfg)), flush=True)
             return 0

@@ -24,11 +24,12 @@
    aside and removed after the rename, so no file of it (an old shard, an old index beside a new single file)
    survives, and a failed export leaves the earlier one as it was.
 
-7. Keep the source folder's config whole: a run that started from a transformers folder
-   (``checkpoint.init_from``, recorded in meshloom.json; else the folder of the run's tokenizer.json when it
-   holds a config.json; ``--source`` names it when it moved) exports that folder's config.json with every field
-   meshloom does not change as it was (pad/bos/eos/unk ids, initializer_range, use_cache, ...): only the fields
-   whose value meshloom computes differently are written, and they are printed (``dtype`` after ``--dtype``).
+7. Give back the folder you brought: a run that started from a transformers folder (``checkpoint.init_from``,
+   recorded in meshloom.json; else the folder of the run's tokenizer.json when it holds a config.json;
+   ``--source`` names it when it moved) exports that folder's config.json field for field, changing only what
+   training changed (``kept_config``): ``dtype`` after ``--dtype``, and the special-token ids when the run used
+   another tokenizer than the folder's own tokenizer.json. Every other field (router_aux_loss_coef, sliding_window, max_window_layers, bos/eos ids,
+   num_nextn_predict_layers, ...) stays as the folder wrote it; the changed fields are printed.
    When the run's tokenizer.json is the folder's, the special-token ids stay the folder's and its
    generation_config.json and tokenizer files (tokenizer_config.json, special_tokens_map.json,
    chat_template.jinja) are copied as they are; otherwise (a run on another tokenizer) they are meshloom's.
@@ -206,27 +207,22 @@ def default_dtype(source: dict | None) -> str:
     return CONFIG_DTYPES.get(str(spelled), "fp32")
 
 
-def kept_config(source: dict, ours: dict, keep_ids: bool = True) -> tuple[dict, list[str]]:
-    """Step 7: ``source`` with the fields of ``ours`` (meshloom's config.json) written only where meshloom's value
-    differs; with ``keep_ids`` (the run's tokenizer is the folder's) the special-token ids stay the source's.
-    Returns the config and the changed fields, as ``key: old -> new``."""
-    from checkpoint.hf_folder import rope_parameters
+# What training changes that a config.json describes (step 7): the weights' dtype, and the special-token ids when the
+# run's tokenizer is not the folder's. Every other field is the source folder's, as it was written.
+TRAINED_FIELDS = ("dtype",)
+TOKENIZER_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
+
+def kept_config(source: dict, ours: dict, keep_ids: bool = True) -> tuple[dict, list[str]]:
+    """Step 7: ``source`` as it was, but for what training changed: ``dtype`` (``--dtype``), and, unless ``keep_ids``
+    (the run's tokenizer is the folder's), the special-token ids of meshloom's config.json ``ours``. Returns the
+    config and the changed fields, as ``key: old -> new``."""
     out = dict(source)
-    for key, value in ours.items():
-        if key in ("bos_token_id", "eos_token_id", "pad_token_id") and key in source and keep_ids:
-            continue  # the tokenizer's ids, as the folder states them
-        if key == "rope_parameters":
-            theirs = rope_parameters(source)
-            if theirs == {k: theirs.get(k) for k in value} or theirs == value:
-                continue
-            for legacy in ("rope_scaling", "rope_theta"):
-                out.pop(legacy, None)
-        if key in source and _same(source[key], value):
-            continue
-        out[key] = value
+    for key in TRAINED_FIELDS + (() if keep_ids else TOKENIZER_IDS):
+        if key in ours and not (key in source and _same(source[key], ours[key])):
+            out[key] = ours[key]
     if "torch_dtype" in out:  # an older config that spells it so: both say the same
-        out["torch_dtype"] = out["dtype"]
+        out["torch_dtype"] = out.get("dtype", out["torch_dtype"])
     missing = object()
     changed = [
         f"{key}: {json.dumps(source.get(key)) if key in source else '(absent)'} -> {json.dumps(out.get(key))}"
@@ -331,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         changed = None
         if source_config is not None:
             check_same_shape(source_config, config, source)
-            config, changed = kept_config(source_config, config, same_tokenizer(source, tokenizer))
+            # the ids are the run's only where the folder has a tokenizer of its own that the run did not use
+            keep_ids = same_tokenizer(source, tokenizer) or not (source / "tokenizer.json").is_file()
+            config, changed = kept_config(source_config, config, keep_ids)
 
         def write(folder: Path) -> list[Path]:
             files = export_safetensors(state, args, folder, tokenizer.eos_id, max_shard_bytes, config=config)

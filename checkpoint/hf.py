@@ -436,6 +436,21 @@ def expected_hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:
     return shapes
 
 
+def empty_shared_experts(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3 with ``n_shared_experts: 0``: transformers still builds the shared-expert MLP, zero channels wide,
+    and writes its three zero-width matrices; meshloom has no shared expert then. Import ignores them (they hold
+    nothing), export writes them back so that the folder is the one transformers writes."""
+    if args.family != "deepseek_v3" or args.moe is None or args.moe.n_shared_experts:
+        return {}
+    dim, out = args.dim, {}
+    for layer in range(args.n_layers):
+        if args.is_moe_layer(layer):
+            prefix = f"model.layers.{layer}.{_SHARED['deepseek_v3']}"
+            for name, shape in (("gate_proj", (0, dim)), ("up_proj", (0, dim)), ("down_proj", (dim, 0))):
+                out[f"{prefix}.{name}.weight"] = torch.zeros(shape, dtype=dtype)
+    return out
+
+
 HF_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}  # config.json's dtype
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -503,6 +518,7 @@ def export_safetensors(
     expected = expected_hf_shapes(args)
     if set(tensors) != set(expected):
         raise ValueError(f"the state does not match the model: missing {sorted(set(expected) - set(tensors))[:5]}")
+    tensors.update(empty_shared_experts(args, next(iter(tensors.values())).dtype))
     shards = plan_shards(dict(sorted(tensors.items(), key=lambda item: hf_order(item[0]))), max_shard_bytes)
     written = []
     if len(shards) == 1:
@@ -561,6 +577,9 @@ def safetensors_problems(path: str | Path, args: ModelArgs) -> list[str]:
         return [f"{p} is not a readable safetensors model ({reading}: {exc})"]
     if args.tie_embeddings:  # a tied folder may still carry the head's copy: not read
         shapes.pop(TOP_LEVEL["output.weight"], None)
+    for name in empty_shared_experts(args):  # zero-width: nothing to read (DeepSeek-V3 without shared experts)
+        if name in shapes and shapes[name].numel() == 0:
+            del shapes[name]
     missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     if missing:
         problems.append(f"missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")

@@ -72,19 +72,19 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 SUPPORTED = "Llama-family decoders with SiLU SwiGLU: " + ", ".join(
     f"{arch} (model_type {kind!r})" for kind, arch in FAMILIES.items()
 )
-# GPT-OSS: what its folder computes that meshloom does not (``gpt_oss_refusal``), each with what it would take.
-# (Its YaRN RoPE is not among them: models/rope.py computes it.)
+# GPT-OSS: what its folder computes that meshloom does not (``gpt_oss_refusal``), each with what it would take; the
+# {fields} are the folder's own values. (Its YaRN RoPE is not among them: models/rope.py computes it.)
 GPT_OSS_MISSING = (
     "attention sinks (self_attn.sinks: a learned per-head logit in every softmax's denominator; needs an "
     "attention kernel that takes it, SDPA has none)",
-    "alternating sliding-window attention (layer_types sliding_attention/full_attention, sliding_window 128: "
+    "alternating sliding-window attention (layer_types {layer_types}, sliding_window {sliding_window}: "
     "meshloom has one full causal attention; needs a per-layer window in models/llama.causal_attention and CP)",
-    "biases on q/k/v/o, the router and the experts (attention_bias true, gate_up_proj_bias, down_proj_bias: "
-    "GroupedExperts has no bias)",
-    "a clamped SwiGLU (swiglu_limit 7.0, swiglu_alpha 1.702, (up + 1) * gate * sigmoid(alpha * gate): "
+    "biases on q/k/v/o, the router and the experts (attention_bias {attention_bias}, gate_up_proj_bias, "
+    "down_proj_bias: GroupedExperts has no bias)",
+    "a clamped SwiGLU (swiglu_limit {swiglu_limit}, (up + 1) * gate * sigmoid(1.702 * gate): "
     "meshloom's experts compute silu(gate) * up)",
-    "MXFP4 expert weights (quantization_config quant_method 'mxfp4' in the released folders: blocks and scales "
-    "to dequantize on import)",
+    "MXFP4 expert weights where a folder has them (quantization_config quant_method {quant_method}; the released "
+    "folders' 'mxfp4': blocks and scales to dequantize on import)",
 )
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -120,7 +120,18 @@ def rope_parameters(config: dict) -> dict:
 
 def gpt_oss_refusal(config: dict) -> list[str]:
     """A GPT-OSS folder: one line per piece meshloom lacks (``GPT_OSS_MISSING``), naming what it would take."""
-    return [f"config.json model_type={config.get('model_type')!r} (GPT-OSS) needs {piece}" for piece in GPT_OSS_MISSING]
+    types = config.get("layer_types") or []
+    values = {
+        "layer_types": ", ".join(f"{types.count(t)} x {t}" for t in dict.fromkeys(types)) or "absent",
+        "sliding_window": repr(config.get("sliding_window")),
+        "attention_bias": repr(config.get("attention_bias")),
+        "swiglu_limit": repr(config.get("swiglu_limit")),
+        "quant_method": repr((config.get("quantization_config") or {}).get("quant_method")),
+    }
+    return [
+        f"config.json model_type={config.get('model_type')!r} (GPT-OSS) needs {piece.format(**values)}"
+        for piece in GPT_OSS_MISSING
+    ]
 
 
 def moe_unsupported(config: dict) -> list[str]:
@@ -322,10 +333,10 @@ def moe_fields(config: dict) -> dict[str, object]:
         "moe_groups": 1,
         "moe_topk_groups": 1,
         "moe_route_scale": 1.0,
-        # transformers adds its auxiliary loss only with output_router_logits (meshloom's is per sequence and
-        # per layer: models/moe.py)
+        # transformers adds its auxiliary loss only with output_router_logits (DeepSeek-V3's class: never), by its
+        # own formula over the whole forward (model.moe_aux_loss_form, models/moe.py)
         "moe_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.0))
-        if config.get("output_router_logits")
+        if config.get("output_router_logits") and kind != "deepseek_v3"
         else 0.0,
         "qk_norm_full": kind == "olmoe",
     }
@@ -405,6 +416,11 @@ def folder_model(cfg: Config) -> ModelConfig:
     (a copy; the config is left as the user wrote it), or the config's own when there is no folder."""
     if not cfg.checkpoint.init_from:
         return cfg.model
+    if not Path(cfg.checkpoint.init_from).expanduser().exists():
+        raise ConfigError(
+            f"checkpoint.init_from={cfg.checkpoint.init_from!r}: no such folder or file; give a transformers folder "
+            "(config.json + safetensors) or a .safetensors file."
+        )
     folder = folder_of(cfg.checkpoint.init_from)
     if folder is None:
         return cfg.model
@@ -434,6 +450,13 @@ def folder_model(cfg: Config) -> ModelConfig:
         raise ConfigError("the model given disagrees with checkpoint.init_from:\n  - " + "\n  - ".join(clashes))
     from runtime.config import pad_problems
 
+    # transformers' default fine-tune: nn.Embedding(padding_idx=pad_token_id) gives the pad row no lookup gradient.
+    # Unless the key was given, meshloom does the same where the embedding is whole (tp 1; tensor parallelism
+    # shards it by vocabulary, where the row is not held out: there every row trains, docs/checkpointing.md).
+    if "model.freeze_pad_embedding" not in explicit:
+        values["freeze_pad_embedding"] = fields["pad_token_id"] >= 0 and cfg.parallel.tp == 1
+    if "model.moe_aux_loss_form" not in explicit and fields.get("moe_aux_loss_coef"):
+        values["moe_aux_loss_form"] = "transformers"  # the loss the folder's own class adds (models/moe.py)
     model = dataclasses.replace(cfg.model, **values)
     problems = pad_problems(model, cfg.parallel.tp)
     if problems:

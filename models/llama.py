@@ -32,7 +32,7 @@ from torch import nn
 
 from models.feed_forward import FeedForward
 from models.latent_attention import LatentAttention, latent_attention_params
-from models.moe import MoE, MoEArgs
+from models.moe import AddAuxLoss, MoE, MoEArgs, batch_aux_loss
 from models.rope import RopeScaling, attention_factor, scaled_frequencies
 
 
@@ -434,8 +434,19 @@ class Transformer(nn.Module):
                 h = layer(h, cos, sin, None, cache.layer(key))
         if cache is not None:
             cache.length += tokens.shape[1]
+        aux = batch_aux_loss(self.moes) if self.moes else None  # model.moe_aux_loss_form transformers
+        if aux is not None:
+            h = AddAuxLoss.apply(h, aux)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    @property
+    def moes(self) -> list[MoE]:
+        """The MoE blocks whose loss the decoder adds after its last layer (aux_loss_form transformers), else []."""
+        moe = self.args.moe
+        if moe is None or moe.aux_loss_form != "transformers" or moe.aux_loss_coef <= 0 or not self.training:
+            return []
+        return [m for m in self.modules() if isinstance(m, MoE)]
 
     def tie_weights(self) -> None:
         """With ``tie_embeddings``, make the head's weight the embedding's Parameter: at construction and again after

@@ -22,10 +22,22 @@
 
 Load balancing, both optional:
 
-- **Auxiliary loss** (Switch Transformer style, per sequence): aux = coef * E * sum_i f_i * P_i, with f_i
-  the fraction of the sequence's assignments that went to expert i and P_i the mean router probability of
-  expert i. It is added to the training objective through ``AddAuxLoss`` (identity forward; backward feeds
-  the aux gradient), summed over sequences and divided by ``aux_loss_scale``'s global sequence count.
+- **Auxiliary loss** (Switch Transformer style), in one of two forms (``aux_loss_form``):
+
+  - ``sequence`` (meshloom's): per sequence and per layer, aux = coef * E * sum_i f_i * P_i, with f_i the
+    fraction of the sequence's assignments that went to expert i and P_i the mean router probability of
+    expert i; summed over sequences and divided by ``aux_loss_scale``'s global sequence count. Every layout
+    computes it (each term needs one sequence, one layer).
+  - ``transformers`` (``load_balancing_loss_func`` in transformers' Mixtral, Qwen-MoE and OLMoE modeling): one
+    loss over the whole forward, every layer's tokens concatenated: aux = coef * E * sum_i (c_i / N) * (p_i / N),
+    with c_i the top-k assignments (of softmax(logits)) to expert i summed over tokens and layers, p_i the
+    routing probabilities summed the same way and N the tokens times the layers. A product of two sums over
+    all layers: each block only records its sums (``batch_terms``) and the decoder adds the loss after its
+    last layer (``batch_aux_loss``), so it is whole only when one forward sees the global batch (one rank, no
+    accumulation: planning/layout_rules.py).
+
+  Either is added to the training objective through ``AddAuxLoss`` (identity forward; backward feeds the aux
+  gradient).
 
 - **Aux-loss-free bias** (DeepSeek-V3 style): ``expert_bias`` shifts only the *selection*. After each
   optimizer step the trainer nudges it by ``bias_update_rate * sign(mean_load - load_i)`` from the measured
@@ -68,6 +80,7 @@ class MoEArgs:
     score_func: str = "softmax"  # softmax | sigmoid
     route_norm: bool = True  # renormalise the k gates of a token to sum to 1
     aux_loss_coef: float = 0.0  # 0: no auxiliary loss
+    aux_loss_form: str = "sequence"  # sequence (per sequence and layer) | transformers (the whole forward)
     aux_loss_scale: float = 1.0  # 1 / (sequences per optimizer step, whole world): set by the trainer
     bias_update_rate: float = 0.0  # 0: no aux-loss-free bias updates
     capacity_factor: float = 0.0  # 0: dropless
@@ -169,6 +182,7 @@ class MoE(nn.Module):
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
         self.count_stats = True  # False while activation checkpointing recomputes the block
         self.sequence = WholeSequence()  # tensor parallelism replaces it (module docstring)
+        self.batch_terms: tuple[torch.Tensor, torch.Tensor, int] | None = None  # aux_loss_form transformers
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         """Zero the bias and the step statistics; with ``device``, make them anew there (FSDP CPU offload's ``to_empty``
@@ -238,7 +252,10 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
                 self.dropped_assignments += flat_keep.numel() - order.numel()
-        if a.aux_loss_coef > 0 and self.training:
+        if a.aux_loss_coef > 0 and self.training and a.aux_loss_form == "transformers":
+            if self.count_stats:  # not again when activation checkpointing reruns the block
+                self.batch_terms = self.aux_terms(scores)
+        elif a.aux_loss_coef > 0 and self.training:
             aux = self.aux_loss(scores, assigned)
             if self.count_stats:
                 self.aux_loss_sum += aux.detach() / self.sequence.chunks  # this chunk's share
@@ -254,3 +271,33 @@ class MoE(nn.Module):
         f = self.sequence.sum(assigned.float().sum(1)) / (length * a.top_k)  # (b, E): share of the assignments
         p = self.sequence.sum(probs.sum(1)) / length  # (b, E): mean routing probability
         return a.aux_loss_coef * a.aux_loss_scale * a.n_experts * (f * p).sum()
+
+    def aux_terms(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This layer's part of transformers' loss: top-k assignments of softmax(logits) per expert (no gradient),
+        the routing probabilities summed per expert, and the token count (``batch_aux_loss`` adds the layers)."""
+        a = self.args
+        probs = (scores if a.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)).flatten(0, 1)
+        with torch.no_grad():
+            chosen = torch.topk(probs, a.top_k, dim=-1).indices.flatten()
+            counts = torch.zeros(a.n_experts, device=probs.device).scatter_add_(
+                0, chosen, torch.ones_like(chosen, dtype=torch.float)
+            )
+        return counts, probs.sum(0), probs.shape[0]
+
+
+def batch_aux_loss(moes: list[MoE]) -> torch.Tensor | None:
+    """transformers' auxiliary loss over the layers of one forward (module docstring), from each block's
+    ``batch_terms`` (then cleared); None when no block recorded any. Each block's ``aux_loss_sum`` gets an equal
+    share, so that the metric sums to the loss."""
+    recorded = [moe for moe in moes if moe.batch_terms is not None]
+    if not recorded:
+        return None
+    a = recorded[0].args
+    counts = sum(moe.batch_terms[0] for moe in recorded)
+    probs = sum(moe.batch_terms[1] for moe in recorded)
+    rows = sum(moe.batch_terms[2] for moe in recorded)
+    aux = a.aux_loss_coef * a.n_experts * ((counts / rows) * (probs / rows)).sum()
+    for moe in recorded:
+        moe.batch_terms = None
+        moe.aux_loss_sum += aux.detach() / len(recorded)
+    return aux

@@ -88,6 +88,7 @@ def layout_errors(
             compiled=layout.compile,
         )
     errors += compile_errors(layout)
+    errors += aux_form_errors(layout, model, batch)
     errors += batch_errors(dims, batch)
     errors += saver_errors(layout, batch)
     if layout.seq_len > model.max_seq_len:
@@ -96,6 +97,23 @@ def layout_errors(
             "model.max_seq_len or shorten training.seq_len."
         )
     return errors
+
+
+def aux_form_errors(layout: Layout, model: ModelArgs, batch: BatchSplit) -> list[str]:
+    """transformers' aux loss is one product of sums over the whole forward (models/moe.py): whole only when one
+    forward on one rank sees the global batch."""
+    moe, dims = model.moe, layout.dims
+    if moe is None or moe.aux_loss_coef <= 0 or moe.aux_loss_form != "transformers":
+        return []
+    if dims.world_size == 1 and batch.accumulation in (None, 1):
+        return []
+    return [
+        f"model.moe_aux_loss_form='transformers' (model.moe_aux_loss_coef={moe.aux_loss_coef}) on {dims.world_size} "
+        f"ranks with {batch.accumulation} micro-batches per step: transformers' auxiliary loss multiplies two sums "
+        "over the whole batch and every layer, which one forward sees only on one rank without accumulation; set "
+        "--model.moe_aux_loss_form sequence (meshloom's per-sequence loss, which every layout computes), or train "
+        "on one rank with training.micro_batch 0."
+    ]
 
 
 def degree_errors(layout: Layout, model: ModelArgs, requested_dp_shard: int | None = None) -> list[str]:

@@ -137,3 +137,24 @@ def routing(text: str) -> str:
             "(real routing needs real numbers: the split sizes are read on the host)."
         )
     return text
+
+
+def first_run_args(config_args: list[str], steps: int) -> list[str]:
+    """``python train.py`` with no --config (the embedded default, README's first command) saves once, after its last
+    step, so that the run it ends can be sampled and exported (``next_commands``); a given --checkpoint.interval or
+    a --config file decides for itself."""
+    given = {arg.split("=", 1)[0] for arg in config_args if arg.startswith("--")}
+    if "--config" in given or "--checkpoint.interval" in given:
+        return config_args
+    return [*config_args, "--checkpoint.interval", str(steps)]
+
+
+def next_commands(checkpoints: str | Path, run_dir: str | Path) -> str:
+    """What to do with the checkpoints a run saved: the command that samples from them and the one that exports them."""
+    import shlex
+
+    folder, out = shlex.quote(str(checkpoints)), shlex.quote(str(Path(run_dir) / "hf"))
+    return (
+        f"sample from it:  python -m generate --checkpoint {folder} --prompt 'def ' --max-new-tokens 100\n"
+        f"export it:       python -m checkpoint.export --checkpoint {folder} --out {out}"
+    )

@@ -440,6 +440,7 @@ def model_args(cfg: Config, model: ModelConfig | None = None):
             score_func=m.moe_score_func,
             route_norm=m.moe_route_norm,
             aux_loss_coef=m.moe_aux_loss_coef,
+            aux_loss_form=m.moe_aux_loss_form,
             bias_update_rate=m.moe_bias_update_rate,
             capacity_factor=m.moe_capacity_factor,
             shared_hidden_dim=m.moe_shared_ffn_dim,

@@ -60,7 +60,8 @@ class ModelConfig:
     freeze_pad_embedding: bool = opt(
         False,
         "true: as transformers' nn.Embedding(padding_idx), the input lookup gives the pad_token_id row no gradient "
-        "(a tied head still trains it); false: every row trains (docs/checkpointing.md)",
+        "(a tied head still trains it); false: every row trains. Not given: true for a checkpoint.init_from folder "
+        "with a pad id at parallel.tp 1, else false (docs/checkpointing.md)",
     )
     n_experts: int = opt(0, "routed experts per MoE layer; 0: a dense model (see models/moe.py)", ge=0)
     top_k: int = opt(2, "experts each token is routed to", ge=1)
@@ -70,6 +71,12 @@ class ModelConfig:
     moe_score_func: Literal["softmax", "sigmoid"] = opt("softmax", "router score function")
     moe_route_norm: bool = opt(True, "renormalise each token's top-k gates to sum to 1")
     moe_aux_loss_coef: float = opt(0.0, "Switch-style load-balancing loss coefficient (0: off)", ge=0)
+    moe_aux_loss_form: Literal["sequence", "transformers"] = opt(
+        "sequence",
+        "the aux loss: per sequence and layer (every layout), or transformers' load_balancing_loss_func over the "
+        "whole forward, all layers concatenated (one rank, no accumulation); a folder with output_router_logits: "
+        "transformers (models/moe.py)",
+    )
     moe_bias_update_rate: float = opt(0.0, "aux-loss-free expert-bias step (0: off)", ge=0)
     moe_capacity_factor: float = opt(0.0, "0: dropless; > 0: per-sequence capacity with token dropping", ge=0)
     # Llama-family variants (checkpoint/hf_folder.py sets them from a transformers folder's config.json)

@@ -206,13 +206,16 @@ def test_gpt_oss_is_refused_naming_each_missing_piece(tmp_path):
     from checkpoint.hf_folder import GPT_OSS_MISSING, checked_fields
     from runtime.config import ConfigError
 
-    config = transformers.GptOssConfig(**{**SHAPE, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16})
+    config = transformers.GptOssConfig(
+        **{**SHAPE, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 64}
+    )
     transformers.GptOssForCausalLM(config).save_pretrained(str(tmp_path))
     with pytest.raises(ConfigError) as err:
         checked_fields(tmp_path, "checkpoint.init_from")
     message = str(err.value)
     for piece in ("attention sinks", "sliding-window", "biases", "clamped SwiGLU", "MXFP4"):
         assert piece in message
+    assert "sliding_window 64" in message and "sliding_window 128" not in message  # the folder's, not GPT-OSS-20B's
     assert len(GPT_OSS_MISSING) == 5  # its YaRN RoPE is supported (test_yarn_rope_...)
 
 
@@ -358,7 +361,7 @@ def test_each_family_trains_with_pp2_and_fsdp_tp_ep_like_one_process(folders, fa
 
 def test_router_aux_loss_coefficient_comes_from_the_config(folders):
     """transformers adds its auxiliary loss only with output_router_logits: then, and only then, the import
-    turns meshloom's (per-sequence) aux loss on with the folder's coefficient."""
+    turns the aux loss on with the folder's coefficient (in transformers' form, tests/test_default_finetune.py)."""
     from checkpoint.hf_folder import model_fields
 
     config = json.loads((folders["mixtral"] / "config.json").read_text())
