@@ -97,7 +97,7 @@ def read_json_object(path: str | Path, fix: str, where: str = "") -> dict:
 
 # ---- 2. a full disk --------------------------------------------------------------------------------------------
 DISK_ERRNOS = {errno.ENOSPC: "full", errno.EDQUOT: "over its quota", errno.EROFS: "read-only"}
-_RUST_OS_CODE = re.compile(r"\bOs \{ code: (\d+)")  # safetensors' IoError(Os { code: 28, ... })
+_RUST_OS_CODE = re.compile(r"\bOs \{ code: (\d+)|\(os error (\d+)\)")  # safetensors' Rust io::Error, either form
 _TORCH_WRITER = re.compile(r"PytorchStreamWriter failed writing|file write failed|inline_container")
 LOW_SPACE = 64 * 2**20  # a torch writer failure with less free than this was the disk filling up
 
@@ -115,7 +115,7 @@ def disk_errno(error: BaseException, folder: Path) -> int | None:
             return cause.errno
         found = _RUST_OS_CODE.search(str(cause))
         if found:
-            return int(found.group(1))
+            return int(found.group(1) or found.group(2))
         if _TORCH_WRITER.search(str(cause)) and free_bytes(folder) < LOW_SPACE:
             return errno.ENOSPC
         cause = cause.__cause__ or cause.__context__
