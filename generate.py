@@ -50,7 +50,7 @@ def load_export(path: Path, tokenizer_override: str = ""):
     from checkpoint.hf_folder import read_config
     from data.tokenizers import load_tokenizer
 
-    args = model_args_from_hf_config(read_config(path))  # unreadable JSON: a ConfigError naming config.json
+    args = model_args_from_hf_config(read_config(path), f"--checkpoint {path}")  # range-checked as train does
     problems = safetensors_problems(path, args)
     if problems:
         raise ConfigError(f"--checkpoint {path}: the weights do not fit its config.json: {'; '.join(problems)}.")
@@ -82,6 +82,10 @@ def load_checkpoint(path: Path, step: int | None, tokenizer_override: str = ""):
     model.reset_buffers("cpu")
     model.load_state_dict(state)  # the RoPE tables are not state: reset_buffers rebuilt them
     return model, tokenizer, step_dir
+
+
+# the smallest temperature the logits are divided by: fp32 logits of ~1e4 over 1e-6 stay far below fp32's 3e38
+MIN_TEMPERATURE = 1e-6
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
@@ -187,6 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.max_new_tokens < 1 or opts.temperature < 0 or opts.top_k < 0:
             raise ConfigError("--max-new-tokens must be >= 1, --temperature >= 0 and --top-k >= 0.")
+        if 0 < opts.temperature < MIN_TEMPERATURE:
+            raise ConfigError(
+                f"--temperature {opts.temperature:g} is too small to divide the logits by (they overflow to inf, and "
+                f"the probabilities to NaN); give 0 (greedy, which is what it approaches) or a value >= "
+                f"{MIN_TEMPERATURE:g}."
+            )
+        if opts.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                "--device cuda, but no CUDA device is visible (torch.cuda.is_available() is False); use --device "
+                "auto or cpu, or install a CUDA build of torch on a machine with a GPU."
+            )
         path = Path(opts.checkpoint).expanduser()
         if opts.step is None and is_export(path):
             model, tokenizer = load_export(path, opts.tokenizer)

@@ -56,11 +56,12 @@ import torch.distributed.checkpoint as dcp
 from checkpoint.folder import published
 from checkpoint.hf import HF_DTYPES, export_safetensors, export_tokenizer, hf_config, parse_size
 from checkpoint.hf_folder import read_config
-from checkpoint.resume import META_FILE, inspect
+from checkpoint.resume import META_FILE, inspect, read_meta
 from checkpoint.safe_pickle import planner, reader
 from checkpoint.state import MODEL, split, with_tied_head
 from checkpoint.verify import METADATA, digest_problems
 from runtime.config import ConfigError, model_args
+from runtime.files import writing
 from runtime.options import check_out_folder, path_option
 from runtime.schema import Config
 
@@ -131,7 +132,7 @@ def replace_whole(out: Path, write) -> list[Path]:
 def saved_config(step_dir: Path) -> Config:
     """Step 2: a Config whose [model] is the one the checkpoint was saved with."""
     cfg = Config()
-    for key, value in json.loads((step_dir / META_FILE).read_text())["model"].items():
+    for key, value in read_meta(step_dir)["model"].items():
         if not hasattr(cfg.model, key):
             raise ConfigError(f"{step_dir / META_FILE}: model.{key} is unknown to this meshloom version.")
         setattr(cfg.model, key, value)
@@ -157,7 +158,7 @@ def checkpoint_tokenizer(step_dir: Path, override: str = ""):
     """Step 5: the tokenizer a checkpoint was trained with (bytes for checkpoints that predate tokenizers)."""
     from data.tokenizers import load_tokenizer
 
-    stream = json.loads((step_dir / META_FILE).read_text()).get("data", {})
+    stream = read_meta(step_dir).get("data", {})
     spec = stream.get("tokenizer", "bytes")
     if spec == "bytes" and not override:
         return load_tokenizer("bytes")
@@ -192,7 +193,7 @@ def source_folder(step_dir: Path, override: str = "") -> Path | None:
         if folder is None:
             raise ConfigError(f"--source {override}: no config.json there; give the transformers folder the run used.")
         return folder
-    meta = json.loads((step_dir / META_FILE).read_text())
+    meta = read_meta(step_dir)
     candidates = [meta.get("init_from") or "", (meta.get("data") or {}).get("tokenizer_file") or ""]
     for candidate in filter(None, candidates):
         folder = folder_of(candidate)
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype = opts.dtype or default_dtype(source_config)
         state, args = load_model_state(step_dir)
         state = {name: t.to(DTYPES[dtype]) for name, t in state.items()}
-        pad = int(json.loads((step_dir / META_FILE).read_text())["model"].get("pad_token_id", -1))
+        pad = int(read_meta(step_dir)["model"].get("pad_token_id", -1))
         config = hf_config(args, tokenizer.eos_id, HF_DTYPES[DTYPES[dtype]], pad)
         changed = None
         if source_config is not None:
@@ -339,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                 files += copy_source_files(source, folder, tokenizer)
             return files
 
-        written = replace_whole(out, write)
+        needed = sum(t.numel() * t.element_size() for t in state.values())
+        with writing(Path(out).absolute().parent, needed_bytes=needed, what=f"--out {out}"):
+            written = replace_whole(out, write)  # a full disk: the partial folder is removed (step 6)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"meshloom export: error: {exc}", file=sys.stderr, flush=True)
         return 2

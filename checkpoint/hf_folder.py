@@ -46,11 +46,11 @@ Starting a run (or ``python -m generate``) from such a folder:
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runtime.config import ConfigError
+from runtime.files import read_json_object
 
 if TYPE_CHECKING:
     from runtime.schema import Config, ModelConfig
@@ -251,7 +251,56 @@ def unsupported(config: dict) -> list[str]:
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         if not isinstance(config.get(key), int):
             out.append(f"config.json {key}={config.get(key)!r}: a Llama config needs it as an integer")
+    for key in ("num_key_value_heads", "max_position_embeddings"):  # optional: null or absent means the default
+        if config.get(key) is not None and (not isinstance(config[key], int) or isinstance(config[key], bool)):
+            out.append(f"config.json {key}={config[key]!r}: needs an integer")
+    for key, value in (("rms_norm_eps", config.get("rms_norm_eps", 1e-6)), ("rope_theta", rope.get("rope_theta", 1.0))):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            out.append(f"config.json {key}={value!r}: needs a number")
     return out
+
+
+# config.json's name for each model.* field a range check can refuse (the message names the file's key)
+HF_KEYS = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "ffn_dim": "intermediate_size",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "max_seq_len": "max_position_embeddings",
+}
+
+
+def checked_model(config: dict, where: str) -> dict[str, object]:
+    """Steps 1-2 and every field's range: the ``model.*`` fields ``config`` gives, or one ConfigError naming
+    ``where`` (the config.json) and every problem. Training (``checked_fields``) and generation
+    (checkpoint/hf.py: ``model_args_from_hf_config``) both read a folder through it."""
+    from runtime.config import section_problems
+    from runtime.schema import ModelConfig
+
+    problems = unsupported(config)
+    if problems:
+        raise ConfigError(f"{where} is a model meshloom cannot run:\n  - " + "\n  - ".join(problems))
+    try:
+        fields = model_fields(config)
+        model = dataclasses.replace(ModelConfig(), **{k: type(getattr(ModelConfig(), k))(v) for k, v in fields.items()})
+    except (ArithmeticError, KeyError, TypeError, ValueError) as exc:  # e.g. num_attention_heads 0, a missing key
+        raise ConfigError(
+            f"{where} cannot be read as a model ({type(exc).__name__}: {exc}); is it a transformers folder?"
+        ) from None
+    broken = section_problems("model", model)
+    if broken:
+        named = [
+            next(
+                (f"config.json {hf}: {line}" for name, hf in HF_KEYS.items() if line.startswith(f"model.{name}=")), line
+            )
+            for line in broken
+        ]
+        raise ConfigError(f"{where} describes a model out of range:\n  - " + "\n  - ".join(named))
+    return fields
 
 
 def model_fields(config: dict) -> dict[str, object]:
@@ -390,25 +439,13 @@ def folder_of(init_from: str | Path) -> Path | None:
 
 
 def read_config(folder: Path) -> dict:
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(
-            f"{folder / 'config.json'} cannot be read as JSON ({exc}); is it a transformers folder?"
-        ) from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{folder / 'config.json'} is not a JSON object; is it a transformers folder?") from None
-    return config
+    return read_json_object(folder / "config.json", "is it a transformers folder?")
 
 
 def checked_fields(folder: Path, field: str) -> dict[str, object]:
     """Steps 1-2 for ``folder``; a ConfigError listing every unsupported field (``field``: the option that
     named the folder, for the message)."""
-    config = read_config(folder)
-    problems = unsupported(config)
-    if problems:
-        raise ConfigError(f"{field}={str(folder)!r} is a model meshloom cannot run:\n  - " + "\n  - ".join(problems))
-    return model_fields(config)
+    return checked_model(read_config(folder), f"{field}={str(folder)!r}")
 
 
 def folder_model(cfg: Config) -> ModelConfig:
@@ -469,8 +506,11 @@ def weight_files(folder: Path) -> dict[str, Path]:
     from safetensors import safe_open
 
     if (folder / INDEX).is_file():
-        index = json.loads((folder / INDEX).read_text())
-        files = {name: folder / file for name, file in index["weight_map"].items()}
+        fix = "export the folder again (its index lists each tensor's shard)."
+        weight_map = read_json_object(folder / INDEX, fix).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ConfigError(f"{folder / INDEX}: has no 'weight_map' object of tensor name -> file name; {fix}")
+        files = {name: folder / file for name, file in weight_map.items()}
         if (folder / SINGLE).is_file() and set(files.values()) != {folder / SINGLE}:
             # transformers reads the single file, an index reader the shards: two models under one name
             raise ConfigError(

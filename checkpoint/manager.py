@@ -81,13 +81,14 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from checkpoint.folder import check_shared, checkpoint_folder, move_aside, published, remove_stale
 from checkpoint.hf import import_safetensors
-from checkpoint.resume import FORMAT, META_FILE, Resume, check_usable, inspect, warn
+from checkpoint.resume import FORMAT, META_FILE, Resume, check_usable, inspect, read_meta, warn
 from checkpoint.safe_pickle import planner, reader, refused_value
 from checkpoint.state import apply_training_state, training_state
 from checkpoint.verify import METADATA, digest_problems, file_digests, seal
 from data.dataset import stream_identity
 from mesh.dims import ParallelDims
 from runtime.config import ConfigError
+from runtime.files import disk_errno, disk_problem
 from runtime.process import ControlPlane, all_gather_objects, new_cpu_group, synchronize
 from runtime.run_dir import RunFolderLost, folder_lost
 
@@ -130,11 +131,13 @@ FIX_BY_ERRNO = {
 OTHER_FIX = "Fix the folder or set --checkpoint.folder elsewhere"
 
 
-def _describe(error: BaseException) -> tuple[int | None, str, int | None]:
-    """(the rank where it failed, if DCP says; one line; the errno): the OS error, wherever DCP wrapped it."""
+def _describe(error: BaseException, folder: Path) -> tuple[int | None, str, int | None]:
+    """(the rank where it failed, if DCP says; one line; the errno): the OS error, wherever DCP wrapped it; torch's
+    own writer keeps no errno ("[enforce fail at inline_container.cc] ... file write failed"), so a full disk is
+    told from the space left (runtime/files.py: ``disk_problem``)."""
     if isinstance(error, CheckpointException):
         for rank, failure in error.failures.items():  # (exception, traceback) per failed rank
-            return rank, *_describe(failure[0] if isinstance(failure, tuple) else failure)[1:]
+            return rank, *_describe(failure[0] if isinstance(failure, tuple) else failure, folder)[1:]
     cause = error
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
@@ -142,6 +145,9 @@ def _describe(error: BaseException) -> tuple[int | None, str, int | None]:
         reason = "the disk is full" if cause.errno == errno.ENOSPC else (cause.strerror or str(cause)).lower()
         where = f" writing {cause.filename}" if cause.filename else ""
         return None, f"{reason}{where} ({errno.errorcode.get(cause.errno, 'OSError')})", cause.errno
+    problem = disk_problem(error, folder)
+    if problem is not None:
+        return None, problem, disk_errno(error, folder)
     return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", None
 
 
@@ -241,7 +247,12 @@ class CheckpointManager:
             if self.resume.mode == "auto":
                 self._log(f"checkpoint: nothing to resume in {self.folder}; starting fresh")
             if self.cfg.checkpoint.init_from:
-                import_safetensors(parts, self.cfg.checkpoint.init_from)
+                error = None
+                try:  # a NaN in one rank's slice is refused on every rank
+                    import_safetensors(parts, self.cfg.checkpoint.init_from)
+                except ConfigError as exc:
+                    error = exc
+                self.control.raise_if_any_failed(error, "reading checkpoint.init_from", ConfigError)
                 self._log(f"checkpoint: initial weights from {self.cfg.checkpoint.init_from}")
             return 0
         state = training_state(parts, optimizers, loader, step=0)  # what to read, sharded for this layout
@@ -258,7 +269,7 @@ class CheckpointManager:
                 "(docs/troubleshooting.md, 'What is safe to load')."
             ) from None
         step = apply_training_state(state, parts, optimizers, loader)
-        meta = json.loads((self.resume_dir / META_FILE).read_text())
+        meta = read_meta(self.resume_dir)
         # the degrees it was saved on, as a ParallelDims (checkpoints older than cp and ep lack those keys)
         saved = ParallelDims(**{f.name: meta["layout"].get(f.name, 1) for f in dataclasses.fields(ParallelDims)})
         self._log(
@@ -379,7 +390,7 @@ class CheckpointManager:
 
     def _agree(self, error: BaseException | None, step: int, tmp: Path) -> None:
         """Step 5: all ranks learn whether the save worked, and a failed save leaves nothing behind."""
-        reports = self.control.all_gather_object(None if error is None else _describe(error))
+        reports = self.control.all_gather_object(None if error is None else _describe(error, self.folder))
         failures = []  # (the rank where it failed, one line, errno)
         for reporter, report in enumerate(reports):
             if report is not None:

@@ -28,7 +28,6 @@ candidate, on every rank together.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import sys
@@ -47,6 +46,7 @@ from data.dataset import stream_digest
 from data.tokenizers import load_tokenizer
 from models.llama import Transformer
 from runtime.config import ConfigError
+from runtime.files import read_json, read_json_object
 from runtime.schema import Config, ModelConfig
 
 if TYPE_CHECKING:
@@ -77,6 +77,11 @@ def unreadable(exc: OSError) -> str:
     return f"{exc.filename or 'a file'} cannot be read ({reason})"
 
 
+def read_meta(step_dir: Path) -> dict:
+    """A step folder's meshloom.json (already verified by ``inspect`` when the step was chosen)."""
+    return read_json_object(Path(step_dir) / META_FILE, "the checkpoint is damaged: resume or export another step.")
+
+
 def inspect(path: Path):
     """(meshloom.json dict, DCP Metadata, problems), problems empty when whole; ``.metadata`` (a pickle) is read only
     after its checksum matched, and an unreadable step is damaged too."""
@@ -91,9 +96,9 @@ def _inspect(path: Path):
     if not meta_file.is_file():
         return None, None, [f"{META_FILE} is missing (a save that never finished, or not a meshloom checkpoint)"]
     try:
-        meta = json.loads(meta_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return None, None, [f"{META_FILE} is not valid JSON ({exc})"]
+        meta = read_json(meta_file, "", where=META_FILE)  # runtime/files.py: UTF-8, depth, surrogates
+    except ConfigError as exc:
+        return None, None, [str(exc)]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else None
         return None, None, [f"{META_FILE} is format {found}, not meshloom checkpoint format {FORMAT} (with checksums)"]

@@ -28,13 +28,13 @@ token file of data/token_file.py with a loss mask beside it (``mask.bin``). The 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from runtime.config import ConfigError
+from runtime.files import parse_json
 
 TRAIN_ON = ("assistant", "all")
 
@@ -128,10 +128,10 @@ def conversations(path: Path) -> Iterator[tuple[list[dict], str]]:
         if not line.strip():
             continue
         where = f"{path}:{n}"
-        try:
-            messages = json.loads(line)["messages"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{where}: not a JSON object with a 'messages' list ({exc!r})") from exc
+        record = parse_json(line, where, "each line must be a JSON object with a 'messages' list.")
+        if not isinstance(record, dict) or "messages" not in record:
+            raise ConfigError(f"{where}: not a JSON object with a 'messages' list")
+        messages = record["messages"]
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages

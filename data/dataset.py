@@ -55,7 +55,7 @@ def document_starts(source: str, mode: str, field: str):
     ``mode``: auto is on for chat data (a loss mask) whose folder recorded its documents."""
     prepared = source != "default" and is_token_folder(source)
     header = read_header(source, field) if prepared else {}
-    starts = open_documents(source, header) if prepared else None
+    starts = open_documents(source, header, field) if prepared else None
     if mode == "off" or (mode == "auto" and "loss_mask" not in header):
         return None, "off"
     if starts is None:

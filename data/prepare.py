@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
-import json
 import os
 import sys
 import time
@@ -63,6 +62,7 @@ from data.pieces import LONG_CHARS, PIECE_CHARS, encode_long
 from data.token_file import TokenFileWriter, dtype_for
 from data.tokenizers import load_tokenizer
 from runtime.config import ConfigError
+from runtime.files import parse_json
 from runtime.options import check_out_folder, int_option, path_option, text_option
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -147,12 +147,7 @@ def jsonl_documents(path: Path, field: str, progress: Progress, utf8: Utf8) -> I
             offset += len(raw)
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    f"{path}:{lineno} is not valid JSON ({exc.msg}); each line of a JSONL file must be one JSON object."
-                ) from exc
+            record = parse_json(line, f"{path}:{lineno}", "each line of a JSONL file must be one JSON object.")
             if not isinstance(record, dict) or field not in record:
                 keys = ", ".join(map(repr, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
                 raise ConfigError(

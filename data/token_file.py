@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.config import ConfigError
+from runtime.files import read_json
 
 HEADER, TOKENS, MASK, DOCUMENTS = "header.json", "tokens.bin", "mask.bin", "documents.bin"
 FORMAT, VERSION = "meshloom-tokens", 1
@@ -160,18 +161,28 @@ def read_header(path: str | Path, field: str = "data.source") -> dict:
     """The header of the dataset folder ``path``, checked against its token file (no tokens are read)."""
     folder = Path(path).expanduser()
     where = f"{field}={str(path)!r}"
-    try:
-        header = json.loads((folder / HEADER).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: {HEADER} cannot be read ({exc}); prepare the dataset again.") from exc
+    header = read_json(folder / HEADER, "prepare the dataset again.", where=f"{where}: {HEADER}")
     if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
         raise ConfigError(
             f"{where}: {HEADER} is not a {FORMAT} version {VERSION} header; prepare the dataset with python -m data.prepare."
         )
-    if header.get("dtype") not in DTYPES or not isinstance(header.get("num_tokens"), int):
+    if (
+        not isinstance(header.get("dtype"), str)
+        or header["dtype"] not in DTYPES
+        or not is_count(header.get("num_tokens"))
+    ):
         raise ConfigError(
             f"{where}: {HEADER} has dtype={header.get('dtype')!r}, num_tokens={header.get('num_tokens')!r}; "
             "expected uint16/uint32 and an integer; prepare the dataset again."
+        )
+    wrong = [
+        f"{name}={value!r} (expected {kind})"
+        for name, kind, value in _typed_fields(header)
+        if not HEADER_KINDS[kind](value)
+    ]
+    if wrong:
+        raise ConfigError(
+            f"{where}: {HEADER} has {', '.join(wrong)}; the header is damaged: prepare the dataset again."
         )
     tokens = folder / TOKENS
     expected = header["num_tokens"] * DTYPES[header["dtype"]].itemsize
@@ -204,12 +215,73 @@ def read_header(path: str | Path, field: str = "data.source") -> dict:
     return header
 
 
-def open_documents(path: str | Path, header: dict) -> np.ndarray | None:
-    """The offsets where each document starts (increasing, int64), or None for a folder prepared before they
-    were recorded. Read whole: 8 bytes per document."""
+# header.json's optional fields and their types: (path, kind); the required ones are checked above
+HEADER_KINDS = {
+    "an object": lambda value: isinstance(value, dict),
+    "a string": lambda value: isinstance(value, str),
+    "a count": lambda value: is_count(value),
+    "a count or null": lambda value: value is None or is_count(value),
+}
+HEADER_FIELDS = (
+    ("max_id", "a count"),
+    ("num_documents", "a count"),
+    ("tokens_sha256", "a string"),
+    ("trained_tokens", "a count"),
+    ("tokenizer", "an object"),
+    ("tokenizer.vocab_size", "a count"),
+    ("tokenizer.eos_id", "a count or null"),
+    ("tokenizer.sha256", "a string"),
+    ("tokenizer.name", "a string"),
+    ("loss_mask", "an object"),
+    ("loss_mask.trained_tokens", "a count"),
+    ("documents", "an object"),
+    ("documents.count", "a count"),
+    ("chat", "an object"),
+    ("chat.seq_len", "a count"),
+)
+
+
+def is_count(value: object) -> bool:
+    """An int >= 0 (JSON's true is a Python bool, an int: not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _typed_fields(header: dict):
+    """(dotted name, kind, value) for each of ``HEADER_FIELDS`` the header has (below an object only)."""
+    for name, kind in HEADER_FIELDS:
+        value, found = header, True
+        for part in name.split("."):
+            if not isinstance(value, dict) or part not in value:
+                found = False
+                break
+            value = value[part]
+        if found:
+            yield name, kind, value
+
+
+def open_documents(path: str | Path, header: dict, field: str = "data.source") -> np.ndarray | None:
+    """The offsets where each document starts (int64), or None for a folder prepared before they were recorded.
+    Read whole: 8 bytes per document, and checked: the first is 0, each is at least the one before, none is past
+    the last token (a wrong offset would be an IndexError mid-run, or a silently wrong document mask)."""
     if "documents" not in header:
         return None
-    starts = np.fromfile(Path(path).expanduser() / DOCUMENTS, dtype="<u8").astype(np.int64)
+    starts = np.fromfile(Path(path).expanduser() / DOCUMENTS, dtype="<u8")
+    where = f"{field}={str(path)!r}: {DOCUMENTS}"
+    fix = "the folder is damaged: prepare the dataset again."
+    if len(starts) and int(starts[0]) != 0:
+        raise ConfigError(f"{where} starts its first document at token {int(starts[0]):,}, not 0; {fix}")
+    if len(starts) > 1 and bool((np.diff(starts.astype(np.int64)) < 0).any()):
+        at = int(np.argmax(np.diff(starts.astype(np.int64)) < 0)) + 1
+        raise ConfigError(
+            f"{where}: document {at} starts at token {int(starts[at]):,}, before document {at - 1} "
+            f"({int(starts[at - 1]):,}); the starts must not decrease; {fix}"
+        )
+    if len(starts) and int(starts.max()) > header["num_tokens"]:
+        raise ConfigError(
+            f"{where} has a document starting at token {int(starts.max()):,}, past the {header['num_tokens']:,} "
+            f"tokens of {TOKENS}; {fix}"
+        )
+    starts = starts.astype(np.int64)
     return starts if len(starts) else np.zeros(1, dtype=np.int64)
 
 

@@ -19,12 +19,12 @@ second.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 
 from runtime.config import ConfigError
+from runtime.files import read_json_object
 
 # Special tokens that end a text in common tokenizers (GPT-2 / Llama 3 base / Llama 2, Mistral / Gemma).
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -106,9 +106,9 @@ class HFTokenizer:
     def _find_eos(self) -> str:
         config = self.file.parent / "tokenizer_config.json"
         if config.is_file():
-            try:
-                eos = json.loads(config.read_text()).get("eos_token")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            try:  # a broken tokenizer_config.json only loses the hint: the special tokens are looked at next
+                eos = read_json_object(config, "").get("eos_token")
+            except ConfigError:
                 eos = None
             if isinstance(eos, dict):  # the long form {"content": "</s>", ...}
                 eos = eos.get("content")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "meshloom supervise: the command must include --checkpoint.resume auto, or each relaunch would start "
             "the run from scratch; add it (the first launch then starts fresh).",
+            file=sys.stderr,
+        )
+        return 2
+    if shutil.which(command[0]) is None:  # Popen's FileNotFoundError would be a traceback
+        print(
+            f"meshloom supervise: the command {command[0]!r} is not found (not a file, not on PATH); give the training "
+            "command after --, e.g. -- torchrun --nproc-per-node 8 train.py ...",
             file=sys.stderr,
         )
         return 2

@@ -61,6 +61,15 @@ def parse_float(text: str) -> float | None:
     return float(text) + 0.0 if ASCII_FLOAT.fullmatch(text) else None
 
 
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (Python's stand-in for argv bytes that are not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def type_problem(value, meta: dict | None = None) -> str | None:
     """Why ``value`` cannot be used even if it is in its field's range (None: it can): an int beyond int64, a
     float that is not a finite fp32 number (or rounds to 0 in fp32), a path that is blank or holds a NUL byte,
@@ -80,6 +89,8 @@ def type_problem(value, meta: dict | None = None) -> str | None:
         if "\0" in value:
             return "must not contain a NUL byte"
         kind = meta.get("path")
+        if not kind and not _is_unicode(value):  # a path may hold any bytes; text is tokenized, so it must be text
+            return "is not UTF-8 text (bytes the terminal could not decode); give it in UTF-8"
         if (kind or meta.get("nonempty")) and value and not value.strip():
             return "is only whitespace; give a real value"
         if (kind == "required" or meta.get("nonempty")) and not value:
@@ -258,26 +269,36 @@ def _in_range(value, meta: dict) -> bool:
     )
 
 
+def section_problems(section_name: str, section) -> list[str]:
+    """Each field of ``section`` against its type's limits and its range: one line per broken field."""
+    broken = []
+    for name, f in _fields(section).items():
+        value, key = getattr(section, name), FIELD_KEYS.get(f"{section_name}.{name}", f"{section_name}.{name}")
+        problem = type_problem(value, f.metadata)
+        if problem:
+            broken.append(f"{key}={value!r} {problem}; the default is {f.default!r}.")
+            continue
+        rule = _range_rule(f.metadata)
+        if (
+            rule
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and not _in_range(value, f.metadata)
+        ):
+            broken.append(f"{key}={value!r} must be {rule}; the default is {f.default!r}.")
+    return broken
+
+
 def check_values(cfg: Config, model: ModelConfig | None = None, steps: int | None = None) -> None:
     """Every field's range (from its metadata), then the rules between fields; one ConfigError lists all.
     ``model`` and ``steps``: what the run trains when a transformers folder or training.epochs sets them (by
     default the config's own)."""
     broken = []
-    for section_name, section in _sections(cfg).items():
-        for name, f in _fields(section).items():
-            value, key = getattr(section, name), FIELD_KEYS.get(f"{section_name}.{name}", f"{section_name}.{name}")
-            problem = type_problem(value, f.metadata)
-            if problem:
-                broken.append(f"{key}={value!r} {problem}; the default is {f.default!r}.")
-                continue
-            rule = _range_rule(f.metadata)
-            if (
-                rule
-                and isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and not _in_range(value, f.metadata)
-            ):
-                broken.append(f"{key}={value!r} must be {rule}; the default is {f.default!r}.")
+    sections = _sections(cfg)
+    if model is not None:  # the model the run trains (a transformers folder's) is checked, not the one it replaced
+        sections["model"] = model
+    for section_name, section in sections.items():
+        broken += section_problems(section_name, section)
     m, p = model or cfg.model, cfg.parallel
     steps = steps or cfg.training.steps
     if p.dp_shard == 0:

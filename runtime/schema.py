@@ -54,7 +54,8 @@ class ModelConfig:
     rope_mscale: float = opt(0.0, "rope_scaling yarn: attention factor numerator coefficient (0: unused)", ge=0)
     rope_mscale_all_dim: float = opt(0.0, "rope_scaling yarn: its denominator's (DeepSeek: softmax scale too)", ge=0)
     rope_truncate: bool = opt(True, "rope_scaling yarn: round the ramp's ends to whole dimensions")
-    max_seq_len: int = opt(2048, "longest sequence the rotary tables cover", ge=1)
+    # le: the rotary tables are max_seq_len x head_dim floats, twice (4 Mi positions: 4 GiB at head_dim 128)
+    max_seq_len: int = opt(2048, "longest sequence the rotary tables cover", ge=1, le=2**22)
     tie_embeddings: bool = opt(False, "one weight for the embedding and the output head (see docs/checkpointing.md)")
     pad_token_id: int = opt(-1, "the padding id (a transformers folder's config.json pad_token_id); -1: none", ge=-1)
     freeze_pad_embedding: bool = opt(

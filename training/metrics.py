@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime.config import ConfigError
+from runtime.files import writing
 
 if TYPE_CHECKING:
     from runtime.process import ControlPlane
@@ -39,19 +41,28 @@ class MetricsWriter:
         self.enabled = enabled
         self.file = None
         self.tb = None
+        self.run_dir = run_dir
         if not enabled:
             return
-        root = Path(run_dir)
+        with writing(run_dir, what="run.dir"):  # a full or read-only disk: one line (runtime/files.py)
+            self._open(Path(run_dir), tensorboard, resume_step)
+
+    def _open(self, root: Path, tensorboard: bool, resume_step: int | None) -> None:
         root.mkdir(parents=True, exist_ok=True)
         path = root / "metrics.jsonl"
         if resume_step is not None and path.exists():
             # Resumed after `resume_step`: keep the records up to it and append. Later records came from
             # steps that are about to run again (the earlier run went on past its last checkpoint).
             kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
-            self.file = open(path, "a")  # noqa: SIM115 - closed in close()
+            part = path.with_name(path.name + ".part")  # replaced whole: a full disk keeps the old records
+            try:
+                part.write_text("".join(line + "\n" for line in kept))
+                os.replace(part, path)
+            finally:
+                part.unlink(missing_ok=True)
+            self.file = open(path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
         else:
-            self.file = open(path, "w")  # noqa: SIM115 - closed in close()
+            self.file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported lazily: it is slow to import
 
@@ -65,8 +76,17 @@ class MetricsWriter:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        data = (json.dumps(record) + "\n").encode()
+        fd = self.file.fileno()
+        size = os.fstat(fd).st_size
+        try:
+            with writing(self.run_dir, needed_bytes=len(data), what="run.dir (metrics.jsonl)"):
+                view = memoryview(data)
+                while view:  # unbuffered: a short write is followed by the error that explains it
+                    view = view[os.write(fd, view) :]
+        except BaseException:
+            os.ftruncate(fd, size)  # no torn line: the file ends with the last whole record
+            raise
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -102,6 +122,8 @@ def open_metrics(
     writer, error = None, None
     try:
         writer = MetricsWriter(run_dir, enabled=is_logger, tensorboard=tensorboard, resume_step=resumed_step)
+    except ConfigError as exc:  # a full or read-only disk (runtime/files.py)
+        error = exc
     except OSError as exc:
         error = ConfigError(f"run.dir={run_dir!r} cannot be written ({exc}); choose a writable --run.dir.")
     control.raise_if_any_failed(error, "opening run.dir", error_type=ConfigError)
