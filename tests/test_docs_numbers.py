@@ -264,6 +264,20 @@ def planned(model: str, layout: str, tokens: float = 4e6, gpu: str = "h100", seq
     return choose(args, parsed, fixed, gpu, seq, tokens)[0]
 
 
+@cache
+def masked_recipe(name: str) -> tuple[float, float, float]:
+    """(loss, loss error, gradient error) of a loss recipe at step 0 on the masked data of tests/test_masked_loss.py
+    (`wrong_way_errors`, what `test_the_wrong_ways_differ_from_one_process` prints): 'global count (meshloom)',
+    'per-micro-batch mean, averaged' or 'per-rank mean, averaged'."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.test_masked_loss import write_masked_folder, wrong_way_errors
+
+    with tempfile.TemporaryDirectory() as folder:
+        return wrong_way_errors(write_masked_folder(Path(folder) / "data"))[name]
+
+
 def as_dtype(x: float, dtype: str) -> float:
     """``x`` rounded to the nearest number of ``dtype`` ('bfloat16')."""
     import torch
