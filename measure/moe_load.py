@@ -10,7 +10,8 @@ from the same initial weights and the same data:
 - ``aux``:  the Switch-style auxiliary loss only (``--aux-coef``);
 - ``bias``: the aux-loss-free expert bias only (``--bias-rate``; it moves each bias by +-rate per step).
 
-Every step's record (train.py) carries the global tokens per expert of every MoE layer; the coefficient of
+Every logged step's record (``run.log_every 1`` here: every step) carries the global tokens per expert of every
+MoE layer (training/step.py reads the load on log steps only); the coefficient of
 variation (std / mean) of those counts, averaged over the layers, is ``expert_load_cv`` and the worst
 layer's max / mean is ``expert_load_max_over_mean`` (mesh/expert_parallel.load_metrics). The script prints
 both at a few steps and draws both, per step, as a hand-written SVG line chart. Run dirs go to a temporary
@@ -47,11 +48,13 @@ def schemes(aux_coef: float, bias_rate: float) -> dict[str, tuple[str, dict]]:
 
 
 def run(overrides: dict, steps: int, run_dir: str) -> list[dict]:
-    """One in-process training run (a world of one; train() creates the process group if needed)."""
+    """One in-process training run (a world of one; train() creates the process group if needed). Every step is
+    a log step: the expert load is read on log steps only (training/step.py), and the table and the picture need
+    it at every step."""
     from runtime.config import load_config
     from train import train
 
-    base = {"training.steps": steps, "run.dir": run_dir, "run.tensorboard": False, "run.log_every": steps}
+    base = {"training.steps": steps, "run.dir": run_dir, "run.tensorboard": False, "run.log_every": 1}
     return train(load_config(path=str(CONFIG), overrides={**base, **overrides}))
 
 

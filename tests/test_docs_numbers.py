@@ -253,6 +253,31 @@ def pp_split(split: str) -> tuple[list[int], list[float]]:
     return sizes, [m.total / 2**30 for m in ranks]
 
 
+@cache
+def planned(model: str, layout: str, tokens: float = 4e6, gpu: str = "h100", seq: int = 8192) -> dict:
+    """What `python -m cluster.plan_layout --model MODEL --gpu GPU --layout LAYOUT --global-batch-tokens TOKENS
+    --json` prints for one layout (memory_gb, step_s, memory_breakdown_gb, ...)."""
+    from cluster.plan_layout import MODELS, choose, parse_layout
+
+    args = MODELS[model]
+    parsed, fixed = parse_layout(layout, args, seq)
+    return choose(args, parsed, fixed, gpu, seq, tokens)[0]
+
+
+@cache
+def masked_recipe(name: str) -> tuple[float, float, float]:
+    """(loss, loss error, gradient error) of a loss recipe at step 0 on the masked data of tests/test_masked_loss.py
+    (`wrong_way_errors`, what `test_the_wrong_ways_differ_from_one_process` prints): 'global count (meshloom)',
+    'per-micro-batch mean, averaged' or 'per-rank mean, averaged'."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.test_masked_loss import write_masked_folder, wrong_way_errors
+
+    with tempfile.TemporaryDirectory() as folder:
+        return wrong_way_errors(write_masked_folder(Path(folder) / "data"))[name]
+
+
 def as_dtype(x: float, dtype: str) -> float:
     """``x`` rounded to the nearest number of ``dtype`` ('bfloat16')."""
     import torch

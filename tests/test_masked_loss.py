@@ -6,6 +6,7 @@ micro-batches, pipeline micro-batches and cp chunks, with one micro-batch of no 
 layout that divided by any local count (or by the constant global_batch x seq_len) would drift at once.
 """
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -37,16 +38,24 @@ def window_mask(n_tokens: int) -> np.ndarray:
     return (dense | sparse).astype(np.uint8)
 
 
+def fixed_bytes(n: int) -> np.ndarray:
+    """``n`` byte tokens that never change: SHA-256 of 0, 1, 2, ... concatenated. Not README.md's text, which
+    changes with every edit and would move the figures docs/00_foundations.md quotes from this data."""
+    stream = b"".join(hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(n // 32 + 1))
+    return np.frombuffer(stream[:n], dtype=np.uint8).astype(np.uint16)
+
+
+def write_masked_folder(folder: Path) -> Path:
+    n = BATCH * SEQ * (STEPS + 2) + 1  # the steps, and a held-out batch for the validation test
+    writer = TokenFileWriter(folder, "uint16", masked=True)
+    writer.append(fixed_bytes(n), window_mask(n))
+    writer.finish({"num_documents": 1, "tokenizer": load_tokenizer("bytes").describe(), "source": "fixed_bytes"})
+    return folder
+
+
 @pytest.fixture(scope="module")
 def masked_folder(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("masked") / "data"
-    text = (ROOT / "README.md").read_bytes()
-    n = BATCH * SEQ * (STEPS + 2) + 1  # the steps, and a held-out batch for the validation test
-    ids = np.frombuffer((text * (n // len(text) + 1))[:n], dtype=np.uint8).astype(np.uint16)
-    writer = TokenFileWriter(folder, "uint16", masked=True)
-    writer.append(ids, window_mask(n))
-    writer.finish({"num_documents": 1, "tokenizer": load_tokenizer("bytes").describe(), "source": "README.md"})
-    return folder
+    return write_masked_folder(tmp_path_factory.mktemp("masked") / "data")
 
 
 def test_the_loader_masks_targets_and_counts_the_global_batch(masked_folder):
@@ -97,7 +106,7 @@ def test_the_masked_loss_is_the_mean_over_trained_targets(masked_folder, masked_
     plain = tmp_path / "plain"
     writer = TokenFileWriter(plain, "uint16")
     writer.append(np.asarray(open_tokens(masked_folder, read_header(masked_folder)).tokens))
-    writer.finish({"num_documents": 1, "tokenizer": load_tokenizer("bytes").describe(), "source": "README.md"})
+    writer.finish({"num_documents": 1, "tokenizer": load_tokenizer("bytes").describe(), "source": "fixed_bytes"})
     unmasked = train_on(1, {"data.source": str(plain), "training.steps": 1}, tmp_path / "run")
     assert abs(unmasked[0]["loss"] - masked_one_process[0]["loss"]) > 1e-3
 
@@ -171,7 +180,7 @@ def test_another_mask_on_the_same_tokens_is_another_stream(masked_folder, tmp_pa
     other = tmp_path / "all"
     writer = TokenFileWriter(other, "uint16", masked=True)
     writer.append(tokens, np.ones(len(tokens), dtype=np.uint8))
-    writer.finish({"num_documents": 1, "tokenizer": load_tokenizer("bytes").describe(), "source": "README.md"})
+    writer.finish({"num_documents": 1, "tokenizer": load_tokenizer("bytes").describe(), "source": "fixed_bytes"})
     assert read_header(other)["tokens_sha256"] == read_header(masked_folder)["tokens_sha256"]
     assert stream_digest(str(other)) != stream_digest(str(masked_folder))  # a resume across them is refused
 
