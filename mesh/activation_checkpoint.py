@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from mesh.ac_policies import POLICIES, SELECTIVE, keeps_matmul
-from mesh.private_api import checkpoint_wrapper, dtensor_local_storage
+from mesh.private_api import checkpoint_wrapper, dtensor_local_storage, selective_checkpoint_contexts
 from mesh.tensor_parallel import row_parallel_linears
 from models.moe import MoE
 
@@ -140,8 +140,12 @@ def _moe_stats_off(block: nn.Module):
 
 def _contexts(block: nn.Module, mode: str, compiled: bool, row_linears: list[nn.Module]):
     """(forward context, recompute context) for one checkpointed call of ``block`` under ``mode``."""
+    # Eager: torch's contexts, passing over FSDP's profiler annotations (a nested FSDP unit, the MoE experts' under
+    # ep, opens more of them in recomputation than in forward: mesh/private_api.selective_checkpoint_contexts).
+    # Compiled: torch's own, whose modes the compiler knows by their exact class.
+    contexts = create_selective_checkpoint_contexts if compiled else selective_checkpoint_contexts
     forward, recompute = (
-        create_selective_checkpoint_contexts(_every_second_matmul(_save_policy([] if compiled else row_linears), mode))
+        contexts(_every_second_matmul(_save_policy([] if compiled else row_linears), mode))
         if mode in SELECTIVE
         else (contextlib.nullcontext(),) * 2
     )
@@ -152,10 +156,23 @@ def _contexts(block: nn.Module, mode: str, compiled: bool, row_linears: list[nn.
     return forward, _recomputing(block, recompute)
 
 
-@contextlib.contextmanager
-def _recomputing(block: nn.Module, recompute):
-    with _moe_stats_off(block), recompute:
-        yield
+class _recomputing:
+    """The recompute context: MoE statistics off, then ``recompute`` (the selective policy's replay, or nothing).
+    A class, not a generator: torch enters one call's recompute context once per recomputation, and a split
+    backward (a zero-bubble schedule's input-gradient pass, then its weight-gradient pass) recomputes twice."""
+
+    def __init__(self, block: nn.Module, recompute):
+        self.block, self.recompute, self.stack = block, recompute, None
+
+    def __enter__(self):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_moe_stats_off(self.block))
+            stack.enter_context(self.recompute)
+            self.stack = stack.pop_all()
+
+    def __exit__(self, *exc):
+        stack, self.stack = self.stack, None
+        return stack.__exit__(*exc)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, compiled: bool = False) -> nn.Module:

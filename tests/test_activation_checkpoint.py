@@ -168,3 +168,46 @@ def test_selective_checkpointing_under_fsdp_and_tp_trains_bitwise_like_none(tmp_
     selective = train_on(4, {**layout, "training.activation_checkpoint": "selective"}, tmp_path / "selective")
     # the same ops on the same inputs in the same order: equal to the last bit
     assert_same_curve(selective, none, rtol=0)
+
+
+@pytest.mark.parametrize("contexts", ["meshloom", "torch"])
+def test_selective_contexts_pass_over_annotations_and_serve_a_split_backward(contexts):
+    """mesh/private_api.selective_checkpoint_contexts, one process: the recomputation opens more profiler ranges
+    than the forward did (as a nested FSDP unit's hooks do), and the backward is split in two, input gradients
+    then weight gradients (as a zero-bubble schedule's is), so the region is recomputed twice. The gradients equal
+    those of the region without checkpointing, bitwise; torch's own contexts fail on both counts."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from mesh.private_api import selective_checkpoint_contexts
+
+    gen = torch.Generator().manual_seed(0)
+    w1, w2 = (torch.randn(8, 8, generator=gen, requires_grad=True) for _ in range(2))
+    x = torch.randn(4, 8, generator=gen, requires_grad=True)
+    calls = []
+
+    def region(x):
+        calls.append(1)
+        for _ in calls:  # one more annotation on every run of the region
+            with torch.autograd.profiler.record_function("annotation"):
+                pass
+        return (torch.relu(x @ w1) @ w2).square().sum()
+
+    def keep_mm(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    make = selective_checkpoint_contexts if contexts == "meshloom" else create_selective_checkpoint_contexts
+    plain = region(x)
+    expected = torch.autograd.grad(plain, [x, w1, w2])
+
+    def split_backward():
+        loss = checkpoint(region, x, use_reentrant=False, context_fn=lambda: make(keep_mm))
+        (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)  # the input-gradient pass
+        return (dx, *torch.autograd.grad(loss, [w1, w2]))  # the weight-gradient pass: recomputed again
+
+    if contexts == "torch":
+        with pytest.raises(RuntimeError, match="not found in storage|backward an extra time"):
+            split_backward()
+        return
+    for got, want in zip(split_backward(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(calls) == 4  # the plain run, the forward, two recomputations
