@@ -169,6 +169,9 @@ def test_the_simulation_flags_and_refusals():
         ["--simulate", "--world-size", "4", "--simulate-out", "/no/such/folder/sim.json"],  # checked before the run
         ["--dry-run", "--world-size", "²"],
         ["--dry-run", "--world-size", str(2**31)],
+        ["--dry-run", "--world-size", "8", "--device-kind", "tpu"],  # cuda or cpu
+        ["--dry-run", "--world-size", "8", "--device-kind"],  # no value
+        ["--device-kind", "cuda"],  # a real run uses the device it finds
     ):
         with pytest.raises(ConfigError):
             parse_command_line(bad)
@@ -178,6 +181,38 @@ def test_the_simulation_flags_and_refusals():
     assert (
         main(["--simulate", "--world-size", "1", "--config", "configs/debug.toml"]) == 2
     )  # fp32 on 1 rank: no FSDP, no TP
+
+
+AUTO_8B = ["--config", "configs/llama3_8b.toml", "--training.mixed_precision", "auto"]
+
+
+def test_the_dry_run_plans_for_the_target_device_not_this_machine(capsys):
+    """``mixed_precision = auto`` resolves for ``--device-kind`` (default cuda), on this CPU machine too: Llama 3 8B
+    on 8 ranks is torchtitan's bf16 run, about 71.7 GiB per rank, not an fp32 one of about 115 GiB."""
+    assert main(["--dry-run", "--world-size", "8", *AUTO_8B]) == 0
+    out = capsys.readouterr().out
+    assert "| bf16 on cuda |" in out and "memory about 71.72 GiB per rank" in out
+    assert main(["--dry-run", "--world-size", "8", "--device-kind", "cpu", *AUTO_8B]) == 0
+    out = capsys.readouterr().out
+    assert "| fp32 on cpu |" in out and "memory about 115.08 GiB per rank" in out
+    # a config that names its device is planned for that device; a flag that contradicts it is refused
+    assert main(["--dry-run", "--world-size", "8", *AUTO_8B, "--training.device", "cpu"]) == 0
+    assert "| fp32 on cpu |" in capsys.readouterr().out
+    assert main(["--dry-run", "--world-size", "8", "--device-kind", "cuda", *AUTO_8B, "--training.device", "cpu"]) == 2
+    assert "--device-kind cuda contradicts training.device='cpu'" in capsys.readouterr().err
+
+
+def test_the_simulation_plans_for_the_target_device(capsys):
+    """debug_moe.toml leaves mixed_precision at auto: planned for cuda it simulates in bf16 (the experts' grouped
+    matmul has a bf16 shape function only); planned for cpu it is fp32, which the simulation refuses for MoE. The
+    layout is issue 47's: ep 2 x FSDP with selective checkpointing, whose first backward used to fail."""
+    argv = ["--simulate", "--world-size", "2", "--config", "configs/debug_moe.toml", "--parallel.dp_shard", "2"]
+    argv += ["--parallel.ep", "2", "--training.activation_checkpoint", "selective"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| bf16 on cuda |" in out and "ep all_to_all" in out
+    assert main([*argv, "--device-kind", "cpu"]) == 2
+    assert "training.mixed_precision=fp32 with MoE layers" in capsys.readouterr().err
 
 
 def test_simulate_writes_the_report_as_json(tmp_path, capsys):
