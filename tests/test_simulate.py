@@ -19,7 +19,8 @@ from runtime.config import ConfigError, load_config
 from train import main
 from training.simulated_rank import simulate_rank
 
-# Tiny shapes whose vocabulary shard (320 / tp) matches no other width, so logits are told apart by their width.
+# Tiny shapes, vocabulary 320 (the meter finds logits by what the head returns, not by their width:
+# test_logits_are_what_the_head_returns_not_what_is_as_wide).
 MOE_8 = [  # world 8: pp 2 (interleaved, 2 stages per rank) x dp_shard 2 x tp 2, experts over ep 2, full AC, bf16
     "--config", "configs/debug_moe.toml", "--model.vocab_size", "320", "--parallel.pp", "2",
     "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.ep", "2",
@@ -107,6 +108,18 @@ def test_the_last_stage_keeps_no_logits_of_other_microbatches():
     one = 128 * 320 * 4
     row = in_fresh_process(simulate_rank, load_config(argv), 4, 1)
     assert 0 < row["categories"]["logits"] < 8 * one
+
+
+def test_logits_are_what_the_head_returns_not_what_is_as_wide():
+    """dim 128 = vocab 256 / tp 2: every hidden state is as wide as a logits shard, which the meter, finding logits
+    by width, counted as logits (+214% against the estimate). Found by what the head returns, the logits are the
+    same tensors as with vocab 320 (no width in common), so their bytes scale with the vocabulary, exactly."""
+    base = ["--config", "configs/debug.toml", "--parallel.dp_shard", "2", "--parallel.tp", "2"]
+    base += ["--training.mixed_precision", "bf16"]
+    as_wide = in_fresh_process(simulate_rank, load_config([*base, "--model.vocab_size", "256"]), 4, 0)
+    apart = in_fresh_process(simulate_rank, load_config([*base, "--model.vocab_size", "320"]), 4, 0)
+    assert apart["categories"]["logits"] > 0
+    assert as_wide["categories"]["logits"] * 320 == apart["categories"]["logits"] * 256
 
 
 def test_selective_policy_finds_row_parallel_weights_under_fake_tensors():

@@ -114,11 +114,7 @@ def simulate_rank(
         stack.enter_context(meshes_outside_fake_mode())
         stack.enter_context(eager_functional_collectives())
         stack.enter_context(use_split_sizes(balanced_split_sizes))
-        memory = stack.enter_context(
-            LiveBytes(
-                plan.model.vocab_size // plan.dims.tp if plan.layout.n_stages - 1 in plan.stage_ids else -1, fake_mode
-            )
-        )
+        memory = stack.enter_context(LiveBytes(fake_mode))
         stack.enter_context(memory.following_resizes())
         comms = stack.enter_context(Collectives(group_dims(meshes)))
         comms.counting = False
@@ -126,6 +122,10 @@ def simulate_rank(
         step = build_step(cfg, plan, meshes, device, SimulatedLoader(plan))
         if step.schedule is not None:
             skip_warm_up_vote(step.schedule)
+        # logits: what the head returns, and the loss's copies of it (planning/sim_accounting.py)
+        for part in step.parts:
+            if getattr(part, "output", None) is not None:
+                memory.watch_head(part.output)
         loader, optimizers = step.loader, step.optimizers
         memory.owners = lambda: rank_owners(step.params, optimizers)
         build_peak = memory.reset_peak()  # the build's peak (one full parameter at a time), reported beside
