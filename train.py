@@ -264,7 +264,10 @@ def main(argv: list[str]) -> int:
             print(run_simulation(cfg, command, simulate_rank, folder_model(cfg)), flush=True)
             return 0
         if command.mode == "dry-run":  # the config and the layout for world_size ranks (planning/dry_run.py)
-            print(dry_run(cfg, command.world_size, folder_model(cfg)), flush=True)
+            print(
+                dry_run(cfg, command.world_size, folder_model(cfg), command.target_device(cfg.training.device)),
+                flush=True,
+            )
             return 0
         train(cfg)
     except ConfigError as exc:

@@ -17,7 +17,8 @@ published runs. Per step, for the slowest pipeline rank (with no pipeline, any r
    both checkpointing modes rerun the forward's.
 3. **TP**: per block and micro-batch, one all-reduce worth of traffic per sub-layer each way (with SP an
    all-gather plus a reduce-scatter, the same bytes), ring cost 2(t-1)/t x the activation, plus the
-   recomputed forward's share. Exposed: the next matmul waits for it. Over NVLink when tp fits in a node.
+   recomputed forward's share (full checkpointing repeats 3 of a TP+SP forward's 4 collectives, selective its 2
+   all-gathers). Exposed: the next matmul waits for it. Over NVLink when tp fits in a node.
 4. **CP**: all-gather of K and V (at n_kv_heads width) forward and reduce-scatter of their gradients backward,
    exposed; the ring variant sends the same bytes in cp - 1 hops that overlap the attention of the block in
    hand, so only what exceeds that attention is exposed.
@@ -92,11 +93,13 @@ class Stack:
     grad_bytes: int  # bytes per gradient element on the wire
     p2p_blocking: bool  # pipeline sends and receives wait for each other between compute steps
     recompute_tp_share: float  # the share of a forward's TP collectives that full checkpointing repeats
+    selective_tp_share: float = 0.0  # the share that selective checkpointing repeats (it recomputes all-gathers)
 
 
 # meshloom: FSDP2 reduce-scatters fp32 gradients, torch's pipeline schedules post their sends asynchronously,
-# and full checkpointing repeats 3 of the 4 TP+SP collectives of a forward (tests/test_activation_checkpoint.py).
-MESHLOOM = Stack("meshloom", True, "fsdp", 4, False, 0.75)
+# and full checkpointing repeats 3 of the 4 TP+SP collectives of a forward; selective repeats the two all-gathers,
+# half of the forward's traffic (an all-gather is half an all-reduce's; tests/test_activation_checkpoint.py).
+MESHLOOM = Stack("meshloom", True, "fsdp", 4, False, 0.75, 0.5)
 
 
 # ---- the model, as the time model sees it -------------------------------------------------------------------
@@ -279,10 +282,13 @@ def microbatch_seconds(
         if selective and tp > 1:  # the row-parallel matmuls run again (mesh/activation_checkpoint.py)
             t.recompute += workload.row_parallel_flops(i) * n / tp / flops_rate
         if tp > 1:
-            collectives = workload.tp_collectives(i) * (2 + (stack.recompute_tp_share if full else 0.0))
+            repeated = stack.recompute_tp_share if full else stack.selective_tp_share if selective else 0.0
+            collectives = workload.tp_collectives(i) * (2 + repeated)
             t.tp += collectives * 2 * ring(n * workload.dim * w, tp) / link(gpu, tp)
         if cp > 1:
-            kv = ring(seqs * workload.seq_len * workload.kv_bytes() / tp, cp) * (3 if full else 2)
+            # both checkpointing modes gather K and V again in backward (selective recomputes all-gathers; the ring's
+            # sends cannot be kept)
+            kv = ring(seqs * workload.seq_len * workload.kv_bytes() / tp, cp) * (3 if full or selective else 2)
             comm = kv / link(gpu, tp * cp)
             if layout.cp_attention == "ring":
                 attention_share = 12 * workload.dim * workload.seq_len / workload.layer_flops(i)

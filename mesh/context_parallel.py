@@ -120,7 +120,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str
 # ---- 2a. all-gather ----------------------------------------------------------------------------------------
 class GatherSequence(torch.autograd.Function):
     """All-gather along dim 0 over ``group``; backward: reduce-scatter (a rank's keys' gradient sums every rank's).
-    Functional collectives, so selective activation checkpointing saves the gathered tensor."""
+    Selective activation checkpointing recomputes the gather (a whole-sequence tensor: mesh/ac_policies.py), as
+    the ring's sends are repeated."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:

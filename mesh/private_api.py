@@ -36,6 +36,11 @@ The private APIs it wraps, and why no public one serves:
 | (2.13+), ``PipelineStage._shape_inference`` (2.11) |                                                           |
 | ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` | activation checkpointing that keeps the module  |
 |                                        | tree (FSDP units and state-dict names see through it)                 |
+| ``torch.utils.checkpoint``'s two       | selective checkpointing that passes over profiler annotations (FSDP's |
+| selective-checkpoint modes, its        | ``record_function`` ranges, which a nested FSDP unit opens more often |
+| ``_sac_storage_key`` and ``_CONSUMED`` | in recomputation than in forward) and serves a kept output to both    |
+|                                        | recomputations of a split (zero-bubble) backward                      |
+|                                        | (``selective_checkpoint_contexts``)                                   |
 | ``torch.distributed._composable.replicate`` | DDP's reducer and communication hooks (PowerSGD) on the model    |
 |                                        | itself: no wrapper module, so names and attributes stay the model's   |
 | ``FSDPParam.offload_to_cpu``           | whether a unit really offloads (tests and the offload bench: on a CPU |
@@ -312,6 +317,64 @@ def checkpoint_wrapper(module, **kwargs):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(module, **kwargs)
+
+
+# Profiler annotations: ``record_function`` ranges are ops to the dispatcher but compute nothing.
+_ANNOTATIONS = {
+    torch.ops.profiler._record_function_enter.default,
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
+
+
+def selective_checkpoint_contexts(policy_fn):
+    """torch's selective-checkpoint (forward, recompute) contexts for ``policy_fn``, with two changes.
+
+    1. Profiler annotations run without being counted. torch replays a recomputation by each op's call index
+       (the 3rd ``mm`` of the recomputation is the 3rd of the forward). FSDP's hooks open ``record_function``
+       ranges, and a unit nested inside a checkpointed block (the MoE experts' unit under ep or the token split)
+       opens a different number of them in recomputation (its pre-forward in backward, its prefetch) than in
+       forward: replay then fails ("_record_function_enter_new ... not found in storage"). They compute nothing.
+       (Newer torch releases leave them out themselves: upstream "Exclude all-gather internals from selective
+       checkpointing".) FSDP's all-gather ops inside the region are counted; they are never saved, and a
+       recomputation issues at most as many as the forward did (the unit stays gathered from its recomputation
+       to its backward), so their replay indexes always exist.
+    2. A kept output is served to every recomputation, not only the first. torch marks it consumed once served
+       ("Trying to backward an extra time"), but a split backward recomputes twice: a zero-bubble schedule's
+       input-gradient pass, then its weight-gradient pass (``retain_graph``). The outputs are freed with the
+       block's graph, after its last backward pass, instead of when the first recomputation took them."""
+    from torch.utils import checkpoint as ckpt
+
+    forward, recompute = ckpt.create_selective_checkpoint_contexts(policy_fn)
+    forward.__class__ = _passing_over_annotations(type(forward), replay=False)
+    recompute.__class__ = _passing_over_annotations(type(recompute), replay=True)
+    return forward, recompute
+
+
+@functools.cache
+def _passing_over_annotations(mode_class, replay: bool):
+    """``mode_class`` (one of torch's two selective-checkpoint modes) with annotations run straight through; with
+    ``replay`` (the recompute mode) a kept output stays kept after it is served."""
+    from torch.utils import checkpoint as ckpt
+
+    # how torch files an op's outputs: by op and, for compiled regions, by region (2.13); by op alone before
+    storage_key = getattr(ckpt, "_sac_storage_key", lambda func, args: func)
+    consumed = getattr(ckpt, "_CONSUMED", None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _ANNOTATIONS:
+            return func(*args, **(kwargs or {}))
+        if not replay:
+            return mode_class.__torch_dispatch__(self, func, types, args, kwargs)
+        key = storage_key(func, args)
+        index, entries = self.func_counter[key], self.storage.get(key)
+        kept = entries.get(index) if entries else None
+        out = mode_class.__torch_dispatch__(self, func, types, args, kwargs)
+        if kept is not None and consumed is not None and entries.get(index) is consumed:
+            entries[index] = kept
+        return out
+
+    return type(mode_class.__name__, (mode_class,), {"__torch_dispatch__": __torch_dispatch__})
 
 
 # ---- DDP without a wrapper module ------------------------------------------------------------------------

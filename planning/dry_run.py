@@ -7,7 +7,8 @@ decides before its first collective that needs neither a process group nor a fil
 1. The dry run's flags, read with every mode's by runtime/command_line.py (``--dry-run``, ``--world-size N``);
    the rest is the run's own ``[--config F] [--key value ...]``, parsed by runtime/config.py as the run would
    parse it.
-2. Resolve the plan for the world size, once per pipeline rank (its stages differ): every field's range
+2. Resolve the plan for the world size and the device kind the run will use (``--device-kind``, default cuda:
+   ``mixed_precision = auto`` is bf16 there, whatever machine the dry run runs on), once per pipeline rank (its stages differ): every field's range
    and every layout rule (planning/plan.py: ``LayoutPlan.resolve``). A broken rule raises the same
    ConfigError, listing every broken rule, that every rank of the real launch would raise: exit 2.
 3. Print the banner: the mesh (every dim and its size, in mesh order); the parameters in total, then per
@@ -29,6 +30,7 @@ from mesh.dims import MESH_DIMS
 from mesh.pipeline import stage_ids_of_rank
 from planning.memory_estimate import rank_memory, rank_parameters, stage_parameters
 from planning.plan import LayoutPlan
+from runtime.command_line import planned_device
 
 if TYPE_CHECKING:
     from runtime.schema import Config, ModelConfig
@@ -38,13 +40,18 @@ def size(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:,.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:,.1f} MiB"
 
 
-def dry_run(cfg: Config, world_size: int, model_config: ModelConfig | None = None) -> str:
+def dry_run(
+    cfg: Config, world_size: int, model_config: ModelConfig | None = None, device_type: str | None = None
+) -> str:
     """Steps 2-3: the banner of ``cfg`` on ``world_size`` ranks, or a ConfigError naming every broken rule
-    (``model_config``: a transformers folder's [model], checkpoint/hf_folder.py: ``folder_model``)."""
-    plan = LayoutPlan.resolve(cfg, world_size, rank=0, model_config=model_config)
+    (``model_config``: a transformers folder's [model], checkpoint/hf_folder.py: ``folder_model``; ``device_type``:
+    the device kind the run will use, runtime/command_line.py's ``--device-kind``: ``mixed_precision = auto``
+    resolves for it, not for this machine; default: runtime/command_line.py's ``planned_device``)."""
+    device_type = device_type or planned_device(None, cfg.training.device)
+    plan = LayoutPlan.resolve(cfg, world_size, rank=0, model_config=model_config, device_type=device_type)
     d, layout, m = plan.dims, plan.layout, plan.model
     lines = [
-        f"meshloom dry run | world {world_size} | {d.describe()} | {layout.mixed_precision} | "
+        f"meshloom dry run | world {world_size} | {d.describe()} | {layout.mixed_precision} on {device_type} | "
         "no process group; no data, checkpoint or run.dir file touched",
         "  mesh (outermost first: consecutive ranks differ in tp, then cp, ...)",
         *(f"  {name:<13} size {getattr(d, name):>3}" for name in MESH_DIMS),

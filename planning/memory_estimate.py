@@ -55,10 +55,12 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    Context parallelism divides T, except that ``cp_attention = allgather`` saves the gathered keys and values of the
    whole sequence. Activation checkpointing (mesh/activation_checkpoint.py): ``full`` keeps only the block's
    input (T·h·w, /t with SP), and backward rebuilds one block at a time (the largest block's ``none`` bytes
-   once per rank); ``selective`` keeps the block input and the outputs of the matmuls, of attention and of
-   the collectives (under TP: the gathered inputs are whole, the column-parallel outputs divide by t, and the
-   row-parallel matmuls' outputs are not kept, since the collective after each is), and rebuilds the
-   elementwise rest (and under TP wo and w2) one block at a time.
+   once per rank); ``selective`` keeps the block input and the outputs of the matmuls (every second one of
+   each kind, ``mm`` and ``addmm`` counted apart, for ``selective``), of attention and of the reduce-scatters and
+   all-to-alls (mesh/ac_policies.py: under TP with SP the reduce-scatters' outputs divide by t; the all-gathers'
+   whole-sequence outputs, and without SP the all-reduces', are recomputed; the column-parallel outputs divide by t,
+   and the row-parallel matmuls' outputs are not kept), and rebuilds the elementwise rest (and under TP wo and w2,
+   and the recomputed collectives) one block at a time.
 4. **In flight** (``chunks_in_flight``): how many (stage, micro-batch) chunks a rank holds at once, from the
    order in which each of torch's schedules runs its actions (``_get_warmup_ops`` and the V-schedules'
    warm-up in torch/distributed/pipelining/schedules.py; docs/pipeline_parallel.md section 4 counts them
@@ -91,7 +93,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mesh.ac_policies import SELECTIVE, keeps_matmul
+from mesh.ac_policies import MATMUL_COUNTS, SELECTIVE, keeps_matmul
 
 if TYPE_CHECKING:  # (no planning.plan import, even here: planning/plan.py may import this module)
     from models.llama import ModelArgs
@@ -210,23 +212,30 @@ def layer_activation_terms(args: ModelArgs, layer_id: int, layout: Layout, mode:
     if mode == "full":
         return {"input": n * h * w / shard}
     if mode in SELECTIVE:
-        # the block's matmuls in forward order, (output bytes on this rank, row-parallel), and which of them the
-        # policy keeps (mesh/ac_policies.py: the table the policy itself reads); under TP a row-parallel output
-        # is recomputed, as the collective after it is saved (a whole partial sum)
-        matmuls = [(n * h * w / t, False), (kv_tokens * g * w / t, False), (kv_tokens * g * w / t, False)]
-        matmuls.append((n * h * w, t > 1))  # wo
+        # the block's matmuls in forward order, (output bytes on this rank, row-parallel, op), and which of them
+        # the policy keeps (mesh/ac_policies.py: the table the policy itself reads; mm and addmm numbered apart);
+        # under TP a row-parallel output is recomputed (a whole partial sum)
+        qkv = "addmm" if args.qkv_bias else "mm"
+        matmuls = [
+            (n * h * w / t, False, qkv),
+            (n * g * w / t, False, qkv),  # wk, wv: this rank's tokens (CP's gathered K and V are recomputed)
+            (n * g * w / t, False, qkv),
+        ]
+        matmuls.append((n * h * w, t > 1, "mm"))  # wo
         if not moe:  # w1, w3, w2 (an MoE layer's matmuls: selective_ffn_bytes)
-            matmuls += [(n * args.hidden_dim * w / t, False)] * 2 + [(n * h * w, t > 1)]
-        kept = [b for i, (b, row) in enumerate(matmuls, start=1) if keeps_matmul(mode, i, row)]
+            matmuls += [(n * args.hidden_dim * w / t, False, "mm")] * 2 + [(n * h * w, t > 1, "mm")]
+        kept, count = [], dict.fromkeys(MATMUL_COUNTS, 0)
+        for nbytes, row, op in matmuls:
+            count[op] += 1
+            kept += [nbytes] if keeps_matmul(mode, count[op], row) else []
         terms = {
             "input": n * h * w / shard,
             "attention": (n * h * w + 4 * n * a) / t,  # attention's output and its log-sum-exp
             "matmuls": sum(kept),
             "ffn": selective_ffn_bytes(args, layer_id, layout, mode),
         }
-        if t > 1:  # collectives' outputs: SP's all-gathers (whole), the reduce-scatters' (sharded) or all-reduces'
-            gathers = (1 if moe else 2) if sp else (1 if moe else 0)  # without SP, an MoE layer gathers its chunks
-            terms["collectives"] = n * h * w * (gathers + (1 if moe else 2) / shard)
+        if t > 1 and sp:  # kept collective outputs: the reduce-scatters' after wo and w2 (an MoE layer: after wo)
+            terms["collectives"] = n * h * w * (1 if moe else 2) / shard
         return terms
     norm = n * h * w + 4 * n  # the input and the fp32 rsqrt (models/llama.py: _RMSNormFunction)
     terms = {
@@ -264,13 +273,14 @@ def selective_ffn_bytes(args: ModelArgs, layer_id: int, layout: Layout, mode: st
     m = args.moe
     routed = n / t * m.top_k
     exchanged = 2 * h * w if layout.ep > 1 else 0.0  # dispatched and combined tokens
-    # the block's 5th matmul is the router's, then the shared expert's w1, w3, w2 (the 1st-4th: attention's);
-    # the experts' grouped matmuls are kept by every selective policy (mesh/ac_policies.py)
-    router = n / t * m.n_experts * w if keeps_matmul(mode, 5) else 0.0
+    # after attention's mm (wq, wk, wv, wo; wo alone when wq, wk, wv are addmm: qkv_bias) the router's mm, then the
+    # shared expert's w1, w3, w2; the experts' grouped matmuls are kept by every selective policy (mesh/ac_policies.py)
+    before = 1 if args.qkv_bias else 4
+    router = n / t * m.n_experts * w if keeps_matmul(mode, before + 1) else 0.0
     shared = 0.0
     if m.n_shared_experts:
         widths = (args.hidden_dim, args.hidden_dim, h)
-        shared = sum(width * n / t * w for i, width in enumerate(widths, start=6) if keeps_matmul(mode, i))
+        shared = sum(width * n / t * w for i, width in enumerate(widths, start=before + 2) if keeps_matmul(mode, i))
     return router + routed * ((2 * m.hidden_dim + h) * w + 12 + exchanged) + shared
 
 

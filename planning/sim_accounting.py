@@ -5,10 +5,15 @@
    fake tensors alike). FSDP2 frees and re-allocates its gathered weights by resizing their storages in place
    (``free_storage``/``alloc_storage``), so ``UntypedStorage.resize_`` is followed too. The running total is the
    live bytes; its maximum is the peak. When the total first drops after a new maximum, the storages alive at that
-   maximum are classified: the parameters' local shards, their gradients, the optimizer's states, logits (a
-   storage first seen holding ``(..., local vocab)`` values) and everything else (activations and temporaries:
-   saved activations, gathered weights, communication buffers). No allocator rounding, CUDA context or NCCL
-   buffers: CPU-style memory.
+   maximum are classified: the parameters' local shards, their gradients, the optimizer's states, logits and
+   everything else (activations and temporaries: saved activations, gathered weights, communication buffers). No
+   allocator rounding, CUDA context or NCCL buffers: CPU-style memory.
+
+   Logits are found by what the model returns, not by their width (a hidden state is as wide as a logits shard
+   when dim = vocab / tp): ``watch_head`` tags the tensor the output head returns, and an op that reads a tagged
+   tensor tags its outputs of the same shape, unless it is a matmul (which mixes the vocabulary away: the head's
+   own backward). That follows the loss's copies of the logits, forward and backward (the fp32 copy, the
+   log-softmax, their gradients), the bytes planning/memory_estimate.py's ``logits_bytes`` counts.
 2. ``Collectives`` counts the c10d ops a step issues (they reach the dispatcher with their process group), per
    mesh dim: count, bytes this rank sends or receives (the tensor handed to the collective), and on-the-wire bytes
    for a ring (all-gather and reduce-scatter move (n-1)/n of the full buffer per rank, all-reduce twice that,
@@ -35,10 +40,9 @@ def _key(storage) -> int:
 class LiveBytes(TorchDispatchMode):
     """Live storage bytes under this mode, their peak, and the peak's split by category (module docstring, 1)."""
 
-    def __init__(self, logits_width: int = -1, fake_mode=None):
+    def __init__(self, fake_mode=None):
         super().__init__()
         self.fake_mode = fake_mode  # the simulation's fake mode (None: real tensors)
-        self.logits_width = logits_width  # last dim of a logits tensor on this rank (vocab / tp)
         self.sizes: dict[int, int] = {}
         self.logits: set[int] = set()
         self.live = 0
@@ -49,14 +53,14 @@ class LiveBytes(TorchDispatchMode):
         self.peak_categories: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
 
     # -- bookkeeping --
-    def _add(self, t: torch.Tensor) -> None:
+    def _add(self, t: torch.Tensor, logits: bool = False) -> None:
         if is_traceable_wrapper_subclass(t):
             # A DTensor holds no bytes of its own, its local tensor does; and that local tensor was made inside
             # DTensor's own dispatch, where this mode does not see it (a mode is off while it handles an op).
             for name in t.__tensor_flatten__()[0]:
                 inner = getattr(t, name)
                 if isinstance(inner, torch.Tensor):
-                    self._add(inner)
+                    self._add(inner, logits)
             return
         if t.device.type == "meta":
             return  # the meta-device model before its weights exist, or a fake mode's inner computation
@@ -68,7 +72,7 @@ class LiveBytes(TorchDispatchMode):
             return
         nbytes = storage.nbytes()
         self.sizes[key] = nbytes
-        if t.dim() and t.shape[-1] == self.logits_width:
+        if logits:
             self.logits.add(key)
         weakref.finalize(storage, self._free, key)
         self._grow(nbytes)
@@ -134,11 +138,33 @@ class LiveBytes(TorchDispatchMode):
         for t in tensors:
             self._add(_local(t))
 
+    def watch_head(self, head: torch.nn.Module):
+        """Tag what ``head`` (the model's output layer) returns as logits (module docstring, 1); the hook's handle."""
+        return head.register_forward_hook(lambda module, args, out: self._tag(out))
+
+    def _tag(self, out) -> None:
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not _is_meta(t):
+                key = _key(_local(t).untyped_storage())
+                if key in self.sizes:
+                    self.logits.add(key)
+
+    def _logit_shapes(self, func, args, kwargs) -> set[tuple]:
+        """The shapes of the tagged logits ``func`` reads (none for a matmul: module docstring, 1)."""
+        if not self.logits or func in _MIXING:
+            return set()
+        return {
+            tuple(a.shape)
+            for a in tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor) and not _is_meta(a) and _key(_local(a).untyped_storage()) in self.logits
+        }
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        shapes = self._logit_shapes(func, args, kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._add(t)
+                self._add(t, tuple(t.shape) in shapes)
         return out
 
     @contextlib.contextmanager
@@ -156,6 +182,15 @@ class LiveBytes(TorchDispatchMode):
             yield self
         finally:
             torch.UntypedStorage.resize_ = original
+
+
+_aten = torch.ops.aten
+# ops that mix the vocabulary dim away: what they compute from the logits is no longer logits, whatever its shape
+_MIXING = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.matmul.default}
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return _local(t).device.type == "meta"
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from planning.dry_run import size
 from planning.memory_estimate import rank_memory, rank_parameters, stage_parameters
 from planning.plan import LayoutPlan
+from runtime.command_line import planned_device
 from runtime.config import ConfigError
 
 if TYPE_CHECKING:
@@ -86,11 +87,15 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def estimate(cfg: Config, world_size: int, pp_rank: int, model_config=None) -> tuple[float, dict[str, float]]:
-    """The planner's bytes for the same rank, split the way the simulation splits them."""
-    first = LayoutPlan.resolve(cfg, world_size, rank=0, model_config=model_config)
+def estimate(
+    cfg: Config, world_size: int, pp_rank: int, model_config=None, device_type: str | None = None
+) -> tuple[float, dict[str, float]]:
+    """The planner's bytes for the same rank, split the way the simulation splits them (``device_type``: the device
+    kind planned for, runtime/command_line.py: ``planned_device``)."""
+    device_type = device_type or planned_device(None, cfg.training.device)
+    first = LayoutPlan.resolve(cfg, world_size, rank=0, model_config=model_config, device_type=device_type)
     rank = pp_rank * (world_size // first.dims.pp)
-    plan = LayoutPlan.resolve(cfg, world_size, rank=rank, model_config=model_config)
+    plan = LayoutPlan.resolve(cfg, world_size, rank=rank, model_config=model_config, device_type=device_type)
     layout, m, stages = plan.layout, plan.model, plan.stage_ids
     memory = rank_memory(m, layout, plan.stage_layers, pp_rank, stages)
     layers = [i for s in stages for i in plan.stage_layers[s]]
@@ -124,7 +129,8 @@ def simulate(cfg: Config, args: CommandLine, run_rank, model_config: ModelConfig
     """Steps 2-4 for every pipeline rank asked for; the report (``--simulate-out``'s JSON). ``run_rank(cfg,
     world_size, pp_rank)`` is step 3 (training/simulated_rank.py: ``simulate_rank``, handed in by train.py: the
     plan's room does not import the training loop)."""
-    plan = LayoutPlan.resolve(cfg, args.world_size, rank=0, model_config=model_config)
+    device_type = args.target_device(cfg.training.device)  # what mixed_precision = auto resolves for
+    plan = LayoutPlan.resolve(cfg, args.world_size, rank=0, model_config=model_config, device_type=device_type)
     problems = refusals(plan)
     if problems:
         raise ConfigError("the simulation cannot run this config:\n  - " + "\n  - ".join(problems))
@@ -135,8 +141,8 @@ def simulate(cfg: Config, args: CommandLine, run_rank, model_config: ModelConfig
         raise ConfigError(f"--pp-ranks {bad}: this layout has pp {pp}, so pipeline ranks 0..{pp - 1}.")
     rows = []
     for pp_rank in ranks:
-        row = in_fresh_process(run_rank, cfg, args.world_size, pp_rank, True, False, model_config)
-        total, split = estimate(cfg, args.world_size, pp_rank, model_config)
+        row = in_fresh_process(run_rank, cfg, args.world_size, pp_rank, True, False, model_config, device_type)
+        total, split = estimate(cfg, args.world_size, pp_rank, model_config, device_type)
         row["estimated_bytes"] = round(total)
         row["estimated_categories"] = {k: round(v) for k, v in split.items()}
         row["why"] = why(row["simulated_peak_bytes"], total, row["categories"], split)
@@ -146,6 +152,7 @@ def simulate(cfg: Config, args: CommandLine, run_rank, model_config: ModelConfig
         "world_size": args.world_size,
         "layout": plan.dims.describe(),
         "mixed_precision": plan.layout.mixed_precision,
+        "device_kind": device_type,
         "routing": routing,
         "memory_model": NOT_MODELLED,
         "ranks": rows,
@@ -155,7 +162,8 @@ def simulate(cfg: Config, args: CommandLine, run_rank, model_config: ModelConfig
 def format_report(report: dict) -> str:
     """The two tables per pipeline rank: memory by category (simulated, estimated, difference), collectives."""
     lines = [
-        f"meshloom simulation | world {report['world_size']} | {report['layout']} | {report['mixed_precision']} | "
+        f"meshloom simulation | world {report['world_size']} | {report['layout']} | "
+        f"{report['mixed_precision']} on {report['device_kind']} | "
         f"MoE routing: {report['routing']}",
         f"  one process per pipeline rank, fake world, fake tensors; {report['memory_model']}",
     ]

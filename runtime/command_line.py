@@ -4,6 +4,10 @@
     train.py --dry-run --world-size N [--config F] [--section.key value ...]            check a launch
     train.py --simulate --world-size N [--pp-ranks 0,15] [--simulate-out F] [...]        measure one
 
+A dry run and a simulation plan for the machine the run will use, not the one they run on: ``--device-kind
+cuda|cpu`` (default: ``training.device`` when the config names one, else cuda) is the device kind
+``training.mixed_precision = auto`` resolves for (bf16 on cuda, fp32 on cpu), and their banner says which.
+
 1. ``parse_command_line`` takes the mode's own flags (``MODE_FLAGS``) out of argv. Each may be given once, as
    ``--flag value`` or ``--flag=value``; a repeat is refused as a repeated config key is (which one did you
    mean?), so is a value-taking flag with no value, and a flag that belongs to another mode names the mode.
@@ -24,6 +28,7 @@ from runtime.config import ConfigError, parse_int
 
 DRY_RUN, SIMULATE = "--dry-run", "--simulate"
 WORLD_SIZE, PP_RANKS, OUT, ROUTING = "--world-size", "--pp-ranks", "--simulate-out", "--simulate-routing"
+DEVICE_KIND = "--device-kind"
 # flag -> (takes a value, the modes it goes with)
 MODE_FLAGS = {
     DRY_RUN: (False, ("dry-run",)),
@@ -32,8 +37,10 @@ MODE_FLAGS = {
     PP_RANKS: (True, ("simulate",)),
     OUT: (True, ("simulate",)),
     ROUTING: (True, ("simulate",)),
+    DEVICE_KIND: (True, ("dry-run", "simulate")),
 }
 ROUTINGS = ("balanced",)
+DEVICE_KINDS = ("cuda", "cpu")
 MAX_WORLD = 2**31 - 1  # ranks are int32 in torch.distributed
 
 
@@ -45,6 +52,21 @@ class CommandLine:
     out: str | None = None  # the simulation's JSON report
     routing: str = "balanced"  # how the simulation routes MoE tokens
     config_args: list[str] = field(default_factory=list)  # [--config F] [--section.key value ...]
+    device_kind: str | None = None  # --device-kind as given (None: not given; ``target_device`` decides)
+
+    def target_device(self, configured: str = "auto") -> str:
+        return planned_device(self.device_kind, configured)
+
+
+def planned_device(given: str | None, configured: str = "auto") -> str:
+    """The device kind a dry run or a simulation plans for: ``--device-kind`` (``given``), else ``training.device``
+    (``configured``) when it names one, else cuda, the machine a planned run is launched on. A flag that contradicts
+    the config is refused (which one did you mean?)."""
+    if given is not None and configured != "auto" and configured != given:
+        raise ConfigError(
+            f"{DEVICE_KIND} {given} contradicts training.device={configured!r}; drop one, or make them the same."
+        )
+    return given or (configured if configured != "auto" else "cuda")
 
 
 def parse_command_line(argv: list[str]) -> CommandLine:
@@ -83,11 +105,12 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         out=out_path(given[OUT]) if OUT in given else None,
         routing=routing(given.get(ROUTING, "balanced")),
         config_args=rest,
+        device_kind=device_kind(given[DEVICE_KIND]) if DEVICE_KIND in given else None,
     )
 
 
 def example(flag: str) -> str:
-    return {WORLD_SIZE: "16", PP_RANKS: "0,15", OUT: "sim.json", ROUTING: "balanced"}[flag]
+    return {WORLD_SIZE: "16", PP_RANKS: "0,15", OUT: "sim.json", ROUTING: "balanced", DEVICE_KIND: "cuda"}[flag]
 
 
 def mode_of(given: dict) -> str:
@@ -158,3 +181,10 @@ def next_commands(checkpoints: str | Path, run_dir: str | Path) -> str:
         f"sample from it:  python -m generate --checkpoint {folder} --prompt 'def ' --max-new-tokens 100\n"
         f"export it:       python -m checkpoint.export --checkpoint {folder} --out {out}"
     )
+def device_kind(text: str) -> str:
+    if text not in DEVICE_KINDS:
+        raise ConfigError(
+            f"{DEVICE_KIND} {text!r}: plan for {' or '.join(DEVICE_KINDS)} (the device kind the run will use; "
+            f"training.mixed_precision=auto is bf16 on cuda, fp32 on cpu), e.g. {DEVICE_KIND} cuda."
+        )
+    return text

@@ -1,10 +1,11 @@
-"""Selective activation checkpointing never repeats communication; MoE routing and counts survive recompute.
+"""Selective activation checkpointing repeats exactly the collectives it chose to; MoE routing and counts survive.
 
 Full checkpointing reruns a block's forward inside backward, collectives included: a TP+SP block all-gathers
-its sequence again, an EP block repeats its all-to-alls. Selective checkpointing saves the outputs of every
-collective (mesh/activation_checkpoint.SAVE_OPS), so its backward issues exactly the collectives of a
-backward without any checkpointing. A dispatch-mode counter counts them; the full-checkpointing row shows
-that the count does move when a forward collective is repeated, so the selective assertion can fail.
+its sequence again, an EP block repeats its all-to-alls. Selective checkpointing (torchtitan's choices,
+mesh/ac_policies.py) keeps the outputs of reduce-scatters and all-to-alls, so its backward issues none of those
+again, and recomputes the all-gathers (whole-sequence outputs): a TP+SP block's two. A dispatch-mode counter
+counts them; the full-checkpointing row shows that the count does move when a forward collective is repeated, so
+the selective assertions can fail.
 
 (CommDebugMode, the public counter, cannot be used here: its module tracker raises a KeyError when a
 checkpointed module's forward reruns inside backward. The counter below sees the same ops: the functional
@@ -121,7 +122,14 @@ def test_selective_checkpointing_repeats_no_collective(kind, request):
     none, selective, full = by_mode["none"], by_mode["selective"], by_mode["full"]
     for name in ("selective", "selective_keep_mm"):  # both selective policies (mesh/ac_policies.py)
         assert by_mode[name]["forward"] == none["forward"]
-        assert by_mode[name]["backward"] == none["backward"], f"{kind}: {name} AC repeated a forward collective"
+        back, base = by_mode[name]["backward"], none["backward"]
+        for op in ("reduce_scatter_tensor", "all_to_all_single"):  # kept: never issued again
+            assert back.get(op, 0) == base.get(op, 0), f"{kind}: {name} AC repeated a forward {op}"
+        if kind == "tp":  # recomputed: the block's two all-gathers (attention's and the FFN's inputs), as under full
+            gathers = back["all_gather_into_tensor"]
+            assert gathers == base["all_gather_into_tensor"] + 2 == full["backward"]["all_gather_into_tensor"]
+        else:
+            assert back == base
     # Full checkpointing does repeat them: the counter sees it, so the assertion above can fail.
     if kind == "tp":  # SP: the block's sequence all-gathers run again when the block is fully recomputed
         assert full["backward"]["all_gather_into_tensor"] > none["backward"].get("all_gather_into_tensor", 0)
@@ -168,3 +176,68 @@ def test_selective_checkpointing_under_fsdp_and_tp_trains_bitwise_like_none(tmp_
     selective = train_on(4, {**layout, "training.activation_checkpoint": "selective"}, tmp_path / "selective")
     # the same ops on the same inputs in the same order: equal to the last bit
     assert_same_curve(selective, none, rtol=0)
+
+
+@pytest.mark.parametrize("contexts", ["meshloom", "torch"])
+def test_selective_contexts_pass_over_annotations_and_serve_a_split_backward(contexts):
+    """mesh/private_api.selective_checkpoint_contexts, one process: the recomputation opens more profiler ranges
+    than the forward did (as a nested FSDP unit's hooks do), and the backward is split in two, input gradients
+    then weight gradients (as a zero-bubble schedule's is), so the region is recomputed twice. The gradients equal
+    those of the region without checkpointing, bitwise; torch's own contexts fail on both counts."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from mesh.private_api import selective_checkpoint_contexts
+
+    gen = torch.Generator().manual_seed(0)
+    w1, w2 = (torch.randn(8, 8, generator=gen, requires_grad=True) for _ in range(2))
+    x = torch.randn(4, 8, generator=gen, requires_grad=True)
+    calls = []
+
+    def region(x):
+        calls.append(1)
+        for _ in calls:  # one more annotation on every run of the region
+            with torch.autograd.profiler.record_function("annotation"):
+                pass
+        return (torch.relu(x @ w1) @ w2).square().sum()
+
+    def keep_mm(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    make = selective_checkpoint_contexts if contexts == "meshloom" else create_selective_checkpoint_contexts
+    plain = region(x)
+    expected = torch.autograd.grad(plain, [x, w1, w2])
+
+    def split_backward():
+        loss = checkpoint(region, x, use_reentrant=False, context_fn=lambda: make(keep_mm))
+        (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)  # the input-gradient pass
+        return (dx, *torch.autograd.grad(loss, [w1, w2]))  # the weight-gradient pass: recomputed again
+
+    if contexts == "torch":
+        with pytest.raises(RuntimeError, match="not found in storage|backward an extra time"):
+            split_backward()
+        return
+    for got, want in zip(split_backward(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(calls) == 4  # the plain run, the forward, two recomputations
+
+
+def test_the_selective_policy_makes_torchtitans_choices():
+    """mesh/ac_policies.py, op by op: reduce-scatter and all-to-all outputs kept, all-gather and all-reduce outputs
+    recomputed, ``max`` kept, a device-to-host copy kept (a meta tensor plays the accelerator's here), a host copy
+    recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from mesh.activation_checkpoint import _save_policy
+
+    policy, funcol, aten = _save_policy([]), torch.ops._c10d_functional, torch.ops.aten
+    x = torch.ones(4)
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(None, funcol.reduce_scatter_tensor.default, x, "sum", 2, "0") == save
+    assert policy(None, funcol.all_to_all_single.default, x, [2, 2], [2, 2], "0") == save
+    assert policy(None, funcol.all_gather_into_tensor.default, x, 2, "0") == recompute
+    assert policy(None, funcol.all_reduce.default, x, "sum", "0") == recompute
+    assert policy(None, funcol.wait_tensor.default, x) == recompute
+    assert policy(None, aten.max.default, x) == save
+    on_device = torch.empty(4, device="meta")
+    assert policy(None, aten._to_copy.default, on_device, device=torch.device("cpu")) == save
+    assert policy(None, aten._to_copy.default, x, dtype=torch.bfloat16) == recompute

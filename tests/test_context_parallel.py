@@ -241,14 +241,14 @@ def checkpointed_block_sends() -> dict:
     return counts
 
 
-def test_selective_checkpointing_keeps_the_gather_and_repeats_the_ring():
+def test_selective_checkpointing_repeats_the_gather_and_the_ring():
     counts = run_on_ranks(checkpointed_block_sends, 2)[0]
     gather = {mode: counts["allgather", mode] for mode in ("none", "selective", "full")}
     ring = {mode: counts["ring", mode] for mode in ("none", "selective", "full")}
-    # all-gather: functional collectives, so selective checkpointing saves the gathered K/V ...
-    assert gather["selective"] == gather["none"] == ({"all_gather_into_tensor": 1}, {"reduce_scatter_tensor": 1})
-    # ... which full checkpointing gathers again in backward
-    assert gather["full"][1] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+    # all-gather: none keeps the gathered K/V; selective recomputes it (a whole-sequence all-gather output,
+    # mesh/ac_policies.py), as full does, so both gather again in backward
+    assert gather["none"] == ({"all_gather_into_tensor": 1}, {"reduce_scatter_tensor": 1})
+    assert gather["selective"][1] == gather["full"][1] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
     # ring: point-to-point sends cannot be saved; any recompute repeats the cp - 1 = 1 forward hop (all ranks alike)
     assert ring["none"] == ({"send": 1, "recv_": 1}, {"send": 3, "recv_": 3})
     assert ring["selective"][1] == ring["full"][1] == {"send": 4, "recv_": 4}

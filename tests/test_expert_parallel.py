@@ -318,10 +318,44 @@ def test_misfit_expert_layouts_are_refused(overrides, world, expected):
     assert expected in str(err.value)
 
 
-def test_activation_checkpointing_with_expert_parallel(moe_one_process, tmp_path):
-    # Recomputation reruns the block, all-to-alls included, inside backward: the curve must not change, and
-    # the load must still count each token once (the counters skip the rerun).
-    run = moe_run(2, {"parallel.dp_shard": 2, "parallel.ep": 2, "training.activation_checkpoint": "full"}, tmp_path)
+EP2 = {"parallel.dp_shard": 2, "parallel.ep": 2}
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective", "selective_keep_mm"])
+def test_expert_parallel_under_fsdp_matches_one_process_for_every_ac_mode(mode, moe_one_process, shared_runs):
+    """ep 2 on dp_shard 2: the experts are an FSDP unit of their own nested in their checkpointed block, so FSDP's
+    hooks run inside the checkpointed region (selective used to fail replaying their profiler ranges). Full
+    recomputation reruns the block, all-to-alls included; the selective policies keep the all-to-alls' outputs.
+    Either way the curve must not change (fp32: LOSS_RTOL), and the load must count each token once (the counters
+    skip the rerun): integer counts of the same routing, identical."""
+    layout = EP2 if mode == "none" else {**EP2, "training.activation_checkpoint": mode}  # none: the ep2 run above
+    run = shared_runs.records(layout, config=MOE_CONFIG, world=2)
     assert_same_curve(run, moe_one_process)
     assert [r["expert_load"] for r in run] == [r["expert_load"] for r in moe_one_process]
     assert [r["aux_loss"] for r in run] == pytest.approx([r["aux_loss"] for r in moe_one_process], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule, mode",
+    [
+        ("1F1B", "selective"),
+        ("Interleaved1F1B", "selective_keep_mm"),
+        ("ZBVZeroBubble", "selective"),
+        ("ZBVZeroBubble", "full"),
+    ],
+)
+def test_pipelined_expert_parallel_under_fsdp_and_ac_matches_one_process(schedule, mode, moe_one_process, tmp_path):
+    """pp 2 x dp_shard 2, ep 2 inside dp_shard, 4 micro-batches: every block is checkpointed inside its stage and
+    each micro-batch's backward (a zero-bubble schedule splits it into input and weight gradients) recomputes it."""
+    layout = {
+        **EP2,
+        "parallel.pp": 2,
+        "parallel.pp_schedule": schedule,
+        "parallel.pp_microbatches": 4,
+        "training.activation_checkpoint": mode,
+        **CHECK_REPLICAS,
+    }
+    run = moe_run(4, layout, tmp_path, timeout=400)
+    assert_same_curve(run, moe_one_process)
+    assert [r["expert_load"] for r in run] == [r["expert_load"] for r in moe_one_process]

@@ -120,7 +120,14 @@ MOE = ModelArgs(
 )
 
 
-@pytest.mark.parametrize("args", [DENSE, MOE], ids=["dense", "moe"])
+# wq, wk, wv with biases run as addmm, which the selective policy numbers apart from mm (mesh/ac_policies.py)
+QKV_BIAS_MOE = ModelArgs(
+    dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, qkv_bias=True,
+    moe=MoEArgs(8, 2, hidden_dim=32, n_shared_experts=1),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("args", [DENSE, MOE, QKV_BIAS_MOE], ids=["dense", "moe", "qkv-bias-moe"])
 def test_layer_bytes_equal_what_autograd_saves(args):
     """Measured on CPU: fp32 and bf16 (fp32 norm statistics and copies included) without checkpointing; selective
     and full checkpointing by the storages alive after forward (measure/saved_bytes.py: kept_bytes, fp32)."""

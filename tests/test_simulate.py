@@ -19,7 +19,8 @@ from runtime.config import ConfigError, load_config
 from train import main
 from training.simulated_rank import simulate_rank
 
-# Tiny shapes whose vocabulary shard (320 / tp) matches no other width, so logits are told apart by their width.
+# Tiny shapes, vocabulary 320 (the meter finds logits by what the head returns, not by their width:
+# test_logits_are_what_the_head_returns_not_what_is_as_wide).
 MOE_8 = [  # world 8: pp 2 (interleaved, 2 stages per rank) x dp_shard 2 x tp 2, experts over ep 2, full AC, bf16
     "--config", "configs/debug_moe.toml", "--model.vocab_size", "320", "--parallel.pp", "2",
     "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.ep", "2",
@@ -109,6 +110,18 @@ def test_the_last_stage_keeps_no_logits_of_other_microbatches():
     assert 0 < row["categories"]["logits"] < 8 * one
 
 
+def test_logits_are_what_the_head_returns_not_what_is_as_wide():
+    """dim 128 = vocab 256 / tp 2: every hidden state is as wide as a logits shard, which the meter, finding logits
+    by width, counted as logits (+214% against the estimate). Found by what the head returns, the logits are the
+    same tensors as with vocab 320 (no width in common), so their bytes scale with the vocabulary, exactly."""
+    base = ["--config", "configs/debug.toml", "--parallel.dp_shard", "2", "--parallel.tp", "2"]
+    base += ["--training.mixed_precision", "bf16"]
+    as_wide = in_fresh_process(simulate_rank, load_config([*base, "--model.vocab_size", "256"]), 4, 0)
+    apart = in_fresh_process(simulate_rank, load_config([*base, "--model.vocab_size", "320"]), 4, 0)
+    assert apart["categories"]["logits"] > 0
+    assert as_wide["categories"]["logits"] * 320 == apart["categories"]["logits"] * 256
+
+
 def test_selective_policy_finds_row_parallel_weights_under_fake_tensors():
     """Defect (b): storages were identified by data_ptr(), which is 0 for every fake tensor, so under fake tensors
     no matmul matched a row-parallel weight and their outputs were saved instead of recomputed."""
@@ -169,6 +182,9 @@ def test_the_simulation_flags_and_refusals():
         ["--simulate", "--world-size", "4", "--simulate-out", "/no/such/folder/sim.json"],  # checked before the run
         ["--dry-run", "--world-size", "²"],
         ["--dry-run", "--world-size", str(2**31)],
+        ["--dry-run", "--world-size", "8", "--device-kind", "tpu"],  # cuda or cpu
+        ["--dry-run", "--world-size", "8", "--device-kind"],  # no value
+        ["--device-kind", "cuda"],  # a real run uses the device it finds
     ):
         with pytest.raises(ConfigError):
             parse_command_line(bad)
@@ -178,6 +194,38 @@ def test_the_simulation_flags_and_refusals():
     assert (
         main(["--simulate", "--world-size", "1", "--config", "configs/debug.toml"]) == 2
     )  # fp32 on 1 rank: no FSDP, no TP
+
+
+AUTO_8B = ["--config", "configs/llama3_8b.toml", "--training.mixed_precision", "auto"]
+
+
+def test_the_dry_run_plans_for_the_target_device_not_this_machine(capsys):
+    """``mixed_precision = auto`` resolves for ``--device-kind`` (default cuda), on this CPU machine too: Llama 3 8B
+    on 8 ranks is torchtitan's bf16 run, about 71.7 GiB per rank, not an fp32 one of about 115 GiB."""
+    assert main(["--dry-run", "--world-size", "8", *AUTO_8B]) == 0
+    out = capsys.readouterr().out
+    assert "| bf16 on cuda |" in out and "memory about 71.72 GiB per rank" in out
+    assert main(["--dry-run", "--world-size", "8", "--device-kind", "cpu", *AUTO_8B]) == 0
+    out = capsys.readouterr().out
+    assert "| fp32 on cpu |" in out and "memory about 115.08 GiB per rank" in out
+    # a config that names its device is planned for that device; a flag that contradicts it is refused
+    assert main(["--dry-run", "--world-size", "8", *AUTO_8B, "--training.device", "cpu"]) == 0
+    assert "| fp32 on cpu |" in capsys.readouterr().out
+    assert main(["--dry-run", "--world-size", "8", "--device-kind", "cuda", *AUTO_8B, "--training.device", "cpu"]) == 2
+    assert "--device-kind cuda contradicts training.device='cpu'" in capsys.readouterr().err
+
+
+def test_the_simulation_plans_for_the_target_device(capsys):
+    """debug_moe.toml leaves mixed_precision at auto: planned for cuda it simulates in bf16 (the experts' grouped
+    matmul has a bf16 shape function only); planned for cpu it is fp32, which the simulation refuses for MoE. The
+    layout is issue 47's: ep 2 x FSDP with selective checkpointing, whose first backward used to fail."""
+    argv = ["--simulate", "--world-size", "2", "--config", "configs/debug_moe.toml", "--parallel.dp_shard", "2"]
+    argv += ["--parallel.ep", "2", "--training.activation_checkpoint", "selective"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| bf16 on cuda |" in out and "ep all_to_all" in out
+    assert main([*argv, "--device-kind", "cpu"]) == 2
+    assert "training.mixed_precision=fp32 with MoE layers" in capsys.readouterr().err
 
 
 def test_simulate_writes_the_report_as_json(tmp_path, capsys):

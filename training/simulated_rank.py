@@ -79,10 +79,12 @@ def simulate_rank(
     fake: bool = True,
     comm_debug: bool = False,
     model_config: ModelConfig | None = None,
+    device_type: str | None = None,
 ) -> dict:
     """Steps 1-3 for one pipeline rank: its measured peak by category and step 2's collectives (``fake=False``: real
     tensors on a fake world; ``comm_debug``: CommDebugMode counts; ``model_config``: a transformers folder's
-    [model], checkpoint/hf_folder.py)."""
+    [model], checkpoint/hf_folder.py; ``device_type``: the device kind planned for, whose ``mixed_precision = auto``
+    the plan resolves, default runtime/command_line.py's ``planned_device``: the tensors are CPU fakes either way)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -95,12 +97,14 @@ def simulate_rank(
         skip_warm_up_vote,
     )
     from planning.sim_accounting import Collectives, LiveBytes
+    from runtime.command_line import planned_device
     from training.build import build_meshes, build_step
     from training.step import accumulate_gradients, global_loss_and_norm
 
-    first = LayoutPlan.resolve(cfg, world_size, rank=0, model_config=model_config)
+    device_type = device_type or planned_device(None, cfg.training.device)
+    first = LayoutPlan.resolve(cfg, world_size, rank=0, model_config=model_config, device_type=device_type)
     rank = pp_rank * (world_size // first.dims.pp)
-    plan = LayoutPlan.resolve(cfg, world_size, rank=rank, model_config=model_config)
+    plan = LayoutPlan.resolve(cfg, world_size, rank=rank, model_config=model_config, device_type=device_type)
     device = torch.device("cpu")
     started = time.perf_counter()
     with fake_world(world_size, rank), contextlib.ExitStack() as stack:
@@ -110,11 +114,7 @@ def simulate_rank(
         stack.enter_context(meshes_outside_fake_mode())
         stack.enter_context(eager_functional_collectives())
         stack.enter_context(use_split_sizes(balanced_split_sizes))
-        memory = stack.enter_context(
-            LiveBytes(
-                plan.model.vocab_size // plan.dims.tp if plan.layout.n_stages - 1 in plan.stage_ids else -1, fake_mode
-            )
-        )
+        memory = stack.enter_context(LiveBytes(fake_mode))
         stack.enter_context(memory.following_resizes())
         comms = stack.enter_context(Collectives(group_dims(meshes)))
         comms.counting = False
@@ -122,6 +122,10 @@ def simulate_rank(
         step = build_step(cfg, plan, meshes, device, SimulatedLoader(plan))
         if step.schedule is not None:
             skip_warm_up_vote(step.schedule)
+        # logits: what the head returns, and the loss's copies of it (planning/sim_accounting.py)
+        for part in step.parts:
+            if getattr(part, "output", None) is not None:
+                memory.watch_head(part.output)
         loader, optimizers = step.loader, step.optimizers
         memory.owners = lambda: rank_owners(step.params, optimizers)
         build_peak = memory.reset_peak()  # the build's peak (one full parameter at a time), reported beside
