@@ -181,6 +181,8 @@ def next_commands(checkpoints: str | Path, run_dir: str | Path) -> str:
         f"sample from it:  python -m generate --checkpoint {folder} --prompt 'def ' --max-new-tokens 100\n"
         f"export it:       python -m checkpoint.export --checkpoint {folder} --out {out}"
     )
+
+
 def device_kind(text: str) -> str:
     if text not in DEVICE_KINDS:
         raise ConfigError(

@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -122,15 +123,57 @@ def folder_writers() -> dict[str, str]:
     return writers
 
 
+def exported_folders() -> dict[str, list[str]]:
+    """README's ``python -m checkpoint.export --checkpoint C --out P`` commands, by P: the arguments of the README
+    run that saved C (its ``--run.dir`` holds C), whose model the exported folder is."""
+    readme = (ROOT / "README.md").read_text()
+    commands = [words for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for words in shell_commands(block)]
+    runs = {option(w, "--run.dir"): w[w.index("train.py") + 1 :] for w in commands if "train.py" in w}
+    exports = {}
+    for words in commands:
+        if words[:3] == ["python", "-m", "checkpoint.export"]:
+            run_dir = str(Path(option(words, "--checkpoint")).parent)
+            if run_dir in runs:
+                exports[option(words, "--out")] = runs[run_dir]
+    return exports
+
+
+def shell_variable(name: str) -> str:
+    """The value README's ``NAME=$(command)`` gives ``name``: the command run as pasted, its printed last line."""
+    found = re.search(rf"^{name}=\$\((.+?)\)", (ROOT / "README.md").read_text(), re.M)
+    assert found, f"README uses ${name} without setting it"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    words = shlex.split(found.group(1))
+    words = [sys.executable, *words[1:]] if words[0] == "python" else words  # this venv's python
+    done = subprocess.run(words, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
 def written_folder(args: list[str], tmp_path) -> list[str]:
-    """``args`` with an ``init_from`` folder that README writes first (and that does not exist yet) written by that
-    README command, run as pasted, under ``tmp_path``."""
+    """``args`` with an ``init_from`` folder that README writes first (and that does not exist yet) made under
+    ``tmp_path``: by README's own ``python -c`` command, run as pasted, or, for a folder README's export writes, by
+    the export's writer (checkpoint/hf.py: ``export_safetensors``) from the model of the run it exports (its weights
+    do not matter to a dry run, its config.json does)."""
     folder = option(args, "--checkpoint.init_from")
-    code = folder_writers().get(folder or "")
-    if code is None or (ROOT / folder).exists():
+    if folder is not None and folder.startswith("$"):  # a shell variable README sets from a command: run it
+        made = shell_variable(folder[1:])
+        return [made if a == folder else a.replace(folder, made) for a in args]
+    if folder is None or (ROOT / folder).exists():
         return args
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=300)
+    code = folder_writers().get(folder)
+    if code is not None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=300)
+    elif folder in exported_folders():
+        from checkpoint.hf import export_safetensors
+        from models.llama import Transformer
+        from runtime.config import load_config, model_args
+
+        model = Transformer(model_args(load_config(exported_folders()[folder])))
+        export_safetensors(model.state_dict(), model.args, tmp_path / folder)
+    else:
+        return args
     return [str(tmp_path / folder) if a == folder else a for a in args]
 
 
