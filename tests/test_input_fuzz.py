@@ -21,7 +21,6 @@ import io
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,6 @@ from runtime.files import MAX_DEPTH, DiskFullError
 
 DEEP = "[" * (MAX_DEPTH + 5) + "]" * (MAX_DEPTH + 5)
 VERY_DEEP = "[" * 100_000 + "]" * 100_000  # past Python's own recursion limit
-START = time.perf_counter()
 
 
 def mutations(value: dict, required: str, numbers: tuple[str, ...] = ()) -> dict[str, bytes]:
@@ -307,10 +305,6 @@ def test_every_malformed_documents_bin_is_refused_by_the_dataset_reader(dataset,
     starts[:-1].astype("<u8").tofile(folder / DOCUMENTS)
     with pytest.raises(ConfigError, match=DOCUMENTS):
         read_header(folder)
-
-
-def test_the_fuzzing_above_took_under_a_minute():
-    assert time.perf_counter() - START < 60
 
 
 # ---- a full disk --------------------------------------------------------------------------------------------------
