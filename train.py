@@ -69,7 +69,7 @@ from runtime.process import (
     rank_from_env,
     world_size_from_env,
 )
-from runtime.run_dir import RunFolderLost, check_run_dir, folder_lost
+from runtime.run_dir import RunFolderLost, all_on_one_node, check_run_dir, folder_lost, refuse_live_runs
 from runtime.signals import StopRequested, loop_started, restart_attempt, resume_command
 from runtime.startup import start_process
 from training.build import build_meshes, build_step
@@ -93,6 +93,8 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
     if cfg.run.memory_check:  # the estimate per rank against the machine, before anything is allocated
         check_memory(plan, memory_per_rank(cfg.training.device))
     check_data(cfg, model.vocab_size, steps)  # tokenizer, token-file headers, vocab, dataset and split sizes
+    if all_on_one_node(world_size):  # a live run's folders: in use, whatever else holds (several nodes: the lock)
+        refuse_live_runs(locked_folders(cfg, uses_checkpoints=True))
     resume = find_resume(cfg, plan)
     # A run that resumes continues the metrics of run.dir instead of refusing them; so does a torchrun restart
     # with resume auto, even before its first checkpoint.

@@ -22,7 +22,9 @@
 6. Replace whole (``replace_whole``): everything is written into a sibling folder ``.<out>.partial-<pid>``,
    which is renamed into place only once complete. With ``--overwrite`` the earlier export is first renamed
    aside and removed after the rename, so no file of it (an old shard, an old index beside a new single file)
-   survives, and a failed export leaves the earlier one as it was.
+   survives, and a failed export leaves the earlier one as it was. SIGTERM or SIGINT removes the partial
+   folder too (exit 128 + signal); what an export killed outright left is cleared by the next export
+   (``clear_stale``). An ``--out`` that is a symlink has what it points to replaced; the link stays.
 
 7. Give back the folder you brought: a run that started from a transformers folder (``checkpoint.init_from``,
    recorded in meshloom.json; else the folder of the run's tokenizer.json when it holds a config.json;
@@ -64,6 +66,7 @@ from runtime.config import ConfigError, model_args
 from runtime.files import writing
 from runtime.options import check_out_folder, path_option
 from runtime.schema import Config
+from runtime.signals import Interrupted, interrupts_raise
 
 
 def choose_checkpoint(path: str | Path) -> Path:
@@ -108,10 +111,46 @@ def check_out(out: str | Path, overwrite: bool) -> Path:
     return out
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def clear_stale(out: Path) -> list[str]:
+    """Step 6's leftovers of exports that died (SIGKILL, a power cut) beside ``out``: a ``.<out>.partial-<pid>``
+    whose process is gone is removed; a ``.<out>.old-<pid>`` (an earlier export set aside) is put back as ``out``
+    when ``out`` is missing, else removed. A live export's folders are left alone. Returns what was done."""
+    out = out.absolute()
+    stale = re.compile(rf"\.{re.escape(out.name)}\.(partial|old)-([0-9]+)")
+    done = []
+    try:
+        entries = sorted(out.parent.iterdir()) if out.parent.is_dir() else []
+    except OSError:
+        return done
+    for entry in entries:
+        match = stale.fullmatch(entry.name)
+        if not match or not entry.is_dir() or entry.is_symlink() or pid_alive(int(match.group(2))):
+            continue
+        if match.group(1) == "old" and not os.path.lexists(out):
+            os.rename(entry, out)
+            done.append(f"put back the earlier export {entry} as {out}")
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+            done.append(f"removed {entry}, left by an export that did not finish")
+    return done
+
+
 def replace_whole(out: Path, write) -> list[Path]:
     """Step 6: ``write(folder)`` into a sibling folder, then that folder renamed to ``out`` (the earlier export,
-    if any, renamed aside first and removed); returns the written files as paths under ``out``."""
-    out = out.absolute()
+    if any, renamed aside first and removed); returns the written files as paths under ``out``. When ``out`` is a
+    symlink, what it points to is replaced (the link stays as it is)."""
+    given = out
+    out = Path(os.path.realpath(out)) if out.is_symlink() else out.absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     partial, old = out.parent / f".{out.name}.partial-{os.getpid()}", out.parent / f".{out.name}.old-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
@@ -126,7 +165,7 @@ def replace_whole(out: Path, write) -> list[Path]:
             os.rename(old, out)  # the earlier export back where it was
         raise
     shutil.rmtree(old, ignore_errors=True)
-    return [out / Path(w).relative_to(partial) for w in written]
+    return [given / Path(w).relative_to(partial) for w in written]
 
 
 def saved_config(step_dir: Path) -> Config:
@@ -314,7 +353,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     try:
+        with interrupts_raise():  # SIGTERM/SIGINT: the partial folder removed (step 6), exit 128 + signal
+            return _main(opts)
+    except Interrupted as stop:
+        print(
+            f"meshloom export: stopped by {stop}; nothing was written to --out {opts.out} (an earlier export there "
+            "is as it was). Run the same command again to export.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + stop.signum
+
+
+def _main(opts) -> int:
+    try:
         max_shard_bytes = parse_size(opts.max_shard_size)
+        for note in clear_stale(Path(opts.out)):
+            print(f"meshloom export: {note}", file=sys.stderr, flush=True)
         out = check_out(opts.out, opts.overwrite)
         step_dir = choose_checkpoint(opts.checkpoint)
         tokenizer = checkpoint_tokenizer(step_dir, opts.tokenizer)

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import json
 import os
 import shutil
@@ -450,6 +451,11 @@ class CheckpointManager:
         for doomed in self.folder.glob("step-*.deleting"):  # also those a killed run left behind
             shutil.rmtree(doomed)
 
+    @functools.cached_property
+    def stream(self) -> dict:
+        """The token stream's identity (data/dataset.py ``stream_identity``), worked out once, at the first save."""
+        return stream_identity(self.cfg, self.plan.model.vocab_size, self.plan.steps)
+
     def _metadata(self, step: int, tokens_consumed: int) -> dict:
         d, t = self.plan.dims, self.cfg.training
         return {
@@ -459,7 +465,7 @@ class CheckpointManager:
             "model": dataclasses.asdict(self.plan.model_config),  # the [model] trained (a transformers folder's too)
             "layout": {**dataclasses.asdict(d), "pp_schedule": self.plan.layout.pp_schedule},  # ParallelDims' fields
             "run_layout": self.plan.layout.record(),  # how each step ran: schedule, AC, precision, ...
-            "data": {**stream_identity(self.cfg), "seq_len": t.seq_len, "global_batch": t.global_batch},
+            "data": {**self.stream, "seq_len": t.seq_len, "global_batch": t.global_batch},
             "init_from": self.cfg.checkpoint.init_from,  # the export keeps that folder's config (checkpoint/export.py)
             "meshloom_version": meshloom_version(),
             "torch_version": torch.__version__,

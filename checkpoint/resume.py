@@ -16,7 +16,8 @@
 4. The newest good step must be of this model: every ``[model]`` field is compared (a ConfigError names each
    difference), then every tensor key and shape the model and AdamW need; the data stream (source,
    seq_len, the tokenizer by path *and* by the SHA-256 of its content, a prepared folder's tokens by the
-   SHA-256 its header records) must be the same, and steps must be left to train.
+   SHA-256 its header records, a raw text source by the SHA-256 of the bytes read up to ``data.max_bytes``, and
+   the size of the training and validation splits) must be the same, and steps must be left to train.
 5. When this run will save, the folder must not hold good checkpoints beyond its starting step: they belong
    to another history, and saving would mix the two or collide with them.
 
@@ -42,7 +43,7 @@ from checkpoint.hf import safetensors_problems
 from checkpoint.safe_pickle import reader
 from checkpoint.state import TRAIN, TRAIN_KEYS, expected_entries
 from checkpoint.verify import manifest_changed, manifest_problems
-from data.dataset import stream_digest
+from data.dataset import is_raw_text, raw_digest, split_sizes, stream_digest
 from data.tokenizers import load_tokenizer
 from models.llama import Transformer
 from runtime.config import ConfigError
@@ -234,6 +235,84 @@ def check_stream_content(path: Path, stream: dict, cfg: Config, tokens_consumed)
         )
 
 
+def check_raw_text(path: Path, stream: dict, cfg: Config, tokens_consumed) -> None:
+    """Refuse raw text sources other than the checkpoint's, by the SHA-256 of the bytes read (``raw_sha256``):
+    another ``data.max_bytes`` or other text under the same path moves the token stream and, with
+    ``data.val_fraction``, the validation split (tokens held out would become training data). The same bytes
+    under another ``data.max_bytes`` (a source smaller than both) are the same stream. data.allow_stream_change
+    resumes anyway; a checkpoint without the digest (an older meshloom) is compared by path only."""
+    d = cfg.data
+    saved_max = stream.get("max_bytes")
+    for key, name, source in (
+        ("raw_sha256", "data.source", d.source),
+        ("val_raw_sha256", "data.val_source", d.val_source),
+    ):
+        if not is_raw_text(source) or stream.get(key) is None:
+            continue
+        saved, now = stream[key], raw_digest(source, d.max_bytes, name)
+        if saved == now:
+            continue
+        split = (
+            f" and the validation split (the last data.val_fraction={d.val_fraction:g} of it) with it: tokens held out "
+            "for evaluation would become training data"
+            if name == "data.source" and d.val_fraction and not d.val_source
+            else ""
+        )
+        if saved_max is not None and saved_max != d.max_bytes:
+            change = (
+                f"checkpoint {path} was saved with data.max_bytes={saved_max}, this run has data.max_bytes="
+                f"{d.max_bytes}: {name}={source!r} is raw text read up to data.max_bytes bytes, so its token stream "
+                f"moves{split}, and its data position (tokens_consumed={tokens_consumed:,}) would point at other tokens."
+            )
+            fix = f"Pass --data.max_bytes {saved_max} as the run was trained, start a new --run.dir (or --checkpoint.folder)"
+        else:
+            change = (
+                f"checkpoint {path} was trained on {name}={source!r}, raw text whose first data.max_bytes="
+                f"{d.max_bytes} bytes had SHA-256 {saved}, but they now have SHA-256 {now} (the text under that path "
+                f"changed): its token stream moves{split}, and its data position (tokens_consumed="
+                f"{tokens_consumed:,}) would point at other tokens."
+            )
+            fix = "Put back the text the run was trained on, start a new --run.dir (or --checkpoint.folder)"
+        if d.allow_stream_change:
+            warn(f"{change} data.allow_stream_change=true: the position is reinterpreted in the new stream.")
+            continue
+        raise ConfigError(
+            f"{change} {fix}, or pass --data.allow_stream_change true to continue from that position in the new stream."
+        )
+
+
+def check_split_sizes(path: Path, stream: dict, cfg: Config, plan: LayoutPlan) -> None:
+    """The last line of defence: the training and validation splits hold as many tokens as when the checkpoint
+    was saved (a prepared folder without a digest changed, say). Unless data.allow_stream_change."""
+    if "val_tokens" not in stream:
+        return  # an older meshloom did not record the sizes
+    train_tokens, val_tokens = split_sizes(cfg, plan.model.vocab_size, plan.steps)
+    for key, what, now in (
+        ("train_tokens", "training split", train_tokens),
+        ("val_tokens", "validation split", val_tokens),
+    ):
+        saved = stream.get(key)
+        if saved is None or saved == now:
+            continue
+        d = cfg.data
+        where = (
+            f"data.val_source={d.val_source!r}"
+            if d.val_source
+            else f"data.val_fraction={d.val_fraction:g} of data.source={d.source!r}"
+        )
+        change = (
+            f"checkpoint {path} was saved with a {what} of {saved:,} tokens, this run's holds {now:,} ({where}, "
+            f"data.max_bytes={d.max_bytes}): the split moved, so validation and training tokens would mix."
+        )
+        if d.allow_stream_change:
+            warn(f"{change} data.allow_stream_change=true: the run continues on the new split.")
+            continue
+        raise ConfigError(
+            f"{change} Put back the data and the data.* settings the run was saved with, start a new --run.dir "
+            "(or --checkpoint.folder), or pass --data.allow_stream_change true to continue on the new split."
+        )
+
+
 def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, plan: LayoutPlan) -> None:
     """Step 4 for one checkpoint; raises a ConfigError naming the difference and the fix."""
     problems = compatibility_problems(meta, dcp_meta, cfg, plan)
@@ -264,6 +343,8 @@ def check_usable(path: Path, meta: dict, dcp_meta, cfg: Config, plan: LayoutPlan
             "new --checkpoint.folder."
         )
     check_stream_content(path, stream, cfg, meta.get("tokens_consumed"))
+    check_raw_text(path, stream, cfg, meta.get("tokens_consumed") or 0)
+    check_split_sizes(path, stream, cfg, plan)
     if plan.steps <= meta["step"]:
         raise ConfigError(
             f"training.steps={plan.steps} but checkpoint {path} is already at step {meta['step']}: nothing "

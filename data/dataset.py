@@ -20,6 +20,7 @@ tokenizer, a header that does not match it, a vocabulary or a recorded largest i
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -297,10 +298,43 @@ def stream_digest(source: str) -> str | None:
     return digest
 
 
-def stream_identity(cfg: Config) -> dict:
-    """What a checkpoint records about its token stream (checkpoint.manager); resuming compares it."""
+def is_raw_text(source: str) -> bool:
+    """A source read as raw text (``default``, a text file or folder): its first ``data.max_bytes`` bytes."""
+    return bool(source) and (source == "default" or not is_token_folder(source))
+
+
+def raw_digest(source: str, max_bytes: int, field: str = "data.source") -> str | None:
+    """The SHA-256 of the bytes a raw text source gives a run (the first ``max_bytes``, file by file in the
+    order ``_raw_tokens`` reads them, each file's length first so that a moved boundary counts); None for a
+    prepared folder, whose header's ``tokens_sha256`` identifies it (``stream_digest``)."""
+    if not is_raw_text(source):
+        return None
+    from data.corpus import corpus_files
+
+    digest, total = hashlib.sha256(), 0
+    for file in corpus_files(source, field):
+        raw = file.read_bytes()[: max_bytes - total]
+        digest.update(len(raw).to_bytes(8, "little") + raw)
+        total += len(raw)
+        if total >= max_bytes:
+            break
+    return digest.hexdigest()
+
+
+def split_sizes(cfg: Config, vocab_size: int | None = None, steps: int | None = None) -> tuple[int, int]:
+    """(training tokens, validation tokens) of ``cfg``'s streams (raw text is tokenized once per process)."""
+    splits = load_data(cfg, vocab_size, steps)
+    return _length(splits.train), _length(splits.val) if splits.val is not None else 0
+
+
+def stream_identity(cfg: Config, vocab_size: int | None = None, steps: int | None = None) -> dict:
+    """What a checkpoint records about its token stream (checkpoint.manager); resuming compares it
+    (checkpoint/resume.py): the sources by path and by content (a prepared folder's ``tokens_sha256``, a raw
+    text source's ``raw_sha256`` of the bytes read), ``max_bytes`` and the size of each split, so that a
+    validation split that moved (another ``data.max_bytes``, other text) is seen."""
     d = cfg.data
     tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
+    train_tokens, val_tokens = split_sizes(cfg, vocab_size, steps)
     return {
         "source": d.source,
         "tokenizer": d.tokenizer,
@@ -311,4 +345,9 @@ def stream_identity(cfg: Config) -> dict:
         "val_fraction": d.val_fraction,
         "tokens_sha256": stream_digest(d.source),
         "val_tokens_sha256": stream_digest(d.val_source),
+        "max_bytes": d.max_bytes,
+        "raw_sha256": raw_digest(d.source, d.max_bytes, "data.source"),
+        "val_raw_sha256": raw_digest(d.val_source, d.max_bytes, "data.val_source"),
+        "train_tokens": train_tokens,
+        "val_tokens": val_tokens,
     }

@@ -64,6 +64,7 @@ from data.tokenizers import load_tokenizer
 from runtime.config import ConfigError
 from runtime.files import parse_json
 from runtime.options import check_out_folder, int_option, path_option, text_option
+from runtime.signals import Interrupted, interrupts_raise
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -370,9 +371,27 @@ def tokenized(
             while pending:
                 n, future = pending.popleft()
                 yield n, future.result()
+        except BaseException:
+            if pool is not None:  # a signal or an error: end the workers now, not after their queued chunks
+                stop_workers(pool)
+            raise
         finally:
             for _, future in pending:
                 future.cancel()
+
+
+def stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Terminate a pool's worker processes and drop its queued work, so that nothing outlives the command (a
+    worker left running keeps multiprocessing's resource tracker alive too)."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14+
+    if terminate is not None:
+        terminate()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):  # before 3.14: no public way
+        process.terminate()
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.join(timeout=5)
 
 
 class Progress:
@@ -545,6 +564,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
+    try:
+        with interrupts_raise():  # SIGTERM/SIGINT: workers ended, the unfinished output removed, exit 128 + signal
+            return _main(opts)
+    except Interrupted as stop:
+        print(
+            f"meshloom prepare: stopped by {stop}; the worker processes were ended and the unfinished output in "
+            f"{opts.out} removed. Run the same command again to prepare it.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + stop.signum
+
+
+def _main(opts) -> int:
     try:
         check_out_folder(opts.out, "--out")
         if opts.format == "chat":

@@ -20,7 +20,11 @@
       exists) rank 0's verdict reaches every rank through the control plane
       (runtime/process.py: ControlPlane.raise_if_any_failed) before the first collective on the model.
 
-   A folder given twice (checkpoint.folder equal to run.dir) is locked once.
+   A folder given twice (checkpoint.folder equal to run.dir, by any spelling: ``run/x/..`` or a symlink to
+   it) is locked once: folders are compared by their real path.
+   Before all of this, ``refuse_live_runs`` (train.check_config, every rank) refuses a folder a live run
+   holds as in use, naming its pid, before any other check looks inside and would ask to remove the live
+   run's checkpoints or metrics.
 3. The lock holds the folder's identity: the device and inode of the folder and of its lock file, taken
    when it is locked. ``folder_lost`` compares them with what the paths name now; rank 0 calls it before
    each metrics line and (shared on the control plane) before each save. A folder removed (``rm -rf
@@ -217,6 +221,31 @@ def check_not_in_use(folder: Path, field: str, job: str, patience_s: float = 2.0
         time.sleep(0.02)  # a holder between taking the lock and writing its record: likely this job's rank 0
 
 
+def real_folder(folder: str | Path) -> str:
+    """The folder a path names, whatever its spelling: ``..``, ``.`` and symlinks resolved (as far as it exists).
+    Two fields naming one folder are locked once (step 2)."""
+    return os.path.realpath(Path(folder).expanduser())
+
+
+def refuse_live_runs(folders: list[tuple[str, Path]]) -> None:
+    """Before anything looks inside the folders (every rank, before any process group): a folder whose lock a
+    live process of another job holds is refused as in use, naming that process. Without this, the checks
+    that run first (runtime/run_dir.py ``check_run_dir``, checkpoint/resume.py) would tell the second run to
+    remove or overwrite the live run's metrics and checkpoints. Creates nothing."""
+    job, seen = job_id(), set()
+    for field, folder in folders:
+        if real_folder(folder) in seen:
+            continue
+        seen.add(real_folder(folder))
+        try:
+            holder = live_holder(Path(folder))
+        except OSError:
+            continue  # unreadable: the lock itself says so later, naming the reason
+        if holder is None or holder.get("job") == job or holder.get("pid") == os.getpid():
+            continue  # free, or this job's own
+        raise in_use(field, Path(folder), holder)
+
+
 def all_on_one_node(world_size: int) -> bool:
     """Every rank runs on this node (one process, or one torchrun holding the whole world)."""
     return world_size == 1 or os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
@@ -229,12 +258,12 @@ def lock_run_folders(
     them. Returns None or the ConfigError to raise (after the control plane shared it: step 2c)."""
     job = job_id()
     field, folder = folders[0]
-    seen: set[Path] = set()
+    seen: set[str] = set()
     try:
         for field, folder in folders:
-            if Path(folder).absolute() in seen:
-                continue  # checkpoint.folder equal to run.dir: one lock (a second flock would wait on the first)
-            seen.add(Path(folder).absolute())
+            if real_folder(folder) in seen:
+                continue  # checkpoint.folder is run.dir (by any spelling): one lock; a second flock would wait on the first
+            seen.add(real_folder(folder))
             if rank == 0:
                 lock = RunLock(folder, field).acquire(job)
                 locks.append(lock)

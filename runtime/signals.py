@@ -39,6 +39,7 @@ Ctrl-C arrives as SIGINT. torchrun forwards SIGTERM to its workers and kills the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -57,6 +58,31 @@ class StopRequested(Exception):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.signum = signum
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT in a command with nothing to finish (data.prepare, checkpoint.export): raised in the
+    main thread, it unwinds through every ``finally`` (worker processes ended, partial output removed), and the
+    command exits 128 + the signal. A BaseException, so that no ``except Exception`` takes it for an error."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interrupts_raise():
+    """While inside, SIGTERM and SIGINT raise ``Interrupted`` in the main thread; the handlers before are put back."""
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, handler) for signum in HANDLED}
+    try:
+        yield
+    finally:
+        for signum, before in previous.items():
+            signal.signal(signum, before)
 
 
 def restart_attempt() -> int:

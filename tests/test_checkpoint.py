@@ -768,6 +768,46 @@ def test_a_dataset_prepared_again_under_the_same_path_is_refused_naming_both_dig
     assert "recorded no content digest of its token stream" in capsys.readouterr().err
 
 
+# ---- a raw text source, by content and by data.max_bytes ----------------------------------------------------
+
+
+def test_raw_text_resumes_only_on_the_same_bytes_and_the_same_validation_split(tmp_path):
+    """A raw text source is read up to data.max_bytes and its last data.val_fraction is held out: another
+    max_bytes, or other text under the same path, moves both the data position and the validation split
+    (held-out tokens would become training data). The checkpoint records max_bytes, the SHA-256 of the bytes
+    read and the size of each split; a real resume (python train.py) refuses either change with exit 2, naming
+    the field, both values and the fix. The same bytes under a larger max_bytes are the same stream."""
+    text = tmp_path / "corpus.txt"
+    text.write_bytes((ROOT / "train.py").read_bytes()[:12_000])
+    folder, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    common = ["--data.source", str(text), "--data.val_fraction", "0.1", "--training.seq_len", "64"]
+    common += ["--training.global_batch", "4", "--checkpoint.folder", str(folder), "--run.dir", str(run_dir)]
+    run_cli(1, *common, "--data.max_bytes", "10000", "--training.steps", "2", "--checkpoint.interval", "2")
+    saved = json.loads((folder / "step-2" / "meshloom.json").read_text())["data"]
+    assert saved["max_bytes"] == 10_000 and saved["val_tokens"] == 1_000 and saved["train_tokens"] == 9_000
+    assert saved["raw_sha256"] and saved["val_raw_sha256"] is None
+
+    resume = [*common, "--training.steps", "4", "--checkpoint.resume", "auto"]
+    moved = run_train_cli(1, "--config", DEBUG_CONFIG, *resume, "--data.max_bytes", "8000", timeout=300)
+    assert moved.returncode == 2, moved.stdout[-2000:] + moved.stderr[-2000:]
+    message = moved.stderr.strip().splitlines()[-1]
+    assert "data.max_bytes=10000, this run has data.max_bytes=8000" in message
+    assert "validation split" in message and "become training data" in message
+    assert "--data.max_bytes 10000" in message and "Traceback" not in moved.stderr
+
+    text.write_bytes((ROOT / "generate.py").read_bytes()[:12_000])  # other text under the same path
+    other = run_train_cli(1, "--config", DEBUG_CONFIG, *resume, "--data.max_bytes", "10000", timeout=300)
+    assert other.returncode == 2, other.stdout[-2000:] + other.stderr[-2000:]
+    message = other.stderr.strip().splitlines()[-1]
+    assert saved["raw_sha256"] in message and "the text under that path changed" in message
+    assert "--data.allow_stream_change true" in message and "Traceback" not in other.stderr
+
+    # The very bytes that were read, as the whole file: any data.max_bytes >= 10,000 reads the same stream.
+    text.write_bytes((ROOT / "train.py").read_bytes()[:10_000])
+    extra = dict(data__source=str(text), data__val_fraction=0.1, training__seq_len=64, training__global_batch=4)
+    check(tmp_path, folder, checkpoint__resume="auto", training__steps=4, data__max_bytes=50_000, **extra)
+
+
 # ---- unreadable checkpoints (run as a user without root's override of file permissions) ---------------------
 
 

@@ -67,3 +67,63 @@ def test_deleting_run_dir_mid_run_stops_it_with_exit_4_and_nothing_recreated(tmp
     assert "Traceback" not in err, err[-3000:]
     assert "was removed while the run was alive" in err.strip().splitlines()[-1]
     assert not run.exists(), sorted(str(p) for p in run.rglob("*"))  # nothing re-created, nothing written
+
+
+@pytest.mark.parametrize("spelling", ["dotdot", "symlink"])
+def test_a_checkpoint_folder_naming_run_dir_by_another_spelling_is_one_lock(spelling, tmp_path):
+    """``checkpoint.folder`` written ``run/sub/..`` or as a symlink to run.dir is run.dir: folders are compared by
+    their real path and locked once. Before, the second flock on the same lock file refused the run as "in use
+    by another live run", naming the run's own pid."""
+    import train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    if spelling == "dotdot":
+        (run / "sub").mkdir()
+        folder = run / "sub" / ".."
+    else:
+        folder = tmp_path / "link"
+        folder.symlink_to(run, target_is_directory=True)
+    args = ["--config", DEBUG_CONFIG, "--run.dir", str(run), "--checkpoint.folder", str(folder)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = train.main([*args, "--training.steps", "2", "--checkpoint.interval", "2", "--run.tensorboard", "false"])
+    assert code == 0, err.getvalue()[-2000:]
+    assert "in use" not in err.getvalue()
+    assert (run / "step-2").is_dir() and (run / "metrics.jsonl").is_file()
+
+
+def test_a_second_run_on_a_live_folder_is_told_it_is_in_use_not_to_remove_its_checkpoints(tmp_path):
+    """A second run on the run.dir of a live run that has saved: the checks that look inside the folder (newer
+    checkpoints, an earlier metrics.jsonl) would tell it to remove the live run's checkpoints or to overwrite
+    its metrics. It is refused first as in use, with exit 2, naming the live run's pid, whatever it asks."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "--config", DEBUG_CONFIG, "--run.dir", str(run), "--run.tensorboard", "false"]
+    first = subprocess.Popen(
+        [*cmd, "--training.steps", "2000", "--checkpoint.interval", "2"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "step-2").is_dir():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        for extra in (["--checkpoint.resume", "none"], ["--checkpoint.resume", "auto"], ["--run.overwrite", "true"]):
+            second = subprocess.run(
+                [*cmd, "--training.steps", "4", "--checkpoint.interval", "2", *extra],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            last = second.stderr.strip().splitlines()[-1]
+            assert second.returncode == 2, second.stderr[-3000:]
+            assert f"is in use by another live run (pid {first.pid} " in last, (extra, last)
+            assert "remove" not in last and "Traceback" not in second.stderr
+        assert first.poll() is None, "the live run goes on"
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
