@@ -76,8 +76,9 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    - ZBVZeroBubble: min(2m, 2·pp, m + 1 + r); DualPipeV: min(2m, 2·pp + 1). From 2·pp - 1 micro-batches on, both are
      flat across the ranks (2·pp and 2·pp + 1 chunks).
 
-   A chunk is one stage's layers for one micro-batch; a rank's activations are its chunks in flight times
-   its stages' mean chunk. Without pipelining a rank holds one micro-batch (accumulation runs them one
+   A chunk is one stage's layers for one micro-batch. The chunks in flight are not spread evenly over a rank's
+   stages, nor are the stages the same size (``stage_chunks_in_flight``: the first n forwards in the schedule's
+   own order), so a rank's activations are each stage's chunks in flight times that stage's chunk. Without pipelining a rank holds one micro-batch (accumulation runs them one
    after the other).
 5. **Logits** (``logits_bytes``), on the rank holding the last stage: 12 bytes per logit at the peak around
    the loss (bf16 logits 2, their fp32 copy 4, the fp32 log-softmax 4, the gradient; measured by
@@ -182,7 +183,15 @@ def gathered_bytes(args: ModelArgs, layout: Layout, layers, first: bool, last: b
     w = layout.dtype_bytes
     if layout.pp > 1:
         root = gathered_parameters(layout, stage_parameters(args, [], first, last))
-        return (w + 4) * (root + sum(gathered_block(args, layout, i) for i in layers))
+        # Under TP the vocabulary-parallel embedding's gradient comes out for the whole vocabulary, and FSDP2
+        # accumulates it across the micro-batches in fp32 at that size (measured by the simulation, docs/combining.md
+        # Appendix F: +3.4 GiB on Llama 3 70B's first pipeline rank). It exists from the first stage's first backward
+        # on, which is the rank's activation peak under 1F1B and GPipe and in the V-schedules' steady state; the looped
+        # multi-stage schedules run that backward after their other stages' backwards have freed most chunks, so
+        # there it does not add to the peak (70B Interleaved1F1B, rank 0: the simulation's peak has no such gradient).
+        looped = layout.pp_schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+        whole_embedding_grad = 4 * args.vocab_size * args.dim * (1 - 1 / layout.tp) if first and not looped else 0.0
+        return (w + 4) * (root + sum(gathered_block(args, layout, i) for i in layers)) + whole_embedding_grad
     grad_w = w + (4 if w != 4 else 0)  # the unsharded gradient, and in bf16 its fp32 copy for the reduce-scatter
     blocks = sorted((gathered_block(args, layout, i) for i in layers), reverse=True)
     root = gathered_parameters(layout, stage_parameters(args, [], first, last))
@@ -320,6 +329,41 @@ def chunks_in_flight(schedule: str, pp: int, pp_rank: int, microbatches: int, st
     return counts[schedule]
 
 
+def stage_chunks_in_flight(schedule: str, pp: int, pp_rank: int, microbatches: int, stages_per_rank: int) -> list[int]:
+    """Of ``chunks_in_flight``, how many belong to each of the rank's stages (in the rank's stage order), at the moment
+    the count peaks: the first n forwards in the order the schedule runs them (n = ``chunks_in_flight``).
+
+    Why per stage: the rank's stages need not be the same size (planning/pipeline_split.py balances memory, so the
+    last rank's interleaved stages are 3 layers and 1 at Llama 3 70B), and the chunks in flight are not spread
+    evenly over them: under Interleaved1F1B the last rank runs every forward of its first stage before the first
+    backward of its second, so it holds m chunks of one and 1 of the other. Counting the rank's mean chunk instead
+    missed 8 GiB there (+31% in the simulation, docs/combining.md Appendix F). The orders, from torch's
+    ``_get_warmup_ops`` and the V-schedules' warm-up (tests/test_memory_estimate.py checks them against torch's
+    own action lists):
+
+    - looped schedules run forwards in rounds of q = m // max(1, m // pp) micro-batches per stage (GPipe and
+      LoopedBFS: one round of m), stage after stage, then round after round: the first n of that order;
+    - ZBVZeroBubble and DualPipeV reach their second (mirrored) stage's first backward after r + 1 of its
+      forwards: it holds min(m, r + 1), the first stage the rest.
+    """
+    m, v, r = microbatches, stages_per_rank, pp_rank
+    n = chunks_in_flight(schedule, pp, r, m, v)
+    if pp == 1 or v == 1:
+        return [n] + [0] * (v - 1)
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        second = min(m, r + 1, n)
+        return [n - second, second]
+    per_round = m if schedule in ("GPipe", "LoopedBFS") else m // max(1, m // pp)
+    held = [0] * v
+    left = n
+    while left > 0:
+        for k in range(v):
+            take = min(per_round, m - held[k], left)
+            held[k] += take
+            left -= take
+    return held
+
+
 # ---- 5. logits, and the whole rank -------------------------------------------------------------------------
 
 
@@ -354,15 +398,28 @@ def rank_memory(
     first, last = 0 in stage_ids, n_stages - 1 in stage_ids
     layers = [i for s in stage_ids for i in stage_layers[s]]
     params = stage_parameters(args, layers, first, last)
-    held = chunks_in_flight(layout.pp_schedule, layout.pp, pp_rank, layout.pp_microbatches, len(stage_ids))
-    per_chunk = sum(layer_activation_bytes(args, i, layout) for i in layers) / len(stage_ids)
-    activations = held * per_chunk + rebuild_bytes(args, layers, layout)
+    activations = in_flight_activations(args, layout, stage_layers, pp_rank, stage_ids)[0]
+    activations += rebuild_bytes(args, layers, layout)
     return RankMemory(
         states=states_bytes(args, layout, params),
         gathered=gathered_bytes(args, layout, layers, first, last),
         activations=activations,
         logits=logits_bytes(args, layout, last_stage_held(layout)) if last else 0.0,
     )
+
+
+def in_flight_activations(
+    args: ModelArgs,
+    layout: Layout,
+    stage_layers: list[list[int]] | tuple[tuple[int, ...], ...],
+    pp_rank: int = 0,
+    stage_ids: list[int] | tuple[int, ...] = (0,),
+) -> tuple[float, list[int]]:
+    """Item 4: the activations of the chunks rank ``pp_rank`` holds in flight, and how many of each of its stages:
+    each stage's count (``stage_chunks_in_flight``) times that stage's own chunk, since stages differ in size."""
+    held = stage_chunks_in_flight(layout.pp_schedule, layout.pp, pp_rank, layout.pp_microbatches, len(stage_ids))
+    chunks = [sum(layer_activation_bytes(args, i, layout) for i in stage_layers[s]) for s in stage_ids]
+    return sum(n * chunk for n, chunk in zip(held, chunks, strict=True)), held
 
 
 def last_stage_held(layout: Layout) -> int:

@@ -10,6 +10,7 @@ by exact dynamic programming over the cut points (``minmax_split``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -17,12 +18,12 @@ from mesh.pipeline import stage_ids_of_rank
 from models.flops import head_flops_per_token, layer_flops_per_token
 from planning.memory_estimate import (
     block_parameters,
-    chunks_in_flight,
     gathered_bytes,
     last_stage_held,
     layer_activation_bytes,
     logits_bytes,
     rank_memory,
+    stage_chunks_in_flight,
     stage_parameters,
     states_bytes,
 )
@@ -94,7 +95,6 @@ def memory_split(args: ModelArgs, layout: Layout, n_stages: int, schedule: str) 
     rank, then move one cut by one layer while the sorted peaks get lexicographically smaller."""
     pp = layout.pp
     n_local = n_stages // pp
-    owner = {s: r for r in range(pp) for s in stage_ids_of_rank(r, pp, n_local, schedule)}
     checkpointed = layout.activation_checkpoint != "none"
     fixed, acts, rebuilt = [], [], []
     for i in range(args.n_layers):
@@ -110,10 +110,20 @@ def memory_split(args: ModelArgs, layout: Layout, n_stages: int, schedule: str) 
         + gathered_bytes(args, layout, [], False, True)
         + logits_bytes(args, layout, last_stage_held(layout)),
     }
-    held = [chunks_in_flight(schedule, pp, r, layout.pp_microbatches, n_local) / n_local for r in range(pp)]
+    # each stage's own chunks in flight (memory_estimate.py: stage_chunks_in_flight): a rank's stages hold different
+    # counts (the interleaved last rank: every micro-batch of its first stage, one of its second)
+    held = {
+        s: n
+        for r in range(pp)
+        for s, n in zip(
+            stage_ids_of_rank(r, pp, n_local, schedule),
+            stage_chunks_in_flight(schedule, pp, r, layout.pp_microbatches, n_local),
+            strict=True,
+        )
+    }
 
     def share(s: int, i: int, j: int) -> float:  # step 1
-        cost = sum(fixed[i:j]) + held[owner[s]] * sum(acts[i:j]) + max(rebuilt[i:j])
+        cost = sum(fixed[i:j]) + held[s] * sum(acts[i:j]) + max(rebuilt[i:j])
         return cost + (ends["first"] if s == 0 else 0.0) + (ends["last"] if s == n_stages - 1 else 0.0)
 
     sizes = minmax_split(args.n_layers, n_stages, share)  # step 2
@@ -123,15 +133,16 @@ def memory_split(args: ModelArgs, layout: Layout, n_stages: int, schedule: str) 
     improved = True
     while improved:  # step 3
         improved = False
-        for k in range(n_stages - 1):
-            for move in (1, -1):  # one layer from stage k + 1 to stage k, or back
-                trial = list(sizes)
-                trial[k], trial[k + 1] = trial[k] + move, trial[k + 1] - move
-                if min(trial) < 1:
-                    continue
-                trial_score = sorted(rank_peaks(args, layout, trial, schedule), reverse=True)
-                if trial_score < score:
-                    sizes, score, improved = trial, trial_score, True
+        # one layer from any stage j to any stage k: with per-stage counts in flight a rank's peak weighs its stages
+        # differently, and moves between neighbours alone stopped short of the best cut
+        for k, j in itertools.permutations(range(n_stages), 2):
+            trial = list(sizes)
+            trial[k], trial[j] = trial[k] + 1, trial[j] - 1
+            if min(trial) < 1:
+                continue
+            trial_score = sorted(rank_peaks(args, layout, trial, schedule), reverse=True)
+            if trial_score < score:
+                sizes, score, improved = trial, trial_score, True
     return sizes
 
 

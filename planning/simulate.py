@@ -27,7 +27,7 @@ import json
 from typing import TYPE_CHECKING
 
 from planning.dry_run import size
-from planning.memory_estimate import rank_memory, rank_parameters, stage_parameters
+from planning.memory_estimate import in_flight_activations, rank_memory, rank_parameters, stage_parameters
 from planning.plan import LayoutPlan
 from runtime.command_line import planned_device
 from runtime.config import ConfigError
@@ -111,14 +111,36 @@ def estimate(
     return memory.total, split
 
 
-def why(simulated: float, estimated: float, sim: dict, est: dict) -> str | None:
-    """The reason for a difference beyond TOLERANCE: the categories that differ most, and what neither counts."""
+def in_flight(cfg: Config, world_size: int, pp_rank: int, model_config=None, device_type: str | None = None):
+    """The schedule's in-flight activations in the planner's estimate for this rank: (bytes, chunks held per stage,
+    the schedule's name), or None without pipelining."""
+    device_type = device_type or planned_device(None, cfg.training.device)
+    first = LayoutPlan.resolve(cfg, world_size, rank=0, model_config=model_config, device_type=device_type)
+    if first.dims.pp == 1:
+        return None
+    rank = pp_rank * (world_size // first.dims.pp)
+    plan = LayoutPlan.resolve(cfg, world_size, rank=rank, model_config=model_config, device_type=device_type)
+    held_bytes, held = in_flight_activations(plan.model, plan.layout, plan.stage_layers, pp_rank, plan.stage_ids)
+    return held_bytes, dict(zip(plan.stage_ids, held, strict=True)), plan.layout.pp_schedule
+
+
+def why(simulated: float, estimated: float, sim: dict, est: dict, flight=None) -> str | None:
+    """The reason for a difference beyond TOLERANCE: the categories that differ most, and what neither counts.
+    ``flight`` (``in_flight``): when the activations differ most, the schedule's chunks in flight are named, since
+    they are most of that category on a pipeline rank (the chunks held per stage, from the schedule's own order)."""
     if estimated and abs(simulated - estimated) <= TOLERANCE * estimated:
         return None
     gaps = sorted(((sim[k] - est[k], k) for k in sim), key=lambda g: -abs(g[0]))
     named = "; ".join(
         f"{k.replace('_', ' ')} {size(sim[k])} simulated vs {size(est[k])} estimated" for gap, k in gaps[:2] if gap
     )
+    if flight is not None and gaps[0][1] == "activations_and_temporaries":
+        held_bytes, held, schedule = flight
+        chunks = ", ".join(f"{n} of stage {s}" for s, n in held.items())
+        named += (
+            f"; of the estimated activations, {size(held_bytes)} are the {schedule} schedule's chunks in flight "
+            f"({chunks}: planning/memory_estimate.py, stage_chunks_in_flight)"
+        )
     return (
         f"{named}. Neither counts the CUDA context, NCCL's buffers or the allocator's rounding; the estimate also "
         "leaves out the optimizer step's temporaries (planning/memory_estimate.py)."
@@ -145,7 +167,8 @@ def simulate(cfg: Config, args: CommandLine, run_rank, model_config: ModelConfig
         total, split = estimate(cfg, args.world_size, pp_rank, model_config, device_type)
         row["estimated_bytes"] = round(total)
         row["estimated_categories"] = {k: round(v) for k, v in split.items()}
-        row["why"] = why(row["simulated_peak_bytes"], total, row["categories"], split)
+        flight = in_flight(cfg, args.world_size, pp_rank, model_config, device_type)
+        row["why"] = why(row["simulated_peak_bytes"], total, row["categories"], split, flight)
         rows.append(row)
     routing = "balanced (assumed, not read)" if plan.model.moe is not None else "no MoE layers"
     return {

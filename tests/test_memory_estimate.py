@@ -22,6 +22,7 @@ from planning.memory_estimate import (
     gathered_bytes,
     layer_activation_bytes,
     rank_memory,
+    stage_chunks_in_flight,
     stage_parameters,
     states_bytes,
 )
@@ -163,6 +164,42 @@ def test_chunks_in_flight_follow_torchs_own_schedule_orders(pp):
                 assert held == [chunks_in_flight(schedule, pp, r, m, v) for r in range(pp)], (schedule, m, v)
                 checked += 1
     assert checked >= 40
+
+
+def chunks_per_stage_at_peak(actions, stages: list[int]) -> list[int]:
+    """The chunks of each stage held when the rank's count first peaks (``activations_in_flight``'s moment)."""
+    held, most, at = [], 0, [0] * len(stages)
+    for a in actions:
+        if a.kind == "F":
+            held.append(a.stage)
+        elif a.kind in ("B", "I"):
+            held.remove(a.stage)
+        if len(held) > most:
+            most, at = len(held), [held.count(s) for s in stages]
+    return at
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_chunks_in_flight_per_stage_follow_torchs_own_schedule_orders(pp):
+    """Which stages the chunks in flight belong to, against torch's action lists: a rank's stages differ in size
+    (Llama 3 70B's memory-balanced interleaved split gives the last rank 3 layers and 1), so the estimate weighs
+    each stage's chunk by its own count. Under Interleaved1F1B the last rank holds every micro-batch of its first
+    stage and one of its second (docs/combining.md, Appendix F: the +31% this missed)."""
+    checked = 0
+    for schedule, family in SCHEDULE_FAMILIES.items():
+        for v in (1,) if family.placement == "single" else (2,) if family.placement == "v" else (2, 3):
+            for m in sorted({pp, pp + 1, 2 * pp, 2 * pp + 2, 4 * pp}):
+                try:
+                    actions = schedule_actions(schedule, pp, m, v)
+                except ValueError:
+                    continue
+                for r in range(pp):
+                    stages = stage_ids_of_rank(r, pp, v, schedule)
+                    expected = chunks_per_stage_at_peak(actions[r], stages)
+                    assert stage_chunks_in_flight(schedule, pp, r, m, v) == expected, (schedule, m, v, r)
+                checked += 1
+    assert checked >= 40
+    assert stage_chunks_in_flight("Interleaved1F1B", 16, 15, 16, 2) == [16, 1]
 
 
 def test_uneven_stages_and_the_rank_that_holds_the_most():

@@ -272,3 +272,45 @@ def test_every_layout_family_simulates(family):
     argv = ["--config", "configs/debug.toml", "--model.vocab_size", "320", "--training.mixed_precision", "bf16"]
     row = in_fresh_process(simulate_rank, load_config(argv + extra), 4, pp_rank)
     assert row["simulated_peak_bytes"] > 0 and dims <= {c["dim"] for c in row["collectives"]}
+
+
+# world 4: pp 2 x tp 2 (SP), bf16 (FSDP over a dp_shard of 1), 8 layers of dim 256, 2,048-token sequences, 4
+# micro-batches of one sequence: activations dominate, as at scale (docs/combining.md, Appendix F's schedule table)
+SCHEDULE_SHAPE = [
+    "--config", "configs/debug.toml", "--model.vocab_size", "320", "--model.n_layers", "8", "--model.dim", "256",
+    "--parallel.tp", "2", "--parallel.dp_shard", "1", "--parallel.pp", "2", "--parallel.pp_microbatches", "4",
+    "--training.seq_len", "2048", "--training.global_batch", "4", "--training.mixed_precision", "bf16",
+]  # fmt: skip
+ZBV_GAP = (
+    "ZBVZeroBubble at this shape: simulated 19-27% over the planner (activations), while at Llama 3 70B the two agree "
+    "within 6%; not yet explained (the input-gradient pass's retained graph and intermediate gradients, held until "
+    "the weight-gradient pass, are the suspect)"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule",
+    ["1F1B", "Interleaved1F1B", pytest.param("ZBVZeroBubble", marks=pytest.mark.xfail(reason=ZBV_GAP, strict=True)),
+     "DualPipeV"],
+)  # fmt: skip
+def test_the_planner_is_within_ten_percent_of_the_simulation_for_every_schedule(schedule):
+    """planning/memory_estimate.py against the simulated peak, per pipeline rank, under each schedule: the chunks in
+    flight per stage come from the schedule's order (the planner missed 31% on 70B's interleaved last rank)."""
+    from planning.simulate import estimate
+
+    cfg = load_config(SCHEDULE_SHAPE + ["--parallel.pp_schedule", schedule])
+    for pp_rank in (0, 1):
+        row = in_fresh_process(simulate_rank, cfg, 4, pp_rank)
+        estimated, _ = estimate(cfg, 4, pp_rank)
+        assert row["simulated_peak_bytes"] == pytest.approx(estimated, rel=0.10), (schedule, pp_rank)
+
+
+def test_why_names_the_schedules_chunks_in_flight_when_activations_differ_most():
+    from planning.simulate import why
+
+    sim = {"parameters": 1, "activations_and_temporaries": 30 * 2**30, "logits": 2**30}
+    est = {"parameters": 1, "activations_and_temporaries": 22 * 2**30, "logits": 2**30}
+    said = why(31 * 2**30, 23 * 2**30, sim, est, (18 * 2**30, {15: 16, 31: 1}, "Interleaved1F1B"))
+    assert "Interleaved1F1B schedule's chunks in flight (16 of stage 15, 1 of stage 31" in said
+    assert "chunks in flight" not in why(31 * 2**30, 23 * 2**30, sim, est)
