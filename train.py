@@ -85,8 +85,7 @@ if TYPE_CHECKING:
 
 
 def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPlan, Resume]:
-    """Every check that needs no process group, the same ConfigError on every rank; returns the plan and resume
-    decision."""
+    """Every check that needs no process group, the same ConfigError on every rank; the plan and the resume."""
     model = folder_model(cfg)  # a transformers folder in checkpoint.init_from gives [model] (its config.json)
     steps = epoch_steps(cfg, model.vocab_size)  # training.epochs makes the steps from the data's size
     plan = LayoutPlan.resolve(cfg, world_size, rank, model_config=model, steps=steps)  # values, then layout rules
@@ -96,8 +95,7 @@ def check_config(cfg: Config, world_size: int, rank: int = 0) -> tuple[LayoutPla
     if all_on_one_node(world_size):  # a live run's folders: in use, whatever else holds (several nodes: the lock)
         refuse_live_runs(locked_folders(cfg, uses_checkpoints=True))
     resume = find_resume(cfg, plan)
-    # A run that resumes continues the metrics of run.dir instead of refusing them; so does a torchrun restart
-    # with resume auto, even before its first checkpoint.
+    # A resumed run (or a torchrun restart with resume auto) continues run.dir's metrics instead of refusing them.
     resuming = resume.newest is not None or (restart_attempt() > 0 and resume.mode == "auto")
     check_run_dir(cfg.run.dir, cfg.run.overwrite, resuming=resuming)
     if cfg.checkpoint.interval > 0:
