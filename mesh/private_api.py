@@ -364,7 +364,9 @@ def _passing_over_annotations(mode_class, replay: bool):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _ANNOTATIONS:
             return func(*args, **(kwargs or {}))
-        if not replay:
+        # torch 2.11 keeps an op's outputs as a list the recomputation pops in order (no call index, nothing to
+        # keep for a second recomputation); 2.13 and later replay by call index (``func_counter``)
+        if not replay or not hasattr(self, "func_counter"):
             return mode_class.__torch_dispatch__(self, func, types, args, kwargs)
         key = storage_key(func, args)
         index, entries = self.func_counter[key], self.storage.get(key)
