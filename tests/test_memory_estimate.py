@@ -249,6 +249,7 @@ def kept_bytes_on_rank(args: ModelArgs, batch: int, seq: int, mode: str, sp: boo
     and DTensors counted by their local storage. The block's input is made inside the recording (a scalar
     product, which saves nothing) and dropped after forward, so it counts exactly when the block keeps it."""
     import gc
+    import time
 
     import torch
     import torch.distributed as dist
@@ -290,9 +291,23 @@ def kept_bytes_on_rank(args: ModelArgs, batch: int, seq: int, mode: str, sp: boo
         x = leaf * 1.0
         out = model.layers["0"](x, model.rope_cos, model.rope_sin)
     del x
-    gc.collect()
     skip = {storage(t)._cdata for t in (*model.parameters(), *model.buffers(), out)}
-    kept = sum(n for key, (ref, n) in rec.refs.items() if not ref.expired() and key not in skip)
+
+    def live_bytes() -> int:
+        gc.collect()
+        return sum(n for key, (ref, n) in rec.refs.items() if not ref.expired() and key not in skip)
+
+    # gloo's worker thread can still hold a collective's output (the no-SP all-reduce) for a moment after the
+    # waiting thread resumes, so a storage the block does not keep may look alive right after forward. It can only
+    # disappear with time, never appear: poll until the count has been steady for three looks (2 s at most).
+    kept, steady = live_bytes(), 0
+    for _ in range(40):
+        if steady == 3:
+            break
+        time.sleep(0.05)
+        now = live_bytes()
+        steady = steady + 1 if now == kept else 0
+        kept = now
     (out.to_local() if hasattr(out, "to_local") else out).sum().backward()  # what was kept really was enough
     return kept
 
