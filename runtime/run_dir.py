@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 from runtime.config import ConfigError
+from runtime.files import parse_json
 
 LOCK_FILE = ".meshloom.lock"
 HELD: list[RunLock] = []  # the locks this process holds, for folder_lost (step 3)
@@ -288,6 +289,7 @@ def lock_run_folders(
 def _read_record(fd: int) -> dict:
     try:
         data = os.pread(fd, 4096, 0)
-        return json.loads(data) if data.strip() else {}
-    except (OSError, ValueError):
+        record = parse_json(data, LOCK_FILE, "") if data.strip() else {}
+    except (OSError, ConfigError):  # unreadable or not ours (a hand edit, a torn write): no holder is known
         return {}
+    return record if isinstance(record, dict) else {}

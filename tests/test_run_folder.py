@@ -36,6 +36,24 @@ def test_the_lock_notices_its_folder_removed_or_replaced(tmp_path):
     assert lock not in HELD
 
 
+@pytest.mark.parametrize(
+    "record",
+    [b"[" * 2000 + b"]" * 2000, b"[1, 2]", b'{"pid": 1, "host": "\xff"}', b"{not json"],
+    ids=["deep", "a-list", "not-utf8", "torn"],
+)
+def test_a_lock_file_left_unreadable_is_taken_over_without_a_traceback(record, tmp_path):
+    """The lock file's record is read through runtime/files.py's JSON reader: nested past Python's recursion
+    limit (a RecursionError before), not an object, not UTF-8 or torn, it names no holder and the lock is taken."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / ".meshloom.lock").write_bytes(record)
+    lock = RunLock(folder).acquire()
+    try:
+        assert lock.took_over is None
+    finally:
+        lock.release()
+
+
 def test_a_checkpoint_folder_equal_to_run_dir_is_one_lock(tmp_path):
     import train
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime.config import ConfigError
-from runtime.files import writing
+from runtime.files import parse_json, writing
 
 if TYPE_CHECKING:
     from runtime.process import ControlPlane
@@ -27,11 +27,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def _step_of(line: str) -> float:
-    """The step of a metrics line; a line torn by a killed process counts as never written."""
+    """The step of a metrics line. A line torn by a killed process, or any line that is not a record with a whole
+    step (a hand edit: nested past the JSON reader's depth limit, a step of another type), counts as never written."""
     try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
+        record = parse_json(line, "metrics.jsonl", "")
+    except ConfigError:
         return float("inf")
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else float("inf")
 
 
 class MetricsWriter:
