@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.tokenizers import check_tokenizer_folder
 from runtime.config import ConfigError
 from runtime.files import parse_json
 
@@ -47,6 +48,7 @@ def template_tokenizer(folder: Path):
         raise ConfigError(
             "--format chat renders with transformers' chat template rules: pip install transformers"
         ) from exc
+    check_tokenizer_folder(folder, "--tokenizer")
     try:
         tok = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:  # a malformed tokenizer_config.json, tokenizer.json, ...: the folder's fault

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.config import ConfigError
-from runtime.files import read_json_object
+from runtime.files import parse_json, read_bytes, read_json_object
 
 # Special tokens that end a text in common tokenizers (GPT-2 / Llama 3 base / Llama 2, Mistral / Gemma).
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -79,7 +79,7 @@ class HFTokenizer:
         tokenizers = import_tokenizers()
         self.file = file.resolve()
         self.name = str(file)
-        raw = file.read_bytes()
+        raw = read_tokenizer_json(file, field)
         self.sha256 = hashlib.sha256(raw).hexdigest()
         try:
             self.tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
@@ -151,6 +151,35 @@ class HFTokenizer:
             "eos_id": self.eos_id,
             "eos_token": self.eos_token,
         }
+
+
+# The JSON files of a Hugging Face tokenizer folder; transformers' AutoTokenizer reads those present (a chat template).
+TOKENIZER_JSON_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "config.json",  # read by AutoTokenizer when tokenizer_config.json names no tokenizer_class
+)
+TOKENIZER_FIX = "point it at a Hugging Face tokenizer.json (or use 'bytes')"
+
+
+def read_tokenizer_json(file: Path, field: str = "data.tokenizer") -> bytes:
+    """A tokenizer.json's bytes, once runtime/files.py's JSON reader has passed them (strict UTF-8, nesting depth,
+    no lone surrogate, an object): the ``tokenizers`` library then parses the same text."""
+    where = f"{field}={str(file)!r}"
+    raw = read_bytes(file, TOKENIZER_FIX, where)
+    if not isinstance(parse_json(raw, where, TOKENIZER_FIX), dict):
+        raise ConfigError(f"{where} is not a JSON object; {TOKENIZER_FIX}.")
+    return raw
+
+
+def check_tokenizer_folder(folder: Path, field: str) -> None:
+    """Every JSON file of the tokenizer folder through runtime/files.py's reader, before transformers parses them
+    with its own (which stops with a RecursionError on deep nesting and a TypeError on a file of another shape)."""
+    for name in TOKENIZER_JSON_FILES:
+        if (folder / name).is_file():
+            read_json_object(folder / name, "fix or remove the file.", where=f"{field} {folder}: {name}")
 
 
 def tokenizer_file(spec: str, field: str = "data.tokenizer") -> Path:

@@ -1,8 +1,9 @@
 """The one door for the files the project reads and the disks it writes to.
 
 1. **JSON** (``read_json``, ``parse_json``): every JSON file meshloom reads (a transformers folder's config.json
-   and index, a checkpoint's meshloom.json, a dataset's header.json, tokenizer_config.json) and every JSONL line
-   goes through ``parse_json``. The bytes are decoded as strict UTF-8, the text is parsed, then refused when it
+   and index, a checkpoint's meshloom.json, a dataset's header.json, a tokenizer folder's tokenizer.json and
+   tokenizer_config.json, a run's lock record, metrics.jsonl on resume) and every JSONL line goes through
+   ``parse_json``. The bytes are decoded as strict UTF-8, the text is parsed, then refused when it
    nests deeper than ``MAX_DEPTH`` (Python's own parser stops with a RecursionError near a thousand levels, and
    every reader after it walks the value) or holds a lone surrogate escape (``"\\ud800"``: valid JSON, but no
    character, so the first ``encode`` of it fails far from the file). Anything wrong is one ``ConfigError``
@@ -76,15 +77,17 @@ def _shape_problem(value: object, check_strings: bool) -> str | None:
     return None
 
 
+def read_bytes(path: str | Path, fix: str, where: str = "") -> bytes:
+    """``path``'s bytes, or a ConfigError "WHERE cannot be read (why); FIX" (a folder, no permission, ...)."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise failure(where or str(path), f"cannot be read ({(exc.strerror or str(exc)).lower()})", fix) from None
+
+
 def read_json(path: str | Path, fix: str, where: str = "") -> object:
     """``path``'s JSON value through ``parse_json``; ``where`` (default: the path) leads the message."""
-    path = Path(path)
-    where = where or str(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise failure(where, f"cannot be read ({(exc.strerror or str(exc)).lower()})", fix) from None
-    return parse_json(data, where, fix)
+    return parse_json(read_bytes(path, fix, where), where or str(path), fix)
 
 
 def read_json_object(path: str | Path, fix: str, where: str = "") -> dict:

@@ -247,6 +247,89 @@ def test_every_malformed_chat_line_is_refused_by_prepare(tmp_path):
         refused(code, err, "chats.jsonl")
 
 
+# ---- a tokenizer folder: tokenizer.json (data.prepare, generate) and the chat folder's JSON files ----------------
+@pytest.fixture(scope="module")
+def bpe_file(tmp_path_factory) -> Path:
+    """A small tokenizer.json built in milliseconds (a word-level model: the readers, not the model, are tested)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from tests.bpe import EOS
+
+    words = ["[UNK]", "hi", "hello", "there", "user", "assistant", ":"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(EOS, special=True)])
+    path = tmp_path_factory.mktemp("fuzzbpe") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def tokenizer_cases(bpe_file: Path) -> dict[str, bytes]:
+    cases = mutations(json.loads(bpe_file.read_text()), "model")
+    cases.pop("missing_model")  # a valid JSON object that ``tokenizers`` refuses in its own words: checked below
+    return cases
+
+
+def test_every_malformed_tokenizer_json_is_refused_by_prepare_and_generate(bpe_file, export, tmp_path):
+    import generate
+    from data import prepare
+
+    source = tmp_path / "docs.txt"
+    source.write_text("hello there\n")
+    cases = tokenizer_cases(bpe_file)
+    cases["missing_model"] = json.dumps({k: v for k, v in json.loads(bpe_file.read_text()).items() if k != "model"})
+    for name, data in cases.items():
+        tok = tmp_path / name / "tokenizer.json"
+        tok.parent.mkdir()
+        tok.write_bytes(data if isinstance(data, bytes) else data.encode())
+        out = tmp_path / name / "o"
+        code, err = run(prepare.main, ["--source", str(source), "--tokenizer", str(tok), "--out", str(out)])
+        refused(code, err, "tokenizer.json")
+        assert not out.exists(), name
+        args = ["--checkpoint", str(export), "--prompt", "hi", "--max-new-tokens", "1", "--tokenizer", str(tok)]
+        refused(*run(generate.main, args), "tokenizer.json")
+
+
+def test_every_malformed_json_file_of_a_chat_tokenizer_folder_is_refused_by_prepare(bpe_file, tmp_path):
+    from data import prepare
+    from data.tokenizers import TOKENIZER_JSON_FILES
+    from tests.test_malformed_inputs import chat_folder
+
+    template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    source = tmp_path / "chats.jsonl"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    source.write_text(json.dumps({"messages": messages}) + "\n")
+    assert (
+        run(
+            prepare.main,
+            [
+                "--format",
+                "chat",
+                "--seq-len",
+                "64",
+                "--source",
+                str(source),
+                "--tokenizer",
+                str(chat_folder(tmp_path, bpe_file, template)),
+                "--out",
+                str(tmp_path / "good"),
+            ],
+        )[0]
+        == 0
+    )
+    kinds = ("very_deep", "not_utf8", "lone_surrogate", "a_list")
+    for file in TOKENIZER_JSON_FILES:
+        for kind in kinds:
+            (tmp_path / file / kind).mkdir(parents=True)
+            folder = chat_folder(tmp_path / file / kind, bpe_file, template)
+            present = folder / file
+            value = json.loads(present.read_text()) if present.is_file() else {"eos_token": "x"}
+            (folder / file).write_bytes(mutations(value, "x")[kind])
+            args = ["--format", "chat", "--seq-len", "64", "--source", str(source), "--tokenizer", str(folder)]
+            code, err = run(prepare.main, [*args, "--out", str(folder.parent / "o")])
+            refused(code, err, file, str(folder))
+
+
 # ---- header.json and documents.bin: the dataset reader (train reads them after the process group starts) --------
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
