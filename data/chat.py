@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.pieces import LONG_CHARS, PIECE_CHARS, encode_long
 from data.tokenizers import check_tokenizer_folder
 from runtime.config import ConfigError
 from runtime.files import parse_json
@@ -103,30 +104,51 @@ def assistant_spans(tok, messages: list[dict], where: str) -> tuple[str, list[tu
 
 
 def conversation(tok, tokenizer, messages: list[dict], train_on: str, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask) of one conversation, without the document end."""
+    """(ids, mask) of one conversation, without the document end. A render longer than ``LONG_CHARS`` is
+    tokenized in pieces (data/pieces.py), as a long text document is: it then costs its text and its arrays, not
+    the tokenizer's Encoding and Python lists of every token (about 300 bytes per character)."""
     text, spans = assistant_spans(tok, messages, where)
-    encoding = tokenizer.encode_with_offsets(text)
-    ids = np.asarray(encoding.ids, dtype=np.int64)
-    if train_on == "all":
-        return ids, np.ones(len(ids), dtype=np.uint8)
-    starts = np.asarray([a for a, _ in encoding.offsets], dtype=np.int64)
-    mask = np.zeros(len(ids), dtype=bool)
-    for a, b in spans:
-        mask |= (starts >= a) & (starts < b)
-    return ids, mask.astype(np.uint8)
+    if len(text) > LONG_CHARS:
+        pieces = (text[at : at + PIECE_CHARS] for at in range(0, len(text), PIECE_CHARS))
+        parts = encode_long(tokenizer, pieces, starts=True)
+    else:
+        encoding = tokenizer.encode_with_offsets(text)
+        starts = np.fromiter((a for a, _ in encoding.offsets), dtype=np.int64, count=len(encoding))
+        parts = [(np.asarray(encoding.ids, dtype=np.uint32), starts)]
+    ids, masks = [], []
+    for piece_ids, starts in parts:
+        mask = np.full(len(piece_ids), train_on == "all")
+        if train_on != "all":
+            for a, b in spans:
+                mask |= (starts >= a) & (starts < b)
+        ids.append(piece_ids)
+        masks.append(mask.astype(np.uint8))
+    if not ids:
+        return np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint8)
+    return np.concatenate(ids), np.concatenate(masks)
 
 
 def conversations(path: Path) -> Iterator[tuple[list[dict], str]]:
+    """Each line's messages and ``file:line``, read a line at a time (a file of many conversations costs one)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"{path}: byte {exc.start} is not UTF-8 ({exc.reason}); chat JSONL is UTF-8 text: convert the file "
-            "(e.g. iconv -f latin1 -t utf-8) or move it out of --source."
-        ) from None
+        with open(path, "rb") as f:
+            yield from _conversations(path, f)
     except OSError as exc:
         raise ConfigError(f"{path} cannot be read ({exc.strerror or exc}); fix its permissions or --source.") from None
-    for n, line in enumerate(text.splitlines(), start=1):
+
+
+def _conversations(path: Path, f) -> Iterator[tuple[list[dict], str]]:
+    at = 0  # bytes before this line
+    for n, raw in enumerate(f, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{path}: byte {at + exc.start} is not UTF-8 ({exc.reason}); chat JSONL is UTF-8 text: convert the "
+                "file (e.g. iconv -f latin1 -t utf-8) or move it out of --source."
+            ) from None
+        at += len(raw)
+        del raw
         if not line.strip():
             continue
         where = f"{path}:{n}"
@@ -139,6 +161,7 @@ def conversations(path: Path) -> Iterator[tuple[list[dict], str]]:
             for m in messages
         ):
             raise ConfigError(f"{where}: 'messages' must be a list of {{'role': str, 'content': str}}")
+        del line, record  # while the caller renders, only the messages are held
         yield messages, where
 
 

@@ -39,9 +39,11 @@ TAIL_WORDS = 2  # words left for the next piece: the last may be incomplete, the
 TAIL_TOKENS = 16  # the fallback cut for a carry without enough words
 
 
-def encode_head(tokenizer, text: str) -> tuple[np.ndarray, int]:
-    """Step 2: (ids of ``text[:cut]``, cut), where no text appended after ``text`` can change those ids."""
+def encode_head(tokenizer, text: str, starts: bool = False):
+    """Step 2: (ids of ``text[:cut]``, cut), where no text appended after ``text`` can change those ids;
+    ``starts``: also each kept token's first character in ``text`` (the chat loss mask, data/chat.py)."""
     if not hasattr(tokenizer, "encode_with_offsets"):  # the byte tokenizer: each character's bytes, whatever follows
+        assert not starts, "character starts need a tokenizer.json"
         return tokenizer.encode_array(text), len(text)
     encoding = tokenizer.encode_with_offsets(text)
     n = len(encoding)
@@ -55,20 +57,39 @@ def encode_head(tokenizer, text: str) -> tuple[np.ndarray, int]:
         keep = i
     else:  # too few words in the carry: cut TAIL_TOKENS tokens before its end
         keep = max(0, n - TAIL_TOKENS)
+    # An added token (a chat template's <|im_end|>) is matched in the text before any pre-tokenizer word: one
+    # that the next piece completes ("<|im_" + "end|>") must not be cut. So the cut keeps back the longest
+    # added token's length, moving to the start of an earlier word.
+    limit = len(text) - getattr(tokenizer, "added_chars", 0)
+    while 0 < keep < n and encoding.token_to_chars(keep)[0] > limit:
+        word = encoding.token_to_word(keep - 1)
+        keep -= 1
+        while keep > 0 and word is not None and encoding.token_to_word(keep - 1) == word:
+            keep -= 1
     if keep == 0:
-        return np.zeros(0, dtype=np.uint32), 0
+        empty = np.zeros(0, dtype=np.uint32)
+        return (empty, 0, np.zeros(0, dtype=np.int64)) if starts else (empty, 0)
     cut = encoding.token_to_chars(keep)[0] if keep < n else len(text)
-    return np.asarray(encoding.ids[:keep], dtype=np.uint32), cut
+    ids = np.asarray(encoding.ids[:keep], dtype=np.uint32)
+    if not starts:
+        return ids, cut
+    return ids, cut, np.fromiter((a for a, _ in encoding.offsets[:keep]), dtype=np.int64, count=keep)
 
 
-def encode_long(tokenizer, pieces: Iterable[str]) -> Iterator[np.ndarray]:
-    """Steps 1-4: the ids of the document made of ``pieces``, in order (no EOS: the caller packs it)."""
-    carry = ""
+def encode_long(tokenizer, pieces: Iterable[str], starts: bool = False) -> Iterator:
+    """Steps 1-4: the ids of the document made of ``pieces``, in order (no EOS: the caller packs it);
+    ``starts``: (ids, each token's first character in the whole document) instead."""
+    carry, consumed = "", 0
     for piece in pieces:
         carry += piece  # step 1
-        ids, cut = encode_head(tokenizer, carry)  # step 2
-        if len(ids):
-            yield ids  # step 3
-        carry = carry[cut:]
-    if carry:
-        yield tokenizer.encode_array(carry)  # step 4
+        head = encode_head(tokenizer, carry, starts)  # step 2
+        if len(head[0]):
+            yield (head[0], head[2] + consumed) if starts else head[0]  # step 3
+        carry, consumed = carry[head[1] :], consumed + head[1]
+    if carry:  # step 4
+        if not starts:
+            yield tokenizer.encode_array(carry)
+            return
+        encoding = tokenizer.encode_with_offsets(carry)
+        first = np.fromiter((a for a, _ in encoding.offsets), dtype=np.int64, count=len(encoding))
+        yield np.asarray(encoding.ids, dtype=np.uint32), first + consumed

@@ -89,6 +89,8 @@ class HFTokenizer:
                 "tokenizer.json (or use 'bytes')."
             ) from exc
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        # the longest added token, in characters: data/pieces.py never cuts closer than this to a piece's end
+        self.added_chars = max((len(t.content) for t in self.tok.get_added_tokens_decoder().values()), default=0)
         self._untrimmed = None  # built when a long document is first cut (encode_with_offsets)
         self.eos_token = eos_token or self._find_eos()
         if not self.eos_token:

@@ -1,14 +1,18 @@
-"""Peak memory of ``data.prepare``: one 200 MB line against 200 MB of ordinary lines, and against JSONL.
+"""Peak memory of ``data.prepare``: one 200 MB line against 200 MB of ordinary lines, JSONL, and one conversation.
 
-    .venv/bin/python -m measure.prepare_memory            # 200 MB files
-    .venv/bin/python -m measure.prepare_memory --mb 50    # smaller, faster
+    .venv/bin/python -m measure.prepare_memory                         # 200 MB files
+    .venv/bin/python -m measure.prepare_memory --mb 50                 # smaller, faster
+    .venv/bin/python -m measure.prepare_memory --mb 10 --chat-only     # one 10 MB conversation (--format chat)
 
 1. Train a 4,096-token byte-level BPE (data/train_tokenizer.py) on 20 files of the default corpus.
 2. Write three files of ``--mb`` MB from the default corpus (the standard library's sources, repeated):
    ``lines.txt`` as it is (ordinary lines of code), ``one-line.txt`` with every newline replaced by a space,
    and ``documents.jsonl``, one document per source file. A text file is one document whatever its lines,
    so the first two are one 200 MB document each: before pieces (data/pieces.py) they cost about 27 bytes per
-   byte of text; the JSONL file is the ordinary case, many documents tokenized by chunks.
+   byte of text; the JSONL file is the ordinary case, many documents tokenized by chunks. A fourth file,
+   ``conversation.jsonl``, holds one conversation of ``--mb`` MB (a question, a long reply) for ``--format
+   chat`` with ChatML's template and turn markers: rendered whole, tokenized in pieces (data/chat.py). Its
+   imports include transformers and the template's tokenizer, loaded before the measurement starts.
 3. For each file, a fresh process runs ``data.prepare.prepare`` with ``workers=1``, so that all the work
    happens in that one process and its peak resident memory (VmHWM of /proc/self/status) is the whole
    cost. It reports that peak, its resident memory after the imports, and the seconds taken.
@@ -66,13 +70,58 @@ def write_sources(folder: Path, size: int) -> dict[str, Path]:
     return files
 
 
-def child(source: str, tokenizer: str, out: str) -> dict:
-    """Step 3, in a fresh process."""
-    from data.prepare import prepare
+CHAT_TEMPLATE = (  # ChatML, as SmolLM2's and Qwen's folders have it: special tokens around each turn
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
+
+def chat_folder(tokenizer: Path) -> Path:
+    """Step 1 for chat: the BPE with ChatML's special tokens and template, as a model's tokenizer folder."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from data.train_tokenizer import EOS
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    folder = tokenizer.parent.parent / "chat-tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def write_conversation(folder: Path, size: int) -> Path:
+    """Step 2 for chat: one conversation of about ``size`` bytes, a short question and a long reply (the
+    default corpus's text), on one JSONL line."""
+    from data.corpus import corpus_files
+
+    reply, files = [], iter(corpus_files("default") * 1000)
+    while sum(map(len, reply)) < size:
+        reply.append(next(files).read_text())
+    messages = [{"role": "user", "content": "Show me some code."}, {"role": "assistant", "content": "".join(reply)}]
+    path = folder / "conversation.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def child(source: str, tokenizer: str, out: str) -> dict:
+    """Step 3, in a fresh process (a ``.jsonl`` source in a folder named chat: ``--format chat``)."""
+    from data.prepare import prepare, prepare_chat
+
+    if Path(source).name == "conversation.jsonl":  # what prepare_chat imports, counted with the imports
+        import transformers  # noqa: F401
+
+        from data.chat import template_tokenizer
+
+        template_tokenizer(Path(tokenizer))
     after_imports = status_kib()["VmRSS"]
     start = time.perf_counter()
-    header = prepare(source, tokenizer, out, workers=1, quiet=True)
+    if Path(source).name == "conversation.jsonl":
+        header = prepare_chat(source, tokenizer, out, seq_len=2048)
+    else:
+        header = prepare(source, tokenizer, out, workers=1, quiet=True)
     return {
         "seconds": time.perf_counter() - start,
         "imports_kib": after_imports,
@@ -84,6 +133,7 @@ def child(source: str, tokenizer: str, out: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=200.0, help="size of each source file in MB (default 200)")
+    parser.add_argument("--chat-only", action="store_true", help="only the one-conversation chat file")
     parser.add_argument("--child", nargs=3, metavar=("SOURCE", "TOKENIZER", "OUT"), help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child:
@@ -95,7 +145,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         tokenizer = train_bpe("default", 4096, folder / "tok", max_files=20)  # step 1
-        files = write_sources(folder, size)
+        files = {} if opts.chat_only else write_sources(folder, size)
+        files["conversation.jsonl"] = write_conversation(folder, size)
         rows = {}
         for name, path in files.items():
             cmd = [
@@ -107,6 +158,8 @@ def main() -> None:
                 str(tokenizer),
                 str(folder / f"out-{name}"),
             ]
+            if name == "conversation.jsonl":
+                cmd[-2] = str(chat_folder(tokenizer))
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     mib = 1024
@@ -120,8 +173,9 @@ def main() -> None:
             f"{name:>16} {r['tokens']:>12,} {r['imports_kib'] / mib:>10.0f} MiB {r['peak_kib'] / mib:>5.0f} MiB "
             f"{added / 2**20:>5.0f} MiB {added / size:>9.2f} B {r['seconds']:>8.1f}"
         )
-    one, lines = (rows[n]["peak_kib"] - rows[n]["imports_kib"] for n in ("one-line.txt", "lines.txt"))
-    print(f"one line vs ordinary lines: {one / max(lines, 1):.2f}x the memory added")
+    if not opts.chat_only:
+        one, lines = (rows[n]["peak_kib"] - rows[n]["imports_kib"] for n in ("one-line.txt", "lines.txt"))
+        print(f"one line vs ordinary lines: {one / max(lines, 1):.2f}x the memory added")
 
 
 if __name__ == "__main__":

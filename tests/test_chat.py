@@ -86,6 +86,38 @@ def test_smollm2_template_ids_equal_apply_chat_template_and_mask_only_replies():
     check_against_transformers(smollm2())
 
 
+def test_a_long_conversation_tokenized_in_pieces_gives_the_whole_renders_ids_and_mask(tiny_folder, monkeypatch):
+    """Past ``LONG_CHARS`` a render is tokenized in pieces (data/pieces.py): the ids and the mask must be the
+    whole render's. Pieces of 7 to 61 characters put cuts everywhere, inside the turn markers too (an added token
+    the next piece completes must not be cut: the pieces keep back the longest one's length)."""
+    import data.chat
+    import data.pieces
+    from data.chat import assistant_spans, conversation, template_tokenizer
+
+    tok, ours = template_tokenizer(tiny_folder), load_tokenizer(str(tiny_folder))
+    chat = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: def f(x):\n    return x * {i}  # é∑ "}
+        for i in range(12)
+    ]
+    text, spans = assistant_spans(tok, chat, "test")
+    whole = ours.encode_with_offsets(text)
+    starts = np.asarray([a for a, _ in whole.offsets])
+    expected_mask = np.zeros(len(whole.ids), dtype=bool)
+    for a, b in spans:
+        expected_mask |= (starts >= a) & (starts < b)
+    cuts = []
+    encode_head = data.pieces.encode_head
+    monkeypatch.setattr(data.pieces, "encode_head", lambda *a: cuts.append(1) or encode_head(*a))
+    monkeypatch.setattr(data.chat, "LONG_CHARS", 0)
+    for piece in (7, 13, 61):
+        monkeypatch.setattr(data.chat, "PIECE_CHARS", piece)
+        for train_on in ("assistant", "all"):
+            ids, mask = conversation(tok, ours, chat, train_on, "test")
+            assert ids.tolist() == whole.ids, (piece, train_on)
+            assert mask.tolist() == (expected_mask if train_on == "assistant" else np.ones(len(ids), bool)).tolist()
+    assert len(cuts) > 100, "the render went through pieces"
+
+
 def test_prepare_chat_writes_a_mask_and_packs_whole_conversations(tiny_folder, tmp_path, capsys):
     seq = 64
     out = tmp_path / "chat"

@@ -235,8 +235,8 @@ def test_a_long_document_is_tokenized_in_pieces_that_give_the_whole_document_ids
     monkeypatch.setattr(data.prepare, "PIECE_CHARS", 64)
     cuts = []
     real_head = data.pieces.encode_head
-    monkeypatch.setattr(data.pieces, "encode_head", lambda tok, text: cuts.append(1) or real_head(tok, text))
-    text = "".join(DOCS) * 40 + "   spaces  \n\n\tand\ttabs  " * 20 + " ∑ héllo wörld" * 30
+    monkeypatch.setattr(data.pieces, "encode_head", lambda *args: cuts.append(1) or real_head(*args))
+    text = "".join(DOCS) * 40 + "   spaces  \n\n\tand\ttabs  " * 20 + " ∑ héllo wörld" * 30 + "x<|endoftext|>y " * 30
     (tmp_path / "long.txt").write_text(text)
     jsonl = write_jsonl(tmp_path / "long.jsonl", [text, "short", text])
     for spec, source in ((str(bpe), tmp_path / "long.txt"), (str(bpe), jsonl), ("bytes", tmp_path / "long.txt")):
