@@ -56,6 +56,8 @@ from models.moe import MoEArgs
 from models.presets import PRESETS
 from planning.gpus import PLANNER_GPUS
 from planning.layout import Layout, degrees
+from runtime.config import parse_float, parse_int
+from runtime.options import float_option, int_option, text_option
 
 _V = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, max_seq_len=8192)
 MODELS: dict[str, ModelArgs] = {
@@ -68,14 +70,36 @@ SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim
 MOE_KEYS = ("n_experts", "top_k", "moe_ffn_dim", "moe_every", "moe_shared_experts")
 
 
+def key_values(text: str, option: str, keys: tuple[str, ...], words: tuple[str, ...] = ()) -> dict:
+    """``key=value,...`` of ``option``: each key one of ``keys``; a value a whole number >= 1 in ASCII digits
+    (``rope_theta``: a positive number; ``moe_shared_experts``: >= 0), or text for the ``words`` keys. A
+    ValueError naming the option, the item and the fix otherwise."""
+    fields: dict = {}
+    for item in text.split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{option} {text!r}: {item!r} is not key=value; write e.g. {option} {keys[0]}=2,...")
+        if key not in keys:
+            raise ValueError(f"{option}: unknown key {key!r}; use {', '.join(keys)}")
+        if key in words:
+            fields[key] = value
+            continue
+        number = parse_float(value) if key == "rope_theta" else parse_int(value)
+        low = 0 if key == "moe_shared_experts" else 1
+        if number is None or not (low <= number <= 2**31 - 1) or number != number:
+            kind = "a positive number" if key == "rope_theta" else f"a whole number from {low} to 2,147,483,647"
+            raise ValueError(f"{option} {key}={value!r}: give {kind} in ASCII digits")
+        fields[key] = number
+    return fields
+
+
 def model_from_shape(text: str) -> ModelArgs:
     """``dim=...,n_layers=...,...`` (ModelArgs' fields; MoE with n_experts, top_k, moe_ffn_dim, moe_every,
     moe_shared_experts, as the config's model.* keys name them)."""
-    fields = dict(kv.split("=") for kv in text.split(",") if kv)
-    unknown = set(fields) - set(SHAPE_KEYS) - set(MOE_KEYS)
-    if unknown:
-        raise ValueError(f"--model-shape: unknown keys {sorted(unknown)}; use {', '.join(SHAPE_KEYS + MOE_KEYS)}")
-    args = ModelArgs(**{k: float(v) if k == "rope_theta" else int(v) for k, v in fields.items() if k in SHAPE_KEYS})
+    fields = key_values(text, "--model-shape", SHAPE_KEYS + MOE_KEYS)
+    args = ModelArgs(**{k: v for k, v in fields.items() if k in SHAPE_KEYS})
     if int(fields.get("n_experts", 0)):
         top_k = int(fields.get("top_k", 2))
         args.moe = MoEArgs(
@@ -97,11 +121,8 @@ def parse_layout(text: str, args: ModelArgs, seq_len: int) -> tuple[Layout, froz
     (sequences per micro-batch), ac and cp_attention: the layout, and which of ``CHOICES`` the text fixes (the
     planner searches the others, ``choose``). ``dp`` is the data-parallel degree dp_replicate x dp_shard
     (mesh/dims.py: ParallelDims.dp); give dp or dp_shard. Uneven pipeline stages are split by FLOPs."""
-    fields = dict(kv.split("=") for kv in text.split(",") if kv)
-    unknown = set(fields) - set(LAYOUT_KEYS)
-    if unknown:
-        raise ValueError(f"--layout: unknown keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
-    ints = {k: int(v) for k, v in fields.items() if k not in ("schedule", "ac", "cp_attention")}
+    fields = key_values(text, "--layout", LAYOUT_KEYS, words=("schedule", "ac", "cp_attention"))
+    ints = {k: v for k, v in fields.items() if k not in ("schedule", "ac", "cp_attention")}
     schedule, ac = fields.get("schedule", "1F1B"), fields.get("ac", "full")
     cp_attention = fields.get("cp_attention", "allgather")
     for key, value, allowed in (
@@ -369,26 +390,44 @@ def main_validate(markdown: bool) -> None:
         )
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    p = argparse.ArgumentParser(prog="python -m cluster.plan_layout", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama3-70b", choices=list(MODELS), help="a preset or a shape of this module")
     p.add_argument(
-        "--model-shape", help="any shape: dim=..,n_layers=..,n_heads=..,n_kv_heads=..,vocab_size=.. (MoE too)"
+        "--model-shape",
+        type=text_option(nonempty=True),
+        help="any shape: dim=..,n_layers=..,n_heads=..,n_kv_heads=..,vocab_size=.. (MoE too)",
     )
     p.add_argument("--gpu", default="h100", choices=list(PLANNER_GPUS))
-    p.add_argument("--gpus", type=int, help="GPUs to search over (with --layout: checked against the layout)")
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--global-batch-tokens", type=float, default=4e6, help="tokens per step, a cap set by convergence")
+    p.add_argument(
+        "--gpus",
+        type=int_option(ge=1, le=2**31 - 1),
+        help="GPUs to search over (with --layout: checked against the layout)",
+    )
+    p.add_argument("--seq-len", type=int_option(ge=1, le=2**31 - 1), default=8192)
+    p.add_argument(
+        "--global-batch-tokens",
+        type=float_option(ge=1),
+        default=4e6,
+        help="tokens per step, a cap set by convergence",
+    )
     p.add_argument(
         "--layout",
+        type=text_option(nonempty=True),
         help="one layout: tp=..,cp=..,pp=..,dp=..,ep=..[,dp_replicate=..,schedule=..,v=..,mb=..,ac=..]; dp = "
         "dp_replicate x dp_shard; the planner chooses schedule, v, mb and ac unless given",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per layout")
-    p.add_argument("--top", type=int, default=10, help="search: how many layouts to print")
+    p.add_argument("--top", type=int_option(ge=1, le=2**31 - 1), default=10, help="search: how many layouts to print")
     p.add_argument("--validate", action="store_true", help="the time model beside Megatron-LM's Table 1")
     p.add_argument("--markdown", action="store_true", help="with --validate: the table of docs/combining.md")
-    a = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
+    a = p.parse_args(argv)
     if a.validate:
         main_validate(a.markdown)
         return

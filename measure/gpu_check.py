@@ -443,24 +443,33 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command line: ``CHECKS`` on the GPU ``gpu_description`` finds (the tests patch both)."""
-    checks = CHECKS
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    from runtime.options import float_option, path_option, text_option
+
     parser = argparse.ArgumentParser(prog="python3 -m measure.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--out",
+        type=path_option(),
         help="folder for report.json, report.md and each check's <name>.log; on a lent GPU machine one under the "
         'folder it sends back, e.g. "$OUT/gpu_check" (the default when the environment variable OUT is set)',
     )
-    parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
+    parser.add_argument("--only", default="", type=text_option(), help="comma-separated check names (default: all)")
     parser.add_argument(
         "--budget",
-        type=float,
+        type=float_option(gt=0),
         default=TOTAL_S,
         help=f"seconds for this whole invocation (default {TOTAL_S}); each check also has its own budget",
     )
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # module:function, run in this process
-    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--child", type=text_option(), help=argparse.SUPPRESS)  # module:function, run in this process
+    parser.add_argument("--result", type=path_option(), help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: ``CHECKS`` on the GPU ``gpu_description`` finds (the tests patch both)."""
+    checks = CHECKS
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.child:
         return run_child(args.child, args.result)
@@ -471,8 +480,6 @@ def main(argv: list[str] | None = None) -> int:
                 'folder the machine sends back, e.g. --out "$OUT/gpu_check"'
             )
         args.out = str(Path(os.environ["OUT"]) / "gpu_check")
-    if args.budget <= 0:
-        parser.error(f"--budget must be positive, not {args.budget}")
     names = [n for n in args.only.split(",") if n]
     unknown = sorted(set(names) - {c.name for c in checks})
     if unknown:

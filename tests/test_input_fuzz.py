@@ -189,6 +189,25 @@ def test_supervise_with_a_missing_command_is_one_line():
     refused(code, err, "no-such-command-meshloom")
 
 
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--gpus", "8", "--seq-len", "0"], ["--seq-len", "'0'"]),  # was a ZeroDivisionError
+        (["--gpus", "8", "--global-batch-tokens", "nan"], ["--global-batch-tokens", "'nan'"]),  # a ValueError
+        (["--layout", "garbage"], ["--layout", "'garbage'", "key=value"]),
+        (["--layout", "tp=²,pp=1,dp=1"], ["--layout", "tp='²'", "ASCII"]),
+        (["--layout", "tp=1,pp=1,dp=1,nonsense=2"], ["--layout", "'nonsense'", "tp, cp"]),
+        (["--gpus", "8", "--model-shape", "dim=x"], ["--model-shape", "dim='x'"]),
+        (["--gpus", "8", "--model-shape", "dim=64,rope_theta=inf"], ["--model-shape", "rope_theta='inf'"]),
+    ],
+    ids=["seq-len-0", "tokens-nan", "layout-garbage", "layout-superscript", "layout-unknown", "shape-x", "theta-inf"],
+)
+def test_plan_layout_refuses_malformed_options_in_one_line(args, words):
+    from cluster import plan_layout
+
+    refused(*run(plan_layout.main, args), *words)
+
+
 # ---- meshloom.json (a checkpoint's manifest): the reader, as train's resume and export call it -----------------
 def test_every_malformed_meshloom_json_is_reported_by_the_checkpoint_reader(tmp_path):
     from checkpoint.resume import META_FILE, inspect, read_meta

@@ -99,10 +99,14 @@ def test_every_config_key_refuses_what_it_cannot_use_naming_the_key(key):
 
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every ``python -m`` tool README names, with its parser (train.py's options are the config keys above)."""
     import generate
     from checkpoint import export, gguf_import
+    from cluster import plan_layout
     from data import prepare, train_tokenizer
     from launch import supervise
+    from measure import gpu_check
+    from training import comm_share
 
     return {
         "data.prepare": prepare.build_parser(),
@@ -111,6 +115,9 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
         "generate": generate.build_parser(),
         "checkpoint.export": export.build_parser(),
         "checkpoint.gguf_import": gguf_import.build_parser(),
+        "cluster.plan_layout": plan_layout.build_parser(),
+        "training.comm_share": comm_share.build_parser(),
+        "measure.gpu_check": gpu_check.build_parser(),
     }
 
 
@@ -126,7 +133,9 @@ def options() -> list[tuple[str, str]]:
 def required_args(parser: argparse.ArgumentParser, skip: str) -> list[str]:
     args = []
     for action in parser._actions:
-        if action.required and action.option_strings and action.option_strings[0] != skip:
+        if action.required and not action.option_strings:  # a positional (training.comm_share's run_dir)
+            args.insert(0, "x")
+        elif action.required and action.option_strings[0] != skip:
             args += [action.option_strings[0], "x"]
     return args
 

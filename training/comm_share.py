@@ -194,11 +194,20 @@ def spread_line(summaries: list[dict]) -> str:
     )
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    from runtime.options import path_option
+
     parser = argparse.ArgumentParser(prog="python -m training.comm_share", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="the run.dir of a run trained with --profile.enabled true")
-    parser.add_argument("--json", help="where to write the JSON (default <run_dir>/profile/comm_share.json)")
-    args = parser.parse_args(argv)
+    parser.add_argument("run_dir", type=path_option(), help="the run.dir of a run trained with --profile.enabled true")
+    parser.add_argument(
+        "--json", type=path_option(), help="where to write the JSON (default <run_dir>/profile/comm_share.json)"
+    )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     try:
         summaries = comm_share(args.run_dir)
     except (FileNotFoundError, ValueError) as exc:
