@@ -33,12 +33,16 @@ from pathlib import Path
 
 import numpy as np
 
-from data.pieces import LONG_CHARS, PIECE_CHARS, encode_long
+from data.pieces import LONG_CHARS, encode_long
 from data.tokenizers import check_tokenizer_folder
 from runtime.config import ConfigError
 from runtime.files import parse_json
 
 TRAIN_ON = ("assistant", "all")
+# Characters per piece of a long render: an Encoding with its offsets costs about 300 bytes per character, so a
+# quarter of data/pieces.py's text piece keeps that cost (~10 MB) under the render's own few bytes per character
+# from about 2 MB on (measure/prepare_memory.py --chat-only).
+PIECE_CHARS = 1 << 14
 
 
 def template_tokenizer(folder: Path):
