@@ -309,6 +309,15 @@ def test_every_malformed_tokenizer_json_is_refused_by_prepare_and_generate(bpe_f
         refused(*run(generate.main, args), "tokenizer.json")
 
 
+def test_a_prompt_that_is_not_utf8_is_refused_with_a_tokenizer_json(bpe_file, export):
+    """The issue's case: with a tokenizer.json, a prompt of bytes that are not UTF-8 (argv's surrogate escapes)
+    was a TypeError from ``tokenizers``; the option's type refuses it before any tokenizer is loaded."""
+    import generate
+
+    args = ["--checkpoint", str(export), "--tokenizer", str(bpe_file), "--max-new-tokens", "1"]
+    refused(*run(generate.main, [*args, "--prompt", "hi \udcff"]), "--prompt", "UTF-8")
+
+
 def test_every_malformed_json_file_of_a_chat_tokenizer_folder_is_refused_by_prepare(bpe_file, tmp_path):
     from data import prepare
     from data.tokenizers import TOKENIZER_JSON_FILES
