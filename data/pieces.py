@@ -9,8 +9,9 @@ characters (read from disk block by block, or sliced from one long JSONL value),
 2. encodes the carry (``encode_head``), and keeps the tokens of every word except the last ``TAIL_WORDS``:
    a pre-tokenizer's word ends where its split rule (whitespace, the GPT-2 regex) says, which may depend on
    the next character, never on the text beyond the next word, so those tokens are the ones the whole
-   document would give. The cut is the start offset (in characters, from the tokenizer's ``offsets``) of
-   the first token not kept;
+   document would give. An added token (a chat template's ``<|im_end|>``) is matched before any word, so the
+   cut also stays the longest added token's length from the end. The cut is the start offset (in
+   characters, from the tokenizer's ``offsets``) of the first token not kept;
 3. yields the kept ids as a numpy array (no Python list of a whole document), and carries the text from the
    cut on to the next piece;
 4. after the last piece, encodes what is left in full.
