@@ -34,6 +34,21 @@ LAYOUTS = {
         DEBUG,
         {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "Interleaved1F1B"},
     ),
+    "pp2-InterleavedZeroBubble": (
+        2,
+        DEBUG,
+        {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "InterleavedZeroBubble"},
+    ),
+    "pp2-ZBVZeroBubble": (
+        2,
+        DEBUG,
+        {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "ZBVZeroBubble"},
+    ),
+    "pp2-DualPipeV": (
+        2,
+        DEBUG,
+        {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "DualPipeV", "parallel.pp_microbatches": 4},
+    ),
     "cp2-allgather": (2, DEBUG, {"parallel.cp": 2, "parallel.dp_shard": 1}),
     "cp2-ring": (2, DEBUG, {"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_attention": "ring"}),
     "moe-one": (1, MOE, {}),
