@@ -47,8 +47,9 @@ def test_tensor_parallel_matches_one_process(layout, one_process, tmp_path):
     ids=["tp2-sp", "tp2-nosp"],
 )
 def test_compiled_tensor_parallel_matches_one_process(layout, one_process_10_steps, tmp_path):
-    # 65-85 s each on 2 loaded cores, hence slow: the default suite checks the cause of the failure this fixed
-    # (test_vocab_parallel_embedding_hands_the_blocks_a_finished_plain_tensor). Every block compiled whole (mesh/parallelize.py, step 4), against the eager one-process curve over 10 steps.
+    # 50-85 s each on 2 loaded cores, hence slow: the default suite checks the cause of the failure this fixed
+    # (test_vocab_parallel_embedding_hands_the_blocks_a_finished_plain_tensor). Every block compiled whole
+    # (mesh/parallelize.py, step 4), against the eager one-process curve over 10 steps.
     # Inductor fuses the elementwise ops and may reorder float sums (~1e-7 relative each), as the split matmuls
     # and reductions of TP do. Measured over these 10 AdamW steps, with and without SP: loss within 8.0e-8 and
     # grad norm within 1.0e-6 relative of one process, so LOSS_RTOL's 1e-5 leaves 10x headroom and still fails on
