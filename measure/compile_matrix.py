@@ -27,12 +27,33 @@ LAYOUTS = {
     "one-bf16": (1, DEBUG, {"training.mixed_precision": "bf16"}),
     "fsdp2": (2, DEBUG, {"parallel.dp_shard": 2}),
     "tp2": (2, DEBUG, {"parallel.tp": 2, "parallel.dp_shard": 1}),
+    "tp2-selective": (
+        2,
+        DEBUG,
+        {"parallel.tp": 2, "parallel.dp_shard": 1, "training.activation_checkpoint": "selective"},
+    ),
+    "fsdp2-tp2": (4, DEBUG, {"parallel.tp": 2, "parallel.dp_shard": 2}),
     "tp2-nosp": (2, DEBUG, {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sequence_parallel": False}),
     "pp2-1F1B": (2, DEBUG, {"parallel.pp": 2, "parallel.dp_shard": 1}),
     "pp2-Interleaved1F1B": (
         2,
         DEBUG,
         {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "Interleaved1F1B"},
+    ),
+    "pp2-InterleavedZeroBubble": (
+        2,
+        DEBUG,
+        {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "InterleavedZeroBubble"},
+    ),
+    "pp2-ZBVZeroBubble": (
+        2,
+        DEBUG,
+        {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "ZBVZeroBubble"},
+    ),
+    "pp2-DualPipeV": (
+        2,
+        DEBUG,
+        {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "DualPipeV", "parallel.pp_microbatches": 4},
     ),
     "cp2-allgather": (2, DEBUG, {"parallel.cp": 2, "parallel.dp_shard": 1}),
     "cp2-ring": (2, DEBUG, {"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_attention": "ring"}),

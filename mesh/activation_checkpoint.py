@@ -36,9 +36,10 @@ which planning/memory_estimate.py reads too. The selective policies below differ
   b. a match is recomputed, every other op of the list above saved.
 
   Under torch.compile the policy is called while tracing, on fake tensors that have no real storage to
-  compare, so the policy of a compiled block does not try: it treats the row-parallel matmuls like the others
-  (selective then keeps more than none at large tp; planning/memory_estimate.py models eager mode). No config
-  reaches that case: planning/layout_rules.py refuses compile with tp > 1.
+  compare, so the policy of a compiled block does not try: it treats the row-parallel matmuls like the others.
+  A compiled TP block under selective checkpointing therefore keeps wo's and w2's whole-sequence partial sums
+  where the every-second rule picks them, more than eager mode keeps (at large tp more than no checkpointing);
+  planning/memory_estimate.py models eager mode.
 
 Applied after tensor and expert parallelism and before FSDP, so an FSDP unit wraps a checkpointed block and
 the recomputation sees the already-parallelized layers. The wrapper inserts ``_checkpoint_wrapped_module``

@@ -11,7 +11,11 @@ in the order is written beside it:
    any wrapper hides the block's modules.
 3. **Activation checkpointing** (mesh/activation_checkpoint.py) wraps each block as TP and EP left it, so a
    recomputed forward repeats the block's own computation; selective AC never repeats a collective.
-4. **compile** each block, after AC: the compiled region then contains the checkpointed block.
+4. **compile** each block, after AC: the compiled region then contains the checkpointed block. Its inputs and
+   outputs are plain, finished tensors (TP's embedding waits for its reduction: mesh/tensor_parallel.py,
+   ``VocabParallelEmbedding``), so every redistribution and its backward is inside or outside it whole. A
+   zero-bubble schedule runs each block's compiled backward twice (``options.split_backward``), so it must keep
+   its saved activations (mesh/private_api.py: ``keep_compiled_backward_inputs``).
 5. **Data parallelism** last among the wrappers: FSDP2 (mesh/data_parallel.py) makes its units of the blocks as
    they now are, and shards TP's DTensors further over the data-parallel dims (2-D). A saver may supply a
    replicated model in FSDP's place (``options.dp.replicate``: PowerSGD's DDP, savers/powersgd.py), and a
@@ -43,6 +47,7 @@ from mesh.data_parallel import apply_fsdp
 from mesh.expert_parallel import apply_expert_parallel
 from mesh.materialize import check_placement, materialize_weights
 from mesh.pipeline import build_stage_module
+from mesh.private_api import keep_compiled_backward_inputs
 from mesh.tensor_parallel import apply_tensor_parallel
 from models.llama import Transformer
 
@@ -87,6 +92,7 @@ class ParallelOptions:
     tp: TensorParallelOptions = TensorParallelOptions()
     activation_checkpoint: str = "none"  # none | full | selective
     compile: bool = False  # torch.compile each block
+    split_backward: bool = False  # a zero-bubble schedule: input- and weight-gradient passes over each block
     dp: DataParallelOptions = DataParallelOptions()
     cp: ContextParallelOptions = ContextParallelOptions()
 
@@ -100,6 +106,8 @@ def parallelize(model: nn.Module, meshes: Meshes, options: ParallelOptions, devi
         apply_expert_parallel(model, meshes.ep)
     apply_activation_checkpointing(model, options.activation_checkpoint, compiled=options.compile)  # 3. AC
     if options.compile:  # 4. compile
+        if options.split_backward:
+            keep_compiled_backward_inputs()
         for block in model.layers.values():
             block.compile()
     if dp.replicate is not None:  # 5. a saver's replicated model (pure data parallelism): weights first

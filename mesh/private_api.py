@@ -58,6 +58,10 @@ The private APIs it wraps, and why no public one serves:
 | ``tensor._utils.compute_local_shape_and_global_offset`` | the block of the full tensor that this rank's   |
 |                                        | piece is (shape and offset), so an import reads only that block; DCP  |
 |                                        | uses it for the same purpose                                          |
+| ``torch._functorch.config``'s          | a compiled block whose backward runs twice (a zero-bubble schedule's  |
+| ``donated_buffer``                     | input-gradient pass keeps the graph for its weight-gradient pass) must |
+|                                        | not let the first run write into the saved activations; no public     |
+|                                        | switch (``keep_compiled_backward_inputs``)                            |
 | ``DTensor._local_tensor``              | a DTensor's local shard without an autograd op, inside SP's re-gather |
 |                                        | pack hook (``dtensor_local_storage``)                                 |
 | ``torch._C._distributed_c10d._dump_fr_trace``, ``distributed_c10d._world.pg_names`` | the flight recorder's |
@@ -309,6 +313,24 @@ def eager_functional_collectives():
         yield
     finally:
         funcol._are_we_tracing = tracing
+
+
+# ---- torch.compile ---------------------------------------------------------------------------------------
+def keep_compiled_backward_inputs() -> None:
+    """Make compiled backwards leave their saved activations intact, so that one can run twice.
+
+    AOTAutograd compiles a block's backward as one graph that returns the input and the weight gradients together,
+    at its first call. If that call frees the graph (a full backward), it lets inductor write into the saved
+    activations that nothing else holds ("donated buffers"), and refuses every later call that keeps the graph
+    ("compiled with non-empty donated buffers which requires ... retain_graph=False"), since a second run would read
+    overwritten values. A zero-bubble schedule runs the backward twice, its input-gradient pass with
+    ``retain_graph=True`` and its weight-gradient pass again; DualPipeV also runs full backwards, and which comes
+    first decides. Process-wide, like the flag; ``hasattr``: a release without donated buffers needs nothing.
+    """
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "donated_buffer"):
+        functorch_config.donated_buffer = False
 
 
 # ---- activation checkpointing ----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -72,6 +72,39 @@ class ReplicateParallel(ParallelStyle):
             return output.to_local()
 
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """The embedding split by vocabulary rows, as ``RowwiseParallel`` splits an ``nn.Embedding``: each rank looks up
+    the tokens it owns (zeros for the others) and the partial embeddings are summed into ``output_layout``
+    (all-reduce to Replicate, or reduce-scatter to the sequence shards of SP); the output is a plain tensor.
+
+    Unlike ``RowwiseParallel`` the sum is finished before the output leaves the module: ``RowwiseParallel`` leaves
+    it in flight (``async_op=True``: an ``AsyncCollectiveTensor``), and a compiled block given one (torch 2.13 and
+    2.14) waits on it *outside* its autograd function, which cuts the embedding out of the backward graph: the
+    reduction's backward then receives a plain tensor ("'Tensor' object has no attribute '_local_tensor'"), or the
+    embedding gets no gradient at all. The first block needs the whole output at once, so waiting here gives up no
+    overlap; eagerly the numbers are the same."""
+
+    def __init__(self, output_layout: Placement):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard_rows(_name, module, mesh):
+            for name, param in module.named_parameters(recurse=False):
+                module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, (Shard(0),))))
+
+        def to_dtensor(_module, inputs, mesh):
+            tokens, *rest = inputs
+            if not isinstance(tokens, DTensor):
+                tokens = DTensor.from_local(tokens, mesh, (Replicate(),), run_check=False)
+            return (tokens, *rest)
+
+        def summed(_module, output, _mesh):
+            return output.redistribute(placements=(self.output_layout,)).to_local()
+
+        return distribute_module(module, device_mesh, shard_rows, to_dtensor, summed)
 
 
 class ReplicatedDTensor(ParallelStyle):
@@ -131,7 +164,7 @@ def model_plan(sequence_parallel: bool) -> dict:
     plan = {
         # Vocab rows are split: each rank looks up the tokens it owns, the partial embeddings are summed
         # (all-reduce), or reduce-scattered straight into sequence shards with SP.
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "tok_embeddings": VocabParallelEmbedding(output_layout=between),
         # Vocab columns are split; keep the logits as a vocab-sharded DTensor for loss_parallel.
         "output": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
     }

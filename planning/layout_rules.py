@@ -85,7 +85,6 @@ def layout_errors(
             batch.micro,
             layout.pp_split,
             model.n_layers,
-            compiled=layout.compile,
         )
     errors += compile_errors(layout)
     errors += aux_form_errors(layout, model, batch)
@@ -242,7 +241,6 @@ def pipeline_errors(
     local_batch: int | None,
     split: str,
     n_layers: int,
-    compiled: bool = False,
 ) -> list[str]:
     """Every rule a pipeline layout must satisfy, as messages naming the field and the fix."""
     if schedule not in SCHEDULES:
@@ -276,13 +274,6 @@ def pipeline_errors(
                 f"summing to model.n_layers={n_layers}, e.g. "
                 f"{','.join([str(n_layers // n_stages)] * (n_stages - 1) + [str(n_layers - n_layers // n_stages * (n_stages - 1))])}."
             )
-    if compiled and family.zero_bubble:
-        others = "/".join(name for name, f in SCHEDULE_FAMILIES.items() if not f.zero_bubble)
-        errors.append(
-            f"training.compile=true with parallel.pp_schedule={schedule}: zero-bubble schedules split backward into "
-            f"input- and weight-gradient halves, which compiled stages do not support; turn compile off or pick "
-            f"{others}."
-        )
     if microbatches < 1 or (local_batch is not None and local_batch % microbatches):
         errors.append(
             f"parallel.pp_microbatches={microbatches} must divide the per-rank batch {local_batch} (training.micro_batch, "
@@ -331,17 +322,11 @@ def expert_errors(dims: ParallelDims, model: ModelArgs) -> list[str]:
 
 def compile_errors(layout: Layout) -> list[str]:
     """Layouts that ``training.compile`` cannot run in torch 2.13, refused before the first step where each failed
-    (measured on CPU; docs/profiling.md, Appendix A.5)."""
+    (measured on CPU; docs/profiling.md, Appendix A.5). TP, CP and every pipeline schedule compile (mesh/parallelize.py,
+    step 4)."""
     if not layout.compile:
         return []
     dims, errors = layout.dims, []
-    if dims.tp > 1:
-        errors.append(
-            f"training.compile=true with parallel.tp={dims.tp}: in torch 2.13 the backward of a DTensor "
-            "redistribution outside the compiled blocks receives a plain tensor from them and fails "
-            "(\"AttributeError: 'Tensor' object has no attribute '_local_tensor'\"); run TP layouts eagerly "
-            "(training.compile=false)."
-        )
     if dims.ep > 1:
         errors.append(
             f"training.compile=true with parallel.ep={dims.ep}: dynamo resumes the experts' forward after the graph "

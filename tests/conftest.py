@@ -44,3 +44,13 @@ def one_process_saving(shared_runs) -> SharedRun:
 def one_process(one_process_saving) -> list[dict]:
     """The debug config's one-process curve, which every layout of the debug config matches."""
     return one_process_saving.records
+
+
+# Compiled layouts are checked over more steps than PARITY_STEPS (issue 51's bar: 10), against this eager curve.
+COMPILED_PARITY_STEPS = {"training.steps": 10}
+
+
+@pytest.fixture(scope="session")
+def one_process_10_steps(shared_runs) -> list[dict]:
+    """The debug config's one-process eager curve over 10 steps, which every compiled layout matches."""
+    return shared_runs.records(COMPILED_PARITY_STEPS)

@@ -290,6 +290,7 @@ def evaluating_one_process(shared_runs):
         pytest.param(
             {"parallel.cp": 2, "parallel.cp_attention": "ring", "training.compile": True}, marks=pytest.mark.slow
         ),
+        pytest.param({"parallel.cp": 2, "training.compile": True}, marks=pytest.mark.slow),
     ],
     ids=[
         "cp2-ring",
@@ -300,6 +301,7 @@ def evaluating_one_process(shared_runs):
         "pp2xcp2-ring",
         "cp2-selective-ac",
         "cp2-ring-compiled",
+        "cp2-allgather-compiled",
     ],
 )
 @pytest.mark.compat

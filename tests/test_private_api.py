@@ -352,3 +352,50 @@ def test_the_flight_recorder_dump_holds_gloo_collectives_with_their_groups():
     for r in run_on_ranks(flight_recorder_on_two_ranks, 2):
         assert r["ops"] == ["gloo:all_reduce"] and r["completed"] == 1 and r["frames"]
         assert r["config"]["desc"] == "meshloom_test" and r["config"]["ranks"] == "[0, 1]"
+
+
+def test_keep_compiled_backward_inputs_turns_donated_buffers_off():
+    import torch._functorch.config as functorch_config
+
+    from mesh.private_api import keep_compiled_backward_inputs
+
+    with functorch_config.patch(donated_buffer=True):  # the flag exists in this release, and the wrapper clears it
+        keep_compiled_backward_inputs()
+        assert functorch_config.donated_buffer is False
+
+
+def block_with_a_donated_buffer(x, w):
+    return (torch.relu(x @ w) @ w).sin()  # saves an intermediate that nothing else holds: a donated buffer
+
+
+@pytest.mark.slow  # three compilations with inductor's caches off (a cached backward may carry another donation)
+def test_a_compiled_backward_run_twice_needs_its_saved_activations_kept():
+    """A zero-bubble schedule runs a compiled block's backward twice: the input-gradient pass with
+    ``retain_graph=True``, then the weight-gradient pass. Once a full backward (DualPipeV has both) compiled it with
+    donated buffers, torch refuses the first of those (the pinned limitation); with ``keep_compiled_backward_inputs``
+    both passes run and give the eager gradients."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    from mesh.private_api import keep_compiled_backward_inputs
+
+    block = block_with_a_donated_buffer
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    dx_eager, dw_eager = torch.autograd.grad(block(x, w).sum(), (x, w))
+    with functorch_config.patch(donated_buffer=True), inductor_config.patch(force_disable_caches=True):
+        torch._dynamo.reset()
+        compiled = torch.compile(block)
+        torch.autograd.grad(compiled(x, w).sum(), x)  # a full backward compiles it, donating its saved buffers
+        with pytest.raises(RuntimeError, match="donated buffers"):
+            torch.autograd.grad(compiled(x, w).sum(), x, retain_graph=True)
+        keep_compiled_backward_inputs()
+        torch._dynamo.reset()
+        compiled = torch.compile(block)
+        torch.autograd.grad(compiled(x, w).sum(), x)
+        out = compiled(x, w).sum()
+        (dx,) = torch.autograd.grad(out, x, retain_graph=True)  # the input-gradient pass
+        (dw,) = torch.autograd.grad(out, w)  # the weight-gradient pass runs the same backward again
+    torch._dynamo.reset()
+    torch.testing.assert_close(dx, dx_eager)
+    torch.testing.assert_close(dw, dw_eager)

@@ -215,7 +215,6 @@ def test_cpu_memory_timeline_shows_parameters_gradients_and_adam_states(tmp_path
 @pytest.mark.parametrize(
     "config, overrides, world, expected",
     [
-        (DEBUG_CONFIG, {"parallel.tp": 2, "parallel.dp_shard": 1}, 2, "training.compile=true with parallel.tp=2"),
         (MOE_CONFIG, {"parallel.ep": 2, "parallel.dp_shard": 2}, 2, "training.compile=true with parallel.ep=2"),
         (
             DEBUG_CONFIG,
@@ -224,7 +223,7 @@ def test_cpu_memory_timeline_shows_parameters_gradients_and_adam_states(tmp_path
             "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false",
         ),
     ],
-    ids=["tp", "ep", "sp_regather"],
+    ids=["ep", "sp_regather"],
 )
 def test_layouts_that_cannot_compile_are_refused_before_any_process_group(config, overrides, world, expected):
     from train import check_config
@@ -238,5 +237,17 @@ def test_layouts_that_cannot_compile_are_refused_before_any_process_group(config
 def test_layouts_that_compile_pass_validation():
     from train import check_config
 
-    for overrides, world in (({"parallel.dp_shard": 2}, 2), ({"parallel.pp": 2, "parallel.dp_shard": 1}, 2)):
+    layouts = [
+        ({"parallel.dp_shard": 2}, 2),
+        ({"parallel.pp": 2, "parallel.dp_shard": 1}, 2),
+        ({"parallel.tp": 2, "parallel.dp_shard": 1}, 2),
+        ({"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sequence_parallel": False}, 2),
+        ({"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.pp": 2}, 8),
+        ({"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_attention": "ring"}, 2),
+        *(
+            ({"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": s, "parallel.pp_microbatches": 4}, 2)
+            for s in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+        ),
+    ]
+    for overrides, world in layouts:
         check_config(load_config(path=DEBUG_CONFIG, overrides={**overrides, "training.compile": True}), world)

@@ -36,6 +36,28 @@ def test_tensor_parallel_matches_one_process(layout, one_process, tmp_path):
     assert_same_curve(train_on(world, {**layout, **CHECK_REPLICAS}, tmp_path), one_process)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param({"parallel.tp": 2, "parallel.dp_shard": 1}, marks=pytest.mark.slow),
+        pytest.param(
+            {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sequence_parallel": False}, marks=pytest.mark.slow
+        ),
+    ],
+    ids=["tp2-sp", "tp2-nosp"],
+)
+def test_compiled_tensor_parallel_matches_one_process(layout, one_process_10_steps, tmp_path):
+    # 50-85 s each on 2 loaded cores, hence slow: the default suite checks the cause of the failure this fixed
+    # (test_vocab_parallel_embedding_hands_the_blocks_a_finished_plain_tensor). Every block compiled whole
+    # (mesh/parallelize.py, step 4), against the eager one-process curve over 10 steps.
+    # Inductor fuses the elementwise ops and may reorder float sums (~1e-7 relative each), as the split matmuls
+    # and reductions of TP do. Measured over these 10 AdamW steps, with and without SP: loss within 8.0e-8 and
+    # grad norm within 1.0e-6 relative of one process, so LOSS_RTOL's 1e-5 leaves 10x headroom and still fails on
+    # a lost or doubled gradient (1e-3 or more).
+    run = train_on(2, {**layout, "training.compile": True, "training.steps": 10}, tmp_path, timeout=600)
+    assert_same_curve(run, one_process_10_steps)
+
+
 # ---- collectives of one block --------------------------------------------------------------------------
 
 TINY = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32)
@@ -131,6 +153,35 @@ def test_output_head_keeps_logits_sharded_on_the_vocabulary():
     for is_dtensor, placements, local_shape in run_on_ranks(logits_layout, 2):
         assert is_dtensor and placements == (Shard(2),)
         assert local_shape == (2, 16, TINY.vocab_size // 2)  # never the full vocabulary on one rank
+
+
+def embedding_against_one_process(sequence_parallel: bool) -> tuple:
+    model = tp_model(sequence_parallel)
+    with torch.device("meta"):
+        whole = Transformer(TINY)
+    materialize_weights(whole, torch.device("cpu"), seed=0)  # the same initial weights, unsplit
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    out, expected = model.tok_embeddings(tokens), whole.tok_embeddings(tokens)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))  # a loss that weighs each value
+    (expected * weights).sum().backward()
+    mine = slice(None)
+    if sequence_parallel:  # this rank's sequence shard; the gradient sums both ranks' shards
+        rank = torch.distributed.get_rank()
+        mine = slice(rank * 8, (rank + 1) * 8)
+    (out * weights[:, mine]).sum().backward()
+    grad = model.tok_embeddings.weight.grad.full_tensor()
+    plain = type(out) is torch.Tensor  # finished: not an AsyncCollectiveTensor still waiting on its reduction
+    return plain, torch.equal(out, expected[:, mine]), (grad - whole.tok_embeddings.weight.grad).abs().max().item()
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "nosp"])
+@pytest.mark.compat
+def test_vocab_parallel_embedding_hands_the_blocks_a_finished_plain_tensor(sequence_parallel):
+    # A compiled block given a reduction still in flight cuts the embedding out of the backward graph
+    # (mesh/tensor_parallel.py: VocabParallelEmbedding); the output and the gradient are one process's.
+    for plain, equal, grad_diff in run_on_ranks(embedding_against_one_process, 2, sequence_parallel):
+        assert plain and equal
+        assert grad_diff <= 1e-6  # fp32: the gradient's rows are summed over the ranks' halves in another order
 
 
 # ---- validation ----------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from mesh.parallelize import (
     TensorParallelOptions,
     build_model_parts,
 )
+from mesh.pipeline import SCHEDULE_FAMILIES
 from mesh.tied_embeddings import TiedEmbeddings
 from observers.base import Observers
 from savers.powersgd import apply_powersgd
@@ -86,6 +87,7 @@ def parallel_options(layout: Layout, seed: int, meshes: Meshes, device: torch.de
         tp=TensorParallelOptions(sequence_parallel=layout.sequence_parallel, regather=layout.sp_regather),
         activation_checkpoint=layout.activation_checkpoint,
         compile=layout.compile,
+        split_backward=layout.dims.pp > 1 and SCHEDULE_FAMILIES[layout.pp_schedule].zero_bubble,
         dp=DataParallelOptions(
             fsdp=layout.fsdp,
             mixed_precision=layout.mixed_precision,
