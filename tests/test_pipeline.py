@@ -48,7 +48,13 @@ def test_3d_pipeline_fsdp_tensor_parallel_matches_one_process(one_process, tmp_p
     "layout, world",
     [
         *(
-            ({"parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.pp_microbatches": 4}, 2)
+            pytest.param(
+                {"parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.pp_microbatches": 4},
+                2,
+                # DualPipeV is the schedule whose compiled backward needs the donation switch
+                # (mesh/private_api.keep_compiled_backward_inputs): the compat legs check it where torch differs.
+                marks=[pytest.mark.compat, pytest.mark.compiled] if schedule == "DualPipeV" else [],
+            )
             for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
         ),
         ({"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.pp_schedule": "Interleaved1F1B"}, 8),
