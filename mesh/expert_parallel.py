@@ -35,6 +35,13 @@ dp_replicate: together every rank of the pipeline stage, each once.
 
 Both exchanges are functional collectives (they return new tensors): selective activation checkpointing
 saves their outputs, so recomputing a block in backward never repeats them (mesh/activation_checkpoint.py).
+
+**Compiled** (``training.compile``): the dispatch (steps 2-5) and the combine (step 6) are the layer's compile
+boundary, run uncompiled (``torch.compiler.disable``) as torchtitan leaves its token dispatch and combine
+uncompiled. Their split sizes are host integers read from the device, which dynamo would either break the graph
+at or bake into it as constants (a recompile for every new routing); the router, the shared expert and the
+experts' grouped matmuls compile around them (mesh/compile.py). The experts' token count changes every step, so
+the dispatch marks it dynamic: one compiled graph serves every count.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from mesh.private_api import all_to_all_autograd, all_to_all_functional
+from mesh.private_api import all_to_all_autograd, all_to_all_functional, mark_rows_dynamic
 from mesh.reductions import sum_over
 from models.local_tensor import local_tensor
 from models.moe import MoE
@@ -103,6 +110,7 @@ class ExpertParallel(ParallelStyle):
             sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad)
             module.register_parameter(pname, sharded)
 
+    @torch.compiler.disable  # the compile boundary (module docstring, "Compiled")
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, counts = inputs
         group, ep = mesh.get_group(), mesh.size()
@@ -121,8 +129,11 @@ class ExpertParallel(ParallelStyle):
         expert_major_key = (block % n_local) * ep + block // n_local
         regroup = torch.argsort(expert_major_key, stable=True)
         module._ep_state = (regroup, sent_per_rank, recv_per_rank, group)
-        return routed[regroup], received.sum(0)
+        grouped = routed[regroup]
+        mark_rows_dynamic(grouped)  # the experts' compiled graph takes any token count: no recompile per step
+        return grouped, received.sum(0)
 
+    @torch.compiler.disable  # the compile boundary (module docstring, "Compiled")
     def _combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         regroup, sent_per_rank, recv_per_rank, group = module._ep_state
         del module._ep_state

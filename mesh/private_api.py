@@ -63,6 +63,10 @@ The private APIs it wraps, and why no public one serves:
 | ``torch._C._distributed_c10d._dump_fr_trace``, ``distributed_c10d._world.pg_names`` | the flight recorder's |
 |                                        | buffer on gloo (NCCL dumps it itself on a timeout), and every group's |
 |                                        | name and ranks, which gloo leaves out of the dump                     |
+| ``torch._dynamo.maybe_mark_dynamic``  | a tensor's row count left symbolic in the graph it enters (the experts'|
+|                                        | tokens under EP), so a new count does not recompile (``mark_rows_dynamic``)|
+| ``torch._dynamo.utils.counters``       | how many frames dynamo has compiled in this process: recompiles after |
+|                                        | the first step (``compiled_frames``); torch.compiler has no counter   |
 
 One exception lives outside this file: ``torch._grouped_mm`` (all experts of an MoE layer in one grouped
 matmul) is wrapped in models/kernels.py, because models/ is single-device code that never imports mesh/.
@@ -309,6 +313,22 @@ def eager_functional_collectives():
         yield
     finally:
         funcol._are_we_tracing = tracing
+
+
+# ---- torch.compile -------------------------------------------------------------------------------------------
+def mark_rows_dynamic(x: torch.Tensor) -> None:
+    """Let a compiled graph that ``x`` enters take any size of dim 0 (no recompile when it changes). The "maybe" form
+    (2.11-2.15) never raises where dynamo must specialise, e.g. on 0 or 1 rows; it only allows."""
+    torch._dynamo.maybe_mark_dynamic(x, 0)
+
+
+def compiled_frames() -> int:
+    """How many times dynamo has compiled a Python frame in this process so far: each frame's first compilation and
+    every recompilation (a guard that failed: a new shape, a changed attribute). Read before and after a step, the
+    difference is that step's compilation; a steady step adds none."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
 
 
 # ---- activation checkpointing ----------------------------------------------------------------------------

@@ -342,12 +342,6 @@ def compile_errors(layout: Layout) -> list[str]:
             "(\"AttributeError: 'Tensor' object has no attribute '_local_tensor'\"); run TP layouts eagerly "
             "(training.compile=false)."
         )
-    if dims.ep > 1:
-        errors.append(
-            f"training.compile=true with parallel.ep={dims.ep}: dynamo resumes the experts' forward after the graph "
-            'break at the token counts with the expert weights still DTensors ("aten.mm.default got mixed '
-            'torch.Tensor and DTensor"); run EP layouts eagerly (training.compile=false).'
-        )
     return errors
 
 
