@@ -110,7 +110,6 @@ class ExpertParallel(ParallelStyle):
             sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad)
             module.register_parameter(pname, sharded)
 
-    @torch.compiler.disable  # the compile boundary (module docstring, "Compiled")
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, counts = inputs
         group, ep = mesh.get_group(), mesh.size()
@@ -133,7 +132,6 @@ class ExpertParallel(ParallelStyle):
         mark_rows_dynamic(grouped)  # the experts' compiled graph takes any token count: no recompile per step
         return grouped, received.sum(0)
 
-    @torch.compiler.disable  # the compile boundary (module docstring, "Compiled")
     def _combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         regroup, sent_per_rank, recv_per_rank, group = module._ep_state
         del module._ep_state
@@ -142,13 +140,14 @@ class ExpertParallel(ParallelStyle):
         return all_to_all_autograd(restored, sent_per_rank, recv_per_rank, group)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            partition_fn=self._partition,
-            input_fn=self._dispatch,
-            output_fn=self._combine,
+        distribute_module(module, device_mesh, partition_fn=self._partition)
+        # The hooks themselves are the compile boundary (module docstring, "Compiled"): dynamo compiles neither them
+        # nor anything they call, so no frame of theirs is compiled for one token count and recompiled for the next.
+        module.register_forward_pre_hook(
+            torch.compiler.disable(lambda m, inputs: self._dispatch(m, inputs, device_mesh))
         )
+        module.register_forward_hook(torch.compiler.disable(lambda m, _inputs, out: self._combine(m, out, device_mesh)))
+        return module
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
