@@ -63,8 +63,8 @@ The private APIs it wraps, and why no public one serves:
 | ``torch._C._distributed_c10d._dump_fr_trace``, ``distributed_c10d._world.pg_names`` | the flight recorder's |
 |                                        | buffer on gloo (NCCL dumps it itself on a timeout), and every group's |
 |                                        | name and ranks, which gloo leaves out of the dump                     |
-| ``torch._dynamo.maybe_mark_dynamic``  | a tensor's row count left symbolic in the graph it enters (the experts'|
-|                                        | tokens under EP), so a new count does not recompile (``mark_rows_dynamic``)|
+| ``torch._dynamo.maybe_mark_dynamic``   | the experts' token count left symbolic in their compiled graph: no    |
+|                                        | recompile when it changes (``mark_rows_dynamic``)                     |
 | ``torch._dynamo.utils.counters``       | how many frames dynamo has compiled in this process: recompiles after |
 |                                        | the first step (``compiled_frames``); torch.compiler has no counter   |
 

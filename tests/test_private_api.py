@@ -352,3 +352,22 @@ def test_the_flight_recorder_dump_holds_gloo_collectives_with_their_groups():
     for r in run_on_ranks(flight_recorder_on_two_ranks, 2):
         assert r["ops"] == ["gloo:all_reduce"] and r["completed"] == 1 and r["frames"]
         assert r["config"]["desc"] == "meshloom_test" and r["config"]["ranks"] == "[0, 1]"
+
+
+def test_a_row_count_marked_dynamic_compiles_once_and_the_frame_counter_sees_recompiles():
+    from mesh.private_api import compiled_frames, mark_rows_dynamic
+
+    def double(x):
+        return x * 2
+
+    marked, unmarked = torch.compile(double, backend="eager"), torch.compile(lambda x: x * 3, backend="eager")
+    start = compiled_frames()
+    for rows in (4, 5, 7):
+        x = torch.ones(rows, 3)
+        mark_rows_dynamic(x)
+        assert torch.equal(marked(x), x * 2)
+    assert compiled_frames() - start == 1  # one graph for every row count
+    start = compiled_frames()
+    for rows in (4, 5):
+        unmarked(torch.ones(rows, 3))
+    assert compiled_frames() - start == 2  # unmarked, the second count recompiles: the counter sees it
