@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
             except RankFailure as exc:  # a layout meshloom refuses (ConfigError before any collective)
                 if "ConfigError" not in str(exc):
                     raise
-                refused[name] = str(exc).split("ConfigError: ")[-1].strip().splitlines()[-1]
+                refused[name] = str(exc).split("ConfigError: ")[-1].strip().splitlines()[-1].strip(" -")
             print(f"  round {round_ + 1}: {name:<18} {time.monotonic() - t0:5.0f} s", flush=True)
     print_table(results, runs, shape, args, refused)
     print(f"total {time.monotonic() - started:.0f} s")
