@@ -2,7 +2,7 @@
 
     python -m measure.tokens_per_second                          # the default set, about 8 minutes on 2 CPU cores
     python -m measure.tokens_per_second --layouts plain,one --rounds 4      # just the 1-process overhead
-    python -m measure.tokens_per_second --compile                # adds compiled runs per layout (compile's speedup)
+    python -m measure.tokens_per_second --compile                # eager and compiled, side by side (the compile set)
     python -m measure.tokens_per_second --moe                    # adds MoE runs (configs/debug_moe.toml shape)
     python -m measure.tokens_per_second --gpu-1b                 # on a GPU: a Llama-3.2-1B-shaped model in bf16
 
@@ -32,6 +32,15 @@ it shows meshloom's overhead even when the wall-clock ratios swing with the load
 ``CPU s`` is the CPU time of rank 0's process per step: the work a rank does, compute and its share of the
 collectives, without the time it waits; where the wall-clock ratios swing with the machine's load, it shows
 what a change removed from each rank's work.
+
+``--compile`` runs every layout eagerly and compiled (``training.compile=true``) in the same rounds; without
+``--layouts`` the layouts are the compile set: one process, FSDP 2, TP 2, FSDP 2 x TP 2, EP 2 and CP 2. A compiled
+row's ratio is against the same layout run eagerly, and two more columns say what compiling cost: ``1st +s``, the
+first step's time less a steady step's (the compilation, as the step that compiles pays it; eager rows show
+their own first-step overhead beside it), and ``recomp``, the frames dynamo compiled after the first step
+(metrics.jsonl's ``compiled_frames``: a layout that recompiles as the routing or the shapes change shows it
+here). A layout meshloom refuses to compile (planning/layout_rules.py: ``compile_errors``) gets its row with the
+reason instead of figures.
 
 The plain loop and meshloom must compute the same thing: the bench prints the largest relative difference
 between their losses (same initial weights, same data, same arithmetic: it is 0 or round-off).
@@ -90,11 +99,13 @@ LAYOUTS: dict[str, tuple[int, str, dict]] = {
     "tp2-noac": (2, DEBUG, {"parallel.tp": 2, "parallel.dp_shard": 1, "training.activation_checkpoint": "none"}),
     "fsdp2xtp2": (4, DEBUG, {"parallel.dp_shard": 2, "parallel.tp": 2}),
     "pp2": (2, DEBUG, {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_microbatches": 4}),
+    "cp2": (2, DEBUG, {"parallel.cp": 2, "parallel.dp_shard": 1}),
     "moe-one": (1, MOE, {}),
     "moe-tp2": (2, MOE, {"parallel.tp": 2, "parallel.dp_shard": 1}),
     "moe-ep2": (2, MOE, {"parallel.dp_shard": 2, "parallel.ep": 2}),
 }
 DEFAULT = ("plain", "one", "one-ac", "fsdp2", "tp2", "fsdp2xtp2")
+COMPILE_SET = ("one-ac", "fsdp2", "tp2", "fsdp2xtp2", "moe-ep2", "cp2")  # --compile without --layouts
 # What each layout is compared with (others: one-ac, one process with the same selective AC)
 BASELINE = {"one": "plain", "tp2-noac": "one", "tp2-rg": "tp2-noac", "moe-tp2": "moe-one", "moe-ep2": "moe-one"}
 
@@ -208,6 +219,7 @@ def meshloom_steps(config: str, overrides: dict, run_dir: str, paired: bool = Fa
         "window_tokens_per_s": [r["window_tokens_per_s"] for r in records],
         "loss": [r["loss"] for r in records],
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
+        "compiled_frames": [r.get("compiled_frames") for r in records],  # None when not compiled
     }
     if plain is not None:
         result["plain"] = {
@@ -275,13 +287,16 @@ def gpu_1b(
     no_compile: bool = False,
     overrides: list[str] | tuple[str, ...] = (),
     event=None,
+    only: tuple[str, ...] = (),
 ) -> dict:
     """Llama-3.2-1B's shape (models/presets.py: PRESETS["llama3-1b"]) in bf16 on one GPU: meshloom vs the plain loop.
 
     Not run here (no GPU on the machine this was written on); ``--smoke`` runs the same path with one layer
     and short sequences on whatever device there is, so the script itself is checked; ``event`` (meshloom_steps)
-    times the meshloom runs with CUDA events' stand-in there. Returns each run's
-    tokens/s, TFLOP/s, MFU (None without a known peak) and peak GiB (``python -m measure.gpu_check`` reports them).
+    times the meshloom runs with CUDA events' stand-in there. ``only``: these runs (by name), compiled or not, even
+    with ``smoke``. Returns each run's tokens/s, TFLOP/s, MFU (None without a known peak), peak GiB, the first step's
+    time less a steady step's (``first_step_extra_s``: a compiled run's compilation) and the frames compiled after
+    the first step (``recompiles``; None eagerly): ``python -m measure.gpu_check`` reports them.
     """
     import torch
 
@@ -333,7 +348,7 @@ def gpu_1b(
             ("meshloom bf16, selective AC", meshloom_steps, {}),
             ("meshloom bf16, selective AC, compile", meshloom_steps, {"training.compile": True}),
         ):
-            if (smoke or no_compile) and "compile" in name:
+            if (name not in only) if only else ((smoke or no_compile) and "compile" in name):
                 continue
             with tempfile.TemporaryDirectory(prefix="meshloom-1b-") as run_dir:
                 args = (DEBUG, {**shape, **more, **extra}, run_dir) + ((False, event) if body is meshloom_steps else ())
@@ -356,8 +371,11 @@ def gpu_1b(
         tflops = per_token * rate / 1e12
         mfu = f"{tflops / peak:6.1%}" if peak else "   n/a"
         peak_gib = max(r["peak_mem_bytes"] for r in results) / 2**30
+        first_extra, recompiles = compile_cost(results, warmup)
         print(f"{name:<40} {rate:9,.0f} {tflops:8.1f} {mfu} {peak_gib:9.2f}")
         table[name] = {
+            "first_step_extra_s": first_extra,
+            "recompiles": recompiles,
             "tokens_per_s": rate,
             "tflops": tflops,
             "mfu": tflops / peak if peak else None,
@@ -369,7 +387,11 @@ def gpu_1b(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m measure.tokens_per_second", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layouts", default=",".join(DEFAULT), help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    parser.add_argument(
+        "--layouts",
+        help=f"comma-separated, from {', '.join(LAYOUTS)} (default: {','.join(DEFAULT)}; with --compile "
+        f"{','.join(COMPILE_SET)})",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (each runs every layout once)")
     parser.add_argument("--steps", type=int, default=8, help="steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
@@ -384,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.gpu_1b:
         return gpu_1b(args.rounds, args.warmup, args.peak_tflops, args.smoke, args.no_compile, args.set)
-    names = [n for n in args.layouts.split(",") if n]
+    names = [n for n in (args.layouts or ",".join(COMPILE_SET if args.compile else DEFAULT)).split(",") if n]
     if args.moe:
         names += [n for n in ("moe-one", "moe-tp2") if n not in names]
     unknown = [n for n in names if n not in LAYOUTS]
@@ -418,12 +440,9 @@ def main(argv: list[str] | None = None) -> None:
             except RankFailure as exc:  # a layout meshloom refuses (ConfigError before any collective)
                 if "ConfigError" not in str(exc):
                     raise
-                refused[name] = str(exc).split("ConfigError: ")[-1].strip().splitlines()[-1]
+                refused[name] = str(exc).split("ConfigError: ")[-1].strip().splitlines()[-1].strip(" -")
             print(f"  round {round_ + 1}: {name:<18} {time.monotonic() - t0:5.0f} s", flush=True)
-    runs = [(name, more) for name, more in runs if name not in refused]
-    print_table(results, runs, shape, args)
-    for name, message in refused.items():
-        print(f"{name}: refused by meshloom: {message}")
+    print_table(results, runs, shape, args, refused)
     print(f"total {time.monotonic() - started:.0f} s")
 
 
@@ -434,12 +453,30 @@ def layout_rate(rounds: list[dict], tokens: int, warmup: int) -> tuple[float, fl
     return statistics.median(per_round), (statistics.median(windows) if windows else None), per_round
 
 
-def print_table(results: dict, runs: list, shape: dict, args) -> None:
+def compile_cost(rounds: list[dict], warmup: int) -> tuple[float, float | None]:
+    """(the first step's time less a steady step's: a compiled run's compilation; the frames dynamo compiled after
+    the first step, None for an eager run), medians over the rounds."""
+    first = statistics.median(r["full_s"][0] - median_after(r["full_s"], warmup) for r in rounds)
+    frames = [r.get("compiled_frames") or [None] for r in rounds]
+    if frames[0][0] is None:
+        return first, None
+    return first, statistics.median(f[-1] - f[0] for f in frames)
+
+
+def compile_columns(rounds: list[dict], warmup: int) -> str:
+    """The table's ``1st +s`` and ``recomp`` (module docstring)."""
+    first, recompiles = compile_cost(rounds, warmup)
+    return f"{first:7.1f} {'-' if recompiles is None else f'{recompiles:.0f}':>6}"
+
+
+def print_table(results: dict, runs: list, shape: dict, args, refused: dict | None = None) -> None:
+    """The table of ``runs``; a layout in ``refused`` (name -> meshloom's reason) gets its row with the reason."""
     from models.flops import flops_per_token
     from runtime.config import load_config, model_args
 
+    refused = refused or {}
     tokens = shape["training.global_batch"] * shape["training.seq_len"]
-    rates = {name: layout_rate(results[name], tokens, args.warmup) for name, _ in runs}
+    rates = {name: layout_rate(results[name], tokens, args.warmup) for name, _ in runs if name not in refused}
     print(
         f"\nmodel dim {shape['model.dim']}, {shape['model.n_layers']} layers, seq {shape['training.seq_len']}, "
         f"{shape['training.global_batch']} sequences/step; {args.rounds} rounds x {args.steps} steps, median over "
@@ -448,10 +485,14 @@ def print_table(results: dict, runs: list, shape: dict, args) -> None:
     )
     header = f"{'layout':<18} {'ranks':>5} {'tok/s full':>10} {'window':>8} {'vs':>10} {'ratio':>6}  per round"
     header += f"      {'CPU s':>6} {'TFLOP/s/dev':>11}" + ("   MFU" if args.peak_tflops else "")
+    header += f" {'1st +s':>7} {'recomp':>6}" if args.compile else ""
     print(header)
     for name, _ in runs:
         layout = name.split("+")[0]
         ranks, config, _ = LAYOUTS[layout]
+        if name in refused:
+            print(f"{name:<18} {ranks:>5} refused by meshloom: {refused[name]}")
+            continue
         full, window, per_round = rates[name]
         base = BASELINE.get(layout, "one-ac") if layout != "plain" else ""
         if name.endswith("+compile"):
@@ -466,6 +507,7 @@ def print_table(results: dict, runs: list, shape: dict, args) -> None:
         cpu = statistics.median(median_after(r["cpu_s"], args.warmup) for r in results[name])
         line = f"{name:<18} {ranks:>5} {full:10,.0f} {shown} {base if ratio else '':>10} {ratio:>6}  {per:<14}"
         line += f" {cpu:6.2f} {tflops:11.4f}" + (f" {tflops / args.peak_tflops:6.1%}" if args.peak_tflops else "")
+        line += f" {compile_columns(results[name], args.warmup)}" if args.compile else ""
         print(line)
     if "plain" in results and "one" in results:
         diffs = [

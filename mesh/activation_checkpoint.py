@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from mesh.ac_policies import POLICIES, SELECTIVE, keeps_matmul
+from mesh.compile import compiles_whole
 from mesh.private_api import checkpoint_wrapper, dtensor_local_storage, selective_checkpoint_contexts
 from mesh.tensor_parallel import row_parallel_linears
 from models.moe import MoE
@@ -194,11 +195,13 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, compiled: bool =
     if mode == "none":
         return model
     for key, block in list(model.layers.items()):
-        if mode == "full" and compiled:
+        # a block compiled whole traces its checkpoint; one compiled by parts runs it eagerly (mesh/compile.py)
+        traced = compiled and compiles_whole(block)
+        if mode == "full" and traced:
             model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
             continue
         # read before FSDP makes every weight a DTensor: TP's row-parallel linears, if TP was applied
         rows = row_parallel_linears(block)
-        context_fn = lambda block=block, rows=rows: _contexts(block, mode, compiled, rows)  # noqa: E731
+        context_fn = lambda block=block, rows=rows, traced=traced: _contexts(block, mode, traced, rows)  # noqa: E731
         model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
     return model

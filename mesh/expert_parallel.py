@@ -35,6 +35,13 @@ dp_replicate: together every rank of the pipeline stage, each once.
 
 Both exchanges are functional collectives (they return new tensors): selective activation checkpointing
 saves their outputs, so recomputing a block in backward never repeats them (mesh/activation_checkpoint.py).
+
+**Compiled** (``training.compile``): the dispatch (steps 2-5) and the combine (step 6) are the layer's compile
+boundary, run uncompiled (``torch.compiler.disable``) as torchtitan leaves its token dispatch and combine
+uncompiled. Their split sizes are host integers read from the device, which dynamo would either break the graph
+at or bake into it as constants (a recompile for every new routing); the router, the shared expert and the
+experts' grouped matmuls compile around them (mesh/compile.py). The experts' token count changes every step, so
+the dispatch marks it dynamic: one compiled graph serves every count.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from mesh.private_api import all_to_all_autograd, all_to_all_functional
+from mesh.private_api import all_to_all_autograd, all_to_all_functional, mark_rows_dynamic
 from mesh.reductions import sum_over
 from models.local_tensor import local_tensor
 from models.moe import MoE
@@ -121,7 +128,9 @@ class ExpertParallel(ParallelStyle):
         expert_major_key = (block % n_local) * ep + block // n_local
         regroup = torch.argsort(expert_major_key, stable=True)
         module._ep_state = (regroup, sent_per_rank, recv_per_rank, group)
-        return routed[regroup], received.sum(0)
+        grouped = routed[regroup]
+        mark_rows_dynamic(grouped)  # the experts' compiled graph takes any token count: no recompile per step
+        return grouped, received.sum(0)
 
     def _combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         regroup, sent_per_rank, recv_per_rank, group = module._ep_state
@@ -131,13 +140,14 @@ class ExpertParallel(ParallelStyle):
         return all_to_all_autograd(restored, sent_per_rank, recv_per_rank, group)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            partition_fn=self._partition,
-            input_fn=self._dispatch,
-            output_fn=self._combine,
+        distribute_module(module, device_mesh, partition_fn=self._partition)
+        # The hooks themselves are the compile boundary (module docstring, "Compiled"): dynamo compiles neither them
+        # nor anything they call, so no frame of theirs is compiled for one token count and recompiled for the next.
+        module.register_forward_pre_hook(
+            torch.compiler.disable(lambda m, inputs: self._dispatch(m, inputs, device_mesh))
         )
+        module.register_forward_hook(torch.compiler.disable(lambda m, _inputs, out: self._combine(m, out, device_mesh)))
+        return module
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -11,11 +11,12 @@ in the order is written beside it:
    any wrapper hides the block's modules.
 3. **Activation checkpointing** (mesh/activation_checkpoint.py) wraps each block as TP and EP left it, so a
    recomputed forward repeats the block's own computation; selective AC never repeats a collective.
-4. **compile** each block, after AC: the compiled region then contains the checkpointed block. Its inputs and
-   outputs are plain, finished tensors (TP's embedding waits for its reduction: mesh/tensor_parallel.py,
-   ``VocabParallelEmbedding``), so every redistribution and its backward is inside or outside it whole. A
-   zero-bubble schedule runs each block's compiled backward twice (``options.split_backward``), so it must keep
-   its saved activations (mesh/private_api.py: ``keep_compiled_backward_inputs``).
+4. **compile** each block, after AC (mesh/compile.py): a dense block's compiled region then contains its checkpoint; a
+   block with an MoE layer compiles by parts inside its checkpoint (the layer's graph breaks by design). A block's
+   inputs and outputs are plain, finished tensors (TP's embedding waits for its reduction: mesh/tensor_parallel.py,
+   ``VocabParallelEmbedding``), so every redistribution and its backward is inside or outside a compiled region
+   whole. A zero-bubble schedule runs each block's compiled backward twice (``options.split_backward``), so it must
+   keep its saved activations (mesh/private_api.py: ``keep_compiled_backward_inputs``).
 5. **Data parallelism** last among the wrappers: FSDP2 (mesh/data_parallel.py) makes its units of the blocks as
    they now are, and shards TP's DTensors further over the data-parallel dims (2-D). A saver may supply a
    replicated model in FSDP's place (``options.dp.replicate``: PowerSGD's DDP, savers/powersgd.py), and a
@@ -42,6 +43,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from mesh.activation_checkpoint import apply_activation_checkpointing
+from mesh.compile import compile_blocks
 from mesh.context_parallel import apply_context_parallel
 from mesh.data_parallel import apply_fsdp
 from mesh.expert_parallel import apply_expert_parallel
@@ -108,8 +110,7 @@ def parallelize(model: nn.Module, meshes: Meshes, options: ParallelOptions, devi
     if options.compile:  # 4. compile
         if options.split_backward:
             keep_compiled_backward_inputs()
-        for block in model.layers.values():
-            block.compile()
+        compile_blocks(model)
     if dp.replicate is not None:  # 5. a saver's replicated model (pure data parallelism): weights first
         materialize_weights(model, device, options.seed)
         check_placement(model, device)

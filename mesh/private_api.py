@@ -67,6 +67,10 @@ The private APIs it wraps, and why no public one serves:
 | ``torch._C._distributed_c10d._dump_fr_trace``, ``distributed_c10d._world.pg_names`` | the flight recorder's |
 |                                        | buffer on gloo (NCCL dumps it itself on a timeout), and every group's |
 |                                        | name and ranks, which gloo leaves out of the dump                     |
+| ``torch._dynamo.maybe_mark_dynamic``   | the experts' token count left symbolic in their compiled graph: no    |
+|                                        | recompile when it changes (``mark_rows_dynamic``)                     |
+| ``torch._dynamo.utils.counters``       | how many frames dynamo has compiled in this process: recompiles after |
+|                                        | the first step (``compiled_frames``); torch.compiler has no counter   |
 
 One exception lives outside this file: ``torch._grouped_mm`` (all experts of an MoE layer in one grouped
 matmul) is wrapped in models/kernels.py, because models/ is single-device code that never imports mesh/.
@@ -331,6 +335,35 @@ def keep_compiled_backward_inputs() -> None:
 
     if hasattr(functorch_config, "donated_buffer"):
         functorch_config.donated_buffer = False
+
+
+def splits_compiled_backward() -> bool:
+    """Whether torch's pipelining computes a zero-bubble weight-gradient pass through a compiled block's backward.
+
+    The weight pass (``pipelining._backward.stage_backward_weight``) starts from the autograd nodes where the input
+    pass stopped. torch 2.11 reads only output 0 of each such node (``GradientEdge(node, 0)``, its gradients
+    summed), which a compiled block's backward node, with several outputs, refuses ("Attribute '_input_metadata' is
+    invalid"); 2.13 reads every output (``GradientEdge(node, i)``), in the release whose input pass also gained
+    ``_autograd_grad_for_inputs``, the attribute tested here (2.13-2.15 have it; 2.11 does not).
+    """
+    from torch.distributed.pipelining import _backward
+
+    return hasattr(_backward, "_autograd_grad_for_inputs")
+
+
+def mark_rows_dynamic(x: torch.Tensor) -> None:
+    """Let a compiled graph that ``x`` enters take any size of dim 0 (no recompile when it changes). The "maybe" form
+    (2.11-2.15) never raises where dynamo must specialise, e.g. on 0 or 1 rows; it only allows."""
+    torch._dynamo.maybe_mark_dynamic(x, 0)
+
+
+def compiled_frames() -> int:
+    """How many times dynamo has compiled a Python frame in this process so far: each frame's first compilation and
+    every recompilation (a guard that failed: a new shape, a changed attribute). Read before and after a step, the
+    difference is that step's compilation; a steady step adds none."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
 
 
 # ---- activation checkpointing ----------------------------------------------------------------------------

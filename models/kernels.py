@@ -50,7 +50,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return _ContiguousGradient.apply(torch._grouped_mm(a, b, offs=offs))
 
 
-@torch.compiler.disable  # a one-time host-side trial, never part of a compiled graph
 def _trial(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> str | None:
     """Run a two-group grouped matmul of each (k, n) in ``shapes``, forward and backward; None if all ran, else the
     error. In a thread of its own: dispatch modes are per thread, so the caller's (selective checkpointing) never sees
@@ -76,7 +75,13 @@ def _trial(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, in
 def grouped_mm_works(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:
     """Whether ``grouped_mm`` runs for these weights on ``device`` in ``dtype``; tried once. Under torch.compile the
     trial runs on the meta device, whose function in torch 2.13 accepts bf16 only (CUDA's rule)."""
-    compiling = torch.compiler.is_compiling()
+    return _works(device, dtype, shapes, torch.compiler.is_compiling())
+
+
+# Uncompiled: traced, the lookup would guard on the cache's contents, and the first call's trial, which fills it,
+# would make the second call recompile.
+@torch.compiler.disable
+def _works(device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...], compiling: bool) -> bool:
     key = (device.type, device.index, dtype, shapes, compiling)
     if key not in _WORKS:
         trial_device = torch.device("meta") if compiling else device

@@ -103,10 +103,13 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
-        if grouped_mm_works(x.device, x.dtype, (tuple(w1.shape[1:]), tuple(w2.shape[1:]))):
-            return self.grouped(x, counts, w1, w2, w3)
-        return self.looped(x, counts, w1, w2, w3)
+        # Each path takes the local weights itself, after any graph break before it: torch.compile (2.13) hands a
+        # ``to_local`` result across a graph break back as a DTensor, which then meets plain tensors. Sizes past
+        # dim 0 are the same locally and globally (expert parallelism shards dim 0 only).
+        shapes = (tuple(self.w1.shape[1:]), tuple(self.w2.shape[1:]))
+        if grouped_mm_works(x.device, x.dtype, shapes):
+            return self.grouped(x, counts, local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3))
+        return self.looped(x, counts, self.w1, self.w2, self.w3)
 
     @staticmethod
     def grouped(x, counts, w1, w2, w3, align: int | None = None) -> torch.Tensor:
@@ -121,7 +124,9 @@ class GroupedExperts(nn.Module):
         return grouped_mm(hidden, w2, offs)
 
     @staticmethod
+    @torch.compiler.disable  # split sizes read to the host: compiled, every new set of counts would recompile
     def looped(x, counts, w1, w2, w3) -> torch.Tensor:
+        w1, w2, w3 = local_tensor(w1), local_tensor(w2), local_tensor(w3)
         chunks = torch.split(x, counts.tolist())  # the split sizes must be on the host: the fallback's one sync
         outputs = [(F.silu(chunk @ w1[e]) * (chunk @ w3[e])) @ w2[e] for e, chunk in enumerate(chunks)]
         return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[-1])

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mesh.pipeline import SCHEDULE_FAMILIES, SCHEDULES, schedules_of, stage_ids_of_rank
+from mesh.private_api import splits_compiled_backward
 from planning.memory_estimate import RankMemory, even_stage_layers, rank_memory
 from runtime.config import ConfigError
 from runtime.schema import PipelineSchedule
@@ -321,19 +322,20 @@ def expert_errors(dims: ParallelDims, model: ModelArgs) -> list[str]:
 
 
 def compile_errors(layout: Layout) -> list[str]:
-    """Layouts that ``training.compile`` cannot run in torch 2.13, refused before the first step where each failed
-    (measured on CPU; docs/profiling.md, Appendix A.5). TP, CP and every pipeline schedule compile (mesh/parallelize.py,
-    step 4)."""
+    """Layouts that ``training.compile`` cannot run on the installed torch, refused before the first step (measured
+    on CPU; docs/profiling.md, Appendix A.5). FSDP, TP, EP, CP and every pipeline schedule compile on 2.13-2.15
+    (mesh/parallelize.py, step 4); torch 2.11 cannot split a compiled backward for the zero-bubble schedules."""
     if not layout.compile:
         return []
-    dims, errors = layout.dims, []
-    if dims.ep > 1:
-        errors.append(
-            f"training.compile=true with parallel.ep={dims.ep}: dynamo resumes the experts' forward after the graph "
-            'break at the token counts with the expert weights still DTensors ("aten.mm.default got mixed '
-            'torch.Tensor and DTensor"); run EP layouts eagerly (training.compile=false).'
-        )
-    return errors
+    schedule = layout.pp_schedule
+    if layout.dims.pp > 1 and SCHEDULE_FAMILIES[schedule].zero_bubble and not splits_compiled_backward():
+        return [
+            f"training.compile=true with parallel.pp_schedule={schedule}: this torch's pipelining computes a "
+            "zero-bubble weight-gradient pass from output 0 of each autograd node only, which a compiled block's "
+            "backward refuses (torch 2.13 reads every output); upgrade torch to 2.13 or later, pick a schedule "
+            "without a split backward (1F1B, Interleaved1F1B), or set training.compile=false."
+        ]
+    return []
 
 
 def batch_errors(dims: ParallelDims, batch: BatchSplit) -> list[str]:

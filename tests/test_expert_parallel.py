@@ -96,6 +96,62 @@ def test_moe_under_tp_computes_each_token_expert_pair_once(sequence_parallel):
     assert all(0 < r["received"] < r["reference_pairs"] for r in results)
 
 
+def compiled_ep_layer_vs_eager(calls: int) -> dict:
+    """The EP block compiled as mesh/compile.py compiles an MoE layer, against the same EP block run eagerly, on
+    ``calls`` batches whose routing differs: the largest differences, the rows this rank's experts received per call
+    and the frames dynamo compiled per call."""
+    from mesh.expert_parallel import ExpertParallel
+    from mesh.private_api import compiled_frames
+
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    args = MoEArgs(n_experts=8, top_k=2, hidden_dim=24, n_shared_experts=1, aux_loss_coef=0.01)
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    eager, compiled = make_moe(args), make_moe(args)
+    for moe in (eager, compiled):
+        ExpertParallel()._apply(moe.experts, mesh)
+    # Dynamo decides the graph breaks, the guards and so the recompiles, and traces every op on fake tensors (where
+    # DTensor weights once met plain tensors); its "eager" backend skips AOT tracing and code generation, most of the
+    # time (the slow training test below compiles with inductor).
+    compiled.compile(backend="eager")
+    gen = torch.Generator().manual_seed(10 + rank)  # each rank routes its own tokens
+    local = slice(rank * 8 // ep, (rank + 1) * 8 // ep)
+    found = {"out": 0.0, "grad": 0.0, "rows": [], "frames": []}
+    for _ in range(calls):
+        x, weight = torch.randn(2, 6, DIM, generator=gen), torch.randn(2, 6, DIM, generator=gen)
+        outs, grads = [], []
+        for moe in (eager, compiled):
+            moe.reset_stats()
+            moe.zero_grad()
+            before = compiled_frames()
+            xr = x.clone().requires_grad_()
+            out = moe(xr)
+            (out * weight).sum().backward()
+            outs.append(out.detach())
+            grads.append(
+                [xr.grad, *(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in moe.parameters())]
+            )
+        found["frames"].append(compiled_frames() - before)
+        found["out"] = max(found["out"], (outs[0] - outs[1]).abs().max().item())
+        found["grad"] = max(found["grad"], *((a - b).abs().max().item() for a, b in zip(*grads, strict=True)))
+        routed = compiled.tokens_per_expert.clone()
+        dist.all_reduce(routed)  # every rank's tokens per expert: this rank's experts received their sum
+        found["rows"].append(int(routed[local].sum()))
+    return found
+
+
+def test_compiled_ep_block_equals_eager_without_recompiling():
+    """Compiled, the dispatch and combine stay eager (mesh/expert_parallel.py, "Compiled") and the experts take any
+    number of rows: the first call compiles, later calls with other routing compile nothing."""
+    results = run_on_ranks(compiled_ep_layer_vs_eager, 2, 3, timeout=300)
+    for rank, r in enumerate(results):
+        # fp32, the same ops on the same rows; inductor fuses the elementwise ones (rounding at the 1e-7 level)
+        assert r["out"] < 1e-5 and r["grad"] < 1e-5, (rank, r["out"], r["grad"])
+        assert r["frames"][0] > 0, "the first call must compile something"
+        assert r["frames"][1:] == [0] * (len(r["frames"]) - 1), (rank, r["frames"])  # no recompile
+    # the test means something only if the experts' row count changed between calls
+    assert any(len(set(r["rows"])) > 1 for r in results), [r["rows"] for r in results]
+
+
 # ---- single-device MoE behaviour ---------------------------------------------------------------------------
 
 
@@ -333,6 +389,34 @@ def test_expert_parallel_under_fsdp_matches_one_process_for_every_ac_mode(mode, 
     assert_same_curve(run, moe_one_process)
     assert [r["expert_load"] for r in run] == [r["expert_load"] for r in moe_one_process]
     assert [r["aux_loss"] for r in run] == pytest.approx([r["aux_loss"] for r in moe_one_process], rel=1e-5)
+
+
+COMPILE_STEPS = 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world, layout",
+    [
+        pytest.param(2, EP2, marks=[pytest.mark.compat, pytest.mark.compiled]),
+        (4, {"parallel.dp_shard": 4, "parallel.ep": 2}),
+    ],
+    ids=["ep2", "efsdp2xep2"],
+)
+def test_compiled_expert_parallel_matches_eager_without_recompiling(world, layout, shared_runs, tmp_path):
+    """training.compile with ep 2 (the experts an FSDP unit of their own over efsdp 1 or 2) and selective AC, 10 steps
+    against the same layout run eagerly. Inductor fuses elementwise ops and sums in its own order: ~1e-7 per step
+    (measured 1.2e-7 over 10 steps on ep2, 0 on efsdp2xep2 over 4), so LOSS_RTOL (1e-5) still catches any real
+    change (a wrong gradient shows at 1e-3). The routing is integer decisions on the same numbers: the same load.
+    Every step routes differently, so each rank's experts get another token count: dynamo compiles in step 1
+    (forward, backward and the selective recomputation) and never again (``compiled_frames`` stays put)."""
+    layout = {**layout, "training.activation_checkpoint": "selective", "training.steps": COMPILE_STEPS}
+    eager = shared_runs.records(layout, config=MOE_CONFIG, world=world)
+    compiled = moe_run(world, {**layout, "training.compile": True}, tmp_path, timeout=900)
+    assert_same_curve(compiled, eager)
+    assert [r["expert_load"] for r in compiled] == [r["expert_load"] for r in eager]
+    frames = [r["compiled_frames"] for r in compiled]
+    assert frames[0] > 0 and frames == [frames[0]] * COMPILE_STEPS, frames
 
 
 @pytest.mark.slow

@@ -399,3 +399,22 @@ def test_a_compiled_backward_run_twice_needs_its_saved_activations_kept():
     torch._dynamo.reset()
     torch.testing.assert_close(dx, dx_eager)
     torch.testing.assert_close(dw, dw_eager)
+
+
+def test_a_row_count_marked_dynamic_compiles_once_and_the_frame_counter_sees_recompiles():
+    from mesh.private_api import compiled_frames, mark_rows_dynamic
+
+    def double(x):
+        return x * 2
+
+    marked, unmarked = torch.compile(double, backend="eager"), torch.compile(lambda x: x * 3, backend="eager")
+    start = compiled_frames()
+    for rows in (4, 5, 7):
+        x = torch.ones(rows, 3)
+        mark_rows_dynamic(x)
+        assert torch.equal(marked(x), x * 2)
+    assert compiled_frames() - start == 1  # one graph for every row count
+    start = compiled_frames()
+    for rows in (4, 5):
+        unmarked(torch.ones(rows, 3))
+    assert compiled_frames() - start == 2  # unmarked, the second count recompiles: the counter sees it

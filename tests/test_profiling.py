@@ -215,7 +215,6 @@ def test_cpu_memory_timeline_shows_parameters_gradients_and_adam_states(tmp_path
 @pytest.mark.parametrize(
     "config, overrides, world, expected",
     [
-        (MOE_CONFIG, {"parallel.ep": 2, "parallel.dp_shard": 2}, 2, "training.compile=true with parallel.ep=2"),
         (
             DEBUG_CONFIG,
             {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sp_regather": True},
@@ -223,7 +222,7 @@ def test_cpu_memory_timeline_shows_parameters_gradients_and_adam_states(tmp_path
             "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false",
         ),
     ],
-    ids=["ep", "sp_regather"],
+    ids=["sp_regather"],
 )
 def test_layouts_that_cannot_compile_are_refused_before_any_process_group(config, overrides, world, expected):
     from train import check_config
@@ -234,7 +233,9 @@ def test_layouts_that_cannot_compile_are_refused_before_any_process_group(config
     assert expected in str(err.value) and "training.compile=false" in str(err.value)
 
 
+@pytest.mark.compat
 def test_layouts_that_compile_pass_validation():
+    from mesh.private_api import splits_compiled_backward
     from train import check_config
 
     layouts = [
@@ -244,10 +245,34 @@ def test_layouts_that_compile_pass_validation():
         ({"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sequence_parallel": False}, 2),
         ({"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.pp": 2}, 8),
         ({"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_attention": "ring"}, 2),
-        *(
-            ({"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": s, "parallel.pp_microbatches": 4}, 2)
-            for s in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-        ),
     ]
     for overrides, world in layouts:
         check_config(load_config(path=DEBUG_CONFIG, overrides={**overrides, "training.compile": True}), world)
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        zero_bubble = {"parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.pp_microbatches": 4}
+        cfg = load_config(path=DEBUG_CONFIG, overrides={**zero_bubble, "training.compile": True})
+        if splits_compiled_backward():
+            check_config(cfg, 2)
+        else:  # torch 2.11: refused, naming the release that lifts it
+            with pytest.raises(ConfigError, match="upgrade torch to 2.13"):
+                check_config(cfg, 2)
+    # expert parallelism compiles (mesh/compile.py); tests/test_expert_parallel.py trains it compiled at parity
+    ep2 = {"parallel.dp_shard": 2, "parallel.ep": 2, "training.compile": True}
+    check_config(load_config(path=MOE_CONFIG, overrides=ep2), 2)
+
+
+def test_a_torch_that_cannot_split_a_compiled_backward_refuses_compiled_zero_bubble_schedules(monkeypatch):
+    """torch 2.11's weight-gradient pass fails on a compiled block's backward node (mesh/private_api.py,
+    ``splits_compiled_backward``; measured: "Attribute '_input_metadata' is invalid"): the check names the field,
+    the schedule, the release that lifts it and the ways out, on every torch."""
+    import planning.layout_rules
+    from train import check_config
+
+    monkeypatch.setattr(planning.layout_rules, "splits_compiled_backward", lambda: False)
+    overrides = {"parallel.pp": 2, "parallel.pp_schedule": "DualPipeV", "parallel.pp_microbatches": 4}
+    with pytest.raises(ConfigError) as err:
+        check_config(load_config(path=DEBUG_CONFIG, overrides={**overrides, "training.compile": True}), 2)
+    for words in ("parallel.pp_schedule=DualPipeV", "upgrade torch to 2.13", "1F1B", "training.compile=false"):
+        assert words in str(err.value)
+    overrides["parallel.pp_schedule"] = "Interleaved1F1B"  # a schedule without a split backward still compiles
+    check_config(load_config(path=DEBUG_CONFIG, overrides={**overrides, "training.compile": True}), 2)

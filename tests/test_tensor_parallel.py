@@ -39,7 +39,10 @@ def test_tensor_parallel_matches_one_process(layout, one_process, tmp_path):
 @pytest.mark.parametrize(
     "layout",
     [
-        pytest.param({"parallel.tp": 2, "parallel.dp_shard": 1}, marks=[pytest.mark.slow, pytest.mark.compat, pytest.mark.compiled]),
+        pytest.param(
+            {"parallel.tp": 2, "parallel.dp_shard": 1},
+            marks=[pytest.mark.slow, pytest.mark.compat, pytest.mark.compiled],
+        ),
         pytest.param(
             {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sequence_parallel": False}, marks=pytest.mark.slow
         ),

@@ -53,3 +53,43 @@ def test_a_micro_batch_goes_to_the_device_through_the_same_call_on_cpu():
     x, y = torch.arange(6).view(2, 3), torch.ones(2, 3, dtype=torch.long)
     a, b = to_device((x, y), torch.device("cpu"))
     assert a is x and b is y
+
+
+def test_the_compile_table_shows_compile_cost_recompiles_and_a_refused_layouts_reason(capsys):
+    """``tokens_per_second --compile``'s table from made-up rounds (no training): a compiled row's ratio is against
+    the same layout eagerly, ``1st +s`` is its first step less a steady one, ``recomp`` the frames compiled after
+    the first step; a layout meshloom refuses to compile keeps its row, with the reason."""
+    from types import SimpleNamespace
+
+    from measure.tokens_per_second import SHAPE, print_table
+
+    def rounds(first: float, steady: float, frames: list | None) -> list[dict]:
+        return [
+            {
+                "full_s": [first] + [steady] * 5,
+                "cpu_s": [steady] * 6,
+                "window_tokens_per_s": [],
+                "loss": [1.0] * 6,
+                "peak_mem_bytes": 0,
+                "compiled_frames": frames or [None] * 6,
+            }
+        ]
+
+    results = {
+        "one-ac": rounds(1.5, 1.0, None),
+        "tp2": rounds(1.5, 1.0, None),
+        "one-ac+compile": rounds(31.0, 0.8, [40, 40, 40, 41, 41, 41]),
+        "tp2+compile": [],
+    }
+    runs = [(name, {}) for name in results]
+    args = SimpleNamespace(warmup=2, peak_tflops=0.0, compile=True, rounds=1, steps=6)
+    print_table(results, runs, SHAPE, args, refused={"tp2+compile": "training.compile=true with parallel.tp=2: why"})
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("layout"))
+    assert header.split()[-3:] == ["1st", "+s", "recomp"]
+    compiled = next(line for line in lines if line.startswith("one-ac+compile"))
+    assert " one-ac  1.250" in compiled and compiled.split()[-2:] == ["30.2", "1"]
+    eager = next(line for line in lines if line.startswith("one-ac "))
+    assert eager.split()[-2:] == ["0.5", "-"]
+    refused = next(line for line in lines if line.startswith("tp2+compile"))
+    assert "refused by meshloom: training.compile=true with parallel.tp=2: why" in refused

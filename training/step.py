@@ -44,6 +44,7 @@ from mesh.expert_parallel import load_metrics, step_expert_load
 from mesh.grad_clip import clip_grad_norm
 from mesh.moe_token_split import sum_token_split_gradients
 from mesh.pipeline import build_pipeline_schedule, run_schedule
+from mesh.private_api import compiled_frames
 from mesh.reductions import sum_over
 from mesh.tensor_parallel import loss_context, loss_value, reduce_partial_gradients
 from observers.profiling import named_range
@@ -315,6 +316,8 @@ def train_step(s: StepParts, step: int, log: bool = True, check: bool = False) -
         "tokens_consumed": s.loader.tokens_consumed,
         **load_metrics(moe_load),
     }
+    if s.plan.layout.compile:  # a count that grows after the first steps means recompiling
+        record["compiled_frames"] = compiled_frames()
     since = (
         start if s.unlogged.last_end is None else s.unlogged.last_end
     )  # the loop's whole iteration, as torchtitan times it
