@@ -28,6 +28,7 @@ The private APIs it wraps, and why no public one serves:
 | ``DeviceMesh._concatenate``            | (dp_replicate, dp_shard x cp) as one 2-D mesh for HSDP with cp, from  |
 |                                        | existing groups (slicing a flattened dim from the root is deprecated) |
 | ``DeviceMesh._get_root_mesh``          | check that every mesh of a run shares one root (tests)                |
+| ``DeviceMesh._flatten_mapping``        | name the flattened meshes' groups in the simulation's collective table |
 | ``Backend.Options._timeout``           | DeviceMesh passes a sub-group's timeout only through its options      |
 | ``_functional_collectives``            | differentiable uneven all-to-all, and functional all-to-all,          |
 |                                        | all-gather and reduce-scatter that selective activation checkpointing |
@@ -117,6 +118,12 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced, flattened or unflattened from (itself for a root)."""
     return mesh._get_root_mesh()
+
+
+def flattened_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh]:
+    """The 1-D meshes flattened from ``mesh``'s root, by name (DTensor reduces over them: the gradient norm over
+    ``dp_shard_cp_tp``). The root keeps them in ``_flatten_mapping`` on torch 2.11 to 2.13; {} where it does not."""
+    return dict(getattr(root_mesh(mesh), "_flatten_mapping", {}))
 
 
 def backend_options(backend: str, timeout_s: float):

@@ -18,16 +18,26 @@
    mesh dim: count, bytes this rank sends or receives (the tensor handed to the collective), and on-the-wire bytes
    for a ring (all-gather and reduce-scatter move (n-1)/n of the full buffer per rank, all-reduce twice that,
    all-to-all (n-1)/n of its input, send/recv the tensor).
+3. Both meters see what a DTensor op runs, not the DTensor op: a mode runs before tensor subclasses, and while it
+   handles an op it is off, so the local ops and collectives DTensor issues inside its dispatch (sharding
+   propagation's redistributions, the gradient norm's reductions, the loss-parallel cross-entropy's all-reduces and
+   fp32 temporaries) would pass unseen. For an op with a DTensor argument each meter returns ``NotImplemented``, as
+   torch's ``CommDebugMode`` does: DTensor then runs it, and every op it issues comes back through the meters.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections import defaultdict
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations_and_temporaries", "logits")
@@ -48,7 +58,7 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._rising = False
-        self.at_peak: dict[int, int] = {}
+        self._at_peak: tuple[dict[int, int], set[int]] | None = None  # the storages at the peak, not yet classified
         self.owners = lambda: ({}, {}, {})  # () -> (param keys, grad keys, optimizer-state keys) at this moment
         self.peak_categories: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
 
@@ -84,7 +94,10 @@ class LiveBytes(TorchDispatchMode):
 
     def _shrink(self, nbytes: int) -> None:
         if self._rising and nbytes:
-            self._snapshot()
+            # The storages alive at the peak, this one included; classified at the next op (``_classify``): a
+            # storage dies inside a tensor's deallocation, where reading other tensors (the owners) corrupts memory.
+            self._rising = False
+            self._at_peak = (dict(self.sizes), set(self.logits))
         self.live -= nbytes
 
     def _free(self, key: int) -> None:
@@ -106,16 +119,25 @@ class LiveBytes(TorchDispatchMode):
 
     def _snapshot(self) -> None:
         self._rising = False
+        self._at_peak = (dict(self.sizes), set(self.logits))
+        self._classify()
+
+    def _classify(self) -> None:
+        """Split the storages alive at the last peak by category (module docstring, 1), if not done yet."""
+        if self._at_peak is None:
+            return
+        sizes, logits = self._at_peak
+        self._at_peak = None
         params, grads, states = self.owners()
         split = dict.fromkeys(CATEGORIES, 0)
-        for key, nbytes in self.sizes.items():
+        for key, nbytes in sizes.items():
             if key in params:
                 split["parameters"] += nbytes
             elif key in grads:
                 split["gradients"] += nbytes
             elif key in states:
                 split["optimizer_states"] += nbytes
-            elif key in self.logits:
+            elif key in logits:
                 split["logits"] += nbytes
             else:
                 split["activations_and_temporaries"] += nbytes
@@ -124,6 +146,7 @@ class LiveBytes(TorchDispatchMode):
     def reset_peak(self) -> int:
         """Start a new peak from the live bytes now; returns the old peak (the build's: materialising the weights
         holds the largest parameter in full, once, at start-up)."""
+        self._classify()
         old, self.peak, self._rising = self.peak, self.live, False
         return old
 
@@ -131,6 +154,7 @@ class LiveBytes(TorchDispatchMode):
         """The peak's split by category (taken now if the peak is the current state)."""
         if self._rising:
             self._snapshot()
+        self._classify()
         return self.peak_categories
 
     def track(self, tensors) -> None:
@@ -160,6 +184,9 @@ class LiveBytes(TorchDispatchMode):
         }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _desugars(types):
+            return NotImplemented  # the subclass's own ops come back here (module docstring, 3)
+        self._classify()
         out = func(*args, **(kwargs or {}))
         shapes = self._logit_shapes(func, args, kwargs)
         for t in tree_leaves(out):
@@ -187,6 +214,11 @@ class LiveBytes(TorchDispatchMode):
 _aten = torch.ops.aten
 # ops that mix the vocabulary dim away: what they compute from the logits is no longer logits, whatever its shape
 _MIXING = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.matmul.default}
+
+
+def _desugars(types) -> bool:
+    """Whether an op has a tensor subclass among its arguments (a DTensor) that runs its own ops for it."""
+    return any(is_traceable_wrapper_subclass_type(t) for t in types)
 
 
 def _is_meta(t: torch.Tensor) -> bool:
@@ -260,6 +292,8 @@ class Collectives(TorchDispatchMode):
         self.counting = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _desugars(types):
+            return NotImplemented  # the subclass's own collectives come back here (module docstring, 3)
         if self.counting:
             if func.namespace == "c10d" and func._opname in _C10D:
                 kind, index = _C10D[func._opname]
@@ -311,3 +345,35 @@ def _size_of(group_name: str) -> int:
     with contextlib.suppress(Exception):
         return _resolve_process_group(group_name).size()
     return 1
+
+
+# The flight recorder's names for element types (the process group's own record of a collective).
+_RECORDED_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4, "Short": 2, "Char": 1}
+_RECORDED_BYTES |= {"Byte": 1, "Bool": 1}
+
+
+def recorded_collectives(entries: list[dict], dim_of_group: dict[str, str]) -> dict[str, dict[str, int]]:
+    """Per mesh dim: count and bytes handed to the collectives of flight-recorder ``entries`` (a real run's record,
+    mesh/private_api.py: flight_recorder_dump), barriers left out. By dim, not by kind: gloo runs a reduce-scatter as
+    an all-reduce of the same full buffer, and records it so (``by_dim`` folds the meter's table the same way)."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for e in entries:
+        if e["profiling_name"].endswith("barrier"):
+            continue
+        moved = sum(
+            math.prod(shape) * _RECORDED_BYTES[dtype]
+            for shape, dtype in zip(e["input_sizes"], e["input_dtypes"], strict=True)
+        )
+        row = out[dim_of_group.get(e["process_group"][0], "other")]
+        row["count"] += 1
+        row["bytes"] += moved
+    return dict(out)
+
+
+def by_dim(table: list[dict]) -> dict[str, dict[str, int]]:
+    """``Collectives.table()`` summed over kinds, per mesh dim (as ``recorded_collectives`` gives a real run's)."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for row in table:
+        out[row["dim"]]["count"] += row["count"]
+        out[row["dim"]]["bytes"] += row["bytes"]
+    return dict(out)

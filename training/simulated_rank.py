@@ -54,6 +54,10 @@ def group_dims(meshes) -> dict[str, str]:
     for view, mesh in meshes.all().items():
         if mesh.ndim == 1:
             names.setdefault(mesh.get_group().group_name, view)
+    from mesh.private_api import flattened_meshes
+
+    for name, mesh in flattened_meshes(world).items():
+        names.setdefault(mesh.get_group().group_name, name)
     import torch.distributed as dist
 
     names.setdefault(dist.group.WORLD.group_name, "world")
@@ -70,6 +74,16 @@ def rank_owners(params: list, optimizers) -> tuple[set, set, set]:
         storage_keys(p.grad for p in params),
         storage_keys(v for v in states if isinstance(v, torch.Tensor)),
     )
+
+
+def training_step(step, n: int) -> None:
+    """Step ``n`` as the simulation runs it: train_step's forward, backward, loss sum, gradient norm and update
+    (training/step.py), without its host reads (module docstring)."""
+    from training.step import accumulate_gradients, global_loss_and_norm
+
+    loss = accumulate_gradients(step, step.loader.next_batch(), n)
+    global_loss_and_norm(step, loss, n)
+    step.optimizers.step()
 
 
 def simulate_rank(
@@ -99,7 +113,6 @@ def simulate_rank(
     from planning.sim_accounting import Collectives, LiveBytes
     from runtime.command_line import planned_device
     from training.build import build_meshes, build_step
-    from training.step import accumulate_gradients, global_loss_and_norm
 
     device_type = device_type or planned_device(None, cfg.training.device)
     first = LayoutPlan.resolve(cfg, world_size, rank=0, model_config=model_config, device_type=device_type)
@@ -126,7 +139,7 @@ def simulate_rank(
         for part in step.parts:
             if getattr(part, "output", None) is not None:
                 memory.watch_head(part.output)
-        loader, optimizers = step.loader, step.optimizers
+        optimizers = step.optimizers
         memory.owners = lambda: rank_owners(step.params, optimizers)
         build_peak = memory.reset_peak()  # the build's peak (one full parameter at a time), reported beside
         torch_counts = {}
@@ -134,9 +147,7 @@ def simulate_rank(
             comms.counting = n == 2
             # torch's own collective counter beside ours on step 2, for tests (it does not count send/recv)
             with CommDebugMode() if comm_debug and n == 2 else contextlib.nullcontext() as counter:
-                loss = accumulate_gradients(step, loader.next_batch(), n)
-                global_loss_and_norm(step, loss, n)
-                optimizers.step()
+                training_step(step, n)
             if counter is not None:
                 torch_counts = {str(op): c for op, c in counter.get_comm_counts().items()}
         comms.counting = False
@@ -153,3 +164,36 @@ def simulate_rank(
         **({"torch_comm_counts": torch_counts} if comm_debug else {}),
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def real_rank(cfg: Config) -> dict:
+    """What ``simulate_rank`` measures, on a real rank of a real process group (tests check the simulation against it):
+    the same build and two steps with real tensors and real routing, step 2's collectives per mesh dim as the process
+    group itself recorded them (its flight recorder, mesh/private_api.py), not as the simulation's meters see them;
+    send and recv, which gloo does not record, from the meter (a backend that records them, NCCL, is read instead)."""
+    import torch.distributed as dist
+
+    from mesh.private_api import flight_recorder_dump
+    from planning.sim_accounting import Collectives, recorded_collectives
+    from training.build import build_meshes, build_step
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    plan = LayoutPlan.resolve(cfg, world_size, rank=rank, device_type="cpu")
+    device = torch.device("cpu")
+    meshes = build_meshes(plan, device, cfg.parallel.collective_timeout_s)
+    torch.manual_seed(cfg.training.seed)
+    step = build_step(cfg, plan, meshes, device, SimulatedLoader(plan))
+    names = group_dims(meshes)
+    point_to_point = Collectives(names)  # gloo's flight recorder leaves send and recv out: counted by the meter
+    training_step(step, 1)
+    last = max((e["record_id"] for e in flight_recorder_dump()["entries"]), default=-1)
+    with point_to_point:
+        training_step(step, 2)
+    entries = [e for e in flight_recorder_dump()["entries"] if e["record_id"] > last]
+    collectives = recorded_collectives(entries, names)
+    for row in point_to_point.table():
+        if row["kind"] in ("send", "recv") and not any(e["is_p2p"] for e in entries):
+            into = collectives.setdefault(row["dim"], {"count": 0, "bytes": 0})
+            into["count"] += row["count"]
+            into["bytes"] += row["bytes"]
+    return {"rank": rank, "stages": list(plan.stage_ids), "collectives": collectives}
