@@ -17,7 +17,10 @@
    there is no table of excused letters (a table headed '| symbol | uses' fails). Every symbol a chapter
    defines carries the marker ``<!-- symbol X -->`` (or ``<!-- symbols X, Y -->``) at its definition, and is
    a row of the glossary.
-3. **Pictures.** The idealized pipeline pictures (docs/img/*_ideal.svg, drawn by docs/figures/pipeline.py) state
+3. **No unmarked number.** docs/unmarked.py lists every number of a chapter's core and exercises that no
+   marker regenerates (its docstring gives the rule); a finding that docs/unmarked_allowed.txt does not list
+   fails, and so does a listed one that is gone (the list only shrinks).
+4. **Pictures.** The idealized pipeline pictures (docs/img/*_ideal.svg, drawn by docs/figures/pipeline.py) state
    in their titles the idle fraction they show and the chapter's formula for it; the two agree.
 """
 
@@ -424,6 +427,34 @@ def test_every_symbol_a_chapter_defines_is_in_the_glossary():
     assert not missing, missing
     for symbol in ("w", "η", "σ", "MAMF", "M", "Ψ_u", "cf", "S", "q", "t_F", "t_I", "t_W"):
         assert symbol in symbols, f"glossary: no row for {symbol}"
+
+
+# ---- 3. no unmarked number in a core ---------------------------------------------------------------------
+
+
+def test_every_number_in_a_core_is_marked_or_listed_as_still_to_fix():
+    from docs.unmarked import all_findings, allowed, unexplained
+
+    new, gone = unexplained(all_findings(), allowed())
+    assert not new, "numbers no marker regenerates (mark, reword or remove them):\n" + "\n".join(map(str, new))
+    assert not gone, "docs/unmarked_allowed.txt lists findings that are fixed; delete these lines:\n" + "\n".join(gone)
+
+
+def test_the_lint_finds_a_bare_number_and_spares_what_a_test_regenerates():
+    from docs.unmarked import findings
+
+    text = (
+        "# 1. Title\n\nThe ring sends 1.67x the bytes, 3,200 of them, in 0.4 s on 4 ranks (torch 2.13, section 6.1).\n\n"
+        "It sends 1.67x. <!-- check 1.67x: 10 / 6 --> Also `2.5 GB` and [x](a1.2.md).\n\n"
+        "<!-- bench: python -m measure.x | not rerun: a table -->\n| a | 7.5 GB |\n\n```\n9.9 GB\n```\n\n"
+        "## Appendix: proof\n\nHere 4.4 GB is not core.\n\n## Appendix: exercises\n\nAnswer: 12%.\n"
+    )
+    assert [(f.line, f.number) for f in findings("x.md", text)] == [
+        (3, "1.67x"),
+        (3, "3,200"),
+        (3, "0.4 s"),
+        (20, "12%"),
+    ]
 
 
 # ---- the idealized pipeline pictures: their titles state the chapter's formula ------------------------------
