@@ -95,17 +95,10 @@ def stages(schedule: str) -> int:
 
 
 def bubble(schedule: str, p: int, m: int) -> float:
-    """The chapter 4 formula, `observers/pipeline_timeline.py: predicted_bubble` (0 for ZB-V/DualPipeV's steady state)."""
+    """The chapter 4 formula, `observers/pipeline_timeline.py: predicted_bubble` (from an empty pipeline)."""
     from observers.pipeline_timeline import predicted_bubble
 
     return predicted_bubble(schedule, p, m, stages(schedule))
-
-
-def empty_bubble(schedule: str, p: int, m: int) -> float:
-    """The bubble of a step that starts from an empty pipeline (what the idealized pictures' titles give)."""
-    from docs.figures.pipeline import empty_pipeline_bubble
-
-    return empty_pipeline_bubble(schedule, p, m, stages(schedule))
 
 
 @cache
@@ -472,7 +465,7 @@ def test_idealized_picture_titles_agree_with_the_bubble_formula(picture):
     assert title, f"{picture.name}: no title of the form 'X: pp=.., m=.., idealized: idle ..% (formula ..%'"
     schedule, pp, m = title["schedule"], int(title["pp"]), int(title["m"])
     assert float(title["idle"]) == pytest.approx(round(100 * idle(schedule, pp, m), 1)), picture.name
-    assert float(title["formula"]) == pytest.approx(round(100 * empty_bubble(schedule, pp, m), 1)), picture.name
+    assert float(title["formula"]) == pytest.approx(round(100 * bubble(schedule, pp, m), 1)), picture.name
     assert title["formula"] == title["idle"], (
         f"{picture.name}: the picture idles {title['idle']}%, its formula says {title['formula']}%"
     )
