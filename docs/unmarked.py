@@ -17,6 +17,7 @@ What counts as a number: digits that state a measurement or a result, that is
 - a number with a unit of measure right after it (``%``, ``x``/``×``, bytes, ``B``/``KB``/``MB``/``GB``/``TB``,
   ``KiB``/``MiB``/``GiB``, ``s``/``ms``/``µs``/``min``, ``FLOP(s)``, ``tok/s``, ``GB/s``, ``params``).
 
+The width of a number format is a definition too: ``1``, ``2``, ``4`` or ``8 bytes`` (per element) is not counted.
 A whole number with a magnitude letter (``8B``, ``70B``, ``135M``) is a model's name, not counted.
 
 Not numbers in this sense: plain integers without a unit (they define an example: "2 ranks", "pp 4", "step
@@ -135,6 +136,8 @@ def counts(number: str, unit: str | None, before: str) -> bool:
         return False
     if re.fullmatch(r"\d\.\d{1,2}", number) and re.search(r"(?:torch|Python|CUDA)\b(?:[^.;:]|\.\d){0,30}$", before):
         return False  # a version: "every supported torch (2.11 to 2.15)"
+    if number in ("1", "2", "4", "8") and unit in ("byte", "bytes"):
+        return False  # the width of a format: fp32's 4 bytes
     if plain and len(number) == 4 and number[:2] in ("19", "20") and not unit:
         return False  # a year
     return bool(unit) or not plain
@@ -189,8 +192,27 @@ def unexplained(found: list[Finding], allow: list[tuple[str, str, str]]) -> tupl
     return new, [f"{c} | {n} | {r}" for c, n, r in left]
 
 
+def prune(found: list[Finding]) -> int:
+    """Delete the allowlist's entries that match no finding (the fixed ones); the count deleted."""
+    _, gone = unexplained(found, allowed())
+    kept, removed = [], 0
+    for line in ALLOWED.read_text().splitlines():
+        key = " | ".join(part.strip() for part in line.split("|", 3)[:3])
+        if not line.startswith("#") and key in gone:
+            gone.remove(key)
+            removed += 1
+        else:
+            kept.append(line)
+    ALLOWED.write_text("\n".join(kept) + "\n")
+    return removed
+
+
 def main(argv: list[str]) -> int:
+    """``python -m docs.unmarked``: every finding and the count per chapter; ``--prune`` also deletes the
+    allowlist's entries that a fix has made stale."""
     found = all_findings()
+    if "--prune" in argv:
+        print(f"deleted {prune(found)} fixed entries from {ALLOWED.relative_to(ROOT)}")
     per_chapter: dict[str, int] = {}
     for f in found:
         print(f)

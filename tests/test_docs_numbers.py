@@ -274,6 +274,30 @@ def masked_recipe(name: str) -> tuple[float, float, float]:
         return wrong_way_errors(write_masked_folder(Path(folder) / "data"))[name]
 
 
+def constant(module: str, name: str):
+    """A module-level constant of meshloom's code ('tests.training_runs', 'LOSS_RTOL'): a tolerance or a size the
+    prose quotes is read from where the code defines it."""
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def default(module: str, function: str, parameter: str):
+    """A function's default argument ('examples.ring_allreduce', 'run', 'numel'): the size an example runs at."""
+    import importlib
+    import inspect
+
+    signature = inspect.signature(getattr(importlib.import_module(module), function))
+    return signature.parameters[parameter].default
+
+
+def checkpoint_bytes(num_params: int) -> int:
+    """`checkpoint/folder.py: checkpoint_bytes`, the room a checkpoint folder must have."""
+    from checkpoint.folder import checkpoint_bytes as room
+
+    return room(num_params)
+
+
 def as_dtype(x: float, dtype: str) -> float:
     """``x`` rounded to the nearest number of ``dtype`` ('bfloat16')."""
     import torch
