@@ -283,12 +283,30 @@ def constant(module: str, name: str):
 
 
 def default(module: str, function: str, parameter: str):
-    """A function's default argument ('examples.ring_allreduce', 'run', 'numel'): the size an example runs at."""
+    """A function's default argument ('examples.ring_allreduce', 'run', 'numel'): the size an example runs at;
+    ``function`` may be a method ('PContext.close')."""
     import importlib
     import inspect
 
-    signature = inspect.signature(getattr(importlib.import_module(module), function))
-    return signature.parameters[parameter].default
+    target = importlib.import_module(module)
+    for name in function.split("."):
+        target = getattr(target, name)
+    return inspect.signature(target).parameters[parameter].default
+
+
+def gpu(name: str):
+    """A GPU's figures from the planner's table (`planning/gpus.py`): peaks, memory, NVLink and network bandwidth."""
+    from planning.gpus import gpu_row
+
+    return gpu_row(name)
+
+
+def config_default(field: str):
+    """A config field's default ('parallel.collective_timeout_s'), as runtime/schema.py declares it."""
+    from runtime.schema import Config
+
+    section, name = field.split(".")
+    return getattr(getattr(Config(), section), name)
 
 
 def checkpoint_bytes(num_params: int) -> int:
