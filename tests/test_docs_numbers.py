@@ -53,6 +53,13 @@ def model(name: str):
     return preset(name)
 
 
+def psi_with(name: str, overrides: dict) -> int:
+    """Parameters of configs/NAME.toml with config overrides (a bench's model: measure/pipeline_bubble.py: MODEL)."""
+    from runtime.config import load_config, model_args
+
+    return model_args(load_config(path=f"configs/{name}.toml", overrides=overrides)).num_params()
+
+
 def psi(name: str) -> int:
     """Parameters of a model ('debug', 'llama3-8b', ...)."""
     return model(name).num_params()
