@@ -374,15 +374,31 @@ def script(body: list[str]) -> tuple[str, list[str]]:
     return "\n".join(kept), left_out
 
 
+def prompted_commands(body: list[str]) -> str:
+    """The `$ ` commands of a printout (with their continuation lines), without the output."""
+    out, continued = [], False
+    for line in body:
+        if line.startswith("$ ") or continued:
+            out.append(line[2:] if line.startswith("$ ") else line)
+            continued = line.rstrip().endswith("\\")
+    return "\n".join(out)
+
+
 def core_command_blocks() -> list[tuple[str, str, str]]:
-    """(chapter, where, script) for every block of commands (no `$ ` prompt, no output) of every core, in chapter
-    order; a command that a printed or bench marker already reruns is left to that marker's test."""
+    """(chapter, where, script) for every block of commands (no `$ ` prompt, no output) of every core, and the `$ `
+    commands of a printout whose marker says 'not rerun', in chapter order; a command that a printed or bench
+    marker already reruns and compares is left to that marker's test."""
     rerun = {q.command for q in all_printed()} | {
         q.command for p in CHAPTERS for q in __import__("tests.test_docs", fromlist=["x"]).quoted_outputs(p)[0]
     }
     out = []
     for path in CHAPTERS:
+        lines = path.read_text().splitlines()
         for start, body in core_blocks(path):
+            marker = MARKER.match(lines[start - 1].strip()) if start else None
+            if marker and marker["mode"].startswith("not rerun"):  # its output is not compared: it must still run
+                out.append((path.name, f"{path.name}:{start + 1}", prompted_commands(body)))
+                continue
             text, _ = script(body)
             commands = [line for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
             if not commands or any(line.startswith("$ ") for line in body):
