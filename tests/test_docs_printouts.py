@@ -334,6 +334,12 @@ NOT_RUN = {  # a line of a command block that the docs leg leaves out -> why
 }
 
 
+REFUSED = {  # the first line of a command block the chapter runs to show a refusal -> what its answer quotes
+    'python -c "import train; from runtime.config import load_config; train.check_config(load_config(path='
+    "'configs/debug.toml'), 6)\"": "training.global_batch=8 is not divisible by the data-parallel degree",
+}
+
+
 def core_blocks(path: Path) -> list[tuple[int, list[str]]]:
     """The fenced blocks of a chapter's core and its exercises (line index of the fence, lines)."""
     from docs.unmarked import scope
@@ -418,7 +424,8 @@ def test_every_line_left_out_of_the_core_commands_matches_a_block():
     left_out = [line for p in CHAPTERS for _, body in core_blocks(p) for line in script(body)[1]]
     unused = [prefix for prefix in NOT_RUN if not any(line.strip().startswith(prefix) for line in left_out)]
     assert not unused, f"NOT_RUN entries that match no line of a core: {unused}"
-    assert len(core_command_blocks()) > 10
+    scripts = {text.strip() for _, _, text in core_command_blocks()}
+    assert len(scripts) > 10 and set(REFUSED) <= scripts, set(REFUSED) - scripts
 
 
 @pytest.mark.slow
@@ -433,4 +440,8 @@ def test_every_command_of_a_core_runs(chapter, tmp_path):
         out = subprocess.run(
             ["bash", "-e", "-c", script], cwd=folder, env=env, capture_output=True, text=True, timeout=900
         )
+        refused = REFUSED.get(script.strip())
+        if refused:
+            assert out.returncode != 0 and refused in out.stdout + out.stderr, f"{where}: not refused as it says"
+            continue
         assert out.returncode == 0, f"{where}: exit {out.returncode}\n{script}\n{(out.stdout + out.stderr)[-3000:]}"
