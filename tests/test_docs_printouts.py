@@ -17,6 +17,9 @@
    checks that each quoted digit is the include's.
 4. **Prose figures a chapter reads off a printout** are ``<!-- check ... -->`` markers of
    tests/test_docs_numbers.py, whose helpers rerun the code.
+5. **Every command of a core runs.** A `$ command` printout in a chapter's core or exercises carries a marker;
+   every other block of commands there is run as written (in a sandbox, under ``-m slow``: .ci/docs) and must
+   exit 0, or be refused with the message the chapter quotes, or name in ``NOT_RUN`` why it is left out.
 """
 
 from __future__ import annotations
