@@ -333,6 +333,8 @@ NOT_RUN = {  # a line of a command block that the docs leg leaves out -> why
     "python -m data.prepare --source corpus.jsonl": "the reader's own files (corpus.jsonl) stand in the command",
     "python -m data.prepare --source shards/": "the reader's own files (shards/) stand in the command",
     "# on every node": "the block needs several nodes (a comment that leaves out the whole block)",
+    "# press Ctrl-C during the first run": "a resume after a Ctrl-C the reader gives by hand; the signal path is "
+    "tests/test_interrupted_commands.py's, the resume on another layout tests/test_checkpoint.py's",
     "diff examples/trainer": "a diff to read, not a command that prints a result",
 }
 
