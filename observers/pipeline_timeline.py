@@ -116,17 +116,19 @@ class PipelineTimeline:
 
 def predicted_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> float | None:
     """The textbook idle fraction (equal stages, free communication): GPipe/1F1B (p-1)/(m+p-1); interleaved
-    (p-1)/(v*m+p-1); interleaved zero bubble (p-1)/(3*v*m+p-1); ZB-V and DualPipeV 0."""
+    (p-1)/(v*m+p-1); interleaved zero bubble, ZB-V and DualPipeV (p-1)/(3*v*m+p-1).
+
+    ZB-V and DualPipeV reach 0 only in a steady state where the fill at a step's start hides behind the previous
+    step. meshloom clips by the global norm over the pp group every step, so every step starts from an empty
+    pipeline and keeps that fill: with F = I = W they idle as much as interleaved zero bubble (for m >= 2p)."""
     p, m, v = pp, microbatches, stages_per_rank
     family = SCHEDULE_FAMILIES[schedule]
     if family.placement == "single":
         return (p - 1) / (m + p - 1)
     if schedule in ("Interleaved1F1B", "LoopedBFS"):
         return (p - 1) / (v * m + p - 1)
-    if schedule == "InterleavedZeroBubble":
+    if schedule == "InterleavedZeroBubble" or family.placement == "v":
         return (p - 1) / (3 * v * m + p - 1)
-    if family.placement == "v":
-        return 0.0
     return None
 
 

@@ -11,7 +11,8 @@
 
    naming the command that prints it and how a re-run is compared: ``exact`` (every quoted line, whitespace
    aside, is a line of the new output, in order: counts, bytes and arithmetic do not vary), ``rtol=X`` (the same
-   lines, numbers within X relative), ``shape`` (the same lines with every number blanked: timings on shared CPU
+   lines, numbers within X relative), ``atol=X`` (numbers within X absolute: counts stay exact while round-off
+   errors of about 1e-7 may differ between CPUs), ``shape`` (the same lines with every number blanked: timings on shared CPU
    cores vary by up to 1.6x from one minute to the next, so only the text around them is pinned) or
    ``not rerun: why``. A block introduced as a bench's output without a marker fails. The fast benches are
    re-run in the default suite; the rest under ``pytest -m slow`` (test_every_marked_bench_still_prints_what_
@@ -208,7 +209,7 @@ def test_every_code_pointer_names_a_file_and_a_name_defined_in_it():
 
 # ---- 3. bench numbers --------------------------------------------------------------------------------------
 
-MARKER = re.compile(r"^<!-- bench: (?P<command>[^|]+?) \| (?P<mode>exact|shape|rtol=[\d.e-]+|not rerun: .+) -->$")
+MARKER = re.compile(r"^<!-- bench: (?P<command>[^|]+?) \| (?P<mode>exact|shape|[ar]tol=[\d.e-]+|not rerun: .+) -->$")
 FENCE = re.compile(r"^```")
 # numbers as benches print them: 1,706,240  0.5499  -0.7%  2.4e-06  1.0x  0.14s  67.1 MB (a unit may follow)
 NUM = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?(?=(?:x|s|ms|%|[KMGT]?B)?(?![\w]))")
@@ -301,27 +302,43 @@ def quoted_lines(lines: list[str]) -> list[str]:
     return out
 
 
+def beyond(mode: str, quoted: str, produced: str) -> list[str]:
+    """The numbers of ``produced`` that differ from ``quoted``'s beyond an ``rtol=``/``atol=`` mode."""
+    tol, relative = float(mode[5:]), mode.startswith("rtol=")
+    out = []
+    for a, b in zip(NUM.findall(quoted), NUM.findall(produced), strict=True):
+        x, y = float(a.replace(",", "")), float(b.replace(",", ""))
+        if abs(x - y) > tol * (max(abs(x), abs(y)) if relative else 1):
+            out.append(f"{quoted.strip()!r}: {a} is now {b} (beyond {mode})")
+    return out
+
+
+def same_line(mode: str, quoted: str, produced: str) -> bool:
+    """Whether a printed line is the quoted one under the marker's mode."""
+    if mode == "exact":
+        return normalized(produced) == normalized(quoted)
+    same_text = skeleton(produced) == skeleton(quoted)
+    return same_text and not (mode.startswith(("rtol=", "atol=")) and beyond(mode, quoted, produced))
+
+
 def mismatches(quoted: Quoted, output: str) -> list[str]:
-    """Quoted lines that do not appear, in order, in the command's output under the marker's rule."""
+    """Quoted lines that do not appear, in order, in the command's output under the marker's rule. Under a
+    tolerance a quoted line matches the first line of the same text whose numbers are within it, so that
+    '--- rank 2 ---' is not taken for '--- rank 1 ---'."""
     produced = [line for line in output.splitlines() if line.strip()]
+    tolerant = quoted.mode.startswith(("rtol=", "atol="))
     errors, i = [], 0
     for line in quoted_lines(quoted.lines):
-        want = normalized(line) if quoted.mode == "exact" else skeleton(line)
         j = i
-        while (
-            j < len(produced) and (normalized(produced[j]) if quoted.mode == "exact" else skeleton(produced[j])) != want
-        ):
+        while j < len(produced) and not same_line(quoted.mode, line, produced[j]):
             j += 1
         if j == len(produced):
-            near = [p for p in produced if skeleton(p) == skeleton(line)]
-            errors.append(f"{line.strip()!r} not printed" + (f"; now: {near[0].strip()!r}" if near else ""))
+            near = [p for p in produced[i:] if skeleton(p) == skeleton(line)]
+            if tolerant and near:
+                errors += beyond(quoted.mode, line, near[0])
+            else:
+                errors.append(f"{line.strip()!r} not printed" + (f"; now: {near[0].strip()!r}" if near else ""))
             continue
-        if quoted.mode.startswith("rtol="):
-            rtol = float(quoted.mode[5:])
-            for a, b in zip(NUM.findall(line), NUM.findall(produced[j]), strict=True):
-                x, y = float(a.replace(",", "")), float(b.replace(",", ""))
-                if abs(x - y) > rtol * max(abs(x), abs(y)):
-                    errors.append(f"{line.strip()!r}: {a} is now {b} (beyond rtol {rtol})")
         i = j + 1
     return errors
 
@@ -366,6 +383,11 @@ def test_the_bench_comparison_fails_on_a_changed_number():
     assert mismatches(shaped, "tok/s 2,093 ratio 1.412x\n") != []
     loose = Quoted("x.md:1", "python -m measure.x", "rtol=0.01", ["size 247,890 bytes"])
     assert mismatches(loose, "size 247,902 bytes\n") == [] and mismatches(loose, "size 250,902 bytes\n") != []
+    rounded = Quoted("x.md:1", "python -m measure.x", "atol=1e-6", ["{'rows': 8, 'error': 2.384185791015625e-07}"])
+    assert mismatches(rounded, "{'rows': 8, 'error': 1.1920928955078125e-07}\n") == []
+    assert mismatches(rounded, "{'rows': 9, 'error': 2.384185791015625e-07}\n") != []
+    ranks = Quoted("x.md:1", "python -m measure.x", "atol=1e-6", ["--- rank 2 ---", "{'held': 1}"])
+    assert mismatches(ranks, "--- rank 1 ---\n{'held': 2}\n--- rank 2 ---\n{'held': 1}\n") == []
 
 
 def rerun_here(command: str, where: Path, monkeypatch) -> str:

@@ -17,7 +17,10 @@
    there is no table of excused letters (a table headed '| symbol | uses' fails). Every symbol a chapter
    defines carries the marker ``<!-- symbol X -->`` (or ``<!-- symbols X, Y -->``) at its definition, and is
    a row of the glossary.
-3. **Pictures.** The idealized pipeline pictures (docs/img/*_ideal.svg, drawn by docs/figures/pipeline.py) state
+3. **No unmarked number.** docs/unmarked.py lists every number of a chapter's core and exercises that no
+   marker regenerates (its docstring gives the rule); a finding that docs/unmarked_allowed.txt does not list
+   fails, and so does a listed one that is gone (the list only shrinks).
+4. **Pictures.** The idealized pipeline pictures (docs/img/*_ideal.svg, drawn by docs/figures/pipeline.py) state
    in their titles the idle fraction they show and the chapter's formula for it; the two agree.
 """
 
@@ -48,6 +51,13 @@ def model(name: str):
 
         return model_args(load_config(path=f"configs/{name}.toml"))
     return preset(name)
+
+
+def psi_with(name: str, overrides: dict) -> int:
+    """Parameters of configs/NAME.toml with config overrides (a bench's model: measure/pipeline_bubble.py: MODEL)."""
+    from runtime.config import load_config, model_args
+
+    return model_args(load_config(path=f"configs/{name}.toml", overrides=overrides)).num_params()
 
 
 def psi(name: str) -> int:
@@ -92,17 +102,10 @@ def stages(schedule: str) -> int:
 
 
 def bubble(schedule: str, p: int, m: int) -> float:
-    """The chapter 4 formula, `observers/pipeline_timeline.py: predicted_bubble` (0 for ZB-V/DualPipeV's steady state)."""
+    """The chapter 4 formula, `observers/pipeline_timeline.py: predicted_bubble` (from an empty pipeline)."""
     from observers.pipeline_timeline import predicted_bubble
 
     return predicted_bubble(schedule, p, m, stages(schedule))
-
-
-def empty_bubble(schedule: str, p: int, m: int) -> float:
-    """The bubble of a step that starts from an empty pipeline (what the idealized pictures' titles give)."""
-    from docs.figures.pipeline import empty_pipeline_bubble
-
-    return empty_pipeline_bubble(schedule, p, m, stages(schedule))
 
 
 @cache
@@ -278,6 +281,48 @@ def masked_recipe(name: str) -> tuple[float, float, float]:
         return wrong_way_errors(write_masked_folder(Path(folder) / "data"))[name]
 
 
+def constant(module: str, name: str):
+    """A module-level constant of meshloom's code ('tests.training_runs', 'LOSS_RTOL'): a tolerance or a size the
+    prose quotes is read from where the code defines it."""
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def default(module: str, function: str, parameter: str):
+    """A function's default argument ('examples.ring_allreduce', 'run', 'numel'): the size an example runs at;
+    ``function`` may be a method ('PContext.close')."""
+    import importlib
+    import inspect
+
+    target = importlib.import_module(module)
+    for name in function.split("."):
+        target = getattr(target, name)
+    return inspect.signature(target).parameters[parameter].default
+
+
+def gpu(name: str):
+    """A GPU's figures from the planner's table (`planning/gpus.py`): peaks, memory, NVLink and network bandwidth."""
+    from planning.gpus import gpu_row
+
+    return gpu_row(name)
+
+
+def config_default(field: str):
+    """A config field's default ('parallel.collective_timeout_s'), as runtime/schema.py declares it."""
+    from runtime.schema import Config
+
+    section, name = field.split(".")
+    return getattr(getattr(Config(), section), name)
+
+
+def checkpoint_bytes(num_params: int) -> int:
+    """`checkpoint/folder.py: checkpoint_bytes`, the room a checkpoint folder must have."""
+    from checkpoint.folder import checkpoint_bytes as room
+
+    return room(num_params)
+
+
 def as_dtype(x: float, dtype: str) -> float:
     """``x`` rounded to the nearest number of ``dtype`` ('bfloat16')."""
     import torch
@@ -426,6 +471,34 @@ def test_every_symbol_a_chapter_defines_is_in_the_glossary():
         assert symbol in symbols, f"glossary: no row for {symbol}"
 
 
+# ---- 3. no unmarked number in a core ---------------------------------------------------------------------
+
+
+def test_every_number_in_a_core_is_marked_or_listed_as_still_to_fix():
+    from docs.unmarked import all_findings, allowed, unexplained
+
+    new, gone = unexplained(all_findings(), allowed())
+    assert not new, "numbers no marker regenerates (mark, reword or remove them):\n" + "\n".join(map(str, new))
+    assert not gone, "docs/unmarked_allowed.txt lists findings that are fixed; delete these lines:\n" + "\n".join(gone)
+
+
+def test_the_lint_finds_a_bare_number_and_spares_what_a_test_regenerates():
+    from docs.unmarked import findings
+
+    text = (
+        "# 1. Title\n\nThe ring sends 1.67x the bytes, 3,200 of them, in 0.4 s on 4 ranks (torch 2.13, section 6.1).\n\n"
+        "It sends 1.67x. <!-- check 1.67x: 10 / 6 --> Also `2.5 GB` and [x](a1.2.md).\n\n"
+        "<!-- bench: python -m measure.x | not rerun: a table -->\n| a | 7.5 GB |\n\n```\n9.9 GB\n```\n\n"
+        "## Appendix: proof\n\nHere 4.4 GB is not core.\n\n## Appendix: exercises\n\nAnswer: 12%.\n"
+    )
+    assert [(f.line, f.number) for f in findings("x.md", text)] == [
+        (3, "1.67x"),
+        (3, "3,200"),
+        (3, "0.4 s"),
+        (20, "12%"),
+    ]
+
+
 # ---- the idealized pipeline pictures: their titles state the chapter's formula ------------------------------
 
 TITLE = re.compile(
@@ -441,7 +514,7 @@ def test_idealized_picture_titles_agree_with_the_bubble_formula(picture):
     assert title, f"{picture.name}: no title of the form 'X: pp=.., m=.., idealized: idle ..% (formula ..%'"
     schedule, pp, m = title["schedule"], int(title["pp"]), int(title["m"])
     assert float(title["idle"]) == pytest.approx(round(100 * idle(schedule, pp, m), 1)), picture.name
-    assert float(title["formula"]) == pytest.approx(round(100 * empty_bubble(schedule, pp, m), 1)), picture.name
+    assert float(title["formula"]) == pytest.approx(round(100 * bubble(schedule, pp, m), 1)), picture.name
     assert title["formula"] == title["idle"], (
         f"{picture.name}: the picture idles {title['idle']}%, its formula says {title['formula']}%"
     )

@@ -7,7 +7,7 @@
 
        <!-- printed: python examples/hello_ranks.py | exact -->
 
-   with the same comparison modes as tests/test_docs.py's bench markers (``exact``, ``rtol=X``, ``shape``,
+   with the same comparison modes as tests/test_docs.py's bench markers (``exact``, ``rtol=X``, ``atol=X``, ``shape``,
    ``not rerun: why``). The command is re-run from the repository root and every quoted line must appear, in
    order, in what it prints (stdout and stderr together: banners and errors go to stderr). Commands that run
    in seconds on one process are re-run in the default suite (``FAST``); the rest under ``-m slow``.
@@ -17,6 +17,9 @@
    checks that each quoted digit is the include's.
 4. **Prose figures a chapter reads off a printout** are ``<!-- check ... -->`` markers of
    tests/test_docs_numbers.py, whose helpers rerun the code.
+5. **Every command of a core runs.** A `$ command` printout in a chapter's core or exercises carries a marker;
+   every other block of commands there is run as written (in a sandbox, under ``-m slow``: .ci/docs) and must
+   exit 0, or be refused with the message the chapter quotes, or name in ``NOT_RUN`` why it is left out.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -87,7 +91,7 @@ def test_the_reference_check_fails_on_a_test_that_is_gone():
 
 # ---- 2. printouts ------------------------------------------------------------------------------------------
 
-MARKER = re.compile(r"^<!-- printed: (?P<command>[^|]+?) \| (?P<mode>exact|shape|rtol=[\d.e-]+|not rerun: .+) -->$")
+MARKER = re.compile(r"^<!-- printed: (?P<command>[^|]+?) \| (?P<mode>exact|shape|[ar]tol=[\d.e-]+|not rerun: .+) -->$")
 PP4 = (
     "python train.py --dry-run --world-size 4 --config configs/debug.toml --parallel.pp 4 --parallel.dp_shard 1"
     " --model.n_layers 8 --parallel.pp_microbatches 4 --parallel.pp_split memory"
@@ -138,12 +142,27 @@ def all_printed() -> list[Quoted]:
     return [q for p in CHAPTERS for q in printed(p)]
 
 
+def sandbox(where: Path) -> Path:
+    """A folder that links every top-level entry of the repository but runs/ (the chapter's runs land here)."""
+    for entry in ROOT.iterdir():
+        if entry.name not in ("runs", ".git"):
+            (where / entry.name).symlink_to(entry)
+    return where
+
+
 def run(command: str) -> str:
     """The command as the chapter gives it, from the repository root, stdout and stderr together."""
     args = shlex.split(command)
     assert args[0] in ("python", "torchrun"), command
     launcher = [sys.executable] if args[0] == "python" else [sys.executable, "-m", "torch.distributed.run"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if "&&" in args:  # a run, then a command that reads it: through bash, in a sandbox with its own runs/
+        with tempfile.TemporaryDirectory() as folder:
+            env |= {"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "PYTHONPATH": folder}
+            out = subprocess.run(
+                ["bash", "-c", command], cwd=sandbox(Path(folder)), env=env, capture_output=True, text=True, timeout=900
+            )
+        return out.stdout + out.stderr
     out = subprocess.run([*launcher, *args[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     return out.stdout + out.stderr
 
@@ -299,3 +318,135 @@ def test_the_banner_check_fails_on_a_missing_field():
     page = "meshloom | world 4 | pp=1 dp_replicate=2 dp_shard=2 tp=1 | fp32\n  pp  size   1\n  tp  size   1\nx\n"
     errors = banner_errors({"x.md": page})
     assert len(errors) == 2 and "ep=1" in errors[0] and "MESH_DIMS" not in errors[1], errors
+
+
+# ---- 6. every command of a core is rerun -------------------------------------------------------------------
+# A fenced block in a chapter's core or its exercises (docs/unmarked.py: scope) that shows a `$ command` and what
+# it prints carries a printed or bench marker, so the docs leg (.ci/docs) reruns it and compares; a block of
+# commands only is run as the chapter gives it (a bash script, the chapter's blocks in order, in a sandbox
+# that links the repository's files and has its own runs/), and must exit 0.
+
+SHOWN = re.compile(r"^<!-- (?:printed|bench): ")
+COMMAND = re.compile(r"^\s*(?:[A-Z_]+=\S*\s+)*(?:\.venv/bin/)?(?:python|torchrun)\b")
+NOT_RUN = {  # a line of a command block that the docs leg leaves out -> why
+    "pip install": "installs packages: CI's environment is made by .ci/run",
+    "python -m data.prepare --source corpus.jsonl": "the reader's own files (corpus.jsonl) stand in the command",
+    "python -m data.prepare --source shards/": "the reader's own files (shards/) stand in the command",
+    "# on every node": "the block needs several nodes (a comment that leaves out the whole block)",
+    "# press Ctrl-C during the first run": "a resume after a Ctrl-C the reader gives by hand; the signal path is "
+    "tests/test_interrupted_commands.py's, the resume on another layout tests/test_checkpoint.py's",
+    "diff examples/trainer": "a diff to read, not a command that prints a result",
+}
+
+
+REFUSED = {  # the first line of a command block the chapter runs to show a refusal -> what its answer quotes
+    'python -c "import train; from runtime.config import load_config; train.check_config(load_config(path='
+    "'configs/debug.toml'), 6)\"": "training.global_batch=8 is not divisible by the data-parallel degree",
+}
+
+
+def core_blocks(path: Path) -> list[tuple[int, list[str]]]:
+    """The fenced blocks of a chapter's core and its exercises (line index of the fence, lines)."""
+    from docs.unmarked import scope
+
+    text = path.read_text()
+    inside = scope(text.split("\n"))
+    return [(start, body) for start, body in fenced(text) if inside[start]]
+
+
+def unmarked_printouts(path: Path) -> list[str]:
+    lines = path.read_text().splitlines()
+    out = []
+    for start, body in core_blocks(path):
+        before = [line.strip() for line in lines[max(0, start - 3) : start] if line.strip()]
+        if any(line.startswith("$ ") for line in body) and not (before and SHOWN.match(before[-1])):
+            out.append(f"{path.name}:{start + 1}: {body[0][:80]}")
+    return out
+
+
+def test_every_printout_in_a_core_carries_a_marker():
+    unmarked = [u for p in CHAPTERS for u in unmarked_printouts(p)]
+    assert not unmarked, "a `$ command` and its output, with no printed/bench marker:\n" + "\n".join(unmarked)
+
+
+def script(body: list[str]) -> tuple[str, list[str]]:
+    """A command block as a bash script without its NOT_RUN lines (and their continuations), and those lines.
+    A NOT_RUN comment leaves out the whole block."""
+    first = next((line.strip() for line in body if line.strip()), "")
+    if first.startswith("#") and any(first.startswith(prefix) for prefix in NOT_RUN):
+        return "", body
+    kept, left_out, skipping = [], [], False
+    for line in body:
+        if not skipping and any(line.strip().startswith(prefix) for prefix in NOT_RUN):
+            skipping = True
+        (left_out if skipping else kept).append(line)
+        if skipping and not line.rstrip().endswith("\\"):
+            skipping = False
+    return "\n".join(kept), left_out
+
+
+def prompted_commands(body: list[str]) -> str:
+    """The `$ ` commands of a printout (with their continuation lines), without the output."""
+    out, continued = [], False
+    for line in body:
+        if line.startswith("$ ") or continued:
+            out.append(line[2:] if line.startswith("$ ") else line)
+            continued = line.rstrip().endswith("\\")
+    return "\n".join(out)
+
+
+def core_command_blocks() -> list[tuple[str, str, str]]:
+    """(chapter, where, script) for every block of commands (no `$ ` prompt, no output) of every core, and the `$ `
+    commands of a printout whose marker says 'not rerun', in chapter order; a command that a printed or bench
+    marker already reruns and compares is left to that marker's test."""
+    rerun = {q.command for q in all_printed()} | {
+        q.command for p in CHAPTERS for q in __import__("tests.test_docs", fromlist=["x"]).quoted_outputs(p)[0]
+    }
+    out = []
+    for path in CHAPTERS:
+        lines = path.read_text().splitlines()
+        for start, body in core_blocks(path):
+            marker = MARKER.match(lines[start - 1].strip()) if start else None
+            if marker and marker["mode"].startswith("not rerun"):  # its output is not compared: it must still run
+                out.append((path.name, f"{path.name}:{start + 1}", prompted_commands(body)))
+                continue
+            text, _ = script(body)
+            commands = [line for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+            if not commands or any(line.startswith("$ ") for line in body):
+                continue
+            continued = [False] + [c.rstrip().endswith("\\") for c in commands[:-1]]
+            if not all(
+                COMMAND.match(c) or c.startswith("SMOL=") or cont for c, cont in zip(commands, continued, strict=True)
+            ):
+                continue  # code to read (Python, a picture of a stream, a printout), not commands
+            if len(commands) == 1 and commands[0].strip() in rerun:
+                continue
+            out.append((path.name, f"{path.name}:{start + 1}", text))
+    return out
+
+
+def test_every_line_left_out_of_the_core_commands_matches_a_block():
+    left_out = [line for p in CHAPTERS for _, body in core_blocks(p) for line in script(body)[1]]
+    unused = [prefix for prefix in NOT_RUN if not any(line.strip().startswith(prefix) for line in left_out)]
+    assert not unused, f"NOT_RUN entries that match no line of a core: {unused}"
+    scripts = {text.strip() for _, _, text in core_command_blocks()}
+    assert len(scripts) > 10 and set(REFUSED) <= scripts, set(REFUSED) - scripts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chapter", sorted({c for c, _, _ in core_command_blocks()}))
+def test_every_command_of_a_core_runs(chapter, tmp_path):
+    # One sandbox per chapter, its blocks in order: a later block may read what an earlier one wrote
+    # (data.md's generate reads the run its first block trains).
+    folder = sandbox(tmp_path)
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(folder)}
+    for _, where, script in (b for b in core_command_blocks() if b[0] == chapter):
+        out = subprocess.run(
+            ["bash", "-e", "-c", script], cwd=folder, env=env, capture_output=True, text=True, timeout=900
+        )
+        refused = REFUSED.get(script.strip())
+        if refused:
+            assert out.returncode != 0 and refused in out.stdout + out.stderr, f"{where}: not refused as it says"
+            continue
+        assert out.returncode == 0, f"{where}: exit {out.returncode}\n{script}\n{(out.stdout + out.stderr)[-3000:]}"

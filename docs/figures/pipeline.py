@@ -15,24 +15,9 @@ def darker(hex_colour: str, by: float = 0.4) -> str:
     return "#" + "".join(f"{round(c * (1 - by)):02x}" for c in (r, g, b))
 
 
-def empty_pipeline_bubble(schedule: str, pp: int, microbatches: int, v: int) -> float:
-    """The bubble docs/pipeline_parallel.md, section 3 states for a step that starts from an empty pipeline.
-
-    `observers/pipeline_timeline.py: predicted_bubble` gives 0 for ZB-V and DualPipeV: their steady state. meshloom
-    clips by the global norm every step, so every step starts empty and keeps the fill: with F = I = W they idle
-    as much as interleaved zero bubble, (p-1)/(3vm+p-1), for m >= 2p.
-    """
-    from observers.pipeline_timeline import predicted_bubble
-
-    predicted = predicted_bubble(schedule, pp, microbatches, v)
-    if predicted == 0:
-        return (pp - 1) / (3 * v * microbatches + pp - 1)
-    return predicted
-
-
 def pipeline_svg(schedule: str, pp: int, microbatches: int) -> str:
     """One row per rank, a box per F/B/I/W of torch's action list run with unit times, every box labelled."""
-    from observers.pipeline_timeline import COLOURS, predicted_bubble
+    from observers.pipeline_timeline import COLOURS, SCHEDULE_FAMILIES, predicted_bubble
 
     ideal = pipeline_ideal(schedule, pp, microbatches)
     timed, v = ideal["timed"], ideal["v"]
@@ -41,10 +26,8 @@ def pipeline_svg(schedule: str, pp: int, microbatches: int) -> str:
     # The shortest box is one stage's forward, 1/v of a time unit: about 26 pixels for it, 1,000 to 1,200 in all.
     width = max(1000, min(1200, span * v * 26))
     svg = Svg(left + width + 20, 0, font_size=12)
-    predicted = empty_pipeline_bubble(schedule, pp, microbatches, v)
-    steady = (
-        " from an empty pipeline; 0 in steady state" if predicted_bubble(schedule, pp, microbatches, v) == 0 else ""
-    )
+    predicted = predicted_bubble(schedule, pp, microbatches, v)
+    steady = " from an empty pipeline; 0 in steady state" if SCHEDULE_FAMILIES[schedule].placement == "v" else ""
     y = svg.lines(
         left,
         22,
