@@ -67,7 +67,7 @@ from torch import nn
 
 from models.feed_forward import FeedForward  # the dense SwiGLU, reused as the shared expert
 from models.kernels import alignment_rows, grouped_mm, grouped_mm_works, padded_groups
-from models.local_tensor import local_tensor
+from models.local_tensor import eager_local_tensors, local_tensor
 from models.routers import choose_experts
 
 
@@ -103,12 +103,12 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # Each path takes the local weights itself, after any graph break before it: torch.compile (2.13) hands a
-        # ``to_local`` result across a graph break back as a DTensor, which then meets plain tensors. Sizes past
-        # dim 0 are the same locally and globally (expert parallelism shards dim 0 only).
+        # The local weights are taken uncompiled (``eager_local_tensors``): dynamo's traced ``to_local`` can come
+        # back as a DTensor after a graph break (2.13 before the looped path, 2.15 before the grouped one), which
+        # then meets plain tensors. Sizes past dim 0 are the same locally and globally (EP shards dim 0 only).
         shapes = (tuple(self.w1.shape[1:]), tuple(self.w2.shape[1:]))
         if grouped_mm_works(x.device, x.dtype, shapes):
-            return self.grouped(x, counts, local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3))
+            return self.grouped(x, counts, *eager_local_tensors(self.w1, self.w2, self.w3))
         return self.looped(x, counts, self.w1, self.w2, self.w3)
 
     @staticmethod
