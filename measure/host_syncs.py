@@ -178,7 +178,7 @@ LAYOUTS = {
 LOSS = "training/step.py:read_step tolist"
 FINITE = "training/step.py:read_step _local_scalar_dense"
 STOP_AGREEMENT = "runtime/process.py:gather_floats tolist"
-EMBEDDING_MASK = "models/llama.py:forward boolean index"
+EMBEDDING_MASK = "mesh/tensor_parallel.py:summed boolean index"  # VocabParallelEmbedding finishes the sum
 EP_SPLITS = "mesh/expert_parallel.py:host_split_sizes tolist"
 EXPERT_LOAD = "mesh/expert_parallel.py:step_expert_load tolist"
 CAPACITY = "models/moe.py:forward _local_scalar_dense"
@@ -204,8 +204,9 @@ REASONS = {
     ),
     EMBEDDING_MASK: (
         True,
-        "under TP, torch's vocab-sharded embedding (DTensor's _MaskPartial) zeroes the token ids outside "
-        "this rank's rows with a boolean mask, a nonzero inside torch: once per micro-batch",
+        "under TP, torch's vocab-sharded embedding (DTensor's _MaskPartial) zeroes the rows of the token ids "
+        "outside this rank's vocabulary with a boolean mask when its sum is finished, a nonzero inside torch: "
+        "once per micro-batch",
     ),
     EP_SPLITS: (
         True,
