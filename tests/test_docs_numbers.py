@@ -330,6 +330,31 @@ def as_dtype(x: float, dtype: str) -> float:
     return torch.tensor(x, dtype=getattr(torch, dtype)).item()
 
 
+# ---- helpers that rerun a chapter's example (docs/mixed_precision.md) ------------------------------------
+
+
+@cache
+def fp16_toy() -> dict:
+    """What `python examples/mixed_precision_fp16.py` prints (its ``run()``: the fp16 underflow and loss-scaling
+    toy), computed once per session (a few seconds of one CPU core); a number the script prints as a string
+    ('1.8e-02', the losses) is read back as a float, so that a marker can compute with it."""
+    from examples.mixed_precision_fp16 import run
+
+    def numbers(x):
+        if isinstance(x, dict):
+            return {k: numbers(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [numbers(v) for v in x]
+        if isinstance(x, str):
+            try:
+                return float(x)
+            except ValueError:
+                return x
+        return x
+
+    return numbers(run())
+
+
 NAMESPACE = {
     name: obj
     for name, obj in list(globals().items())
