@@ -355,6 +355,37 @@ def fp16_toy() -> dict:
     return numbers(run())
 
 
+# ---- helpers for the gradient savers' arithmetic (docs/dp_savers.md) ----------------------------------------
+
+
+def link_payload(variant: str) -> int:
+    """Bytes per rank of one Llama-3 8B gradient exchange (`python -m measure.grad_compression --links`):
+    'fp32', 'bf16', 'PowerSGD r4', 'PowerSGD r1' or '1-bit Adam'."""
+    from measure.grad_compression import payloads
+
+    return payloads()[variant]
+
+
+def link_bandwidth(link: str) -> float:
+    """Bytes per second of one of that table's links ('NVLink', 'InfiniBand', 'cross-region')."""
+    from measure.grad_compression import LINKS
+
+    return next(bw for name, bw in LINKS.items() if name.startswith(link))
+
+
+def powersgd_ratio(name: str, rank: int) -> float:
+    """Ψ over the elements PowerSGD of this rank all-reduces for a model's gradients (`measure/grad_compression.py:
+    powersgd_elements`, torch's rule: a matrix is compressed only where that saves 2x), shapes from the model."""
+    import torch
+
+    from measure.grad_compression import powersgd_elements
+    from models.llama import Transformer
+
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in Transformer(model(name)).parameters()]
+    return psi(name) / powersgd_elements(shapes, rank)
+
+
 NAMESPACE = {
     name: obj
     for name, obj in list(globals().items())
