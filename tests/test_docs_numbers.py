@@ -373,17 +373,41 @@ def link_bandwidth(link: str) -> float:
     return next(bw for name, bw in LINKS.items() if name.startswith(link))
 
 
-def powersgd_ratio(name: str, rank: int) -> float:
-    """Ψ over the elements PowerSGD of this rank all-reduces for a model's gradients (`measure/grad_compression.py:
-    powersgd_elements`, torch's rule: a matrix is compressed only where that saves 2x), shapes from the model."""
+@cache
+def param_shapes(name: str) -> list[tuple[int, ...]]:
+    """The shape of every parameter tensor of a model ('debug', 'llama3-8b'), built on the meta device."""
     import torch
 
-    from measure.grad_compression import powersgd_elements
     from models.llama import Transformer
 
     with torch.device("meta"):
-        shapes = [tuple(p.shape) for p in Transformer(model(name)).parameters()]
-    return psi(name) / powersgd_elements(shapes, rank)
+        return [tuple(p.shape) for p in Transformer(model(name)).parameters()]
+
+
+def powersgd_ratio(name: str, rank: int) -> float:
+    """Ψ over the elements PowerSGD of this rank all-reduces for a model's gradients (`measure/grad_compression.py:
+    powersgd_elements`, torch's rule: a matrix is compressed only where that saves 2x)."""
+    from measure.grad_compression import powersgd_elements
+
+    return psi(name) / powersgd_elements(param_shapes(name), rank)
+
+
+def fsdp_split_ratio(name: str, n: int) -> float:
+    """The largest FSDP rank's share of a model over n ranks against Ψ/n: FSDP2 cuts dim 0 like `torch.chunk`, so
+    the first ranks hold ceil(dim0/n) rows (`python -m measure.fsdp_memory`'s ratio column)."""
+    return sum(math.ceil(s[0] / n) * math.prod(s[1:]) for s in param_shapes(name)) / (psi(name) / n)
+
+
+# ---- a helper for docs/tensor_parallel.md's exercises -------------------------------------------------------
+
+
+def tp_activation_share(tp: int, sequence_parallel: bool, regather: bool = False) -> float:
+    """A block's saved bytes on one TP rank over one process's, at `python -m measure.activation_memory`'s size
+    (`measure/activation_memory.py: formula_bytes`, which that bench measures to the byte)."""
+    from measure.activation_memory import BATCH, BENCH_ARGS, SEQ, formula_bytes
+
+    one = formula_bytes(BENCH_ARGS, BATCH, SEQ)
+    return formula_bytes(BENCH_ARGS, BATCH, SEQ, tp, sequence_parallel, regather=regather) / one
 
 
 NAMESPACE = {
