@@ -355,6 +355,37 @@ def fp16_toy() -> dict:
     return numbers(run())
 
 
+@cache
+def bf16_losses(steps: int = 20) -> dict[int, float]:
+    """{step: loss} of `python train.py --config configs/debug.toml --training.steps 20 --training.mixed_precision
+    bf16` on one process (about 5 s of one CPU core), as its metrics.jsonl logs them."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        command = ["train.py", "--config", "configs/debug.toml", "--training.steps", str(steps)]
+        command += ["--training.mixed_precision", "bf16", "--run.dir", folder, "--run.tensorboard", "false"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, *command], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+        records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def fp32_loss(step: int) -> float:
+    """The one-process fp32 reference loss of the 20-step debug run (docs/_includes/one_process_losses.md)."""
+    from tests.test_docs_printouts import include_losses
+
+    return float(include_losses()["20 steps"][step])
+
+
+def bf16_gap(step: int) -> float:
+    """The relative loss difference of the bf16 run from the fp32 reference at a step."""
+    return abs(bf16_losses()[step] / fp32_loss(step) - 1)
+
+
 # ---- helpers for the gradient savers' arithmetic (docs/dp_savers.md) ----------------------------------------
 
 
