@@ -31,6 +31,8 @@ FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EXPONENT_BITS = {"fp32": 8, "bf16": 8, "fp16": 5}
 DIM, BATCH, STEPS, LR = 64, 4096, 60, 1e-3
 INIT_SCALE, GROWTH_INTERVAL = 2.0**40, 10
+SHOWN = 0.1  # the value whose bits and stored value each format prints
+ADDEND, ADDITIONS = 1e-3, 1000  # the rounding demo: 1.0 + ADDITIONS x ADDEND, rounded after every addition
 
 
 def bits(x: float, name: str) -> str:
@@ -46,15 +48,15 @@ def formats() -> dict:
     out = {}
     for name, dtype in FORMATS.items():
         info, w = torch.finfo(dtype), torch.tensor(1.0, dtype=dtype)
-        for _ in range(1000):
-            w += torch.tensor(1e-3, dtype=dtype)  # every partial sum is rounded to the format
+        for _ in range(ADDITIONS):
+            w += torch.tensor(ADDEND, dtype=dtype)  # every partial sum is rounded to the format
         out[name] = {
-            "bits of 0.1": bits(0.1, name),
-            "0.1 stored as": torch.tensor(0.1, dtype=dtype).item(),
+            f"bits of {SHOWN}": bits(SHOWN, name),
+            f"{SHOWN} stored as": torch.tensor(SHOWN, dtype=dtype).item(),
             "eps (gap after 1.0)": info.eps,
             "largest": info.max,
             "smallest normal": info.smallest_normal,
-            "1.0 + 1000 x 0.001": w.item(),
+            f"1.0 + {ADDITIONS} x {ADDEND}": w.item(),
         }
     return out
 

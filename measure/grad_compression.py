@@ -172,16 +172,22 @@ def llama8b_shapes() -> list[tuple[int, ...]]:
     return shapes
 
 
-def link_table(n: int = 64) -> None:
+def payloads() -> dict[str, int]:
+    """Bytes one rank contributes to Llama-3 8B's gradient exchange, per variant (the link table's rows)."""
     shapes = llama8b_shapes()
     psi = sum(math.prod(s) for s in shapes)
-    variants = {
+    return {
         "fp32": 4 * psi,
         "bf16": 2 * psi,
         "PowerSGD r4": 4 * powersgd_elements(shapes, 4),
         "PowerSGD r1": 4 * powersgd_elements(shapes, 1),
         "1-bit Adam": sum(math.ceil(math.prod(s) / 8) + 4 for s in shapes),  # signs + one fp32 scale a tensor
     }
+
+
+def link_table(n: int = 64) -> None:
+    variants = payloads()
+    psi = variants["fp32"] // 4
     ring = 2 * (n - 1) / n
     print(f"llama3-8b, Ψ = {psi / 1e9:.2f}B: seconds per gradient all-reduce (ring over n = {n}: {ring:.2f} x payload)")
     print(f"{'payload':<12} {'bytes':>9} " + " ".join(f"{link:>26}" for link in LINKS))

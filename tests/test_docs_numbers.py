@@ -330,6 +330,117 @@ def as_dtype(x: float, dtype: str) -> float:
     return torch.tensor(x, dtype=getattr(torch, dtype)).item()
 
 
+# ---- helpers that rerun a chapter's example (docs/mixed_precision.md) ------------------------------------
+
+
+@cache
+def fp16_toy() -> dict:
+    """What `python examples/mixed_precision_fp16.py` prints (its ``run()``: the fp16 underflow and loss-scaling
+    toy), computed once per session (a few seconds of one CPU core); a number the script prints as a string
+    ('1.8e-02', the losses) is read back as a float, so that a marker can compute with it."""
+    from examples.mixed_precision_fp16 import run
+
+    def numbers(x):
+        if isinstance(x, dict):
+            return {k: numbers(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [numbers(v) for v in x]
+        if isinstance(x, str):
+            try:
+                return float(x)
+            except ValueError:
+                return x
+        return x
+
+    return numbers(run())
+
+
+@cache
+def bf16_losses(steps: int = 20) -> dict[int, float]:
+    """{step: loss} of `python train.py --config configs/debug.toml --training.steps 20 --training.mixed_precision
+    bf16` on one process (about 5 s of one CPU core), as its metrics.jsonl logs them."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        command = ["train.py", "--config", "configs/debug.toml", "--training.steps", str(steps)]
+        command += ["--training.mixed_precision", "bf16", "--run.dir", folder, "--run.tensorboard", "false"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, *command], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+        records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def fp32_loss(step: int) -> float:
+    """The one-process fp32 reference loss of the 20-step debug run (docs/_includes/one_process_losses.md)."""
+    from tests.test_docs_printouts import include_losses
+
+    return float(include_losses()["20 steps"][step])
+
+
+def bf16_gap(step: int) -> float:
+    """The relative loss difference of the bf16 run from the fp32 reference at a step."""
+    return abs(bf16_losses()[step] / fp32_loss(step) - 1)
+
+
+# ---- helpers for the gradient savers' arithmetic (docs/dp_savers.md) ----------------------------------------
+
+
+def link_payload(variant: str) -> int:
+    """Bytes per rank of one Llama-3 8B gradient exchange (`python -m measure.grad_compression --links`):
+    'fp32', 'bf16', 'PowerSGD r4', 'PowerSGD r1' or '1-bit Adam'."""
+    from measure.grad_compression import payloads
+
+    return payloads()[variant]
+
+
+def link_bandwidth(link: str) -> float:
+    """Bytes per second of one of that table's links ('NVLink', 'InfiniBand', 'cross-region')."""
+    from measure.grad_compression import LINKS
+
+    return next(bw for name, bw in LINKS.items() if name.startswith(link))
+
+
+@cache
+def param_shapes(name: str) -> list[tuple[int, ...]]:
+    """The shape of every parameter tensor of a model ('debug', 'llama3-8b'), built on the meta device."""
+    import torch
+
+    from models.llama import Transformer
+
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in Transformer(model(name)).parameters()]
+
+
+def powersgd_ratio(name: str, rank: int) -> float:
+    """Ψ over the elements PowerSGD of this rank all-reduces for a model's gradients (`measure/grad_compression.py:
+    powersgd_elements`, torch's rule: a matrix is compressed only where that saves 2x)."""
+    from measure.grad_compression import powersgd_elements
+
+    return psi(name) / powersgd_elements(param_shapes(name), rank)
+
+
+def fsdp_split_ratio(name: str, n: int) -> float:
+    """The largest FSDP rank's share of a model over n ranks against Ψ/n: FSDP2 cuts dim 0 like `torch.chunk`, so
+    the first ranks hold ceil(dim0/n) rows (`python -m measure.fsdp_memory`'s ratio column)."""
+    return sum(math.ceil(s[0] / n) * math.prod(s[1:]) for s in param_shapes(name)) / (psi(name) / n)
+
+
+# ---- a helper for docs/tensor_parallel.md's exercises -------------------------------------------------------
+
+
+def tp_activation_share(tp: int, sequence_parallel: bool, regather: bool = False) -> float:
+    """A block's saved bytes on one TP rank over one process's, at `python -m measure.activation_memory`'s size
+    (`measure/activation_memory.py: formula_bytes`, which that bench measures to the byte)."""
+    from measure.activation_memory import BATCH, BENCH_ARGS, SEQ, formula_bytes
+
+    one = formula_bytes(BENCH_ARGS, BATCH, SEQ)
+    return formula_bytes(BENCH_ARGS, BATCH, SEQ, tp, sequence_parallel, regather=regather) / one
+
+
 NAMESPACE = {
     name: obj
     for name, obj in list(globals().items())
