@@ -42,7 +42,7 @@ COMMAND_MIN = {
     "dp_savers.md": 8,  # measure.grad_sync_memory about a minute, grad_compression --steps 100 a few, the tests
     "tensor_parallel.md": 4,  # measure.activation_memory about 15 s, tp_from_scratch, the listed tests
     "pipeline_parallel.md": 8,  # scale-grads ~40 s, pipeline_bubble pp 4 78 s and pp 2, figures, 2 train runs, tests
-    "expert_parallel.md": 5,  # ep_layer ~30 s, moe_grouped_mm ~30 s, moe_load ~1 min, the tests
+    "expert_parallel.md": 5,  # ep_layer ~30 s, moe_grouped_mm ~30 s, moe_load ~1 min, moe_capacity ~30 s, the tests
     "context_parallel.md": 5,  # measure.context_parallel 10-45 s, ring_attention ~1 min, the tests, the sketch
     "mixed_precision.md": 4,  # mixed_precision_fp16 about 4 s, plan_layout --ac, two 20-step bf16/fp32 runs
     "combining.md": 3,  # the planner's and the logits bench's commands, seconds each
