@@ -52,11 +52,12 @@ UNIT = (
 NUMBER = re.compile(
     rf"(?<![\w.,/-])(?P<num>\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+|\d+)(?P<unit>{UNIT})?"
 )
-# versions and references: the number right after one of these words is a name, not a measurement
+# versions and references: the number right after one of these words is a name, not a measurement. Whole words
+# only ("kv 33.6 MB" is a size), and "v" only when the number touches it ("v2.1"; "k and v 33.6 MB" is a size)
 NAMED = re.compile(
-    r"(?:torch|PyTorch|Python|CUDA|NCCL|cuDNN|transformers|version|v|[Ss]ections?|§|[Cc]hapters?|"
+    r"(?<![\w])(?:(?:torch|PyTorch|Python|CUDA|NCCL|cuDNN|transformers|version|[Ss]ections?|§|[Cc]hapters?|"
     r"[Aa]ppendix|[Ll]lama|Llama-|SmolLM|SmolLM2|Qwen|Qwen2|Qwen3|Mixtral|DeepSeek|DeepSeek-V|GPT-|Phi-|"
-    r"[Ee]xercises?|[Ss]tep)\s?-?$"
+    r"[Ee]xercises?|[Ss]tep)\s?-?|v)$"
 )
 RANGE_AFTER_NAMED = re.compile(r"(?:\d+(?:\.\d+)*)\s*(?:to|-|–|and|or|,)\s*$")
 

@@ -547,6 +547,13 @@ def test_the_lint_finds_a_bare_number_and_spares_what_a_test_regenerates():
     ]
 
 
+def test_the_lint_reads_versions_only_after_their_words():
+    from docs.unmarked import findings
+
+    text = "k and v 33.6 MB, the kv 2.5 GB, v2.1, torch 2.13.\n"
+    assert [f.number for f in findings("x.md", text)] == ["33.6 MB", "2.5 GB"]
+
+
 # ---- the idealized pipeline pictures: their titles state the chapter's formula ------------------------------
 
 TITLE = re.compile(
