@@ -96,6 +96,12 @@ def budget(name: str) -> int:
     return max(5, 5 * round(minutes(name) / 5))
 
 
+def fits(listed: int, name: str) -> bool:
+    """Whether README may list ``listed`` minutes for chapter ``name``: a multiple of 5 within 3.5 minutes of the
+    estimate (the nearest multiple, or the other neighbour while the estimate is within a minute of halfway)."""
+    return listed % 5 == 0 and abs(listed - minutes(name)) <= 3.5
+
+
 def test_the_word_count_skips_code_and_comments_and_cuts_at_the_first_appendix():
     text = "one two\n```\nthree four\n```\nfive <!-- six\nseven --> eight\n## Appendix A\nnine\n## Appendix B\nten\n"
     core, appendix = split(text)
@@ -124,7 +130,7 @@ def test_readme_time_follows_from_the_word_counts(name):
     the table back and forth."""
     listed = {file: minutes for _, file, minutes in chapters()}
     core, appendix = counts(name)
-    assert listed[name] % 5 == 0 and abs(listed[name] - minutes(name)) <= 3.5, (
+    assert fits(listed[name], name), (
         f"README gives {name} {listed[name]} min; {core} core words / {READ_WPM} + {appendix} appendix words / "
         f"{SKIM_WPM} + {COMMAND_MIN[name]} min of commands + {EXERCISE_MIN} min per exercise give {minutes(name):.1f}, "
         f"{budget(name)} min rounded: update README's table"
