@@ -8,7 +8,8 @@ The course prints a number only where CI regenerates it. A number is regenerated
 - in inline code, an HTML comment or a link's target (names, flags and paths, not claims).
 
 Everything else in a chapter's **core** (from the top to its first ``## Appendix`` heading) and in its
-**exercises** (a heading that says "Exercises", up to the next heading of the same level) is a finding.
+**exercises** (a heading that says "Exercises", up to the next heading of the same level) is a finding, and so is
+everything else in README.md, all of which counts as core: it is the page every user reads.
 
 What counts as a number: digits that state a measurement or a result, that is
 
@@ -39,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
+README = ROOT / "README.md"
 ALLOWED = DOCS / "unmarked_allowed.txt"
 
 FENCE = re.compile(r"^\s*```")
@@ -78,8 +80,10 @@ def blank(text: str, start: int, end: int) -> str:
     return text[:start] + re.sub(r"[^\n]", " ", text[start:end]) + text[end:]
 
 
-def scope(lines: list[str]) -> list[bool]:
-    """Which lines are in the core or an exercise section."""
+def scope(lines: list[str], whole: bool = False) -> list[bool]:
+    """Which lines are in the core or an exercise section; every line when the ``whole`` page is core."""
+    if whole:
+        return [True] * len(lines)
     inside, core, exercises_level = [], True, 0
     for line in lines:
         heading = HEADING.match(line)
@@ -144,9 +148,10 @@ def counts(number: str, unit: str | None, before: str) -> bool:
     return bool(unit) or not plain
 
 
-def findings(name: str, text: str) -> list[Finding]:
+def findings(name: str, text: str, whole: bool = False) -> list[Finding]:
+    """The findings of one page: its core and exercises, or every line when the ``whole`` page is core."""
     lines = text.split("\n")
-    inside = scope(lines)
+    inside = scope(lines, whole)
     clean = masked(text)
     found = []
     for m in NUMBER.finditer(clean):
@@ -163,7 +168,11 @@ def findings(name: str, text: str) -> list[Finding]:
 
 
 def all_findings() -> list[Finding]:
-    return [f for p in sorted(DOCS.glob("*.md")) if p.name != "glossary.md" for f in findings(p.name, p.read_text())]
+    """Every chapter's findings (not the glossary's: it defines, it does not measure), then README's."""
+    chapters = [
+        f for p in sorted(DOCS.glob("*.md")) if p.name != "glossary.md" for f in findings(p.name, p.read_text())
+    ]
+    return chapters + findings(README.name, README.read_text(), whole=True)
 
 
 def allowed() -> list[tuple[str, str, str]]:

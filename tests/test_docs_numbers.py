@@ -17,8 +17,8 @@
    there is no table of excused letters (a table headed '| symbol | uses' fails). Every symbol a chapter
    defines carries the marker ``<!-- symbol X -->`` (or ``<!-- symbols X, Y -->``) at its definition, and is
    a row of the glossary.
-3. **No unmarked number.** docs/unmarked.py lists every number of a chapter's core and exercises that no
-   marker regenerates (its docstring gives the rule); a finding that docs/unmarked_allowed.txt does not list
+3. **No unmarked number.** docs/unmarked.py lists every number of a chapter's core and exercises, and of the
+   whole of README.md (whose markers section 1 checks too), that no marker regenerates (its docstring gives the rule); a finding that docs/unmarked_allowed.txt does not list
    fails, and so does a listed one that is gone (the list only shrinks).
 4. **Pictures.** The idealized pipeline pictures (docs/img/*_ideal.svg, drawn by docs/figures/pipeline.py) state
    in their titles the idle fraction they show and the chapter's formula for it; the two agree.
@@ -557,11 +557,12 @@ def test_the_lint_finds_a_bare_number_and_spares_what_a_test_regenerates():
     ]
 
 
-def test_the_lint_reads_versions_only_after_their_words():
+def test_the_lint_reads_versions_only_after_their_words_and_all_of_readme():
     from docs.unmarked import findings
 
-    text = "k and v 33.6 MB, the kv 2.5 GB, v2.1, torch 2.13.\n"
+    text = "k and v 33.6 MB, the kv 2.5 GB, v2.1, torch 2.13.\n\n## Appendix: detail\n\nAbout 4.4 GB.\n"
     assert [f.number for f in findings("x.md", text)] == ["33.6 MB", "2.5 GB"]
+    assert [f.number for f in findings("README.md", text, whole=True)] == ["33.6 MB", "2.5 GB", "4.4 GB"]
 
 
 # ---- the idealized pipeline pictures: their titles state the chapter's formula ------------------------------
