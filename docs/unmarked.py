@@ -16,7 +16,9 @@ What counts as a number: digits that state a measurement or a result, that is
 - a decimal fraction or an exponent (``0.058``, ``1.67x``, ``6e-8``, ``about 1e-7``),
 - a number with a thousands separator (``1,706,240``),
 - a number with a unit of measure right after it (``%``, ``x``/``×``, bytes, ``B``/``KB``/``MB``/``GB``/``TB``,
-  ``KiB``/``MiB``/``GiB``, ``s``/``ms``/``µs``/``min``, ``FLOP(s)``, ``tok/s``, ``GB/s``, ``params``).
+  ``KiB``/``MiB``/``GiB``, ``s``/``ms``/``µs``/``min``, ``minutes``/``seconds``/``hours``, ``FLOP(s)``, ``tok/s``,
+  ``GB/s``, ``params``),
+- a duration in minutes and seconds (``25m20s``).
 
 The width of a number format is a definition too: ``1``, ``2``, ``4`` or ``8 bytes`` (per element) is not counted.
 A whole number with a magnitude letter (``8B``, ``70B``, ``135M``) is a model's name, not counted.
@@ -48,11 +50,11 @@ CHECK = re.compile(r"<!-- check (?P<quote>[^:]+?): (?P<expr>.+?) -->")
 TABLE_MARKER = re.compile(r"^<!-- (?:bench: .+|one process: .+) -->$")
 HEADING = re.compile(r"^(#{2,4}) (.*)$")
 UNIT = (
-    r"%|x(?![\w])|×| ?(?:bytes?|[KMGT]i?B(?:/s)?|GB/s|µs|ms|s|min|FLOPs?|[GT]?FLOP(?:/s)?|tok/s|tokens/s|params"
-    r"|parameters)(?![\w])"
+    r"%|x(?![\w])|×| ?(?:bytes?|[KMGT]i?B(?:/s)?|GB/s|µs|ms|s|min|minutes?|seconds?|hours?|FLOPs?|[GT]?FLOP(?:/s)?"
+    r"|tok/s|tokens/s|params|parameters)(?![\w])"
 )
 NUMBER = re.compile(
-    rf"(?<![\w.,/-])(?P<num>\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+|\d+)(?P<unit>{UNIT})?"
+    rf"(?<![\w.,/-])(?P<num>\d+m\d+s|\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+|\d+)(?P<unit>{UNIT})?"
 )
 # versions and references: the number right after one of these words is a name, not a measurement. Whole words
 # only ("kv 33.6 MB" is a size), and "v" only when the number touches it ("v2.1"; "k and v 33.6 MB" is a size)

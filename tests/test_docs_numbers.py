@@ -557,12 +557,15 @@ def test_the_lint_finds_a_bare_number_and_spares_what_a_test_regenerates():
     ]
 
 
-def test_the_lint_reads_versions_only_after_their_words_and_all_of_readme():
+def test_the_lint_reads_versions_after_their_words_durations_and_all_of_readme():
     from docs.unmarked import findings
 
-    text = "k and v 33.6 MB, the kv 2.5 GB, v2.1, torch 2.13.\n\n## Appendix: detail\n\nAbout 4.4 GB.\n"
-    assert [f.number for f in findings("x.md", text)] == ["33.6 MB", "2.5 GB"]
-    assert [f.number for f in findings("README.md", text, whole=True)] == ["33.6 MB", "2.5 GB", "4.4 GB"]
+    text = (
+        "k and v 33.6 MB, the kv 2.5 GB, v2.1, torch 2.13: 25m20s, 3 minutes.\n\n## Appendix: detail\n\nAbout 4.4 GB.\n"
+    )
+    found = ["33.6 MB", "2.5 GB", "25m20s", "3 minutes"]
+    assert [f.number for f in findings("x.md", text)] == found
+    assert [f.number for f in findings("README.md", text, whole=True)] == [*found, "4.4 GB"]
 
 
 # ---- the idealized pipeline pictures: their titles state the chapter's formula ------------------------------

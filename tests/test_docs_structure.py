@@ -32,6 +32,7 @@ CORE_LIMIT = 3000
 READ_WPM = 150  # careful reading of technical prose with formulas
 SKIM_WPM = 600  # the appendix is looked up, not read: test names, pointers, transcripts
 EXERCISE_MIN = 10  # one exercise: predict (on paper), run its command, compare with the hidden answer
+ROUND_MIN = 5  # README's times are multiples of this: an estimate, not a promise to the minute
 
 # chapter file -> minutes of the commands the chapter asks the reader to run (its "Reproduce" block, its inline
 # commands), as the chapter or README states their durations on 2 CPU cores, or as timed for this table. The
@@ -93,13 +94,13 @@ def minutes(name: str) -> float:
 
 
 def budget(name: str) -> int:
-    return max(5, 5 * round(minutes(name) / 5))
+    return max(ROUND_MIN, ROUND_MIN * round(minutes(name) / ROUND_MIN))
 
 
 def fits(listed: int, name: str) -> bool:
     """Whether README may list ``listed`` minutes for chapter ``name``: a multiple of 5 within 3.5 minutes of the
     estimate (the nearest multiple, or the other neighbour while the estimate is within a minute of halfway)."""
-    return listed % 5 == 0 and abs(listed - minutes(name)) <= 3.5
+    return listed % ROUND_MIN == 0 and abs(listed - minutes(name)) <= 3.5
 
 
 def test_the_word_count_skips_code_and_comments_and_cuts_at_the_first_appendix():
