@@ -67,6 +67,9 @@ MAMF_SHARE = 0.7930
 # norm reads the gradient twice and writes it once (12)
 OPTIMIZER_BYTES_PER_PARAM = 40
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# Bytes per element that meshloom's eager RMSNorm and rotary read and write, by compute dtype width
+# (LlamaWorkload's docstring counts them op by op): {width: (RMSNorm, rotary)}
+NORM_ROTARY_BYTES = {2: (36, 52), 4: (28, 40)}
 
 
 def planner_gpu(name: str) -> GPU:
@@ -183,7 +186,7 @@ class LlamaWorkload:
 
     def elementwise_bytes(self, layer_id: int, tp: int, sp: bool) -> float:
         a, w = self.args, self.dtype_bytes
-        norm, rotary = (36, 52) if w == 2 else (28, 40)
+        norm, rotary = NORM_ROTARY_BYTES[2 if w == 2 else 4]
         g = a.n_kv_heads * a.head_dim
         sequence_sharded = (2 * norm + 2 * 3 * w) * a.dim / (tp if sp else 1)  # norms and residual adds
         attention = (rotary * (a.dim + g) + 2 * w * a.dim) / tp

@@ -8,14 +8,17 @@ The course prints a number only where CI regenerates it. A number is regenerated
 - in inline code, an HTML comment or a link's target (names, flags and paths, not claims).
 
 Everything else in a chapter's **core** (from the top to its first ``## Appendix`` heading) and in its
-**exercises** (a heading that says "Exercises", up to the next heading of the same level) is a finding.
+**exercises** (a heading that says "Exercises", up to the next heading of the same level) is a finding, and so is
+everything else in README.md, all of which counts as core: it is the page every user reads.
 
 What counts as a number: digits that state a measurement or a result, that is
 
 - a decimal fraction or an exponent (``0.058``, ``1.67x``, ``6e-8``, ``about 1e-7``),
 - a number with a thousands separator (``1,706,240``),
 - a number with a unit of measure right after it (``%``, ``x``/``×``, bytes, ``B``/``KB``/``MB``/``GB``/``TB``,
-  ``KiB``/``MiB``/``GiB``, ``s``/``ms``/``µs``/``min``, ``FLOP(s)``, ``tok/s``, ``GB/s``, ``params``).
+  ``KiB``/``MiB``/``GiB``, ``s``/``ms``/``µs``/``min``, ``minutes``/``seconds``/``hours``, ``FLOP(s)``, ``tok/s``,
+  ``GB/s``, ``params``),
+- a duration in minutes and seconds (``25m20s``).
 
 The width of a number format is a definition too: ``1``, ``2``, ``4`` or ``8 bytes`` (per element) is not counted.
 A whole number with a magnitude letter (``8B``, ``70B``, ``135M``) is a model's name, not counted.
@@ -39,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
+README = ROOT / "README.md"
 ALLOWED = DOCS / "unmarked_allowed.txt"
 
 FENCE = re.compile(r"^\s*```")
@@ -46,17 +50,18 @@ CHECK = re.compile(r"<!-- check (?P<quote>[^:]+?): (?P<expr>.+?) -->")
 TABLE_MARKER = re.compile(r"^<!-- (?:bench: .+|one process: .+) -->$")
 HEADING = re.compile(r"^(#{2,4}) (.*)$")
 UNIT = (
-    r"%|x(?![\w])|×| ?(?:bytes?|[KMGT]i?B(?:/s)?|GB/s|µs|ms|s|min|FLOPs?|[GT]?FLOP(?:/s)?|tok/s|tokens/s|params"
-    r"|parameters)(?![\w])"
+    r"%|x(?![\w])|×| ?(?:bytes?|[KMGT]i?B(?:/s)?|GB/s|µs|ms|s|min|minutes?|seconds?|hours?|FLOPs?|[GT]?FLOP(?:/s)?"
+    r"|tok/s|tokens/s|params|parameters)(?![\w])"
 )
 NUMBER = re.compile(
-    rf"(?<![\w.,/-])(?P<num>\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+|\d+)(?P<unit>{UNIT})?"
+    rf"(?<![\w.,/-])(?P<num>\d+m\d+s|\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+|\d+)(?P<unit>{UNIT})?"
 )
-# versions and references: the number right after one of these words is a name, not a measurement
+# versions and references: the number right after one of these words is a name, not a measurement. Whole words
+# only ("kv 33.6 MB" is a size), and "v" only when the number touches it ("v2.1"; "k and v 33.6 MB" is a size)
 NAMED = re.compile(
-    r"(?:torch|PyTorch|Python|CUDA|NCCL|cuDNN|transformers|version|v|[Ss]ections?|§|[Cc]hapters?|"
+    r"(?<![\w])(?:(?:torch|PyTorch|Python|CUDA|NCCL|cuDNN|transformers|version|[Ss]ections?|§|[Cc]hapters?|"
     r"[Aa]ppendix|[Ll]lama|Llama-|SmolLM|SmolLM2|Qwen|Qwen2|Qwen3|Mixtral|DeepSeek|DeepSeek-V|GPT-|Phi-|"
-    r"[Ee]xercises?|[Ss]tep)\s?-?$"
+    r"[Ee]xercises?|[Ss]tep)\s?-?|v)$"
 )
 RANGE_AFTER_NAMED = re.compile(r"(?:\d+(?:\.\d+)*)\s*(?:to|-|–|and|or|,)\s*$")
 
@@ -77,8 +82,10 @@ def blank(text: str, start: int, end: int) -> str:
     return text[:start] + re.sub(r"[^\n]", " ", text[start:end]) + text[end:]
 
 
-def scope(lines: list[str]) -> list[bool]:
-    """Which lines are in the core or an exercise section."""
+def scope(lines: list[str], whole: bool = False) -> list[bool]:
+    """Which lines are in the core or an exercise section; every line when the ``whole`` page is core."""
+    if whole:
+        return [True] * len(lines)
     inside, core, exercises_level = [], True, 0
     for line in lines:
         heading = HEADING.match(line)
@@ -143,9 +150,10 @@ def counts(number: str, unit: str | None, before: str) -> bool:
     return bool(unit) or not plain
 
 
-def findings(name: str, text: str) -> list[Finding]:
+def findings(name: str, text: str, whole: bool = False) -> list[Finding]:
+    """The findings of one page: its core and exercises, or every line when the ``whole`` page is core."""
     lines = text.split("\n")
-    inside = scope(lines)
+    inside = scope(lines, whole)
     clean = masked(text)
     found = []
     for m in NUMBER.finditer(clean):
@@ -162,7 +170,11 @@ def findings(name: str, text: str) -> list[Finding]:
 
 
 def all_findings() -> list[Finding]:
-    return [f for p in sorted(DOCS.glob("*.md")) if p.name != "glossary.md" for f in findings(p.name, p.read_text())]
+    """Every chapter's findings (not the glossary's: it defines, it does not measure), then README's."""
+    chapters = [
+        f for p in sorted(DOCS.glob("*.md")) if p.name != "glossary.md" for f in findings(p.name, p.read_text())
+    ]
+    return chapters + findings(README.name, README.read_text(), whole=True)
 
 
 def allowed() -> list[tuple[str, str, str]]:

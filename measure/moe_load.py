@@ -32,6 +32,9 @@ COLOURS = {"none": "#d62728", "aux": "#1f77b4", "bias": "#2ca02c"}
 TABLE_STEPS = (1, 10, 20, 40)
 
 
+AUX_COEF, BIAS_RATE = 0.01, 0.005  # the balanced runs' defaults (docs/expert_parallel.md, section 5 quotes them)
+
+
 def schemes(aux_coef: float, bias_rate: float) -> dict[str, tuple[str, dict]]:
     """name -> (legend label, config overrides)."""
     return {
@@ -173,8 +176,8 @@ def load_svg(records: dict[str, list[dict]], labels: dict[str, str], title: str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--aux-coef", type=float, default=0.01)
-    parser.add_argument("--bias-rate", type=float, default=0.005)
+    parser.add_argument("--aux-coef", type=float, default=AUX_COEF)
+    parser.add_argument("--bias-rate", type=float, default=BIAS_RATE)
     parser.add_argument("--runs", default="none,aux,bias", help="which of none, aux, bias to run")
     parser.add_argument("--out", default=str(ROOT / "docs" / "img" / "moe_load.svg"), help="'' for no picture")
     args = parser.parse_args()
