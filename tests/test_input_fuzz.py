@@ -208,6 +208,39 @@ def test_plan_layout_refuses_malformed_options_in_one_line(args, words):
     refused(*run(plan_layout.main, args), *words)
 
 
+def shape_cases() -> list[tuple[str, list[str]]]:
+    """Every --model-shape key with values no model can have (negative, zero, fractional, not a number), then the
+    shapes whose keys each fit but not together (dim over heads, heads over kv heads, odd head width, top_k)."""
+    from cluster.plan_layout import MOE_KEYS, SHAPE_KEYS
+
+    cases = []
+    for key in SHAPE_KEYS + MOE_KEYS:
+        whole = ("1.5", "99999999999") if key != "rope_theta" else ()  # rope_theta is any positive number
+        for value in ("-1", "x", "", "²", "nan", "-inf", *whole):
+            cases.append((f"{key}={value}", [f"{key}={value!r}"]))
+        if key != "moe_shared_experts":  # 0 shared experts is a plain MoE
+            cases.append((f"{key}=0", [f"{key}='0'"]))
+    return cases + [
+        ("dim=64,n_heads=3", ["dim=64", "n_heads=3", "multiple"]),
+        ("n_heads=3", ["dim=128 (the default)", "n_heads=3"]),
+        ("dim=64,n_heads=8,n_kv_heads=3", ["n_heads=8", "n_kv_heads=3", "divides"]),
+        ("dim=64,n_heads=8,n_kv_heads=16", ["n_kv_heads=16", "divides"]),
+        ("dim=2,n_heads=2,n_kv_heads=1", ["dim / n_heads", "= 1", "even"]),
+        ("dim=24,n_heads=8,n_kv_heads=8", ["= 3", "even", "16"]),
+        ("dim=64,n_heads=8,n_experts=4,top_k=8", ["top_k=8", "n_experts=4"]),
+    ]
+
+
+@pytest.mark.parametrize("layout", [None, "tp=1,pp=1,dp=8"], ids=["search", "one-layout"])
+def test_plan_layout_refuses_every_shape_no_layout_can_run(layout):
+    """A shape no layout can run was searched before and printed no layout with exit 0; refused up front now."""
+    from cluster import plan_layout
+
+    where = ["--layout", layout] if layout else ["--gpus", "8"]
+    for shape, words in shape_cases():
+        refused(*run(plan_layout.main, [*where, "--model-shape", shape]), "--model-shape", *words)
+
+
 # ---- meshloom.json (a checkpoint's manifest): the reader, as train's resume and export call it -----------------
 def test_every_malformed_meshloom_json_is_reported_by_the_checkpoint_reader(tmp_path):
     from checkpoint.resume import META_FILE, inspect, read_meta
