@@ -161,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.gpu:
+        import torch
+
+        if torch.cuda.device_count() < args.world:
+            parser.error(
+                f"--gpu with --world {args.world} needs {args.world} GPUs, this machine shows "
+                f"{torch.cuda.device_count()}; lower --world or leave out --gpu"
+            )
     r = measure(args.world, args.steps, args.interval, args.gpu)
     print(
         f"{'gpu' if args.gpu else 'cpu'}, world {args.world}: {r['state_bytes'] / 2**20:,.0f} MiB of fp32 weights "

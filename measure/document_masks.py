@@ -97,9 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     from data.prepare import prepare_chat
     from generate import load_export
+    from runtime.config import ConfigError
 
     folder = Path(opts.model) if opts.model else default_model()
-    model, _ = load_export(folder)
+    try:
+        model, _ = load_export(folder)
+    except ConfigError as err:
+        parser.error(f"--model {folder}: {err}")
     model.eval()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "chat"

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
+        parser.error("--device cuda: no CUDA device here; use --device cpu")
     if args.device == "cpu":
         torch.set_num_threads(1)  # one core, as each training rank here runs
     device = torch.device(args.device)

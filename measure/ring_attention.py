@@ -189,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here; use --device cpu")
     lengths = [int(n) for n in args.lengths.split(",")]
     result = measure(lengths, args.device, args.dtype, args.cp, args.repeats)
     rows = result["rows"]
