@@ -62,12 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from launch.local_runs import read_metrics
     from launch.spawn import run_on_ranks
 
     parser = build_parser()
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from launch.local_runs import refusal
     from measure.schedule_ir import pipeline_ideal
     from runtime.config import ConfigError

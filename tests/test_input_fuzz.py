@@ -241,6 +241,44 @@ def test_plan_layout_refuses_every_shape_no_layout_can_run(layout):
         refused(*run(plan_layout.main, [*where, "--model-shape", shape]), "--model-shape", *words)
 
 
+# ---- the measurements and docs.figures: what parses but cannot run -----------------------------------------------
+def test_docs_figures_refuses_what_it_cannot_draw_in_one_line(tmp_path):
+    """Each was a traceback: a folder or a missing folder as mesh --out, a file as all --out, and microbatch counts
+    a schedule of the table cannot run (torch's ValueError from inside the schedule)."""
+    from docs.figures import main
+
+    (tmp_path / "a-file").write_text("")
+    refused(*run(main, ["mesh", "--out", str(tmp_path)]), "--out", "is a folder")
+    refused(*run(main, ["mesh", "--out", str(tmp_path / "no" / "m.svg")]), "--out", "No such file")
+    refused(*run(main, ["all", "--out", str(tmp_path / "a-file")]), "--out", "is a file")
+    refused(*run(main, ["pipeline", "--pp", "4", "--microbatches", "1"]), "--microbatches 1", "1F1B")
+    refused(*run(main, ["pipeline", "--pp", "2", "--microbatches", "5"]), "--microbatches 5", "multiple of pp=2")
+    assert list(tmp_path.iterdir()) == [tmp_path / "a-file"]
+
+
+def test_measurements_refuse_a_layout_the_config_refuses_before_any_rank_starts(tmp_path):
+    """pipeline_bubble and replica_check ask train.py's own checks (launch/local_runs.refusal) before spawning;
+    a rank's RankFailure traceback before."""
+    from measure import pipeline_bubble, replica_check
+
+    refused(*run(pipeline_bubble.main, ["--pp", "4", "--microbatches", "1"]), "--pp 4 --microbatches 1", "1F1B")
+    refused(*run(pipeline_bubble.main, ["--out", str(tmp_path / "x"), "--pp", "3", "--microbatches", "3"]), "DualPipeV")
+    refused(*run(replica_check.main, ["--dim", "3"]), "--dim 3", "model.dim=3", "model.n_heads")
+
+
+def test_measurements_refuse_devices_and_folders_they_do_not_have(tmp_path):
+    import torch
+
+    from measure import async_save, document_masks, moe_grouped_mm, ring_attention
+
+    world = torch.cuda.device_count() + 1
+    refused(*run(async_save.main, ["--gpu", "--world", str(world)]), f"--world {world}", "--gpu")
+    refused(*run(document_masks.main, ["--model", str(tmp_path)]), f"--model {tmp_path}", "config.json")
+    if not torch.cuda.is_available():
+        refused(*run(ring_attention.main, ["--device", "cuda"]), "--device cuda", "--device cpu")
+        refused(*run(moe_grouped_mm.main, ["--device", "cuda"]), "--device cuda", "--device cpu")
+
+
 # ---- meshloom.json (a checkpoint's manifest): the reader, as train's resume and export call it -----------------
 def test_every_malformed_meshloom_json_is_reported_by_the_checkpoint_reader(tmp_path):
     from checkpoint.resume import META_FILE, inspect, read_meta
