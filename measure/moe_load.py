@@ -193,14 +193,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     table = schemes(args.aux_coef, args.bias_rate)
     names = [n for n in args.runs.split(",") if n]
     unknown = set(names) - set(table)
     if unknown:
         parser.error(f"--runs: unknown {sorted(unknown)}; choose from {sorted(table)}")
+    if args.out:  # the picture is written after minutes of training: its path is checked first
+        from runtime.config import ConfigError
+        from runtime.options import check_out_folder
+
+        if Path(args.out).is_dir():
+            parser.error(
+                f"--out {args.out} is a folder; pass the picture's file path, e.g. {Path(args.out) / 'moe_load.svg'}"
+            )
+        try:
+            check_out_folder(Path(args.out).parent, "--out's folder")
+        except ConfigError as err:
+            parser.error(str(err))
 
     records, labels = {}, {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -266,6 +266,15 @@ def test_measurements_refuse_a_layout_the_config_refuses_before_any_rank_starts(
     refused(*run(replica_check.main, ["--dim", "3"]), "--dim 3", "model.dim=3", "model.n_heads")
 
 
+def test_moe_load_refuses_a_picture_path_it_cannot_write_before_training(tmp_path):
+    """The picture was written after the training runs: a folder or a path under a file failed minutes in."""
+    from measure import moe_load
+
+    (tmp_path / "a-file").write_text("")
+    refused(*run(moe_load.main, ["--out", str(tmp_path)]), "--out", "is a folder")
+    refused(*run(moe_load.main, ["--out", str(tmp_path / "a-file" / "x.svg")]), "--out's folder", "a-file")
+
+
 def test_measurements_refuse_devices_and_folders_they_do_not_have(tmp_path):
     import torch
 
