@@ -14,6 +14,7 @@ import io
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -99,14 +100,20 @@ def test_every_config_key_refuses_what_it_cannot_use_naming_the_key(key):
             assert str(used) != "-0.0", (key, value)
 
 
-def measure_tools() -> list[str]:
-    """Every ``python -m measure.<name>`` command: each module of measure/ with a ``__main__`` block, found from the
-    files, so a measurement added later is walked too."""
-    return sorted(
-        f"measure.{path.stem}"
-        for path in (ROOT / "measure").glob("*.py")
-        if 'if __name__ == "__main__"' in path.read_text()
-    )
+def tools() -> list[str]:
+    """Every ``python -m`` command of the project: each module with a ``__main__`` block, and each package with a
+    ``__main__.py`` (docs.figures), found from the files, so a tool added later is walked too. train.py's options
+    are the config keys, walked above; tests/ and examples/ are no tools."""
+    found = []
+    for path in sorted(ROOT.glob("[!.]*/**/*.py")) + sorted(ROOT.glob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", "examples") or rel == Path("train.py"):
+            continue
+        if path.name == "__main__.py":
+            found.append(".".join(rel.parent.parts))
+        elif 'if __name__ == "__main__"' in path.read_text():
+            found.append(".".join(rel.with_suffix("").parts))
+    return found
 
 
 def with_subcommands(name: str, parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -121,38 +128,22 @@ def with_subcommands(name: str, parser: argparse.ArgumentParser) -> dict[str, ar
 
 @functools.cache
 def parsers() -> dict[str, argparse.ArgumentParser]:
-    """Every ``python -m`` tool README names, with its parser (train.py's options are the config keys above), and
-    every measurement and docs.figures, each through its module's ``build_parser``."""
+    """Every tool's parser, through its module's ``build_parser``, and each of its subcommands'."""
     import importlib
 
-    import generate
-    from checkpoint import export, gguf_import
-    from cluster import plan_layout
-    from data import prepare, train_tokenizer
-    from launch import supervise
-    from training import comm_share
-
-    found = {
-        "data.prepare": prepare.build_parser(),
-        "data.train_tokenizer": train_tokenizer.build_parser(),
-        "launch.supervise": supervise.build_parser(),
-        "generate": generate.build_parser(),
-        "checkpoint.export": export.build_parser(),
-        "checkpoint.gguf_import": gguf_import.build_parser(),
-        "cluster.plan_layout": plan_layout.build_parser(),
-        "training.comm_share": comm_share.build_parser(),
-    }
-    for name in [*measure_tools(), "docs.figures"]:
+    found = {}
+    for name in tools():
         found.update(with_subcommands(name, importlib.import_module(name).build_parser()))
     return found
 
 
-def test_every_measurement_and_docs_figures_is_walked():
-    """A tool without ``build_parser`` would be skipped silently: the walk fails instead (ImportError names it)."""
-    tools = measure_tools()
-    assert len(tools) > 25 and "measure.gpu_check" in tools and "measure.tokens_per_second" in tools
-    names = parsers()
-    assert {"docs.figures mesh", "docs.figures pipeline", *tools} <= set(names)
+def test_every_tool_is_walked():
+    """A tool without ``build_parser`` fails the walk (AttributeError names it) instead of being skipped."""
+    names = tools()
+    readme = ["data.prepare", "generate", "checkpoint.export", "cluster.plan_layout", "launch.supervise"]
+    assert {*readme, "docs.figures", "docs.unmarked", "measure.gpu_check", "measure.tokens_per_second"} <= set(names)
+    assert len([n for n in names if n.startswith("measure.")]) > 25
+    assert {"docs.figures mesh", "docs.figures pipeline", *names} <= set(parsers())
 
 
 @pytest.mark.parametrize(
