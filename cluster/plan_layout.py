@@ -109,7 +109,42 @@ def model_from_shape(text: str) -> ModelArgs:
             n_shared_experts=int(fields.get("moe_shared_experts", 0)),
         )
         args.moe_every = int(fields.get("moe_every", 1))
+    problem = shape_problem(args, fields)
+    if problem:
+        raise ValueError(problem)
     return args
+
+
+def shape_problem(args: ModelArgs, given: dict) -> str | None:
+    """The first rule of the shape itself that no layout can meet (train.py refuses the same model whatever its
+    layout: planning/layout_rules.py, runtime/config.py), naming the --model-shape key, its value and the fix;
+    None when the shape is one a layout can run. A key the text leaves out shows its default."""
+
+    def shown(key: str, value) -> str:
+        return f"{key}={value}" + ("" if key in given else " (the default)")
+
+    dim, heads, kv = args.dim, args.n_heads, args.n_kv_heads
+    if dim % heads:
+        return (
+            f"--model-shape {shown('dim', dim)} is not divisible by {shown('n_heads', heads)}; give a dim that is a "
+            f"multiple of n_heads (e.g. dim={2 * heads * max(1, round(dim / (2 * heads)))}) or an n_heads that divides dim"
+        )
+    if (dim // heads) % 2:
+        return (
+            f"--model-shape dim / n_heads = {dim}/{heads} = {dim // heads} must be even (rotary embeddings rotate "
+            f"pairs); give a dim that is a multiple of 2 x n_heads = {2 * heads}"
+        )
+    if heads % kv:
+        return (
+            f"--model-shape {shown('n_heads', heads)} is not divisible by {shown('n_kv_heads', kv)}; each key/value "
+            "head serves a whole number of query heads: give an n_kv_heads that divides n_heads"
+        )
+    if args.moe is not None and args.moe.top_k > args.moe.n_experts:
+        return (
+            f"--model-shape {shown('top_k', args.moe.top_k)} must be at most n_experts={args.moe.n_experts}; "
+            "give a top_k from 1 to n_experts"
+        )
+    return None
 
 
 LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "dp_shard", "dp_replicate", "ep", "schedule", "v", "mb", "ac", "cp_attention")

@@ -35,6 +35,7 @@ longer matches a finding, so that a fix shrinks the list.
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from dataclasses import dataclass
@@ -219,11 +220,19 @@ def prune(found: list[Finding]) -> int:
     return removed
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The one option (tests/test_input_walk.py walks every tool's parser; an unknown option is refused)."""
+    parser = argparse.ArgumentParser(prog="python -m docs.unmarked", description=__doc__.splitlines()[0])
+    parser.add_argument("--prune", action="store_true", help="also delete the allowlist's stale entries")
+    return parser
+
+
 def main(argv: list[str]) -> int:
     """``python -m docs.unmarked``: every finding and the count per chapter; ``--prune`` also deletes the
     allowlist's entries that a fix has made stale."""
+    args = build_parser().parse_args(argv)
     found = all_findings()
-    if "--prune" in argv:
+    if args.prune:
         print(f"deleted {prune(found)} fixed entries from {ALLOWED.relative_to(ROOT)}")
     per_chapter: dict[str, int] = {}
     for f in found:

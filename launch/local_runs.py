@@ -40,6 +40,20 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def refusal(overrides: dict, world_size: int, config: str = DEBUG_CONFIG) -> str | None:
+    """What train.py would refuse in ``config`` with ``overrides`` on ``world_size`` ranks (the values, then the
+    layout rules: planning/plan.py), as its message; None when it accepts them. A measurement asks before it
+    spawns ranks, so that its options are refused in one line instead of as a rank's traceback."""
+    from planning.plan import LayoutPlan
+    from runtime.config import ConfigError, load_config
+
+    try:
+        LayoutPlan.resolve(load_config(path=config, overrides=overrides), world_size)
+    except ConfigError as err:
+        return " ".join(line.strip(" -") for line in str(err).strip().splitlines())
+    return None
+
+
 def run_training(overrides: dict, run_dir: str, config: str = DEBUG_CONFIG) -> list[dict]:
     """Rank body: train ``config`` with ``overrides``; returns this rank's per-step records."""
     from runtime.config import load_config

@@ -52,7 +52,7 @@ all-gather per sub-layer in backward.
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 
@@ -184,8 +184,15 @@ def main_ac() -> None:
         print(f"{mode:<31} {kept:>11,} {kept / bsh:>8.2f} {kept / none:>7.3f}")
 
 
-def main() -> None:
-    if "--ac" in sys.argv[1:]:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_input_walk.py walks every tool's parser)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.activation_memory", description=__doc__.splitlines()[0])
+    parser.add_argument("--ac", action="store_true", help="the activation-checkpointing policies' table instead")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    if build_parser().parse_args(argv).ac:
         main_ac()
         return
     args = BENCH_ARGS

@@ -30,6 +30,8 @@ import statistics
 import tempfile
 import time
 
+from runtime.options import MAX_LOCAL_RANKS, int_option
+
 SHAPE = {
     "model.dim": 512,
     "model.n_layers": 6,
@@ -142,13 +144,31 @@ def measure(world: int, steps: int, interval: int, gpu: bool, timeout: float = 1
     return results
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
     parser = argparse.ArgumentParser(prog="python -m measure.async_save", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", type=int, default=1, help="ranks (fsdp over all of them)")
-    parser.add_argument("--steps", type=int, default=7, help="steps per run (the last step always saves)")
-    parser.add_argument("--interval", type=int, default=2, help="save every N steps")
+    parser.add_argument(
+        "--world", type=int_option(ge=1, le=MAX_LOCAL_RANKS), default=1, help="ranks (fsdp over all of them)"
+    )
+    parser.add_argument(
+        "--steps", type=int_option(ge=1, le=2**31 - 1), default=7, help="steps per run (the last step always saves)"
+    )
+    parser.add_argument("--interval", type=int_option(ge=1, le=2**31 - 1), default=2, help="save every N steps")
     parser.add_argument("--gpu", action="store_true", help="train on cuda (one GPU per rank)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.gpu:
+        import torch
+
+        if torch.cuda.device_count() < args.world:
+            parser.error(
+                f"--gpu with --world {args.world} needs {args.world} GPUs, this machine shows "
+                f"{torch.cuda.device_count()}; lower --world or leave out --gpu"
+            )
     r = measure(args.world, args.steps, args.interval, args.gpu)
     print(
         f"{'gpu' if args.gpu else 'cpu'}, world {args.world}: {r['state_bytes'] / 2**20:,.0f} MiB of fp32 weights "

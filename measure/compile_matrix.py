@@ -11,12 +11,13 @@ those checks (b4fdc54) the same command shows the error torch raised instead.
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 import time
 
 from launch.local_runs import ROOT, train_on
 from launch.spawn import RankFailure
+from runtime.options import list_option
 
 DEBUG = str(ROOT / "configs" / "debug.toml")
 MOE = str(ROOT / "configs" / "debug_moe.toml")
@@ -68,6 +69,19 @@ def last_error_line(text: str) -> str:
     return (lines[-1] if lines else text.strip().splitlines()[-1])[:300]
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The one argument, the layouts to run (tests/test_input_walk.py walks every tool's parser)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.compile_matrix", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "layouts",
+        nargs="?",
+        type=list_option(choices=tuple(LAYOUTS)),
+        default=",".join(LAYOUTS),
+        help="comma-separated",
+    )
+    return parser
+
+
 def main(names: list[str]) -> None:
     for name in names:
         world, config, layout = LAYOUTS[name]
@@ -97,4 +111,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(",") if len(sys.argv) > 1 else list(LAYOUTS))
+    main(build_parser().parse_args().layouts.split(","))

@@ -36,6 +36,8 @@ block's compute; the all-gather holds all keys.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -159,6 +161,11 @@ def comm_table(args: ModelArgs = BENCH_ARGS, batch: int = BATCH, seq: int = SEQ,
     return table
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options: any is refused (tests/test_input_walk.py walks every tool's parser)."""
+    return argparse.ArgumentParser(prog="python -m measure.context_parallel", description=__doc__.splitlines()[0])
+
+
 def main() -> None:
     args, b, s = BENCH_ARGS, BATCH, SEQ
     print(
@@ -187,4 +194,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    build_parser().parse_args()
     main()

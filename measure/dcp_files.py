@@ -53,8 +53,13 @@ def files(world: int, run_dir: str) -> None:
     print(f"  {KEY} chunks (offsets, sizes): {saved}")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options: any is refused (tests/test_input_walk.py walks every tool's parser)."""
+    return argparse.ArgumentParser(prog="python -m measure.dcp_files", description=__doc__.splitlines()[0])
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    build_parser().parse_args()
     for world in (4, 1):
         with tempfile.TemporaryDirectory() as run_dir:
             files(world, run_dir)

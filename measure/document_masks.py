@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runtime.options import int_option, path_option
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -74,17 +76,34 @@ def losses_by_conversation(model, data: Path, seq_len: int) -> list[tuple[int, f
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
     parser = argparse.ArgumentParser(prog="python -m measure.document_masks", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="", help="a transformers chat model folder (default: SmolLM2, converted)")
-    parser.add_argument("--seq-len", type=int, default=256, help="the windows conversations are packed for")
+    parser.add_argument(
+        "--model",
+        type=path_option(required=False),
+        default="",
+        help="a transformers chat model folder (default: SmolLM2, converted)",
+    )
+    parser.add_argument(
+        "--seq-len", type=int_option(ge=2, le=2**31 - 1), default=256, help="the windows conversations are packed for"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     opts = parser.parse_args(argv)
     torch.manual_seed(0)
     from data.prepare import prepare_chat
     from generate import load_export
+    from runtime.config import ConfigError
 
     folder = Path(opts.model) if opts.model else default_model()
-    model, _ = load_export(folder)
+    try:
+        model, _ = load_export(folder)
+    except ConfigError as err:
+        parser.error(f"--model {folder}: {err}")
     model.eval()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "chat"

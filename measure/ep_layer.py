@@ -10,6 +10,8 @@ absolute differences from one device processing every rank's tokens.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -69,6 +71,11 @@ def ep_layer_vs_single_device(ep: int, starve_other_ranks: bool) -> dict:
     }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options: any is refused (tests/test_input_walk.py walks every tool's parser)."""
+    return argparse.ArgumentParser(prog="python -m measure.ep_layer", description=__doc__.splitlines()[0])
+
+
 def main() -> None:
     from launch.spawn import run_on_ranks
 
@@ -84,4 +91,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    build_parser().parse_args()
     main()

@@ -18,6 +18,7 @@ follow the same shards, so the expert training state is 4x that. Nothing is trai
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -93,6 +94,11 @@ def table() -> dict[str, list[dict]]:
     return {name: run_on_ranks(measure, WORLD, *layout, timeout=600) for name, layout in LAYOUTS.items()}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options: any is refused (tests/test_input_walk.py walks every tool's parser)."""
+    return argparse.ArgumentParser(prog="python -m measure.ep_placement", description=__doc__.splitlines()[0])
+
+
 def main() -> None:
     result = table()
     print("MoE debug model, 4 experts, 4 MoE layers, fp32, on dp_shard 2 x tp 2 (4 ranks); expert weights per rank")
@@ -115,5 +121,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     from measure import ep_placement
+
+    ep_placement.build_parser().parse_args()
 
     ep_placement.main()

@@ -13,6 +13,7 @@ script prints those lines and torchrun's root-cause summary.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import subprocess
@@ -50,6 +51,13 @@ def worker(scenario: str) -> None:
         raise
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options but the one main() gives its torchrun ranks (tests/test_input_walk.py walks every parser)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.failure_modes", description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=tuple(SCENARIOS), help=argparse.SUPPRESS)
+    return parser
+
+
 def main() -> None:
     for scenario, extra in SCENARIOS.items():
         env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
@@ -78,7 +86,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        worker(sys.argv[2])
+    worker_scenario = build_parser().parse_args().worker
+    if worker_scenario:
+        worker(worker_scenario)
     else:
         main()

@@ -14,6 +14,7 @@ The pass/fail versions of these are tests/test_faults.py; this script only print
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -109,6 +110,11 @@ def restart(tmp: Path) -> None:
     )
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options: any is refused (tests/test_input_walk.py walks every tool's parser)."""
+    return argparse.ArgumentParser(prog="python -m measure.fault_timings", description=__doc__.splitlines()[0])
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="meshloom-faults-") as tmp:
         for measure in (stall, sigterm, restart):
@@ -116,4 +122,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    build_parser().parse_args()
     main()

@@ -22,6 +22,8 @@ debug model's dim-0 sizes (256, 128, 64, 384) are multiples of 4, so here it is 
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -95,6 +97,11 @@ def table(world_sizes=WORLD_SIZES) -> list[dict]:
     return rows
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options: any is refused (tests/test_input_walk.py walks every tool's parser)."""
+    return argparse.ArgumentParser(prog="python -m measure.fsdp_memory", description=__doc__.splitlines()[0])
+
+
 def main() -> None:
     rows = table()
     psi = rows[0]["psi"]
@@ -113,4 +120,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    build_parser().parse_args()
     main()

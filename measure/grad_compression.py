@@ -29,6 +29,7 @@ import math
 import tempfile
 
 from measure.grad_traffic import GradientTraffic
+from runtime.options import int_option, list_option
 
 ONEBIT_WARMUP = 60  # 20% of the default 300 steps (the paper warms up for 15-25% of its runs)
 VARIANTS = {
@@ -196,11 +197,22 @@ def link_table(n: int = 64) -> None:
         print(f"{name:<12} {payload / 1e9:>7.3f}GB {cells}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.grad_compression", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int_option(ge=1, le=2**31 - 1), default=300)
     parser.add_argument("--links", action="store_true", help="print the bandwidth arithmetic only")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, among: " + ", ".join(VARIANTS))
+    parser.add_argument(
+        "--variants",
+        type=list_option(choices=tuple(VARIANTS)),
+        default=",".join(VARIANTS),
+        help="comma-separated, among: " + ", ".join(VARIANTS),
+    )
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.links:
         link_table()

@@ -16,6 +16,7 @@ so the difference is the gradient state the rank carries into the next micro-bat
 
 from __future__ import annotations
 
+import argparse
 import gc
 
 import torch
@@ -85,6 +86,11 @@ def table() -> list[dict]:
     return rows
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options: any is refused (tests/test_input_walk.py walks every tool's parser)."""
+    return argparse.ArgumentParser(prog="python -m measure.grad_sync_memory", description=__doc__.splitlines()[0])
+
+
 def main() -> None:
     rows = table()
     psi = rows[0]["psi"]
@@ -98,4 +104,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    build_parser().parse_args()
     main()

@@ -30,6 +30,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from runtime.options import int_option
+
 WORLD = 4
 
 
@@ -94,12 +96,18 @@ def rank_import(folder: str, vocab: int, dim: int, sliced: bool) -> dict:
     return {"peak_kib": after["VmHWM"] - before["VmRSS"], "reset": before["VmHWM"] <= before["VmRSS"], "piece": piece}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.hf_import_memory", description=__doc__.split("\n")[0])
+    parser.add_argument("--vocab", type=int_option(ge=1, le=2**31 - 1), default=131072)
+    parser.add_argument("--dim", type=int_option(ge=1, le=2**31 - 1), default=512)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
     from launch.spawn import run_on_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--vocab", type=int, default=131072)
-    parser.add_argument("--dim", type=int, default=512)
+    parser = build_parser()
     opts = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="meshloom-hf-import-") as tmp:
         rows = {}

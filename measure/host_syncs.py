@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from launch.local_runs import DEBUG_CONFIG
+from runtime.options import list_option
 
 # ---- 1. the counter --------------------------------------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,12 +272,23 @@ def measure(names: list[str], run_dir: str) -> dict[str, list[dict[str, int]]]:
     return result
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.host_syncs", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--layouts",
+        type=list_option(choices=tuple(LAYOUTS)),
+        default=",".join(LAYOUTS),
+        help="comma-separated names from LAYOUTS",
+    )
+    parser.add_argument("--json", action="store_true")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> dict:
     import tempfile
 
-    parser = argparse.ArgumentParser(prog="python -m measure.host_syncs", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated names from LAYOUTS")
-    parser.add_argument("--json", action="store_true")
+    parser = build_parser()
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         result = measure(args.layouts.split(","), tmp)

@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from runtime.options import int_option, path_option
+
 BATCHES, GLOBAL_BATCH, SEQ_LEN = 200, 8, 512
 
 
@@ -88,11 +90,22 @@ def measure(folder: Path, mode: str) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.loader_memory", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--tokens",
+        type=int_option(ge=1, le=2**31 - 1),
+        default=20_000_000,
+        help="N: the small file; the large one is 10N",
+    )
+    parser.add_argument("--child", type=path_option(), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=("mmap", "in-memory"), default="mmap", help=argparse.SUPPRESS)
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=20_000_000, help="N: the small file; the large one is 10N")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--mode", default="mmap", help=argparse.SUPPRESS)
+    parser = build_parser()
     opts = parser.parse_args()
     if opts.child:
         print(json.dumps(child(opts.child, opts.mode)))

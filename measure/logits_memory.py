@@ -19,6 +19,7 @@ count the difference (docs/combining.md, Appendix F).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 
 import torch
@@ -86,6 +87,11 @@ def on_tp_ranks() -> dict[str, float]:
     return peak_bytes_per_logit(tp=True)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options: any is refused (tests/test_input_walk.py walks every tool's parser)."""
+    return argparse.ArgumentParser(prog="python -m measure.logits_memory", description=__doc__.splitlines()[0])
+
+
 def main() -> None:
     from launch.spawn import run_on_ranks
 
@@ -99,4 +105,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    build_parser().parse_args()
     main()

@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from runtime.options import int_option, list_option
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -97,19 +99,32 @@ def measure(device: torch.device, dtype: torch.dtype, tokens: int, experts: int,
     return row
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
     parser = argparse.ArgumentParser(prog="python -m measure.moe_grouped_mm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
-    parser.add_argument("--tokens", type=int, default=4096, help="routed rows (tokens x top-k) on this device")
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--dtypes", type=list_option(choices=("fp32", "bf16")), default="fp32,bf16", help="comma-separated: fp32, bf16"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int_option(ge=1, le=2**31 - 1),
+        default=4096,
+        help="routed rows (tokens x top-k) on this device",
+    )
+    parser.add_argument("--experts", type=int_option(ge=1, le=2**31 - 1), default=8)
+    parser.add_argument("--dim", type=int_option(ge=1, le=2**31 - 1), default=256)
+    parser.add_argument("--hidden", type=int_option(ge=1, le=2**31 - 1), default=512)
+    parser.add_argument("--rounds", type=int_option(ge=1, le=2**31 - 1), default=5)
     parser.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
+        parser.error("--device cuda: no CUDA device here; use --device cpu")
     if args.device == "cpu":
         torch.set_num_threads(1)  # one core, as each training rank here runs
     device = torch.device(args.device)

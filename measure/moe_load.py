@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from runtime.options import float_option, int_option, list_option, path_option
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "debug_moe.toml"
 COLOURS = {"none": "#d62728", "aux": "#1f77b4", "bias": "#2ca02c"}
@@ -173,19 +175,47 @@ def load_svg(records: dict[str, list[dict]], labels: dict[str, str], title: str,
 # ---- main --------------------------------------------------------------------------------------------------
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--aux-coef", type=float, default=AUX_COEF)
-    parser.add_argument("--bias-rate", type=float, default=BIAS_RATE)
-    parser.add_argument("--runs", default="none,aux,bias", help="which of none, aux, bias to run")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "img" / "moe_load.svg"), help="'' for no picture")
-    args = parser.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.moe_load", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int_option(ge=1, le=2**31 - 1), default=40)
+    parser.add_argument("--aux-coef", type=float_option(ge=0), default=AUX_COEF)
+    parser.add_argument("--bias-rate", type=float_option(ge=0), default=BIAS_RATE)
+    parser.add_argument(
+        "--runs",
+        type=list_option(choices=("none", "aux", "bias")),
+        default="none,aux,bias",
+        help="which of none, aux, bias to run",
+    )
+    parser.add_argument(
+        "--out",
+        type=path_option(required=False),
+        default=str(ROOT / "docs" / "img" / "moe_load.svg"),
+        help="'' for no picture",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     table = schemes(args.aux_coef, args.bias_rate)
     names = [n for n in args.runs.split(",") if n]
     unknown = set(names) - set(table)
     if unknown:
         parser.error(f"--runs: unknown {sorted(unknown)}; choose from {sorted(table)}")
+    if args.out:  # the picture is written after minutes of training: its path is checked first
+        from runtime.config import ConfigError
+        from runtime.options import check_out_folder
+
+        if Path(args.out).is_dir():
+            parser.error(
+                f"--out {args.out} is a folder; pass the picture's file path, e.g. {Path(args.out) / 'moe_load.svg'}"
+            )
+        try:
+            check_out_folder(Path(args.out).parent, "--out's folder")
+        except ConfigError as err:
+            parser.error(str(err))
 
     records, labels = {}, {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,6 +30,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from runtime.options import int_option
+
 MODEL = {  # 0.89B parameters: 13.25 GiB of fp32 training state on one rank
     "model.dim": 2048,
     "model.n_layers": 16,
@@ -121,12 +123,23 @@ def print_formula(psi: int, n: int) -> None:
     print(f"  with offload:    ~0 on the device, {state / 2**30:.2f} GiB of (pinned) host memory")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3, help=">= 2: Adam's moments exist from the second step")
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.offload_memory", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--steps",
+        type=int_option(ge=2, le=2**31 - 1),
+        default=3,
+        help=">= 2: Adam's moments exist from the second step",
+    )
+    parser.add_argument("--seq-len", type=int_option(ge=1, le=2**31 - 1), default=1024)
+    parser.add_argument("--batch", type=int_option(ge=1, le=2**31 - 1), default=2, help="sequences per rank")
     parser.add_argument("--formula", action="store_true", help="print the formula only")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     from runtime.config import load_config, model_args
 

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from mesh.pipeline import SCHEDULES
+from runtime.options import MAX_LOCAL_RANKS, int_option, path_option
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"model.dim": 256, "model.n_layers": 8, "model.n_heads": 8, "model.n_kv_heads": 4, "training.seq_len": 256}
@@ -29,7 +30,15 @@ def run_schedule(schedule: str, pp: int, microbatches: int, run_dir: str) -> Non
     from runtime.config import load_config
     from train import train
 
-    overrides = {
+    train(
+        load_config(
+            path=str(ROOT / "configs" / "debug.toml"), overrides=schedule_overrides(schedule, pp, microbatches, run_dir)
+        )
+    )
+
+
+def schedule_overrides(schedule: str, pp: int, microbatches: int, run_dir: str) -> dict:
+    return {
         **MODEL,
         "parallel.pp": pp,
         "parallel.dp_shard": 1,
@@ -41,23 +50,41 @@ def run_schedule(schedule: str, pp: int, microbatches: int, run_dir: str) -> Non
         "run.tensorboard": False,
         "run.pp_timeline": True,
     }
-    train(load_config(path=str(ROOT / "configs" / "debug.toml"), overrides=overrides))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.pipeline_bubble", description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int_option(ge=1, le=MAX_LOCAL_RANKS), default=2)
+    parser.add_argument("--microbatches", type=int_option(ge=1, le=2**31 - 1), default=4)
+    parser.add_argument("--out", type=path_option(), default=str(ROOT / "docs" / "img"))
+    parser.add_argument("--details", action="store_true", help="per-rank F/B/I/W/idle seconds of the last step")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
     from launch.local_runs import read_metrics
     from launch.spawn import run_on_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "img"))
-    parser.add_argument("--details", action="store_true", help="per-rank F/B/I/W/idle seconds of the last step")
-    args = parser.parse_args()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from launch.local_runs import refusal
     from measure.schedule_ir import pipeline_ideal
+    from runtime.config import ConfigError
+    from runtime.options import check_out_folder
 
+    for schedule in SCHEDULES:  # every run's config, before any rank starts
+        problem = refusal(schedule_overrides(schedule, args.pp, args.microbatches, "unused"), args.pp)
+        if problem:
+            parser.error(f"--pp {args.pp} --microbatches {args.microbatches} ({schedule}): {problem}")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        check_out_folder(out, "--out")
+        out.mkdir(parents=True, exist_ok=True)
+    except (ConfigError, OSError) as err:
+        parser.error(
+            str(err) if isinstance(err, ConfigError) else f"--out {out}: {err.strerror}; pass a folder you can write"
+        )
     print(f"pp={args.pp}, m={args.microbatches}; idle fraction of the last step, mean over ranks")
     print(
         f"{'schedule':<22} {'stages/rank':>11} {'predicted':>10} {'idealized':>10} {'measured':>9}  {'losses':<26} picture"

@@ -95,9 +95,15 @@ def scale_grads() -> list[str]:
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.pipeline_facts", description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["split", "scale-grads"])
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.what == "split":
         print("\n".join(stage_names(DEBUG, 4)))

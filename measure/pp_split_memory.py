@@ -23,6 +23,8 @@ torch's own buffers outside tensors (the process RSS includes the torch import, 
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 
@@ -103,6 +105,11 @@ def spread(values: list[float]) -> float:
     return max(values) / min(values)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options: any is refused (tests/test_input_walk.py walks every tool's parser)."""
+    return argparse.ArgumentParser(prog="python -m measure.pp_split_memory", description=__doc__.splitlines()[0])
+
+
 def main() -> dict[str, list[dict]]:
     rows = table()
     mib = 2**20
@@ -127,5 +134,7 @@ def main() -> dict[str, list[dict]]:
 if __name__ == "__main__":
     # Run as `python -m measure.pp_split_memory`: the ranks get the function under its importable name.
     from measure import pp_split_memory
+
+    pp_split_memory.build_parser().parse_args()
 
     pp_split_memory.main()

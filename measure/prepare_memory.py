@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from runtime.options import float_option, path_option
+
 
 def status_kib() -> dict[str, int]:
     fields = {}
@@ -130,11 +132,21 @@ def child(source: str, tokenizer: str, out: str) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mb", type=float, default=200.0, help="size of each source file in MB (default 200)")
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.prepare_memory", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--mb", type=float_option(gt=0, le=100_000), default=200.0, help="size of each source file in MB (default 200)"
+    )
     parser.add_argument("--chat-only", action="store_true", help="only the one-conversation chat file")
-    parser.add_argument("--child", nargs=3, metavar=("SOURCE", "TOKENIZER", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", type=path_option(), nargs=3, metavar=("SOURCE", "TOKENIZER", "OUT"), help=argparse.SUPPRESS
+    )
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     opts = parser.parse_args()
     if opts.child:
         print(json.dumps(child(*opts.child)), flush=True)

@@ -17,6 +17,8 @@ import argparse
 import statistics
 import tempfile
 
+from runtime.options import int_option
+
 LAYOUT = {"parallel.dp_replicate": 2, "parallel.dp_shard": 1, "parallel.tp": 2}
 WARMUP = 2
 
@@ -54,11 +56,25 @@ def timed_run(overrides: dict, run_dir: str) -> dict:
     return {"checks": checks, "records": records, **counted}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m measure.replica_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--steps", type=int_option(gt=WARMUP, le=2**31 - 1), default=12)
+    parser.add_argument(
+        "--dim", type=int_option(ge=0, le=2**31 - 1), default=0, help="model.dim (0: the debug config's)"
+    )
+    parser.add_argument(
+        "--layers", type=int_option(ge=0, le=2**31 - 1), default=0, help="model.n_layers (0: the debug config's)"
+    )
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--dim", type=int, default=0, help="model.dim (0: the debug config's)")
-    parser.add_argument("--layers", type=int, default=0, help="model.n_layers (0: the debug config's)")
+    parser = build_parser()
     args = parser.parse_args(argv)
     from launch.spawn import run_on_ranks
     from runtime.config import load_config
@@ -68,6 +84,11 @@ def main(argv: list[str] | None = None) -> None:
         overrides["model.dim"] = args.dim
     if args.layers:
         overrides["model.n_layers"] = args.layers
+    from launch.local_runs import refusal
+
+    problem = refusal(overrides, 4)
+    if problem:
+        parser.error(f"--dim {args.dim} --layers {args.layers}: {problem}")
     with tempfile.TemporaryDirectory(prefix="meshloom-replica-check-") as tmp:
         results = run_on_ranks(timed_run, 4, overrides, tmp, timeout=900)
     from launch.local_runs import DEBUG_CONFIG

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from runtime.options import MAX_LOCAL_RANKS, int_option, list_option
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 1, 8, 2, 64
 
@@ -165,17 +167,30 @@ def measure(lengths: list[int], device_name: str, dtype_name: str, cp: int, repe
     return result
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
     parser = argparse.ArgumentParser(prog="python -m measure.ring_attention", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cp", type=int, default=2, help="ranks in the ring (CPU: spawned gloo ranks)")
     parser.add_argument(
-        "--lengths", default="512,1024,2048,4096", help="local tokens per rank (s_cp = s/cp), comma-separated"
+        "--cp", type=int_option(ge=1, le=MAX_LOCAL_RANKS), default=2, help="ranks in the ring (CPU: spawned gloo ranks)"
+    )
+    parser.add_argument(
+        "--lengths",
+        type=list_option(item=int_option(ge=1, le=2**31 - 1)),
+        default="512,1024,2048,4096",
+        help="local tokens per rank (s_cp = s/cp), comma-separated",
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int_option(ge=1, le=2**31 - 1), default=3)
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here; use --device cpu")
     lengths = [int(n) for n in args.lengths.split(",")]
     result = measure(lengths, args.device, args.dtype, args.cp, args.repeats)
     rows = result["rows"]

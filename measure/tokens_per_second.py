@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 
 from launch.spawn import RankFailure, run_on_ranks
+from runtime.options import float_option, int_option, list_option, override_option
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.toml")
@@ -385,24 +386,40 @@ def gpu_1b(
     return {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "peak_tflops": peak, "runs": table}
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
     parser = argparse.ArgumentParser(prog="python -m measure.tokens_per_second", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--layouts",
+        type=list_option(choices=tuple(LAYOUTS)),
         help=f"comma-separated, from {', '.join(LAYOUTS)} (default: {','.join(DEFAULT)}; with --compile "
         f"{','.join(COMPILE_SET)})",
     )
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (each runs every layout once)")
-    parser.add_argument("--steps", type=int, default=8, help="steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
+    parser.add_argument(
+        "--rounds",
+        type=int_option(ge=1, le=2**31 - 1),
+        default=2,
+        help="interleaved rounds (each runs every layout once)",
+    )
+    parser.add_argument("--steps", type=int_option(ge=1, le=2**31 - 1), default=8, help="steps per run")
+    parser.add_argument("--warmup", type=int_option(ge=0, le=2**31 - 1), default=2, help="steps left out of the median")
     parser.add_argument("--compile", action="store_true", help="also run each layout with training.compile=true")
     parser.add_argument("--moe", action="store_true", help="also run moe-one and moe-tp2")
-    parser.add_argument("--peak-tflops", type=float, default=0.0, help="peak TFLOP/s of one device: prints MFU")
-    parser.add_argument("--seq-len", type=int, default=SHAPE["training.seq_len"])
-    parser.add_argument("--set", action="append", default=[], help="extra override for every run, key=value")
+    parser.add_argument(
+        "--peak-tflops", type=float_option(ge=0), default=0.0, help="peak TFLOP/s of one device: prints MFU"
+    )
+    parser.add_argument("--seq-len", type=int_option(ge=1, le=2**31 - 1), default=SHAPE["training.seq_len"])
+    parser.add_argument(
+        "--set", type=override_option(), action="append", default=[], help="extra override for every run, key=value"
+    )
     parser.add_argument("--gpu-1b", action="store_true", help="a Llama-3.2-1B-shaped model in bf16 on one GPU")
     parser.add_argument("--smoke", action="store_true", help="with --gpu-1b: 1 layer, short sequences, any device")
     parser.add_argument("--no-compile", action="store_true", help="with --gpu-1b: leave out the compiled run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.gpu_1b:
         return gpu_1b(args.rounds, args.warmup, args.peak_tflops, args.smoke, args.no_compile, args.set)

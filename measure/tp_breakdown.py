@@ -30,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from measure.tokens_per_second import DEBUG, SHAPE
+from runtime.options import override_option
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm")
 DISPATCH = (
@@ -146,11 +147,19 @@ def breakdown(path: str) -> dict:
     }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
+    parser = argparse.ArgumentParser(prog="python -m measure.tp_breakdown", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--set", type=override_option(), action="append", default=[], help="extra override for both runs, key=value"
+    )
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
     from launch.spawn import run_on_ranks
 
-    parser = argparse.ArgumentParser(prog="python -m measure.tp_breakdown", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--set", action="append", default=[], help="extra override for both runs, key=value")
+    parser = build_parser()
     args = parser.parse_args(argv)
     base = {
         **SHAPE,

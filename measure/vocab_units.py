@@ -18,6 +18,8 @@ the same in both runs and are left out.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -88,6 +90,11 @@ def table() -> dict[str, list[dict]]:
     }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options: any is refused (tests/test_input_walk.py walks every tool's parser)."""
+    return argparse.ArgumentParser(prog="python -m measure.vocab_units", description=__doc__.splitlines()[0])
+
+
 def main() -> None:
     result = table()
     print(f"vocabulary 32,768, dim 64, 2 layers, fp32, FSDP over dp_shard = {WORLD}; bytes per rank (the largest rank)")
@@ -108,5 +115,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     from measure import vocab_units
+
+    vocab_units.build_parser().parse_args()
 
     vocab_units.main()

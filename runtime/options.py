@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runtime.config import ConfigError, _in_range, _range_rule, parse_float, parse_int, type_problem
+from runtime.config import ConfigError, _in_range, _range_rule, load_config, parse_float, parse_int, type_problem
 
 
 def file_in_the_way(path) -> Path | None:
@@ -68,3 +68,55 @@ def path_option(required: bool = True):
 def text_option(nonempty: bool = False):
     """Free text (a prompt, a token, a field name): no NUL byte; ``nonempty``: not blank either."""
     return _checked("text", lambda text: text, {"nonempty": True} if nonempty else {})
+
+
+def list_option(choices=None, item=None):
+    """Comma-separated items, each one of ``choices`` or each a value the checked type ``item`` accepts (e.g.
+    ``int_option(ge=1)``); no empty item. Returns the text as given, which the tool splits at its commas."""
+    kind = "a comma-separated list"
+
+    def convert(text: str):
+        problem = type_problem(text, {"nonempty": True})
+        if problem:
+            raise argparse.ArgumentTypeError(f"{text!r} {problem}")
+        for part in text.split(","):
+            if not part.strip():
+                raise argparse.ArgumentTypeError(f"{text!r} has an empty item; write the items between commas")
+            if choices is not None and part not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"{part!r} is unknown; give a comma-separated list of {', '.join(choices)}"
+                )
+            if item is not None:
+                try:
+                    item(part)
+                except argparse.ArgumentTypeError as err:
+                    raise argparse.ArgumentTypeError(f"item {err}") from None
+        return text
+
+    convert.__name__ = kind
+    convert.rules = {"kind": kind, "nonempty": True}
+    return convert
+
+
+def override_option():
+    """One ``key=value`` config override (what train.py takes as ``--key value``), checked by the config's own
+    reader (runtime/config.load_config): the key must exist and the value must fit it."""
+    kind = "a key=value override"
+
+    def convert(text: str):
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"{text!r} is not key=value; write e.g. training.seed=1")
+        try:
+            load_config([f"--{key}", value])
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(f"{text!r}: {str(err).strip().splitlines()[-1].strip(' -')}") from None
+        return text
+
+    convert.__name__ = kind
+    convert.rules = {"kind": kind, "nonempty": True}
+    return convert
+
+
+# Ranks a measurement spawns on this one machine (gloo processes, or one GPU each): more would not fit one host.
+MAX_LOCAL_RANKS = 64

@@ -208,6 +208,86 @@ def test_plan_layout_refuses_malformed_options_in_one_line(args, words):
     refused(*run(plan_layout.main, args), *words)
 
 
+def shape_cases() -> list[tuple[str, list[str]]]:
+    """Every --model-shape key with values no model can have (negative, zero, fractional, not a number), then the
+    shapes whose keys each fit but not together (dim over heads, heads over kv heads, odd head width, top_k)."""
+    from cluster.plan_layout import MOE_KEYS, SHAPE_KEYS
+
+    cases = []
+    for key in SHAPE_KEYS + MOE_KEYS:
+        whole = ("1.5", "99999999999") if key != "rope_theta" else ()  # rope_theta is any positive number
+        for value in ("-1", "x", "", "²", "nan", "-inf", *whole):
+            cases.append((f"{key}={value}", [f"{key}={value!r}"]))
+        if key != "moe_shared_experts":  # 0 shared experts is a plain MoE
+            cases.append((f"{key}=0", [f"{key}='0'"]))
+    return cases + [
+        ("dim=64,n_heads=3", ["dim=64", "n_heads=3", "multiple"]),
+        ("n_heads=3", ["dim=128 (the default)", "n_heads=3"]),
+        ("dim=64,n_heads=8,n_kv_heads=3", ["n_heads=8", "n_kv_heads=3", "divides"]),
+        ("dim=64,n_heads=8,n_kv_heads=16", ["n_kv_heads=16", "divides"]),
+        ("dim=2,n_heads=2,n_kv_heads=1", ["dim / n_heads", "= 1", "even"]),
+        ("dim=24,n_heads=8,n_kv_heads=8", ["= 3", "even", "16"]),
+        ("dim=64,n_heads=8,n_experts=4,top_k=8", ["top_k=8", "n_experts=4"]),
+    ]
+
+
+@pytest.mark.parametrize("layout", [None, "tp=1,pp=1,dp=8"], ids=["search", "one-layout"])
+def test_plan_layout_refuses_every_shape_no_layout_can_run(layout):
+    """A shape no layout can run was searched before and printed no layout with exit 0; refused up front now."""
+    from cluster import plan_layout
+
+    where = ["--layout", layout] if layout else ["--gpus", "8"]
+    for shape, words in shape_cases():
+        refused(*run(plan_layout.main, [*where, "--model-shape", shape]), "--model-shape", *words)
+
+
+# ---- the measurements and docs.figures: what parses but cannot run -----------------------------------------------
+def test_docs_figures_refuses_what_it_cannot_draw_in_one_line(tmp_path):
+    """Each was a traceback: a folder or a missing folder as mesh --out, a file as all --out, and microbatch counts
+    a schedule of the table cannot run (torch's ValueError from inside the schedule)."""
+    from docs.figures import main
+
+    (tmp_path / "a-file").write_text("")
+    refused(*run(main, ["mesh", "--out", str(tmp_path)]), "--out", "is a folder")
+    refused(*run(main, ["mesh", "--out", str(tmp_path / "no" / "m.svg")]), "--out", "No such file")
+    refused(*run(main, ["all", "--out", str(tmp_path / "a-file")]), "--out", "is a file")
+    refused(*run(main, ["pipeline", "--pp", "4", "--microbatches", "1"]), "--microbatches 1", "1F1B")
+    refused(*run(main, ["pipeline", "--pp", "2", "--microbatches", "5"]), "--microbatches 5", "multiple of pp=2")
+    assert list(tmp_path.iterdir()) == [tmp_path / "a-file"]
+
+
+def test_measurements_refuse_a_layout_the_config_refuses_before_any_rank_starts(tmp_path):
+    """pipeline_bubble and replica_check ask train.py's own checks (launch/local_runs.refusal) before spawning;
+    a rank's RankFailure traceback before."""
+    from measure import pipeline_bubble, replica_check
+
+    refused(*run(pipeline_bubble.main, ["--pp", "4", "--microbatches", "1"]), "--pp 4 --microbatches 1", "1F1B")
+    refused(*run(pipeline_bubble.main, ["--out", str(tmp_path / "x"), "--pp", "3", "--microbatches", "3"]), "DualPipeV")
+    refused(*run(replica_check.main, ["--dim", "3"]), "--dim 3", "model.dim=3", "model.n_heads")
+
+
+def test_moe_load_refuses_a_picture_path_it_cannot_write_before_training(tmp_path):
+    """The picture was written after the training runs: a folder or a path under a file failed minutes in."""
+    from measure import moe_load
+
+    (tmp_path / "a-file").write_text("")
+    refused(*run(moe_load.main, ["--out", str(tmp_path)]), "--out", "is a folder")
+    refused(*run(moe_load.main, ["--out", str(tmp_path / "a-file" / "x.svg")]), "--out's folder", "a-file")
+
+
+def test_measurements_refuse_devices_and_folders_they_do_not_have(tmp_path):
+    import torch
+
+    from measure import async_save, document_masks, moe_grouped_mm, ring_attention
+
+    world = torch.cuda.device_count() + 1
+    refused(*run(async_save.main, ["--gpu", "--world", str(world)]), f"--world {world}", "--gpu")
+    refused(*run(document_masks.main, ["--model", str(tmp_path)]), f"--model {tmp_path}", "config.json")
+    if not torch.cuda.is_available():
+        refused(*run(ring_attention.main, ["--device", "cuda"]), "--device cuda", "--device cpu")
+        refused(*run(moe_grouped_mm.main, ["--device", "cuda"]), "--device cuda", "--device cpu")
+
+
 # ---- meshloom.json (a checkpoint's manifest): the reader, as train's resume and export call it -----------------
 def test_every_malformed_meshloom_json_is_reported_by_the_checkpoint_reader(tmp_path):
     from checkpoint.resume import META_FILE, inspect, read_meta

@@ -9,10 +9,12 @@ Runs in this process: the parsers and ``train.main --dry-run`` take milliseconds
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -98,27 +100,65 @@ def test_every_config_key_refuses_what_it_cannot_use_naming_the_key(key):
             assert str(used) != "-0.0", (key, value)
 
 
-def parsers() -> dict[str, argparse.ArgumentParser]:
-    """Every ``python -m`` tool README names, with its parser (train.py's options are the config keys above)."""
-    import generate
-    from checkpoint import export, gguf_import
-    from cluster import plan_layout
-    from data import prepare, train_tokenizer
-    from launch import supervise
-    from measure import gpu_check
-    from training import comm_share
+def tools() -> list[str]:
+    """Every ``python -m`` command of the project: each module with a ``__main__`` block, and each package with a
+    ``__main__.py`` (docs.figures), found from the files, so a tool added later is walked too. train.py's options
+    are the config keys, walked above; tests/ and examples/ are no tools."""
+    found = []
+    for path in sorted(ROOT.glob("[!.]*/**/*.py")) + sorted(ROOT.glob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", "examples") or rel == Path("train.py"):
+            continue
+        if path.name == "__main__.py":
+            found.append(".".join(rel.parent.parts))
+        elif 'if __name__ == "__main__"' in path.read_text():
+            found.append(".".join(rel.with_suffix("").parts))
+    return found
 
-    return {
-        "data.prepare": prepare.build_parser(),
-        "data.train_tokenizer": train_tokenizer.build_parser(),
-        "launch.supervise": supervise.build_parser(),
-        "generate": generate.build_parser(),
-        "checkpoint.export": export.build_parser(),
-        "checkpoint.gguf_import": gguf_import.build_parser(),
-        "cluster.plan_layout": plan_layout.build_parser(),
-        "training.comm_share": comm_share.build_parser(),
-        "measure.gpu_check": gpu_check.build_parser(),
-    }
+
+def with_subcommands(name: str, parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """``parser`` and each of its subcommands' parsers (``docs.figures mesh``), each walked on its own."""
+    found = {name: parser}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                found.update(with_subcommands(f"{name} {sub_name}", sub))
+    return found
+
+
+@functools.cache
+def parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every tool's parser, through its module's ``build_parser``, and each of its subcommands'."""
+    import importlib
+
+    found = {}
+    for name in tools():
+        found.update(with_subcommands(name, importlib.import_module(name).build_parser()))
+    return found
+
+
+def test_every_tool_is_walked():
+    """A tool without ``build_parser`` fails the walk (AttributeError names it) instead of being skipped."""
+    names = tools()
+    readme = ["data.prepare", "generate", "checkpoint.export", "cluster.plan_layout", "launch.supervise"]
+    assert {*readme, "docs.figures", "docs.unmarked", "measure.gpu_check", "measure.tokens_per_second"} <= set(names)
+    assert len([n for n in names if n.startswith("measure.")]) > 25
+    assert {"docs.figures mesh", "docs.figures pipeline", *names} <= set(parsers())
+
+
+@pytest.mark.parametrize(
+    "entry",
+    # launch.supervise is left out: everything after its own options is the command it runs
+    [e for e, p in sorted(parsers().items()) if all(a.nargs != argparse.REMAINDER for a in p._actions)],
+)
+def test_every_entry_point_refuses_an_unknown_option_naming_it(entry):
+    """Each tool's parser refuses what it does not know (the measurements took none, and ignored any)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        parser = parsers()[entry]
+        parser.parse_args([*required_args(parser, ""), "--no-such-option"])
+    assert exc.value.code == 2
+    assert "--no-such-option" in err.getvalue().strip().splitlines()[-1]
 
 
 def options() -> list[tuple[str, str]]:
@@ -134,7 +174,7 @@ def required_args(parser: argparse.ArgumentParser, skip: str) -> list[str]:
     args = []
     for action in parser._actions:
         if action.required and not action.option_strings:  # a positional (training.comm_share's run_dir)
-            args.insert(0, "x")
+            args.insert(0, next(iter(action.choices)) if action.choices else "x")
         elif action.required and action.option_strings[0] != skip:
             args += [action.option_strings[0], "x"]
     return args

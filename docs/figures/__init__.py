@@ -43,6 +43,10 @@ from docs.figures.svg import CHAR_WIDTH, IMG, ROOT, Svg
 from docs.figures.tensor_parallel import sp_svg, sp_transitions, tp_split_svg
 from docs.figures.tied_embeddings import tied_embeddings_svg
 from docs.figures.zero import zero_svg
+from runtime.config import ConfigError
+from runtime.options import check_out_folder, int_option, path_option
+
+MAX_RANKS = 64  # a rank grid or a schedule of more is too small to read
 
 __all__ = [
     "CHAR_WIDTH",
@@ -110,18 +114,26 @@ def write_all(out: Path = IMG) -> list[Path]:
     return written
 
 
-def main(argv: list[str]) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The subcommands and their options, each with a checked type (runtime/options.py; tests/test_input_walk.py
+    walks them). The degrees stay small: a picture of more ranks than ``MAX_RANKS`` is unreadable, and the
+    pipeline table's rows grow with pp x microbatches."""
     parser = argparse.ArgumentParser(prog="python -m docs.figures", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
     everything = sub.add_parser("all", help="regenerate every picture (the default)")
-    everything.add_argument("--out", default=str(IMG))
+    everything.add_argument("--out", type=path_option(), default=str(IMG))
     mesh = sub.add_parser("mesh", help="draw the rank grid of a layout and list its process groups")
     for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
-        mesh.add_argument(f"--{dim}", type=int, default=1)
-    mesh.add_argument("--out", default="mesh.svg")
+        mesh.add_argument(f"--{dim}", type=int_option(ge=1, le=MAX_RANKS), default=1)
+    mesh.add_argument("--out", type=path_option(), default="mesh.svg")
     pipe = sub.add_parser("pipeline", help="idealized idle fraction and memory of every schedule")
-    pipe.add_argument("--pp", type=int, default=4)
-    pipe.add_argument("--microbatches", type=int, default=8)
+    pipe.add_argument("--pp", type=int_option(ge=1, le=MAX_RANKS), default=4)
+    pipe.add_argument("--microbatches", type=int_option(ge=1, le=MAX_RANKS), default=8)
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "mesh":
         sizes = {
@@ -133,13 +145,49 @@ def main(argv: list[str]) -> None:
         }
         if (args.dp_shard * args.cp * args.tp) % args.ep:
             parser.error(f"--ep {args.ep} must divide --dp-shard x --cp x --tp (ep borrows those ranks)")
-        Path(args.out).write_text(mesh_svg(sizes, args.ep))
+        write_picture(parser, Path(args.out), mesh_svg(sizes, args.ep))
         for dim, groups in layout_groups(sizes, args.ep).items():
             if dim != "cp" or args.cp > 1:
                 print(f"{dim:<13} {groups}")
         print(f"picture: {args.out}")
     elif args.command == "pipeline":
+        problem = pipeline_problem(args.pp, args.microbatches)
+        if problem:
+            parser.error(problem)
         print(pipeline_table(args.pp, args.microbatches))
     else:
-        for path in write_all(Path(getattr(args, "out", IMG))):
+        out = Path(getattr(args, "out", IMG))
+        try:
+            check_out_folder(out, "--out")
+            written = write_all(out)
+        except (ConfigError, OSError) as err:
+            parser.error(
+                str(err)
+                if isinstance(err, ConfigError)
+                else f"--out {out}: {err.strerror}; pass a folder you can write"
+            )
+        for path in written:
             print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+def write_picture(parser: argparse.ArgumentParser, out: Path, text: str) -> None:
+    """``text`` into the file ``out``, or exit 2 naming --out and the fix (a folder, a missing folder, no rights)."""
+    if out.is_dir():
+        parser.error(f"--out {out} is a folder; pass a file path, e.g. {out / 'mesh.svg'}")
+    try:
+        out.write_text(text)
+    except OSError as err:
+        parser.error(f"--out {out}: {err.strerror}; pass a file in a folder that exists and you can write")
+
+
+def pipeline_problem(pp: int, microbatches: int) -> str | None:
+    """Why some schedule of the table cannot run ``pp`` ranks with ``microbatches`` (the rules train.py applies,
+    planning/layout_rules.py), worded with this command's options; None when every schedule can."""
+    from planning.layout_rules import pipeline_errors
+
+    for schedule, v in SCHEDULE_STAGES.items():
+        if schedule == "DualPipeV" and microbatches < 2 * pp:  # the table leaves it out (pipeline_table)
+            continue
+        for error in pipeline_errors(pp, schedule, v, microbatches, None, "params", pp * v):
+            return f"--pp {pp} --microbatches {microbatches}: {error.replace('parallel.pp_microbatches=', '--microbatches ')}"
+    return None
