@@ -11,6 +11,7 @@ and the last step's loss. One process on CPU is deterministic, so the printout r
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -37,7 +38,13 @@ def run(cf: float, run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """No options: any is refused (tests/test_input_walk.py walks every tool's parser)."""
+    return argparse.ArgumentParser(prog="python -m measure.moe_capacity", description=__doc__.splitlines()[0])
+
+
 def main() -> None:
+    build_parser().parse_args()
     with tempfile.TemporaryDirectory() as folder:
         rows = {cf: run(cf, Path(folder) / f"cf{cf:g}") for cf in FACTORS}
     print(f"{'cf':<13} {'dropped assignments, steps 1 … ' + str(STEPS):<55} {'layer 0 load at the last step':<34} loss")
