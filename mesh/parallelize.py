@@ -16,7 +16,8 @@ in the order is written beside it:
    inputs and outputs are plain, finished tensors (TP's embedding waits for its reduction: mesh/tensor_parallel.py,
    ``VocabParallelEmbedding``), so every redistribution and its backward is inside or outside a compiled region
    whole. A zero-bubble schedule runs each block's compiled backward twice (``options.split_backward``), so it must
-   keep its saved activations (mesh/private_api.py: ``keep_compiled_backward_inputs``).
+   keep its saved activations (mesh/private_api.py: ``keep_compiled_backward_inputs``). AOTAutograd's on-disk cache
+   is off: it could serve a graph naming another run's process groups (``key_compiled_graphs_by_group``).
 5. **Data parallelism** last among the wrappers: FSDP2 (mesh/data_parallel.py) makes its units of the blocks as
    they now are, and shards TP's DTensors further over the data-parallel dims (2-D). A saver may supply a
    replicated model in FSDP's place (``options.dp.replicate``: PowerSGD's DDP, savers/powersgd.py), and a
@@ -49,7 +50,7 @@ from mesh.data_parallel import apply_fsdp
 from mesh.expert_parallel import apply_expert_parallel
 from mesh.materialize import check_placement, materialize_weights
 from mesh.pipeline import build_stage_module
-from mesh.private_api import keep_compiled_backward_inputs
+from mesh.private_api import keep_compiled_backward_inputs, key_compiled_graphs_by_group
 from mesh.tensor_parallel import apply_tensor_parallel
 from models.llama import Transformer
 
@@ -108,6 +109,7 @@ def parallelize(model: nn.Module, meshes: Meshes, options: ParallelOptions, devi
         apply_expert_parallel(model, meshes.ep)
     apply_activation_checkpointing(model, options.activation_checkpoint, compiled=options.compile)  # 3. AC
     if options.compile:  # 4. compile
+        key_compiled_graphs_by_group()
         if options.split_backward:
             keep_compiled_backward_inputs()
         compile_blocks(model)

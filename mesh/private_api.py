@@ -63,6 +63,9 @@ The private APIs it wraps, and why no public one serves:
 | ``donated_buffer``                     | input-gradient pass keeps the graph for its weight-gradient pass) must |
 |                                        | not let the first run write into the saved activations; no public     |
 |                                        | switch (``keep_compiled_backward_inputs``)                            |
+| ``torch._functorch.config``'s          | AOTAutograd's on-disk cache keys a compiled block by its graph before |
+| ``enable_autograd_cache``              | DTensor is desugared, without the process-group names desugaring      |
+|                                        | writes into it: off (``key_compiled_graphs_by_group``)                |
 | ``DTensor._local_tensor``              | a DTensor's local shard without an autograd op, inside SP's re-gather |
 |                                        | pack hook (``dtensor_local_storage``)                                 |
 | ``torch._C._distributed_c10d._dump_fr_trace``, ``distributed_c10d._world.pg_names`` | the flight recorder's |
@@ -342,6 +345,24 @@ def keep_compiled_backward_inputs() -> None:
 
     if hasattr(functorch_config, "donated_buffer"):
         functorch_config.donated_buffer = False
+
+
+def key_compiled_graphs_by_group() -> None:
+    """Turn AOTAutograd's cache off, so a compiled graph is never served to a run whose process groups are named
+    differently.
+
+    AOTAutograd's cache (on disk, shared by every process of the machine's user) keys a graph by dynamo's graph,
+    where a DTensor's mesh appears by its shape and ranks; desugaring the DTensors then writes each collective's
+    process-group name into the compiled code (``all_gather_into_tensor(x, 2, '27')``). Group names are numbers
+    given in creation order, so two layouts with the same tp mesh name it differently: a graph cached by one run
+    (HSDP x TP, 8 ranks) failed in the next (pp 2 x cp 2 x tp 2) with "Could not resolve the process group
+    registered under the name 27", every run after, until the cache was cleared. Inductor's own FX graph cache
+    stays on: its key is the desugared graph, names included. Process-wide; ``hasattr``: 2.11-2.15 have the flag.
+    """
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        functorch_config.enable_autograd_cache = False
 
 
 def splits_compiled_backward() -> bool:

@@ -184,11 +184,11 @@ def tensor_parallel_errors(layout: Layout, model: ModelArgs) -> list[str]:
             f"parallel.tp={dims.tp}: under TP each tp rank runs the MoE layers on its own chunk of every sequence "
             "(mesh/moe_token_split.TokenSplitMoE); change seq_len."
         )
-    if p.sp_regather and (layout.activation_checkpoint != "none" or layout.compile):
+    if p.sp_regather and layout.activation_checkpoint != "none":
         errors.append(
-            "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false: a "
-            "checkpointed block keeps no gathered input to begin with (full) or keeps it by policy (selective), and "
-            "the re-gather hooks run in eager mode only; turn one of them off."
+            f"parallel.sp_regather=true with training.activation_checkpoint={layout.activation_checkpoint}: a "
+            "checkpointed block keeps no gathered input to begin with (full) or keeps it by its policy (selective), "
+            "so there is nothing to re-gather; set training.activation_checkpoint=none or parallel.sp_regather=false."
         )
     if p.sp_regather and (dims.tp == 1 or not p.sequence_parallel):
         errors.append(

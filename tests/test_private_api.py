@@ -364,6 +364,17 @@ def test_keep_compiled_backward_inputs_turns_donated_buffers_off():
         assert functorch_config.donated_buffer is False
 
 
+def test_key_compiled_graphs_by_group_turns_aotautograds_cache_off():
+    import torch._functorch.config as functorch_config
+
+    from mesh.private_api import key_compiled_graphs_by_group
+
+    # the flag exists in this release, and the wrapper clears it
+    with functorch_config.patch(enable_autograd_cache=True):
+        key_compiled_graphs_by_group()
+        assert functorch_config.enable_autograd_cache is False
+
+
 def block_with_a_donated_buffer(x, w):
     return (torch.relu(x @ w) @ w).sin()  # saves an intermediate that nothing else holds: a donated buffer
 

@@ -212,27 +212,6 @@ def test_cpu_memory_timeline_shows_parameters_gradients_and_adam_states(tmp_path
 # ---- compile ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "config, overrides, world, expected",
-    [
-        (
-            DEBUG_CONFIG,
-            {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sp_regather": True},
-            2,
-            "parallel.sp_regather=true needs training.activation_checkpoint=none and training.compile=false",
-        ),
-    ],
-    ids=["sp_regather"],
-)
-def test_layouts_that_cannot_compile_are_refused_before_any_process_group(config, overrides, world, expected):
-    from train import check_config
-
-    cfg = load_config(path=config, overrides={**overrides, "training.compile": True})
-    with pytest.raises(ConfigError) as err:
-        check_config(cfg, world)
-    assert expected in str(err.value) and "training.compile=false" in str(err.value)
-
-
 @pytest.mark.compat
 def test_layouts_that_compile_pass_validation():
     from mesh.private_api import splits_compiled_backward
@@ -243,6 +222,9 @@ def test_layouts_that_compile_pass_validation():
         ({"parallel.pp": 2, "parallel.dp_shard": 1}, 2),
         ({"parallel.tp": 2, "parallel.dp_shard": 1}, 2),
         ({"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sequence_parallel": False}, 2),
+        ({"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sp_regather": True}, 2),  # mesh/sequence_parallel.py
+        ({"parallel.dp_replicate": 2, "parallel.dp_shard": 2}, 4),
+        ({"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.tp": 2}, 8),
         ({"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.pp": 2}, 8),
         ({"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_attention": "ring"}, 2),
     ]
