@@ -7,7 +7,7 @@ By chapter (docs/):
 - 2, savers: ``grad_traffic``, ``grad_compression``, ``grad_sync_memory``, ``offload_memory``
 - 3, tensor parallelism: ``activation_memory``
 - 4, pipeline parallelism: ``pipeline_bubble``, ``pipeline_facts``, ``pp_split_memory``, ``schedule_ir``
-- 5, expert parallelism: ``ep_layer``, ``ep_placement``, ``moe_grouped_mm``, ``moe_load``
+- 5, expert parallelism: ``ep_layer``, ``ep_placement``, ``moe_capacity``, ``moe_grouped_mm``, ``moe_load``
 - 6, context parallelism: ``context_parallel``, ``ring_attention``
 - 7, mixed precision and memory: ``logits_memory``
 - 8, combining: ``failure_modes``
