@@ -189,9 +189,10 @@ def gathered_bytes(args: ModelArgs, layout: Layout, layers, first: bool, last: b
         # Under TP the vocabulary-parallel embedding's gradient comes out for the whole vocabulary, and FSDP2
         # accumulates it across the micro-batches in fp32 at that size (measured by the simulation, docs/combining.md
         # Appendix F: +3.4 GiB on Llama 3 70B's first pipeline rank). It exists from the first stage's first backward
-        # on, which is the rank's activation peak under 1F1B and GPipe and in the V-schedules' steady state; the looped
-        # multi-stage schedules run that backward after their other stages' backwards have freed most chunks, so
-        # there it does not add to the peak (70B Interleaved1F1B, rank 0: the simulation's peak has no such gradient).
+        # on, which is the rank's activation peak under 1F1B and GPipe. A rank with several stages is counted by
+        # stage_backward_peak (each stage's gradients from its first backward); here, for such schedules, only
+        # pipeline_split's per-stage shares, which leave the gradient out under the looped schedules (their stage 0
+        # runs its first backward after the rank's other stages have freed most chunks).
         looped = layout.pp_schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
         whole_embedding_grad = 4 * args.vocab_size * args.dim * (1 - 1 / layout.tp) if first and not looped else 0.0
         return (w + 4) * (root + sum(gathered_block(args, layout, i) for i in layers)) + whole_embedding_grad
