@@ -2,7 +2,8 @@
 
     python -m measure.logits_memory        # docs/combining.md, section 6: the planner's 12 bytes per logit
 
-planning/memory_estimate.py charges the last pipeline stage 12·s·V/tp bytes for the logits. This measures what the
+planning/memory_estimate.py charges the last pipeline stage 12·s·V/tp bytes for the logits on one process (16 under
+TP, 2 more with pipelining: ``bytes_per_logit``). This measures what the
 head and ``training/loss.py: token_loss_sum`` (``.float()`` then cross-entropy with a sum) keep alive: a dispatch mode
 records the storage of every op output as it is created, and after every op sums the bytes of those still
 alive. The peak in forward and the peak in backward, divided by the number of logits b·s·V, are the bytes
@@ -12,9 +13,11 @@ the round numbers.
 
 Under TP the head is column-parallel and the cross-entropy runs under ``loss_parallel`` on vocab shards; its
 all-reduces and fp32 temporaries happen inside DTensor's dispatch, so the meter hands DTensor ops back to DTensor
-(``NotImplemented``) and sees their local ops. ``main`` measures that too, on 2 gloo ranks: 22 bytes per logit of
-the rank's shard in forward and 20 in backward, against 10 and 12 on one process; the planner's 12 does not yet
-count the difference (docs/combining.md, Appendix F).
+(``NotImplemented``) and sees their local ops. DTensor's sharding propagation also runs each op on meta or fake
+tensors of the global shape to learn its output's metadata; those hold no memory and are not counted (counting
+them read 22 and 20 bytes per logit). ``main`` measures that too, on 2 gloo ranks: 14 bytes per logit of the rank's
+shard in forward and 16 in backward, against 10 and 12 on one process (planning/memory_estimate.py:
+``bytes_per_logit`` derives both from the ops).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def peak_bytes_per_logit(
 ) -> dict[str, float]:
     """Peak live bytes per logit (of this rank's shard) in forward and in backward; ``tp``: on an initialised process
     group, the head column-parallel over all its ranks and the cross-entropy under ``loss_parallel``."""
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
     from torch.utils._pytree import tree_leaves
 
@@ -49,7 +53,9 @@ def peak_bytes_per_logit(
                 return NotImplemented  # a DTensor op: its local ops come back here (planning/sim_accounting.py, 3)
             out = func(*args, **(kwargs or {}))
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
+                # DTensor's sharding propagation runs each op on meta or fake tensors of the global shape to learn
+                # its output's metadata: no memory, though their storages report the global bytes
+                if isinstance(t, torch.Tensor) and t.device.type != "meta" and not isinstance(t, FakeTensor):
                     st = t.untyped_storage()
                     if st._cdata not in self.exclude:
                         remember(self.storages, st)

@@ -80,10 +80,15 @@ Per rank, for the pipeline rank and stages given (GB below means 1e9 bytes):
    stages, nor are the stages the same size (``stage_chunks_in_flight``: the first n forwards in the schedule's
    own order), so a rank's activations are each stage's chunks in flight times that stage's chunk. Without pipelining a rank holds one micro-batch (accumulation runs them one
    after the other).
-5. **Logits** (``logits_bytes``), on the rank holding the last stage: 12 bytes per logit at the peak around
-   the loss (bf16 logits 2, their fp32 copy 4, the fp32 log-softmax 4, the gradient; measured by
-   measure/logits_memory.py), plus 4 bytes per logit (the saved log-softmax) for every other micro-batch the
-   last stage holds in flight; logits are split over tp by the vocabulary-parallel loss.
+   A rank running several stages holds each stage's unsharded gradients only from that stage's first backward
+   to its last, and under ZBVZeroBubble a chunk past its input-gradient pass keeps the gradients its
+   weight-gradient pass reads (``weight_gradient_bytes``): its peak is the largest of the moments
+   ``stage_backward_peak`` lists.
+5. **Logits** (``logits_bytes``), on the rank holding the last stage: the bytes per logit at the peak around
+   the loss (``bytes_per_logit``, from what the cross-entropy keeps: 12 in bf16 on one process, 16 under TP's
+   loss-parallel cross-entropy, 2 more with pipelining, which keeps the stage's output; measured by
+   measure/logits_memory.py and the simulation), plus the saved log-softmax (and pipelined, the stage's output)
+   for every other micro-batch the last stage holds in flight; logits are split over tp by the vocabulary-parallel loss.
 
 Not counted: the CUDA context and kernels' workspaces, NCCL's buffers, the allocator's fragmentation, the
 optimizer step's temporaries, the data loader, and anything torch.compile changes.
@@ -101,8 +106,6 @@ if TYPE_CHECKING:  # (no planning.plan import, even here: planning/plan.py may i
     from planning.layout import Layout
 
 STATE_BYTES = 16  # fp32 weights 4 + fp32 gradients 4 + Adam m, v 8, per owned parameter
-LOGIT_PEAK_BYTES = 12  # per logit around the loss: measure/logits_memory.py measures 10.0 forward, 12.0 backward
-LOGIT_KEPT_BYTES = 4  # per logit of a micro-batch waiting for its backward: the fp32 log-softmax
 ROUTING_BYTES = 32  # per routed (token, expert) pair: three int64 indices, two fp32 gates (models/moe.py: MoE)
 
 
@@ -186,9 +189,10 @@ def gathered_bytes(args: ModelArgs, layout: Layout, layers, first: bool, last: b
         # Under TP the vocabulary-parallel embedding's gradient comes out for the whole vocabulary, and FSDP2
         # accumulates it across the micro-batches in fp32 at that size (measured by the simulation, docs/combining.md
         # Appendix F: +3.4 GiB on Llama 3 70B's first pipeline rank). It exists from the first stage's first backward
-        # on, which is the rank's activation peak under 1F1B and GPipe and in the V-schedules' steady state; the looped
-        # multi-stage schedules run that backward after their other stages' backwards have freed most chunks, so
-        # there it does not add to the peak (70B Interleaved1F1B, rank 0: the simulation's peak has no such gradient).
+        # on, which is the rank's activation peak under 1F1B and GPipe. A rank with several stages is counted by
+        # stage_backward_peak (each stage's gradients from its first backward); here, for such schedules, only
+        # pipeline_split's per-stage shares, which leave the gradient out under the looped schedules (their stage 0
+        # runs its first backward after the rank's other stages have freed most chunks).
         looped = layout.pp_schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
         whole_embedding_grad = 4 * args.vocab_size * args.dim * (1 - 1 / layout.tp) if first and not looped else 0.0
         return (w + 4) * (root + sum(gathered_block(args, layout, i) for i in layers)) + whole_embedding_grad
@@ -293,6 +297,25 @@ def selective_ffn_bytes(args: ModelArgs, layer_id: int, layout: Layout, mode: st
     return router + routed * ((2 * m.hidden_dim + h) * w + 12 + exchanged) + shared
 
 
+def weight_gradient_bytes(args: ModelArgs, layer_id: int, layout: Layout) -> float:
+    """Bytes a zero-bubble schedule's input-gradient pass keeps per block for the weight-gradient pass that runs later
+    (torch/distributed/pipelining/_backward.py: ``stage_backward_input`` keeps the gradient flowing into every op that
+    reads a weight): in the compute dtype, per token of this rank, the outputs of wq, wk and wv (h + 2g over t), of
+    wo and w2 (whole partial sums under TP: h each), of w1 and w3 (H over t each) and of the two norms (h, over t
+    with SP); an MoE layer's router (E), shared expert (2H + h) and experts (per routed pair 2He + h) on the rank's
+    own tokens instead of w1, w3 and w2."""
+    n, h, w, t = layout.tokens, args.dim, layout.dtype_bytes, layout.tp
+    g = args.n_kv_heads * args.head_dim
+    shard = t if layout.sp else 1
+    attention = n * (h + 2 * g) / t + n * h + 2 * n * h / shard
+    if not args.is_moe_layer(layer_id):
+        return w * (attention + 2 * n * args.hidden_dim / t + n * h)
+    m = args.moe
+    local = n / t
+    shared = local * (2 * args.hidden_dim + h) if m.n_shared_experts else 0.0
+    return w * (attention + local * m.n_experts + shared + local * m.top_k * (2 * m.hidden_dim + h))
+
+
 def layer_activation_bytes(args: ModelArgs, layer_id: int, layout: Layout, mode: str | None = None) -> float:
     """Item 3 in one number: bytes block ``layer_id`` keeps for one micro-batch under ``mode`` (default: the
     layout's ``activation_checkpoint``)."""
@@ -367,10 +390,41 @@ def stage_chunks_in_flight(schedule: str, pp: int, pp_rank: int, microbatches: i
 # ---- 5. logits, and the whole rank -------------------------------------------------------------------------
 
 
+def bytes_per_logit(layout: Layout) -> tuple[int, int]:
+    """Bytes per logit of this rank's shard (b·s·V/tp logits): at the peak around the loss, and for each other
+    micro-batch the last stage holds waiting for its backward; counted from what training/loss.py's
+    ``token_loss_sum`` (``.float()``, then a summed cross-entropy) keeps alive, in the compute dtype w.
+
+    - One process (tp = 1), aten's fused ``_log_softmax`` and ``nll_loss``: forward keeps the logits (w), their
+      fp32 copy (4, none in fp32) and the log-softmax (4); backward the saved log-softmax (4), ``nll_loss``'s
+      gradient (4) and the log-softmax's input gradient (4): 10 and 12 bytes in bf16.
+    - Under TP, ``loss_parallel`` (torch/distributed/tensor/parallel/loss.py) computes the log-softmax on the
+      vocabulary shard in steps, each an fp32 tensor of the shard's size: forward keeps the logits (w), the fp32
+      copy x (4), ``shifted = x - max`` (4) and ``exp(shifted)`` (4), then the result replaces the exponentials;
+      its fused backward keeps the saved log-softmax (4) and builds ``zeros_like`` (4), ``exp`` of the
+      log-softmax (4) and their sum (4) before scaling it: 14 and 16 bytes in bf16.
+    - Under pipelining torch's ``PipelineStage`` keeps the stage's output, the logits (w), in its forward cache
+      until that micro-batch's backward, so backward holds them too (+2 in bf16: 14 one process, 18 under TP).
+
+    ``python -m measure.logits_memory`` measures the tp = 1 and tp = 2 cases without pipelining (10 and 12, 14 and
+    16); the simulation (docs/combining.md, Appendix F) measures 18 on Llama 3 70B's and the MoE's last rank. A
+    micro-batch waiting for its backward keeps the log-softmax (4) and, under pipelining, the stage's output (w).
+    """
+    w = layout.dtype_bytes
+    copy = 4 if w != 4 else 0  # .float() copies only a narrower dtype
+    stage_output = w if layout.pp > 1 else 0
+    if layout.tp > 1:
+        forward, backward = w + copy + 4 + 4, 4 + 4 + 4 + 4 + stage_output
+    else:
+        forward, backward = w + copy + 4, 4 + 4 + 4 + stage_output
+    return max(forward, backward), 4 + stage_output
+
+
 def logits_bytes(args: ModelArgs, layout: Layout, held: int = 1) -> float:
-    """Item 5: the peak around the loss, plus the saved log-softmax of ``held - 1`` other micro-batches."""
+    """Item 5: the peak around the loss, plus what ``held - 1`` other micro-batches keep (``bytes_per_logit``)."""
     logits = layout.tokens * args.vocab_size / layout.tp
-    return logits * (LOGIT_PEAK_BYTES + LOGIT_KEPT_BYTES * max(0, held - 1))
+    peak, kept = bytes_per_logit(layout)
+    return logits * (peak + kept * max(0, held - 1))
 
 
 @dataclass(frozen=True)
@@ -398,14 +452,114 @@ def rank_memory(
     first, last = 0 in stage_ids, n_stages - 1 in stage_ids
     layers = [i for s in stage_ids for i in stage_layers[s]]
     params = stage_parameters(args, layers, first, last)
+    states = states_bytes(args, layout, params)
+    rebuild = rebuild_bytes(args, layers, layout)
+    if layout.pp > 1 and layout.fsdp and len(stage_ids) > 1:
+        gathered, activations, logits = stage_backward_peak(args, layout, stage_layers, pp_rank, stage_ids)
+        return RankMemory(states=states, gathered=gathered, activations=activations + rebuild, logits=logits)
     activations = in_flight_activations(args, layout, stage_layers, pp_rank, stage_ids)[0]
-    activations += rebuild_bytes(args, layers, layout)
     return RankMemory(
-        states=states_bytes(args, layout, params),
+        states=states,
         gathered=gathered_bytes(args, layout, layers, first, last),
-        activations=activations,
+        activations=activations + rebuild,
         logits=logits_bytes(args, layout, last_stage_held(layout)) if last else 0.0,
     )
+
+
+def stage_gathered_parameters(args: ModelArgs, layout: Layout, stage_layers, stage: int) -> float:
+    """Parameters of pipeline stage ``stage`` gathered on this rank (its blocks, and the embedding or the norm and head
+    where it holds them): what FSDP keeps unsharded, and what its unsharded gradients cover, for that stage."""
+    layers = stage_layers[stage]
+    root = gathered_parameters(layout, stage_parameters(args, [], stage == 0, stage == len(stage_layers) - 1))
+    return root + sum(gathered_block(args, layout, i) for i in layers)
+
+
+def finished_before_next_stage(schedule: str, pp: int, pp_rank: int, microbatches: int) -> bool:
+    """Whether a rank's stage runs all its backwards before the rank's next stage (in backward order) runs its first,
+    read from torch's action lists (tests/test_memory_estimate.py checks it): the looped schedules run q = m // max(1,
+    m // pp) backwards of a stage per round (LoopedBFS: all m), the V-schedules pp - r of the second stage before the
+    first stage's first backward."""
+    m = microbatches
+    if schedule == "LoopedBFS":
+        return True
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        return pp - pp_rank >= m
+    return m // max(1, m // pp) >= m
+
+
+def stage_backward_peak(
+    args: ModelArgs,
+    layout: Layout,
+    stage_layers: list[list[int]] | tuple[tuple[int, ...], ...],
+    pp_rank: int,
+    stage_ids: list[int] | tuple[int, ...],
+) -> tuple[float, float, float]:
+    """Items 2, 4 and 5 for a rank that runs several pipeline stages: (gathered, activations, logits) at its peak.
+
+    torch keeps each stage's units gathered for the whole step (the compute dtype, every stage at once), but a
+    stage's unsharded fp32 gradients exist only from that stage's first backward to its last, when FSDP
+    reduce-scatters and frees them (torch/distributed/pipelining/stage.py: backward_maybe_with_nosync). The rank's
+    stages run their first backwards from the highest stage id down (the looped schedules' last stage, the
+    V-schedules' mirrored one), so the peak is the larger of:
+
+    - the rank's first backward: the most chunks in flight (``stage_chunks_in_flight``), the gradients of that
+      stage alone, and the logits when it is the model's last stage;
+    - each later stage's first backward, once it has run through the stage (its first chunk freed, its gradients
+      all allocated): its gradients, and those of the stages before it in backward order that have not finished
+      (``finished_before_next_stage``: a finished stage holds neither gradients nor chunks), with the same chunks
+      otherwise. For stage 0 under TP the embedding's backward ends it: its gradient comes out for the whole
+      vocabulary in the compute dtype and FSDP casts it to fp32 (item 2), both alive at once.
+
+    Counting every stage's gradients at once missed on the MoE: 5 GiB at the interleaved last rank, whose first
+    stage has run no backward at the peak, and 7 GiB at ZBV's first rank (docs/combining.md, Appendix F).
+    """
+    w = layout.dtype_bytes
+    sizes = {s: stage_gathered_parameters(args, layout, stage_layers, s) for s in stage_ids}
+    weights = w * sum(sizes.values())
+    # item 2: the fp32 accumulator beyond the rank's own shard; at the embedding's backward also the gradient it
+    # casts, the whole table in the compute dtype (0 without TP: the gradient is then the shard itself)
+    whole_embedding = 4 * args.vocab_size * args.dim * (1 - 1 / layout.tp)
+    cast_embedding = w * args.vocab_size * args.dim if layout.tp > 1 else 0.0
+
+    def gradients(s: int) -> float:
+        return 4 * sizes[s] + (whole_embedding if s == 0 else 0.0)
+
+    held = dict(
+        zip(
+            stage_ids,
+            stage_chunks_in_flight(layout.pp_schedule, layout.pp, pp_rank, layout.pp_microbatches, len(stage_ids)),
+            strict=True,
+        )
+    )
+    chunk = {s: sum(layer_activation_bytes(args, i, layout) for i in stage_layers[s]) for s in stage_ids}
+    order = sorted(stage_ids, reverse=True)  # the order of the stages' first backwards
+    finished = finished_before_next_stage(layout.pp_schedule, layout.pp, pp_rank, layout.pp_microbatches)
+    last = len(stage_layers) - 1
+    zero_bubble = layout.pp_schedule == "ZBVZeroBubble"
+    kept = {s: sum(weight_gradient_bytes(args, i, layout) for i in stage_layers[s]) for s in stage_ids}
+    moments = [
+        (
+            weights + gradients(order[0]),
+            # under ZBV the first backward is an input-gradient pass, which keeps its chunk's weight-gradient inputs
+            sum(held[s] * chunk[s] for s in stage_ids) + (kept[order[0]] if zero_bubble else 0.0),
+            logits_bytes(args, layout, last_stage_held(layout)) if order[0] == last else 0.0,
+        )
+    ]
+    pp, r, m = layout.pp, pp_rank, layout.pp_microbatches
+    if zero_bubble and m >= 2 * pp - 1:
+        # ZBV's cool-down (torch's action lists, tests/test_memory_estimate.py): with m >= 2pp - 1 rank r runs 2r + 1
+        # input-gradient passes before their weight-gradient passes, holding pp + r chunks, 2r + 1 of them with their
+        # weight-gradient inputs; every stage has started and none finished
+        mean_chunk = sum(chunk.values()) / len(chunk)
+        mean_kept = sum(kept.values()) / len(kept)
+        cooldown = min(2 * m, pp + r) * mean_chunk + (2 * r + 1) * mean_kept
+        moments.append((weights + sum(gradients(s) for s in stage_ids), cooldown, 0.0))
+    for k, stage in enumerate(order[1:], start=1):
+        active = [stage] + ([] if finished else order[:k])
+        grads = sum(gradients(s) for s in active) + (cast_embedding if stage == 0 else 0.0)
+        chunks = sum(held[s] * chunk[s] for s in active + order[k + 1 :]) - chunk[stage] * min(1, held[stage])
+        moments.append((weights + grads, chunks, 0.0))
+    return max(moments, key=sum)
 
 
 def in_flight_activations(

@@ -500,6 +500,15 @@ def causal_attention_flops(seq: int, cp: int, name: str = "llama3-8b") -> float:
     return 12 * args.n_heads * args.head_dim * seq * seq / 2 / cp
 
 
+def logit_peak(tp: int, pp: int, precision: str = "bf16") -> int:
+    """The planner's bytes per logit of a rank's vocabulary shard at the peak around the loss
+    (`planning/memory_estimate.py: bytes_per_logit`)."""
+    from planning.layout import Layout
+    from planning.memory_estimate import bytes_per_logit
+
+    return bytes_per_logit(Layout(tp=tp, pp=pp, mixed_precision=precision))[0]
+
+
 NAMESPACE = {
     name: obj
     for name, obj in list(globals().items())

@@ -40,26 +40,28 @@ def test_memory_split_matches_a_hand_worked_example():
     Activations per micro-batch of n = 64 tokens (planning/memory_estimate.py, item 3): norms 2(n h w + 4n)
     = 8,704; the two gathered inputs 2 n h w = 8,192; attention (2 n h w + 2 n g w + 4 n a) = 16,896; SwiGLU
     4 n H w = 32,768; in all A = 66,560 B. The embedding 16 x 512 = 8,192 B on stage 0; head + norm
-    16 x 528 = 8,448 B and logits 12 x 64 x 32 = 24,576 B on stage 3 (33,024 B).
+    16 x 528 = 8,448 B and logits 16 x 64 x 32 = 32,768 B on stage 3 (41,216 B): in fp32 on one process backward
+    holds the saved log-softmax, nll_loss's gradient and the log-softmax's input gradient, and the pipeline stage its
+    output, 4 bytes per logit each (planning/memory_estimate.py: bytes_per_logit).
     1F1B with 4 micro-batches: rank r holds 4 - r micro-batches, so a block costs S + (4 - r) A there:
     307,712 | 241,152 | 174,592 | 108,032.
-      params (2,2,2,2): 623,616 | 482,304 | 349,184 | 249,088 (max/min 2.50).
-      memory: stage 3 with 4 blocks is 465,152; stage 0 or 1 with 2 blocks is at least 482,304, so they get
-      one each, stage 2 the remaining two: (1,1,2,4) -> 315,904 | 241,152 | 349,184 | 465,152 (max/min 1.93);
-      any other cut puts 2 blocks on stage 0 or 1, or 5 on stage 3 (573,184), or 3 on stage 2 (523,776).
+      params (2,2,2,2): 623,616 | 482,304 | 349,184 | 257,280 (max/min 2.42).
+      memory: stage 3 with 4 blocks is 473,344; stage 0 or 1 with 2 blocks is at least 482,304, so they get
+      one each, stage 2 the remaining two: (1,1,2,4) -> 315,904 | 241,152 | 349,184 | 473,344 (max/min 1.96);
+      any other cut puts 2 blocks on stage 0 or 1, or 5 on stage 3 (581,376), or 3 on stage 2 (523,776).
     With full checkpointing a block keeps only its input, n h w = 4,096 B per micro-batch, and each rank
     rebuilds one block (66,560 - 4,096 = 62,464 B): S + (4 - r) 4,096 = 57,856 | 53,760 | 49,664 | 45,568,
-    and (2,2,2,2) gives 186,368 | 169,984 | 161,792 | 186,624, which no move of one layer improves (stage 2
+    and (2,2,2,2) gives 186,368 | 169,984 | 161,792 | 194,816, which no move of one layer improves (stage 2
     with 3 blocks: 211,456; stage 1 with 3: 223,744): the split stays even.
     """
     none, full = hand_layout("none"), hand_layout("full")
     assert HAND.layer_params(0) == 2_592 and layer_activation_bytes(HAND, 0, none) == 66_560
-    assert rank_peaks(HAND, none, [2, 2, 2, 2], "1F1B") == [623_616, 482_304, 349_184, 249_088]
+    assert rank_peaks(HAND, none, [2, 2, 2, 2], "1F1B") == [623_616, 482_304, 349_184, 257_280]
     assert memory_split(HAND, none, 4, "1F1B") == [1, 1, 2, 4]
-    assert rank_peaks(HAND, none, [1, 1, 2, 4], "1F1B") == [315_904, 241_152, 349_184, 465_152]
+    assert rank_peaks(HAND, none, [1, 1, 2, 4], "1F1B") == [315_904, 241_152, 349_184, 473_344]
     assert [len(s) for s in split_layers(HAND, 4, "params", 32)] == [2, 2, 2, 2]
     assert memory_split(HAND, full, 4, "1F1B") == [2, 2, 2, 2]
-    assert rank_peaks(HAND, full, [2, 2, 2, 2], "1F1B") == [186_368, 169_984, 161_792, 186_624]
+    assert rank_peaks(HAND, full, [2, 2, 2, 2], "1F1B") == [186_368, 169_984, 161_792, 194_816]
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULE_FAMILIES))
@@ -105,9 +107,13 @@ def test_the_plan_and_the_dry_run_print_layers_per_stage():
 
 
 def test_memory_split_matches_one_process(one_process, tmp_path):
-    # 1F1B with 2 micro-batches of 4 sequences: rank 0 holds two in flight, rank 1 one plus the logits, so the
-    # memory split is (1,3) where params gives (2,2); the model and its curve must not change.
-    layout = {"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "parallel.pp_microbatches": 2}
+    # 1F1B on 3 ranks with 4 micro-batches of 2 sequences: rank 0 holds three in flight, rank 1 two, rank 2 one plus
+    # the logits, so the memory split is (1,1,2) where params gives (1,2,1); the model and its curve must not change.
+    # (On 2 ranks the two splits agree, (2,2): with the pipelined stage's output counted among the logits,
+    # bytes_per_logit, the last rank with three layers would be the fuller one.)
+    layout = {"parallel.pp": 3, "parallel.pp_schedule": "1F1B", "parallel.pp_microbatches": 4}
     cfg = load_config(path=DEBUG_CONFIG, overrides={**layout, "parallel.dp_shard": 1, "parallel.pp_split": "memory"})
-    assert LayoutPlan.resolve(cfg, 2).split_line() == "layers per stage 1,3"
-    assert_same_curve(train_on(2, {**layout, "parallel.pp_split": "memory"}, tmp_path), one_process)
+    assert LayoutPlan.resolve(cfg, 3).split_line() == "layers per stage 1,1,2"
+    params = load_config(path=DEBUG_CONFIG, overrides={**layout, "parallel.dp_shard": 1, "parallel.pp_split": "params"})
+    assert LayoutPlan.resolve(params, 3).split_line() == "layers per stage 1,2,1"
+    assert_same_curve(train_on(3, {**layout, "parallel.pp_split": "memory"}, tmp_path), one_process)
