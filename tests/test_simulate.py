@@ -447,12 +447,9 @@ def test_a_real_eight_rank_run_and_the_simulation_issue_the_same_collectives_and
     # it gets to it, after the wait has returned, so a few such buffers (measured: 0 to 4 of 64 KiB, one micro-
     # batch's hidden states, on a different rank each run) overlap what the main thread allocates next. That only
     # adds: no real rank may fall below the simulated peak by more than the issue's 2%, and the stage's least
-    # delayed rank, the program-order peak, must come within 2% of it (dense: 32 bytes apart, measured).
+    # delayed rank, the program-order peak, must come within 2% of it (measured: dense 32 bytes apart; MoE 0.75%
+    # and 1.1% above, its real routing's uneven expert batches).
     within = {p: min(real) == pytest.approx(sim, rel=0.02) for p, (sim, real) in memory.items()}
     for pp_rank, (sim, peaks) in memory.items():
         assert min(peaks) >= 0.98 * sim, (pp_rank, sim, peaks)
-    if "--parallel.ep" in argv and not all(within.values()):
-        # The MoE layout's real peaks exceed the simulation's by ~2.5% on every rank of stage 0 (issue 47 open:
-        # which category, real routing's uneven expert batches or a meter gap, is not yet found).
-        pytest.xfail(f"MoE real vs simulated peak bytes, per pp rank (sim, real ranks): {memory}")
     assert all(within.values()), memory

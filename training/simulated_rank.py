@@ -127,7 +127,7 @@ def simulate_rank(
         stack.enter_context(meshes_outside_fake_mode())
         stack.enter_context(eager_functional_collectives())
         stack.enter_context(use_split_sizes(balanced_split_sizes))
-        memory = stack.enter_context(LiveBytes(fake_mode))
+        memory = stack.enter_context(LiveBytes(fake_mode, cpu_casts=device_type == "cpu"))
         stack.enter_context(memory.following_resizes())
         comms = stack.enter_context(Collectives(group_dims(meshes)))
         comms.counting = False
