@@ -49,6 +49,10 @@ The private APIs it wraps, and why no public one serves:
 | ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` | the CUDA allocator's history, the file that     |
 |                                        | pytorch.org/memory_viz opens (``profile.memory_snapshot``)            |
 | ``torch.profiler._memory_profiler._CATEGORY_TO_INDEX`` | the column order of the CPU memory timeline's JSON export  |
+| ``profile.profiler.kineto_results.experimental_event_tree`` | each CPU allocation and free a memory profile    |
+|                                        | recorded, in order and with its time: the public memory timeline needs |
+|                                        | ``record_shapes``, whose references make the build's ``to_empty`` fail |
+|                                        | (``profiled_cpu_allocations``)                                        |
 | ``torch._C._autograd._top_saved_tensors_default_hooks`` | the saved-tensor hooks active now, so that SP's re-gather |
 |                                        | hooks hand every other tensor on to them (mesh/tensor_parallel.py)    |
 | ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU),          | one fused attention kernel call that  |
@@ -517,6 +521,25 @@ def memory_timeline_categories() -> list[str | None]:
     for category, index in _CATEGORY_TO_INDEX.items():
         names[index + 1] = "unknown" if category is None else category.name.lower().replace("_", " ")
     return names
+
+
+def profiled_cpu_allocations(prof) -> list[tuple[int, int, int]]:
+    """(time in nanoseconds since the epoch, bytes: positive allocated, negative freed, the allocator's total after
+    it) of every CPU allocation and free that ``prof`` (a finished ``torch.profiler.profile(profile_memory=True)``)
+    recorded, in time order. The CPU allocator reports each one (c10's ``ProfiledCPUMemoryReporter``) with its
+    running total of the blocks it has seen allocated since profiling began and not yet freed (a free of an older
+    block is not reported). Read the total, not a sum of the sizes in time order: a free on another thread (gloo's
+    workers) is stamped after the total is updated, so a reallocation of its block can come first in time."""
+    from torch._C._profiler import _EventType
+
+    out, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            fields = node.typed[1]
+            out.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
+    return sorted(out)
 
 
 # ---- autograd --------------------------------------------------------------------------------------------

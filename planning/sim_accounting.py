@@ -14,6 +14,10 @@
    tensor tags its outputs of the same shape, unless it is a matmul (which mixes the vocabulary away: the head's
    own backward). That follows the loss's copies of the logits, forward and backward (the fp32 copy, the
    log-softmax, their gradients), the bytes planning/memory_estimate.py's ``logits_bytes`` counts.
+
+   On a CPU (``cpu_casts``) a pointwise op whose inputs differ in dtype also holds, while it runs, a copy of each
+   input in the common dtype: CPU's TensorIterator casts them into temporaries before the kernel (CUDA casts inside
+   it). Mixed precision makes such ops (an fp32 gradient accumulating a bf16 one); the copy can be the peak's top.
 2. ``Collectives`` counts the c10d ops a step issues (they reach the dispatcher with their process group), per
    mesh dim: count, bytes this rank sends or receives (the tensor handed to the collective), and on-the-wire bytes
    for a ring (all-gather and reduce-scatter move (n-1)/n of the full buffer per rank, all-reduce twice that,
@@ -50,9 +54,10 @@ def _key(storage) -> int:
 class LiveBytes(TorchDispatchMode):
     """Live storage bytes under this mode, their peak, and the peak's split by category (module docstring, 1)."""
 
-    def __init__(self, fake_mode=None):
+    def __init__(self, fake_mode=None, cpu_casts: bool = False):
         super().__init__()
         self.fake_mode = fake_mode  # the simulation's fake mode (None: real tensors)
+        self.cpu_casts = cpu_casts  # count the CPU's dtype-cast temporaries (module docstring, 1)
         self.sizes: dict[int, int] = {}
         self.logits: set[int] = set()
         self.live = 0
@@ -192,7 +197,28 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._add(t, tuple(t.shape) in shapes)
+        if self.cpu_casts and torch.Tag.pointwise in func.tags:
+            self._cast_temporaries(args, kwargs)
         return out
+
+    def _cast_temporaries(self, args, kwargs) -> None:
+        """A moment's peak: the copies CPU's TensorIterator makes of the inputs not in the common dtype (module
+        docstring, 1; zero-dim tensors, a few bytes, and the category rules that keep them out are left out)."""
+        tensors = [
+            _local(a)
+            for a in tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor) and a.dim() > 0 and not _is_meta(a)
+        ]
+        if len({t.dtype for t in tensors}) < 2:
+            return
+        common = tensors[0].dtype
+        for t in tensors[1:]:
+            common = torch.promote_types(common, t.dtype)
+        nbytes = sum(t.numel() * common.itemsize for t in tensors if t.dtype != common)
+        key = -1  # no storage has a negative key: the temporaries, alive for the op only
+        self.sizes[key] = nbytes
+        self._grow(nbytes)
+        self._free(key)
 
     @contextlib.contextmanager
     def following_resizes(self):

@@ -193,6 +193,23 @@ def test_ddp_replicate_in_place_and_the_offload_flag():
     assert r0["offloads"] == (True, False)
 
 
+def test_profiled_cpu_allocations_report_each_block_and_the_allocators_total():
+    from torch.profiler import ProfilerActivity, profile
+
+    from mesh.private_api import profiled_cpu_allocations
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        first = torch.empty(1000, dtype=torch.float32)
+        del first
+        second = torch.empty(3000, dtype=torch.uint8)
+        del second
+    sizes = [nbytes for _, nbytes, _ in profiled_cpu_allocations(prof)]
+    totals = [total for _, _, total in profiled_cpu_allocations(prof)]
+    assert sizes == [4000, -4000, 3000, -3000]
+    # the allocator's running total after each event (blocks of an earlier profile in this process may remain)
+    assert totals == [totals[0], totals[0] - 4000, totals[0] - 1000, totals[0] - 4000] and totals[0] >= 4000
+
+
 def test_memory_snapshot_and_timeline_apis():
     import inspect
 

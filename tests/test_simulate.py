@@ -409,15 +409,25 @@ DENSE_8_REAL = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [DENSE_8_REAL, MOE_8], ids=["dense-pp2-dp2-tp2", "moe-pp2-dp2-tp2-ep2"])
-def test_a_real_eight_rank_run_and_the_simulation_issue_the_same_collectives(argv):
+def test_a_real_eight_rank_run_and_the_simulation_issue_the_same_collectives_and_memory(argv, tmp_path):
     """Per pipeline rank and mesh dim, the simulation's count and bytes against each real rank of that stage (gloo's
     own record; send and recv by the meter, which gloo's recorder leaves out): counts equal, bytes within the issue's
     2%. Expert-parallel bytes against the stage's mean: a backward all-to-all sends what the forward one received,
-    which the real routing decides per rank (the simulation assumes balanced routing; their sum is the same)."""
-    cfg = load_config(argv)
+    which the real routing decides per rank (the simulation assumes balanced routing; their sum is the same).
+
+    And memory, per pipeline rank: the simulated peak of live tensor bytes over the two steps against the real ranks'
+    peaks over the same steps, by the CPU allocator's own record under torch.profiler (``profile.memory_snapshot``;
+    training/simulated_rank.py, ``real_rank``), not the simulation's meter."""
+    cfg = load_config(argv + ["--profile.memory_snapshot", "true", "--run.dir", str(tmp_path)])
     real = run_on_ranks(real_rank, 8, cfg, timeout=900)
+    memory = {}
     for pp_rank in (0, 1):
-        sim = by_dim(in_fresh_process(simulate_rank, cfg, 8, pp_rank, True, False, None, "cpu")["collectives"])
+        simulated = in_fresh_process(simulate_rank, cfg, 8, pp_rank, True, False, None, "cpu")
+        memory[pp_rank] = (
+            simulated["simulated_peak_bytes"],
+            [r["peak_bytes"] for r in real if r["rank"] // 4 == pp_rank],
+        )
+        sim = by_dim(simulated["collectives"])
         stage = [r["collectives"] for r in real if r["rank"] // 4 == pp_rank]
         for ranks in stage:
             assert ranks.keys() == sim.keys()
@@ -425,3 +435,14 @@ def test_a_real_eight_rank_run_and_the_simulation_issue_the_same_collectives(arg
                 got = ranks[dim]["bytes"] if dim != "ep" else sum(r[dim]["bytes"] for r in stage) / len(stage)
                 assert ranks[dim]["count"] == row["count"], (pp_rank, dim)
                 assert got == pytest.approx(row["bytes"], rel=0.02), (pp_rank, dim)
+    # Both count the same storages' bytes (no allocator rounding). A real rank's peak can also hold a few 64 KiB
+    # blocks more, 0 to 4, on a different rank each run (measured; dense rank 4 once 3.7% above), while the same
+    # MoE program with the same real tensors on a fake world, where no collective runs, met the meter to 64 and 32
+    # bytes (pp ranks 0, 1): the real collectives' timing, gloo's worker threads releasing finished buffers after
+    # the wait returns, we believe. That only adds: no real rank may fall below
+    # the simulated peak by more than the issue's 2%, and the stage's least delayed rank must come within 2% of it
+    # (measured: dense 0 to 32 bytes apart; MoE 0.75% and 1.1% above, not yet explained: real routing, perhaps).
+    within = {p: min(real) == pytest.approx(sim, rel=0.02) for p, (sim, real) in memory.items()}
+    for pp_rank, (sim, peaks) in memory.items():
+        assert min(peaks) >= 0.98 * sim, (pp_rank, sim, peaks)
+    assert all(within.values()), memory

@@ -127,7 +127,7 @@ def simulate_rank(
         stack.enter_context(meshes_outside_fake_mode())
         stack.enter_context(eager_functional_collectives())
         stack.enter_context(use_split_sizes(balanced_split_sizes))
-        memory = stack.enter_context(LiveBytes(fake_mode))
+        memory = stack.enter_context(LiveBytes(fake_mode, cpu_casts=device_type == "cpu"))
         stack.enter_context(memory.following_resizes())
         comms = stack.enter_context(Collectives(group_dims(meshes)))
         comms.counting = False
@@ -170,10 +170,16 @@ def real_rank(cfg: Config) -> dict:
     """What ``simulate_rank`` measures, on a real rank of a real process group (tests check the simulation against it):
     the same build and two steps with real tensors and real routing, step 2's collectives per mesh dim as the process
     group itself recorded them (its flight recorder, mesh/private_api.py), not as the simulation's meters see them;
-    send and recv, which gloo does not record, from the meter (a backend that records them, NCCL, is read instead)."""
-    import torch.distributed as dist
+    send and recv, which gloo does not record, from the meter (a backend that records them, NCCL, is read instead).
 
-    from mesh.private_api import flight_recorder_dump
+    With ``profile.memory_snapshot`` also ``peak_bytes``: the peak of live tensor bytes over the two steps, by the
+    CPU allocator's own record of every allocation and free under torch.profiler (``profile_memory``), not the
+    simulation's meter; recorded from the build on, as the simulation meters it, so the tensors the build leaves
+    (the parameters) are counted, and its peak taken from step 1 on."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from mesh.private_api import flight_recorder_dump, profiled_cpu_allocations
     from planning.sim_accounting import Collectives, recorded_collectives
     from training.build import build_meshes, build_step
 
@@ -181,14 +187,25 @@ def real_rank(cfg: Config) -> dict:
     plan = LayoutPlan.resolve(cfg, world_size, rank=rank, device_type="cpu")
     device = torch.device("cpu")
     meshes = build_meshes(plan, device, cfg.parallel.collective_timeout_s)
-    torch.manual_seed(cfg.training.seed)
-    step = build_step(cfg, plan, meshes, device, SimulatedLoader(plan))
-    names = group_dims(meshes)
-    point_to_point = Collectives(names)  # gloo's flight recorder leaves send and recv out: counted by the meter
-    training_step(step, 1)
-    last = max((e["record_id"] for e in flight_recorder_dump()["entries"]), default=-1)
-    with point_to_point:
-        training_step(step, 2)
+    # only allocations: record_shapes (the memory timeline's categories) holds references that fail the build
+    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    profiler = profiler if cfg.profile.memory_snapshot else contextlib.nullcontext()
+    with profiler:
+        torch.manual_seed(cfg.training.seed)
+        step = build_step(cfg, plan, meshes, device, SimulatedLoader(plan))
+        names = group_dims(meshes)
+        point_to_point = Collectives(names)  # gloo's flight recorder leaves send and recv out: counted by the meter
+        steps_from = time.time_ns()  # the profiler's clock: nanoseconds since the epoch
+        training_step(step, 1)
+        last = max((e["record_id"] for e in flight_recorder_dump()["entries"]), default=-1)
+        with point_to_point:
+            training_step(step, 2)
+    memory = {}
+    if cfg.profile.memory_snapshot:
+        allocations = profiled_cpu_allocations(profiler)
+        _, first, total = allocations[0]
+        before = total - first  # the allocator's blocks of an earlier profile in this process, still alive
+        memory = {"peak_bytes": max(total for t, _, total in allocations if t >= steps_from) - before}
     entries = [e for e in flight_recorder_dump()["entries"] if e["record_id"] > last]
     collectives = recorded_collectives(entries, names)
     for row in point_to_point.table():
@@ -196,4 +213,4 @@ def real_rank(cfg: Config) -> dict:
             into = collectives.setdefault(row["dim"], {"count": 0, "bytes": 0})
             into["count"] += row["count"]
             into["bytes"] += row["bytes"]
-    return {"rank": rank, "stages": list(plan.stage_ids), "collectives": collectives}
+    return {"rank": rank, "stages": list(plan.stage_ids), "collectives": collectives, **memory}
