@@ -102,6 +102,14 @@ def scope(lines: list[str], whole: bool = False) -> list[bool]:
     return inside
 
 
+def quoted_in(quote: str, paragraph: str) -> list[int]:
+    """Where a check marker's ``quote`` stands in its paragraph as a whole number: not inside a longer one (a
+    check of "4" does not cover the 4 in "1.45", "14" or "4e-3"); a unit after it is the quote's own ("853,120
+    parameters" under a check of 853,120)."""
+    pattern = rf"(?<![\w.,])(?<!e[-+]){re.escape(quote)}(?!\d|[.,]\d|e[-+]?\d)"
+    return [m.start() for m in re.finditer(pattern, paragraph)]
+
+
 def masked(text: str) -> str:
     """The text with everything a test regenerates, or that is not prose, replaced by spaces."""
     lines = text.split("\n")
@@ -128,8 +136,7 @@ def masked(text: str) -> str:
     for match in reversed(list(CHECK.finditer(text))):  # a check marker's quote, in the paragraph it closes
         start = text.rfind("\n\n", 0, match.start()) + 1
         quote = match["quote"].strip()
-        paragraph = text[start : match.start()]
-        for q in reversed([m.start() for m in re.finditer(re.escape(quote), paragraph)]):
+        for q in reversed(quoted_in(quote, text[start : match.start()])):
             text = blank(text, start + q, start + q + len(quote))
     for pattern in (r"<!--.*?-->", r"`[^`\n]*`", r"\]\([^)\s]*\)", r"<[^>\n]*>", r"https?://\S+"):
         for match in reversed(list(re.finditer(pattern, text, re.S))):

@@ -678,6 +678,16 @@ def test_the_lint_finds_a_bare_number_and_spares_what_a_test_regenerates():
     ]
 
 
+def test_a_check_covers_its_quote_as_a_whole_number_only():
+    # A check of "0.5" once blanked the "0.5" inside "0.5554", so that number escaped the lint.
+    from docs.unmarked import findings
+
+    text = "Keeps 0.5554 not 0.5, 14 GB, 4e-3 and 3.5h. <!-- check 0.5: 1 / 2 --> <!-- check 4: 2 * 2 -->\n"
+    assert [f.number for f in findings("x.md", text)] == ["0.5554", "14 GB", "4e-3", "3.5"]
+    covered = "Keeps 0.5554 and 3.5h, 853,120 parameters. <!-- check 0.5554: 1 --> <!-- check 3.5: 1 -->"
+    assert findings("x.md", covered + " <!-- check 853,120: 1 -->\n") == []
+
+
 def test_the_lint_reads_versions_after_their_words_durations_and_all_of_readme():
     from docs.unmarked import findings
 
