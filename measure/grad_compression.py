@@ -1,7 +1,7 @@
 """Gradient compression measured: bytes per step and the loss gap to exact reduction.
 
-    .venv/bin/python -m measure.grad_compression               # 300 steps x 4 variants, a few minutes
-    .venv/bin/python -m measure.grad_compression --steps 100   # quicker
+    .venv/bin/python -m measure.grad_compression               # 300 steps x 6 variants
+    .venv/bin/python -m measure.grad_compression --steps 100   # a third of that: docs/dp_savers.md's table
     .venv/bin/python -m measure.grad_compression --links       # the bandwidth arithmetic only (no training)
 
 The embedded default run (the debug model, Ψ = 853,120) on a pure data-parallel layout of 2 gloo ranks
