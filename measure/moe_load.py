@@ -2,13 +2,15 @@
 
     python -m measure.moe_load [--steps 40] [--aux-coef 0.01] [--bias-rate 0.005] [--runs none,aux,bias]
                              [--out docs/img/moe_load.svg]
+    python -m measure.moe_load --runs bias --bias-rate 0.003,0.01,0.1 --out ''    # a rate scan: one run a rate
 
 Trains configs/debug_moe.toml (8 experts, top-2, 4 MoE layers) on one process, once per balancing scheme,
 from the same initial weights and the same data:
 
 - ``none``: ``model.moe_aux_loss_coef 0`` and ``model.moe_bias_update_rate 0``;
 - ``aux``:  the Switch-style auxiliary loss only (``--aux-coef``);
-- ``bias``: the aux-loss-free expert bias only (``--bias-rate``; it moves each bias by +-rate per step).
+- ``bias``: the aux-loss-free expert bias only (``--bias-rate``; it moves each bias by +-rate per step); several
+  comma-separated rates give one bias run, one table row and one line of the picture each.
 
 Every logged step's record (``run.log_every 1`` here: every step) carries the global tokens per expert of every
 MoE layer (training/step.py reads the load on log steps only); the coefficient of
@@ -31,25 +33,32 @@ from runtime.options import float_option, int_option, list_option, path_option
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "debug_moe.toml"
 COLOURS = {"none": "#d62728", "aux": "#1f77b4", "bias": "#2ca02c"}
+RATE_COLOURS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#ff7f0e")
 TABLE_STEPS = (1, 10, 20, 40)
 
 
 AUX_COEF, BIAS_RATE = 0.01, 0.005  # the balanced runs' defaults (docs/expert_parallel.md, section 5 quotes them)
 
 
-def schemes(aux_coef: float, bias_rate: float) -> dict[str, tuple[str, dict]]:
-    """name -> (legend label, config overrides)."""
-    return {
+def schemes(aux_coef: float, bias_rates: list[float]) -> dict[str, tuple[str, dict]]:
+    """name -> (legend label, config overrides): ``bias`` for one rate, ``bias R`` for each of several."""
+    out = {
         "none": ("no balancing", {"model.moe_aux_loss_coef": 0.0, "model.moe_bias_update_rate": 0.0}),
         "aux": (
             f"aux loss, coef {aux_coef:g}",
             {"model.moe_aux_loss_coef": aux_coef, "model.moe_bias_update_rate": 0.0},
         ),
-        "bias": (
-            f"bias, rate {bias_rate:g}",
-            {"model.moe_aux_loss_coef": 0.0, "model.moe_bias_update_rate": bias_rate},
-        ),
     }
+    for rate in bias_rates:
+        name = "bias" if len(bias_rates) == 1 else f"bias {rate:g}"
+        out[name] = (f"bias, rate {rate:g}", {"model.moe_aux_loss_coef": 0.0, "model.moe_bias_update_rate": rate})
+    return out
+
+
+def colours(names: list[str]) -> dict[str, str]:
+    """A line colour per run: the scheme's own, or one per bias rate of a scan."""
+    rates = [n for n in names if n.startswith("bias ")]
+    return {n: COLOURS[n] if n in COLOURS else RATE_COLOURS[rates.index(n) % len(RATE_COLOURS)] for n in names}
 
 
 def run(overrides: dict, steps: int, run_dir: str) -> list[dict]:
@@ -123,7 +132,7 @@ def panel(
     for name, values in series.items():
         points = " ".join(f"{px(i + 1):.1f},{py(v):.1f}" for i, v in enumerate(values))
         parts.append(
-            f'<polyline points="{points}" fill="none" stroke="{COLOURS[name]}" stroke-width="2">'
+            f'<polyline points="{points}" fill="none" stroke="{colours(list(series))[name]}" stroke-width="2">'
             f"<title>{labels[name]}</title></polyline>"
         )
     return parts
@@ -165,7 +174,7 @@ def load_svg(records: dict[str, list[dict]], labels: dict[str, str], title: str,
         x = left + i * 260
         parts.append(
             f'<line x1="{x}" y1="{legend_y - 4}" x2="{x + 24}" y2="{legend_y - 4}" '
-            f'stroke="{COLOURS[name]}" stroke-width="3"/>'
+            f'stroke="{colours(list(records))[name]}" stroke-width="3"/>'
         )
         parts.append(f'<text x="{x + 30}" y="{legend_y}">{labels[name]}</text>')
     parts.append("</svg>")
@@ -180,7 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m measure.moe_load", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int_option(ge=1, le=2**31 - 1), default=40)
     parser.add_argument("--aux-coef", type=float_option(ge=0), default=AUX_COEF)
-    parser.add_argument("--bias-rate", type=float_option(ge=0), default=BIAS_RATE)
+    parser.add_argument(
+        "--bias-rate",
+        type=list_option(item=float_option(ge=0)),
+        default=f"{BIAS_RATE:g}",
+        help="the bias run's rate, or comma-separated rates: one bias run each",
+    )
     parser.add_argument(
         "--runs",
         type=list_option(choices=("none", "aux", "bias")),
@@ -199,11 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    table = schemes(args.aux_coef, args.bias_rate)
-    names = [n for n in args.runs.split(",") if n]
-    unknown = set(names) - set(table)
+    rates = [float(r) for r in args.bias_rate.split(",")]
+    if len(set(rates)) < len(rates):
+        parser.error(f"--bias-rate {args.bias_rate} names a rate twice; give each rate once")
+    table = schemes(args.aux_coef, rates)
+    runs = [n for n in args.runs.split(",") if n]
+    unknown = set(runs) - {"none", "aux", "bias"}
     if unknown:
-        parser.error(f"--runs: unknown {sorted(unknown)}; choose from {sorted(table)}")
+        parser.error(f"--runs: unknown {sorted(unknown)}; choose from none, aux, bias")
+    names = list(dict.fromkeys(n for r in runs for n in table if n == r or (r == "bias" and n.startswith("bias"))))
     if args.out:  # the picture is written after minutes of training: its path is checked first
         from runtime.config import ConfigError
         from runtime.options import check_out_folder

@@ -1,7 +1,7 @@
 """Peak memory of ``data.prepare``: one 200 MB line against 200 MB of ordinary lines, JSONL, and one conversation.
 
     .venv/bin/python -m measure.prepare_memory                         # 200 MB files
-    .venv/bin/python -m measure.prepare_memory --mb 50                 # smaller, faster
+    .venv/bin/python -m measure.prepare_memory --mb 2,8                # two sizes: what grows with the file
     .venv/bin/python -m measure.prepare_memory --mb 10 --chat-only     # one 10 MB conversation (--format chat)
 
 1. Train a 4,096-token byte-level BPE (data/train_tokenizer.py) on 20 files of the default corpus.
@@ -16,8 +16,9 @@
 3. For each file, a fresh process runs ``data.prepare.prepare`` with ``workers=1``, so that all the work
    happens in that one process and its peak resident memory (VmHWM of /proc/self/status) is the whole
    cost. It reports that peak, its resident memory after the imports, and the seconds taken.
-4. One row per file: the peak, what preparing added to the imports' memory, that per byte of text, and the
-   time; then the one-line file's added memory over the ordinary lines' one.
+4. One row per file and size (``--mb`` takes several sizes): the peak, what preparing added to the imports'
+   memory, and that per byte of text; then the one-line file's added memory over the ordinary lines' one, and
+   the seconds each file took (apart from the memory: they vary with the machine's load).
 
 All figures come from one run of this script; compare the rows, not absolute numbers across machines.
 """
@@ -32,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from runtime.options import float_option, path_option
+from runtime.options import float_option, list_option, path_option
 
 
 def status_kib() -> dict[str, int]:
@@ -136,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
     parser = argparse.ArgumentParser(prog="python -m measure.prepare_memory", description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--mb", type=float_option(gt=0, le=100_000), default=200.0, help="size of each source file in MB (default 200)"
+        "--mb",
+        type=list_option(item=float_option(gt=0, le=100_000)),
+        default="200",
+        help="size of each source file in MB, or comma-separated sizes: one set of files each (default 200)",
     )
     parser.add_argument("--chat-only", action="store_true", help="only the one-conversation chat file")
     parser.add_argument(
@@ -153,41 +157,61 @@ def main() -> None:
         return
     from data.train_tokenizer import train_bpe
 
-    size = int(opts.mb * 1e6)
+    sizes = [float(mb) for mb in opts.mb.split(",")]
+    if len(set(sizes)) < len(sizes):
+        parser.error(f"--mb {opts.mb} names a size twice; give each size once")
+    rows = {}  # (MB, file name) -> the child's figures
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         tokenizer = train_bpe("default", 4096, folder / "tok", max_files=20)  # step 1
-        files = {} if opts.chat_only else write_sources(folder, size)
-        files["conversation.jsonl"] = write_conversation(folder, size)
-        rows = {}
-        for name, path in files.items():
-            cmd = [
-                sys.executable,
-                "-m",
-                "measure.prepare_memory",
-                "--child",
-                str(path),
-                str(tokenizer),
-                str(folder / f"out-{name}"),
-            ]
-            if name == "conversation.jsonl":
-                cmd[-2] = str(chat_folder(tokenizer))
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        chat_tokenizer = chat_folder(tokenizer)
+        for mb in sizes:
+            here = folder / f"{mb:g}MB"
+            here.mkdir()
+            files = {} if opts.chat_only else write_sources(here, int(mb * 1e6))
+            files["conversation.jsonl"] = write_conversation(here, int(mb * 1e6))
+            for name, path in files.items():
+                spec = chat_tokenizer if name == "conversation.jsonl" else tokenizer
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "measure.prepare_memory",
+                    "--child",
+                    str(path),
+                    str(spec),
+                    str(here / f"out-{name}"),
+                ]
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                rows[mb, name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print_table(rows, sizes, opts.chat_only)
+
+
+def print_table(rows: dict[tuple[float, str], dict], sizes: list[float], chat_only: bool) -> None:
+    """Step 4."""
     mib = 1024
-    print(f"data.prepare, one process (workers=1), the 4,096-token BPE; files of {opts.mb:g} MB")
     print(
-        f"{'file':>16} {'tokens':>12} {'after imports':>14} {'peak':>9} {'added':>9} {'added/byte':>11} {'seconds':>8}"
+        "data.prepare, one process (workers=1), the 4,096-token BPE; files of "
+        + ", ".join(f"{mb:g}" for mb in sizes)
+        + " MB"
     )
-    for name, r in rows.items():
+    print(f"{'MB':>6} {'file':>18} {'tokens':>12} {'after imports':>14} {'peak':>9} {'added':>9} {'added/byte':>11}")
+    names = list(dict.fromkeys(name for _, name in rows))
+    for name, mb in ((name, mb) for name in names for mb in sizes):  # one file's sizes side by side
+        r = rows[mb, name]
         added = (r["peak_kib"] - r["imports_kib"]) * 1024
         print(
-            f"{name:>16} {r['tokens']:>12,} {r['imports_kib'] / mib:>10.0f} MiB {r['peak_kib'] / mib:>5.0f} MiB "
-            f"{added / 2**20:>5.0f} MiB {added / size:>9.2f} B {r['seconds']:>8.1f}"
+            f"{mb:>6g} {name:>18} {r['tokens']:>12,} {r['imports_kib'] / mib:>10.0f} MiB {r['peak_kib'] / mib:>5.0f} MiB "
+            f"{added / 2**20:>5.0f} MiB {added / (mb * 1e6):>9.2f} B"
         )
-    if not opts.chat_only:
-        one, lines = (rows[n]["peak_kib"] - rows[n]["imports_kib"] for n in ("one-line.txt", "lines.txt"))
-        print(f"one line vs ordinary lines: {one / max(lines, 1):.2f}x the memory added")
+    if not chat_only:
+        ratios = []
+        for mb in sizes:
+            one, lines = (rows[mb, n]["peak_kib"] - rows[mb, n]["imports_kib"] for n in ("one-line.txt", "lines.txt"))
+            ratios.append(f"{one / max(lines, 1):.2f}x at {mb:g} MB")
+        print("one line vs ordinary lines, the memory added: " + ", ".join(ratios))
+    for mb in sizes:  # timings apart from the memory: they vary with the machine's load
+        took = ", ".join(f"{name} {r['seconds']:.1f}" for (size, name), r in rows.items() if size == mb)
+        print(f"seconds at {mb:g} MB: {took}")
 
 
 if __name__ == "__main__":
