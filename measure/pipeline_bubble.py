@@ -1,6 +1,7 @@
 """Every pipeline schedule side by side: measured idle fraction vs the textbook bubble, and a timeline each.
 
     python -m measure.pipeline_bubble [--pp 2] [--microbatches 4] [--out docs/img] [--details]
+    python -m measure.pipeline_bubble --out ''       # no pictures: the table only (the docs leg's rerun)
 
 Runs one short training (3 steps) per schedule on ``pp`` gloo ranks with ``run.pp_timeline true`` and reports
 the last step: the idle fraction against the textbook prediction and the idealized run of the same schedule
@@ -57,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m measure.pipeline_bubble", description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int_option(ge=1, le=MAX_LOCAL_RANKS), default=2)
     parser.add_argument("--microbatches", type=int_option(ge=1, le=2**31 - 1), default=4)
-    parser.add_argument("--out", type=path_option(), default=str(ROOT / "docs" / "img"))
+    parser.add_argument(
+        "--out",
+        type=path_option(required=False),
+        default=str(ROOT / "docs" / "img"),
+        help="folder for the timelines; '' draws none (the docs leg's rerun leaves docs/img as committed)",
+    )
     parser.add_argument("--details", action="store_true", help="per-rank F/B/I/W/idle seconds of the last step")
     return parser
 
@@ -77,10 +83,11 @@ def main(argv: list[str] | None = None) -> None:
         problem = refusal(schedule_overrides(schedule, args.pp, args.microbatches, "unused"), args.pp)
         if problem:
             parser.error(f"--pp {args.pp} --microbatches {args.microbatches} ({schedule}): {problem}")
-    out = Path(args.out)
+    out = Path(args.out) if args.out else None
     try:
-        check_out_folder(out, "--out")
-        out.mkdir(parents=True, exist_ok=True)
+        if out is not None:
+            check_out_folder(out, "--out")
+            out.mkdir(parents=True, exist_ok=True)
     except (ConfigError, OSError) as err:
         parser.error(
             str(err) if isinstance(err, ConfigError) else f"--out {out}: {err.strerror}; pass a folder you can write"
@@ -94,8 +101,9 @@ def main(argv: list[str] | None = None) -> None:
             run_on_ranks(run_schedule, args.pp, schedule, args.pp, args.microbatches, run_dir, timeout=600)
             summary = json.loads((Path(run_dir) / "pipeline_bubble.json").read_text())
             records = read_metrics(run_dir)
-            picture = out / f"pp{args.pp}_m{args.microbatches}_{schedule}.svg"
-            shutil.copy(Path(run_dir) / "pipeline_timeline.svg", picture)
+            picture = out / f"pp{args.pp}_m{args.microbatches}_{schedule}.svg" if out else None
+            if picture is not None:
+                shutil.copy(Path(run_dir) / "pipeline_timeline.svg", picture)
         predicted = summary["predicted_idle_fraction"]
         shown = "n/a" if predicted is None else f"{predicted:.1%}"
         ideal = pipeline_ideal(schedule, args.pp, args.microbatches)["idle"]
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{schedule:<22} {summary['stages_per_rank']:>11} {shown:>10} {ideal:>10.1%} "
             f"{summary['measured_idle_fraction']:>9.1%}  {losses:<26} "
-            f"{picture.relative_to(ROOT) if picture.is_relative_to(ROOT) else picture}",
+            f"{'-' if picture is None else picture.relative_to(ROOT) if picture.is_relative_to(ROOT) else picture}",
             flush=True,
         )
         if args.details:

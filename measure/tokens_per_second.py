@@ -107,8 +107,16 @@ LAYOUTS: dict[str, tuple[int, str, dict]] = {
 }
 DEFAULT = ("plain", "one", "one-ac", "fsdp2", "tp2", "fsdp2xtp2")
 COMPILE_SET = ("one-ac", "fsdp2", "tp2", "fsdp2xtp2", "moe-ep2", "cp2")  # --compile without --layouts
-# What each layout is compared with (others: one-ac, one process with the same selective AC)
-BASELINE = {"one": "plain", "tp2-noac": "one", "tp2-rg": "tp2-noac", "moe-tp2": "moe-one", "moe-ep2": "moe-one"}
+# What each layout is compared with
+# (others: one-ac, one process with the same selective AC; moe-one, the MoE model, has none in the dense runs)
+BASELINE = {
+    "one": "plain",
+    "tp2-noac": "one",
+    "tp2-rg": "tp2-noac",
+    "moe-one": None,
+    "moe-tp2": "moe-one",
+    "moe-ep2": "moe-one",
+}
 
 
 # ---- rank bodies -------------------------------------------------------------------------------------------

@@ -14,7 +14,16 @@
    lines, numbers within X relative), ``atol=X`` (numbers within X absolute: counts stay exact while round-off
    errors of about 1e-7 may differ between CPUs), ``shape`` (the same lines with every number blanked: timings on shared CPU
    cores vary by up to 1.6x from one minute to the next, so only the text around them is pinned) or
-   ``not rerun: why``. A block introduced as a bench's output without a marker fails. The fast benches are
+   ``not rerun: why``. After the mode, clauses separated by ``; `` state what a timed block teaches
+   (``shape; tp2[3] >= 1.15; either: yes / NO``):
+
+   - a **bound** ``A OP B`` (OP one of ``>= <= > <``; A and B each a number, ``LABEL[K]`` or ``X * LABEL[K]``):
+     ``LABEL[K]`` is the K-th number (from 1) of the one printed line that starts with LABEL and a space;
+     the rerun's numbers must satisfy it, and so must the block's own (test_every_bound_holds_on_its_block);
+   - ``either: A / B / ...``: words that may stand in each other's place (a verdict that a threshold near the
+     measured value flips with the load); each bound says what about them is robust.
+
+   A block introduced as a bench's output without a marker fails. The fast benches are
    re-run in the default suite; the rest under ``pytest -m slow`` (test_every_marked_bench_still_prints_what_
    the_chapter_quotes).
 4. **The reading order.** README's "Start here" table lists every chapter, in the order of their numbers, each
@@ -209,7 +218,8 @@ def test_every_code_pointer_names_a_file_and_a_name_defined_in_it():
 
 # ---- 3. bench numbers --------------------------------------------------------------------------------------
 
-MARKER = re.compile(r"^<!-- bench: (?P<command>[^|]+?) \| (?P<mode>exact|shape|[ar]tol=[\d.e-]+|not rerun: .+) -->$")
+MODE = r"(?P<mode>(?:exact|shape|[ar]tol=[\d.e-]+)(?:; [^;]+?)*|not rerun: .+)"
+MARKER = re.compile(rf"^<!-- bench: (?P<command>[^|]+?) \| {MODE} -->$")
 FENCE = re.compile(r"^```")
 # numbers as benches print them: 1,706,240  0.5499  -0.7%  2.4e-06  1.0x  0.14s  67.1 MB (a unit may follow)
 NUM = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?(?=(?:x|s|ms|%|[KMGT]?B)?(?![\w]))")
@@ -227,8 +237,17 @@ FAST = {  # re-run in the default suite: seconds each
 class Quoted:
     where: str
     command: str
-    mode: str
+    mode: str  # exact, shape, rtol=X, atol=X or 'not rerun: why'; a marker's clauses are split off into
     lines: list[str]
+    clauses: tuple[str, ...] = ()  # its bounds and either: lists (module docstring, section 3)
+
+    @classmethod
+    def marked(cls, where: str, command: str, mode: str, lines: list[str]) -> Quoted:
+        """From a marker's mode text: 'shape; a[1] >= 2; either: x / y' -> mode 'shape' and two clauses."""
+        if mode.startswith("not rerun"):
+            return cls(where, command, mode, lines)
+        first, *clauses = mode.split("; ")
+        return cls(where, command, first, lines, tuple(c.strip() for c in clauses))
 
 
 def blocks(text: str) -> list[tuple[int, list[str]]]:
@@ -255,7 +274,7 @@ def quoted_outputs(path: Path) -> tuple[list[Quoted], list[str]]:
         marker = MARKER.match(line)
         if marker and i + 1 < len(lines) and lines[i + 1].startswith("|"):
             table = list(itertools.takewhile(lambda row: row.startswith("|"), lines[i + 1 :]))
-            marked.append(Quoted(f"{path.name}:{i + 1}", marker["command"].strip(), marker["mode"], table))
+            marked.append(Quoted.marked(f"{path.name}:{i + 1}", marker["command"].strip(), marker["mode"], table))
             if not marker["mode"].startswith("not rerun"):
                 unmarked.append(f"{path.name}:{i + 1}: a table's marker must say 'not rerun: why'")
     for start, body in blocks(text):
@@ -263,7 +282,7 @@ def quoted_outputs(path: Path) -> tuple[list[Quoted], list[str]]:
         marker = MARKER.match(before[-1]) if before else None
         where = f"{path.name}:{start + 1}"
         if marker:
-            marked.append(Quoted(where, marker["command"].strip(), marker["mode"], body))
+            marked.append(Quoted.marked(where, marker["command"].strip(), marker["mode"], body))
             continue
         intro = " ".join(lines[max(0, start - 4) : start])
         commands_only = all(
@@ -283,7 +302,9 @@ def all_quoted() -> list[Quoted]:
 
 
 def skeleton(line: str) -> str:
-    return " ".join(NUM.sub("#", line).split())
+    """The line with every number blanked; a number padded to its width inside brackets, '( 5.7%)', reads as
+    '(15.0%)' does."""
+    return re.sub(r"([(\[])\s+#", r"\1#", " ".join(NUM.sub("#", line).split()))
 
 
 def normalized(line: str) -> str:
@@ -321,14 +342,70 @@ def same_line(mode: str, quoted: str, produced: str) -> bool:
     return same_text and not (mode.startswith(("rtol=", "atol=")) and beyond(mode, quoted, produced))
 
 
+BOUND = re.compile(r"^(?P<left>.+?)\s*(?P<op>>=|<=|>|<)\s*(?P<right>.+)$")
+TERM = re.compile(r"^(?:(?P<factor>[-+]?[\d.]+(?:e[-+]?\d+)?)\s*\*\s*)?(?P<label>.+?)\[(?P<k>\d+)\]$")
+OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, "<": lambda a, b: a < b}
+
+
+def either_lists(clauses: tuple[str, ...]) -> list[list[str]]:
+    return [[w.strip() for w in c[len("either:") :].split(" / ")] for c in clauses if c.startswith("either:")]
+
+
+def interchangeable(line: str, lists: list[list[str]]) -> str:
+    """The line with each word of an either: list (longest first, whole words) replaced by the list's token."""
+    for n, words in enumerate(lists):
+        for word in sorted(words, key=len, reverse=True):
+            line = re.sub(rf"(?<!\w){re.escape(word)}(?!\w)", f"<either{n}>", line)
+    return line
+
+
+def term_value(term: str, lines: list[str]) -> tuple[float | None, str]:
+    """A bound's term read off ``lines``: (value, '') or (None, why not)."""
+    term = term.strip()
+    if re.fullmatch(r"[-+]?[\d.]+(?:e[-+]?\d+)?", term):
+        return float(term), ""
+    m = TERM.match(term)
+    if not m:
+        return None, f"{term!r} is neither a number nor LABEL[K]"
+    label = normalized(m["label"])
+    rows = [line for line in lines if normalized(line) == label or normalized(line).startswith(label + " ")]
+    if len(rows) != 1:
+        return None, f"{len(rows)} printed lines start with {label!r} (a bound names exactly one)"
+    numbers = NUM.findall(rows[0])
+    k = int(m["k"])
+    if not 1 <= k <= len(numbers):
+        return None, f"{rows[0].strip()!r} has no number {k}"
+    return float(m["factor"] or 1) * float(numbers[k - 1].replace(",", "")), ""
+
+
+def bound_errors(clauses: tuple[str, ...], output: str) -> list[str]:
+    """The bounds among a marker's clauses that ``output`` breaks (or names no number for)."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    errors = []
+    for clause in clauses:
+        if clause.startswith("either:"):
+            continue
+        m = BOUND.match(clause)
+        if not m:
+            errors.append(f"{clause!r}: not a bound (A >= B) nor an either: list")
+            continue
+        (left, why_left), (right, why_right) = term_value(m["left"], lines), term_value(m["right"], lines)
+        if left is None or right is None:
+            errors.append(f"bound {clause!r}: {why_left or why_right}")
+        elif not OPS[m["op"]](left, right):
+            errors.append(f"bound {clause!r} broken: {left:g} {m['op']} {right:g} is false")
+    return errors
+
+
 def mismatches(quoted: Quoted, output: str) -> list[str]:
-    """Quoted lines that do not appear, in order, in the command's output under the marker's rule. Under a
-    tolerance a quoted line matches the first line of the same text whose numbers are within it, so that
-    '--- rank 2 ---' is not taken for '--- rank 1 ---'."""
-    produced = [line for line in output.splitlines() if line.strip()]
+    """Quoted lines that do not appear, in order, in the command's output under the marker's rule, and the
+    marker's bounds that the output breaks. Under a tolerance a quoted line matches the first line of the same
+    text whose numbers are within it, so that '--- rank 2 ---' is not taken for '--- rank 1 ---'."""
+    lists = either_lists(quoted.clauses)
+    produced = [interchangeable(line, lists) for line in output.splitlines() if line.strip()]
     tolerant = quoted.mode.startswith(("rtol=", "atol="))
-    errors, i = [], 0
-    for line in quoted_lines(quoted.lines):
+    errors, i = bound_errors(quoted.clauses, output), 0
+    for line in (interchangeable(line, lists) for line in quoted_lines(quoted.lines)):
         j = i
         while j < len(produced) and not same_line(quoted.mode, line, produced[j]):
             j += 1
@@ -381,6 +458,7 @@ def test_the_bench_comparison_fails_on_a_changed_number():
     shaped = Quoted("x.md:1", "python -m measure.x", "shape", ["tok/s 2,714 ratio 1.851x 0.14s"])
     assert mismatches(shaped, "tok/s 2,093 ratio 1.412x 0.9s\n") == []
     assert mismatches(shaped, "tok/s 2,093 ratio 1.412x\n") != []
+    assert mismatches(Quoted("x.md:1", "m", "shape", ["other 25.1 (15.0%)"]), "other 9.1 ( 5.0%)\n") == []
     loose = Quoted("x.md:1", "python -m measure.x", "rtol=0.01", ["size 247,890 bytes"])
     assert mismatches(loose, "size 247,902 bytes\n") == [] and mismatches(loose, "size 250,902 bytes\n") != []
     rounded = Quoted("x.md:1", "python -m measure.x", "atol=1e-6", ["{'rows': 8, 'error': 2.384185791015625e-07}"])
@@ -388,6 +466,37 @@ def test_the_bench_comparison_fails_on_a_changed_number():
     assert mismatches(rounded, "{'rows': 9, 'error': 2.384185791015625e-07}\n") != []
     ranks = Quoted("x.md:1", "python -m measure.x", "atol=1e-6", ["--- rank 2 ---", "{'held': 1}"])
     assert mismatches(ranks, "--- rank 1 ---\n{'held': 2}\n--- rank 2 ---\n{'held': 1}\n") == []
+
+
+def test_a_bound_fails_on_an_output_that_breaks_it():
+    marker = "<!-- bench: python -m measure.x | shape; tp2[3] >= 1.15; tp2[2] <= 0.9 * fsdp2[2]; either: yes / NO -->"
+    parsed = MARKER.match(marker)
+    q = Quoted.marked(
+        "x.md:1", parsed["command"], parsed["mode"], ["fsdp2  2  2,714  1.851  yes", "tp2  2  2,071  1.412  NO"]
+    )
+    assert (q.mode, q.clauses) == ("shape", ("tp2[3] >= 1.15", "tp2[2] <= 0.9 * fsdp2[2]", "either: yes / NO"))
+    assert mismatches(q, "fsdp2 2 2,093 1.6 NO\ntp2 2 1,500 1.2 yes\n") == []  # timings and verdicts move
+    slower = mismatches(q, "fsdp2 2 2,093 1.6 yes\ntp2 2 1,500 1.1 NO\n")
+    assert slower == ["bound 'tp2[3] >= 1.15' broken: 1.1 >= 1.15 is false"], slower
+    assert mismatches(q, "fsdp2 2 1,600 1.6 yes\ntp2 2 1,500 1.2 NO\n")[0].startswith("bound 'tp2[2] <= 0.9")
+    assert mismatches(q, "fsdp2 2 2,093 1.6 maybe\ntp2 2 1,500 1.2 NO\n") != []  # not in the either: list
+    gone = mismatches(q, "fsdp2 2 2,093 1.6 yes\n")
+    assert any("0 printed lines start with 'tp2'" in e for e in gone), gone
+    twice = Quoted("x.md:1", "python -m measure.x", "shape", ["tp2 1"], ("tp2[1] > 0",))
+    assert "2 printed lines" in mismatches(twice, "tp2 1\ntp2 2\n")[0]
+    assert "has no number 3" in mismatches(Quoted("x.md:1", "m", "shape", ["a 1"], ("a[3] > 0",)), "a 1\n")[0]
+
+
+def test_every_bound_holds_on_its_block():
+    # A marker's bounds state what its block teaches: the chapter's own figures must satisfy them too.
+    from tests.test_docs_printouts import all_printed
+
+    errors = []
+    for q in all_quoted() + all_printed():
+        if q.clauses:
+            errors += [f"{q.where}: {e}" for e in bound_errors(q.clauses, "\n".join(quoted_lines(q.lines)))]
+            errors += [f"{q.where}: {c!r} needs a mode that reruns" for c in q.clauses if q.mode.startswith("not")]
+    assert not errors, "\n".join(errors)
 
 
 def rerun_here(command: str, where: Path, monkeypatch) -> str:
@@ -413,7 +522,7 @@ SLOW = sorted({q.command for q in all_quoted() if not q.mode.startswith("not rer
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", SLOW)
+@pytest.mark.parametrize("command", SLOW, ids=str)  # the whole command, so that -k picks one by any part
 def test_every_marked_bench_still_prints_what_the_chapter_quotes(command):
     # One command at a time (pytest -m slow tests/test_docs.py -k moe_load): the benches take from seconds to
     # a few minutes each, and several spawn gloo ranks.

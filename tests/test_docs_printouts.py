@@ -8,7 +8,7 @@
        <!-- printed: python examples/hello_ranks.py | exact -->
 
    with the same comparison modes as tests/test_docs.py's bench markers (``exact``, ``rtol=X``, ``atol=X``, ``shape``,
-   ``not rerun: why``). The command is re-run from the repository root and every quoted line must appear, in
+   ``not rerun: why``) and the same clauses after them (bounds, ``either:`` lists). The command is re-run from the repository root and every quoted line must appear, in
    order, in what it prints (stdout and stderr together: banners and errors go to stderr). Commands that run
    in seconds on one process are re-run in the default suite (``FAST``); the rest under ``-m slow``.
 3. **One-process reference.** The one-process debug run's losses live in one place,
@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from launch.local_runs import ROOT
-from tests.test_docs import Quoted, mismatches, quoted_lines
+from tests.test_docs import MODE, Quoted, mismatches, quoted_lines
 
 DOCS = ROOT / "docs"
 CHAPTERS = sorted(DOCS.glob("*.md"))
@@ -91,7 +91,7 @@ def test_the_reference_check_fails_on_a_test_that_is_gone():
 
 # ---- 2. printouts ------------------------------------------------------------------------------------------
 
-MARKER = re.compile(r"^<!-- printed: (?P<command>[^|]+?) \| (?P<mode>exact|shape|[ar]tol=[\d.e-]+|not rerun: .+) -->$")
+MARKER = re.compile(rf"^<!-- printed: (?P<command>[^|]+?) \| {MODE} -->$")
 PP4 = (
     "python train.py --dry-run --world-size 4 --config configs/debug.toml --parallel.pp 4 --parallel.dp_shard 1"
     " --model.n_layers 8 --parallel.pp_microbatches 4 --parallel.pp_split memory"
@@ -134,7 +134,7 @@ def printed(path: Path) -> list[Quoted]:
         before = [line.strip() for line in lines[max(0, start - 3) : start] if line.strip()]
         marker = MARKER.match(before[-1]) if before else None
         if marker:
-            out.append(Quoted(f"{path.name}:{start + 1}", marker["command"].strip(), marker["mode"], body))
+            out.append(Quoted.marked(f"{path.name}:{start + 1}", marker["command"].strip(), marker["mode"], body))
     return out
 
 
@@ -184,7 +184,7 @@ SLOW = sorted({q.command for q in all_printed() if not q.mode.startswith("not re
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", SLOW)
+@pytest.mark.parametrize("command", SLOW, ids=str)  # the whole command, so that -k picks one by any part
 def test_every_marked_printout_still_reads_as_the_chapter_quotes(command):
     output = run(command)
     errors = [f"{q.where}: {e}" for q in all_printed() if q.command == command for e in mismatches(q, output)]
