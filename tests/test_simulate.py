@@ -435,14 +435,12 @@ def test_a_real_eight_rank_run_and_the_simulation_issue_the_same_collectives_and
                 got = ranks[dim]["bytes"] if dim != "ep" else sum(r[dim]["bytes"] for r in stage) / len(stage)
                 assert ranks[dim]["count"] == row["count"], (pp_rank, dim)
                 assert got == pytest.approx(row["bytes"], rel=0.02), (pp_rank, dim)
-    # Both count the same storages' bytes (no allocator rounding). A real rank's peak can also hold a few 64 KiB
-    # blocks more, 0 to 4, on a different rank each run (measured; dense rank 4 once 3.7% above), while the same
-    # MoE program with the same real tensors on a fake world, where no collective runs, met the meter to 64 and 32
-    # bytes (pp ranks 0, 1): the real collectives' timing, gloo's worker threads releasing finished buffers after
-    # the wait returns, we believe. That only adds: no real rank may fall below
-    # the simulated peak by more than the issue's 2%, and the stage's least delayed rank must come within 2% of it
-    # (measured: dense 0 to 32 bytes apart; MoE 0.75% and 1.1% above, not yet explained: real routing, perhaps).
-    within = {p: min(real) == pytest.approx(sim, rel=0.02) for p, (sim, real) in memory.items()}
+    # Both count the same storages' bytes (no allocator rounding). Each real rank's peak, every rank of the stage,
+    # within the issue's 2% of the simulated one. Two things would put single ranks above it: a collective's buffer
+    # freed on one of gloo's worker threads, which the allocator's total does not subtract unless told to count every
+    # thread (real_rank, mesh/private_api.py), and the sends an interleaved pipeline keeps alive until the step's end,
+    # which the fake world's Work does not hold unless told to (planning/sim_accounting.py). Measured with both: every
+    # rank of a stage at the same bytes, at most 32 from the simulation (dense and MoE).
+    assert all(r["counts_every_thread"] for r in real)
     for pp_rank, (sim, peaks) in memory.items():
-        assert min(peaks) >= 0.98 * sim, (pp_rank, sim, peaks)
-    assert all(within.values()), memory
+        assert peaks == [pytest.approx(sim, rel=0.02)] * len(peaks), (pp_rank, sim, peaks)
