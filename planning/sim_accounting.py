@@ -18,9 +18,6 @@
    On a CPU (``cpu_casts``) a pointwise op whose inputs differ in dtype also holds, while it runs, a copy of each
    input in the common dtype: CPU's TensorIterator casts them into temporaries before the kernel (CUDA casts inside
    it). Mixed precision makes such ops (an fp32 gradient accumulating a bf16 one); the copy can be the peak's top.
-
-   A sent tensor lives as long as its send's Work (``sends_held_by_their_work``), as on a real backend: torch's
-   pipeline runtime keeps every send's Work until the end of the step, the fake world's Work holds nothing.
 2. ``Collectives`` counts the c10d ops a step issues (they reach the dispatcher with their process group), per
    mesh dim: count, bytes this rank sends or receives (the tensor handed to the collective), and on-the-wire bytes
    for a ring (all-gather and reduce-scatter move (n-1)/n of the full buffer per rank, all-reduce twice that,
@@ -243,38 +240,6 @@ class LiveBytes(TorchDispatchMode):
 _aten = torch.ops.aten
 # ops that mix the vocabulary dim away: what they compute from the logits is no longer logits, whatever its shape
 _MIXING = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.matmul.default}
-
-
-class _SendWork:
-    """A send's Work that keeps the sent tensors alive until it is dropped (``sends_held_by_their_work``)."""
-
-    def __init__(self, work, tensors):
-        self._work, self._tensors = work, tensors
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-@contextlib.contextmanager
-def sends_held_by_their_work():
-    """While open, a ``ProcessGroup.send`` (``dist.isend``, ``dist.send``, a pipeline's P2P) returns a Work that
-    holds the sent tensors until the Work itself is dropped, not merely waited: gloo's send Work holds its tensor so
-    (measured: a real rank of an interleaved pipeline keeps each stage output and input gradient it sent alive
-    until the step's end, where torch's ``_PipelineScheduleRuntime`` drops its list of send Works); the fake world's
-    Work holds nothing, so without this the simulation frees them at once. NCCL's Work stashes the tensor until it
-    is waited, no later (the runtime waits its sends at the step's end too; a 1F1B schedule before its next send)."""
-    from torch.distributed import ProcessGroup
-
-    send = ProcessGroup.send
-
-    def holding(self, tensors, *args, **kwargs):
-        return _SendWork(send(self, tensors, *args, **kwargs), list(tensors))
-
-    ProcessGroup.send = holding
-    try:
-        yield
-    finally:
-        ProcessGroup.send = send
 
 
 def _desugars(types) -> bool:

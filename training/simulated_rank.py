@@ -110,7 +110,7 @@ def simulate_rank(
         own_fake_mode_for_sharding_propagation,
         skip_warm_up_vote,
     )
-    from planning.sim_accounting import Collectives, LiveBytes, sends_held_by_their_work
+    from planning.sim_accounting import Collectives, LiveBytes
     from runtime.command_line import planned_device
     from training.build import build_meshes, build_step
 
@@ -127,7 +127,6 @@ def simulate_rank(
         stack.enter_context(meshes_outside_fake_mode())
         stack.enter_context(eager_functional_collectives())
         stack.enter_context(use_split_sizes(balanced_split_sizes))
-        stack.enter_context(sends_held_by_their_work())
         memory = stack.enter_context(LiveBytes(fake_mode, cpu_casts=device_type == "cpu"))
         stack.enter_context(memory.following_resizes())
         comms = stack.enter_context(Collectives(group_dims(meshes)))
