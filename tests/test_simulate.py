@@ -439,8 +439,8 @@ def test_a_real_eight_rank_run_and_the_simulation_issue_the_same_collectives_and
     # within the issue's 2% of the simulated one. A collective's buffer freed on one of gloo's worker threads would
     # put single ranks above it (by 1.5% to 10%, measured) had the allocator's total not been told to count every
     # thread (real_rank, mesh/private_api.py). Measured so: dense, every rank of a stage at the same bytes, 32 under
-    # the simulation; MoE, 0.75% and 1.08% over it (now and then one rank a 16 or 32 KiB block more, up to 1.05% on
-    # pp rank 0: its real routing, we believe, unconfirmed): the stage outputs and input gradients the schedule has
+    # the simulation; MoE, 0.75% and 1.08% over it (now and then one rank 16 or 32 KiB more, up to 1.05% and 1.24%;
+    # its real routing, we believe, unconfirmed): the stage outputs and input gradients the schedule has
     # sent, which torch's pipeline runtime keeps until the step's end (each send's Work holds its tensor on gloo)
     # while the fake world's Work holds nothing (a Work that holds them brings both stages to 32 bytes).
     assert all(r["counts_every_thread"] for r in real)
