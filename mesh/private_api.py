@@ -53,6 +53,10 @@ The private APIs it wraps, and why no public one serves:
 |                                        | recorded, in order and with its time: the public memory timeline needs |
 |                                        | ``record_shapes``, whose references make the build's ``to_empty`` fail |
 |                                        | (``profiled_cpu_allocations``)                                        |
+| c10's ``FLAGS_caffe2_report_cpu_memory_usage`` (a global in         | the CPU allocator's running total     |
+| libc10, set through ctypes)            | counts a free on a thread the profiler does not follow (gloo's        |
+|                                        | workers): without it that free is lost and the total only grows       |
+|                                        | (``cpu_allocator_counts_every_thread``)                               |
 | ``torch._C._autograd._top_saved_tensors_default_hooks`` | the saved-tensor hooks active now, so that SP's re-gather |
 |                                        | hooks hand every other tensor on to them (mesh/tensor_parallel.py)    |
 | ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU),          | one fused attention kernel call that  |
@@ -528,8 +532,9 @@ def profiled_cpu_allocations(prof) -> list[tuple[int, int, int]]:
     it) of every CPU allocation and free that ``prof`` (a finished ``torch.profiler.profile(profile_memory=True)``)
     recorded, in time order. The CPU allocator reports each one (c10's ``ProfiledCPUMemoryReporter``) with its
     running total of the blocks it has seen allocated since profiling began and not yet freed (a free of an older
-    block is not reported). Read the total, not a sum of the sizes in time order: a free on another thread (gloo's
-    workers) is stamped after the total is updated, so a reallocation of its block can come first in time."""
+    block is not reported, nor one on a thread the profile does not follow: open ``cpu_allocator_counts_every_thread``
+    so that the total still counts it). Read the total, not a sum of the sizes in time order: a free on another
+    profiled thread is stamped after the total is updated, so a reallocation of its block can come first in time."""
     from torch._C._profiler import _EventType
 
     out, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -540,6 +545,35 @@ def profiled_cpu_allocations(prof) -> list[tuple[int, int, int]]:
             fields = node.typed[1]
             out.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
     return sorted(out)
+
+
+@contextlib.contextmanager
+def cpu_allocator_counts_every_thread():
+    """While open, the CPU allocator's running total (``profiled_cpu_allocations``' third field) counts every
+    thread's allocations and frees, not only those of threads a memory profile follows; yields whether it could.
+
+    c10's ``ProfiledCPUMemoryReporter`` updates its total only where ``memoryProfilingEnabled()``, a thread-local
+    answer, or the ``caffe2_report_cpu_memory_usage`` flag holds. A block allocated on a profiled thread and freed
+    on another (gloo's worker threads drop a finished Work, and with it a collective's buffer, when the main thread
+    has already let go of it) is then never subtracted: the total stays higher by that block for the rest of the
+    profile. The flag has no Python setter; it is an exported global of libc10, found by name (absent: False)."""
+    import ctypes
+    import os
+
+    folder = os.path.join(os.path.dirname(torch.__file__), "lib")
+    try:
+        names = ("libc10.so", "libc10.dylib", "c10.dll")
+        library = next(os.path.join(folder, n) for n in names if os.path.exists(os.path.join(folder, n)))
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(library), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (StopIteration, OSError, ValueError):
+        yield False
+        return
+    was = flag.value
+    flag.value = True
+    try:
+        yield True
+    finally:
+        flag.value = was
 
 
 # ---- autograd --------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ If torch renames or changes one of them, this file fails first, naming the API, 
 failing deep inside a collective. Each check exercises the behaviour meshloom depends on, not just the name.
 """
 
+import contextlib
 import datetime
 
 import pytest
@@ -208,6 +209,32 @@ def test_profiled_cpu_allocations_report_each_block_and_the_allocators_total():
     assert sizes == [4000, -4000, 3000, -3000]
     # the allocator's running total after each event (blocks of an earlier profile in this process may remain)
     assert totals == [totals[0], totals[0] - 4000, totals[0] - 1000, totals[0] - 4000] and totals[0] >= 4000
+
+
+def test_the_allocators_total_counts_a_free_on_a_thread_the_profile_does_not_follow():
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from mesh.private_api import cpu_allocator_counts_every_thread, profiled_cpu_allocations
+
+    def totals(every_thread: bool) -> list[int]:
+        held = []
+        counting = cpu_allocator_counts_every_thread() if every_thread else contextlib.nullcontext(True)
+        with counting as counts, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            held.append(torch.empty(1 << 16, dtype=torch.uint8))
+            worker = threading.Thread(target=held.clear)  # as gloo's worker drops a finished Work's buffer
+            worker.start()
+            worker.join()
+            after = torch.empty(1000, dtype=torch.uint8)
+            del after
+        assert counts
+        events = profiled_cpu_allocations(prof)
+        return [total - (events[0][2] - events[0][1]) for _, _, total in events]
+
+    # the worker's free is not an event either way; without the flag the total never subtracts it
+    assert totals(False) == [1 << 16, (1 << 16) + 1000, 1 << 16]
+    assert totals(True) == [1 << 16, 1000, 0]
 
 
 def test_memory_snapshot_and_timeline_apis():

@@ -435,14 +435,14 @@ def test_a_real_eight_rank_run_and_the_simulation_issue_the_same_collectives_and
                 got = ranks[dim]["bytes"] if dim != "ep" else sum(r[dim]["bytes"] for r in stage) / len(stage)
                 assert ranks[dim]["count"] == row["count"], (pp_rank, dim)
                 assert got == pytest.approx(row["bytes"], rel=0.02), (pp_rank, dim)
-    # Both count the same storages' bytes (no allocator rounding). A real rank's peak can also hold a few 64 KiB
-    # blocks more, 0 to 4, on a different rank each run (measured; dense rank 4 once 3.7% above), while the same
-    # MoE program with the same real tensors on a fake world, where no collective runs, met the meter to 64 and 32
-    # bytes (pp ranks 0, 1): the real collectives' timing, gloo's worker threads releasing finished buffers after
-    # the wait returns, we believe. That only adds: no real rank may fall below
-    # the simulated peak by more than the issue's 2%, and the stage's least delayed rank must come within 2% of it
-    # (measured: dense 0 to 32 bytes apart; MoE 0.75% and 1.1% above, not yet explained: real routing, perhaps).
-    within = {p: min(real) == pytest.approx(sim, rel=0.02) for p, (sim, real) in memory.items()}
+    # Both count the same storages' bytes (no allocator rounding). Each real rank's peak, every rank of the stage,
+    # within the issue's 2% of the simulated one. A collective's buffer freed on one of gloo's worker threads would
+    # put single ranks above it (by 1.5% to 10%, measured) had the allocator's total not been told to count every
+    # thread (real_rank, mesh/private_api.py). Measured so: dense, every rank of a stage at the same bytes, 32 under
+    # the simulation; MoE, 0.75% and 1.08% over it (now and then one rank 16 or 32 KiB more, up to 1.05% and 1.24%;
+    # its real routing, we believe, unconfirmed): the stage outputs and input gradients the schedule has
+    # sent, which torch's pipeline runtime keeps until the step's end (each send's Work holds its tensor on gloo)
+    # while the fake world's Work holds nothing (a Work that holds them brings both stages to 32 bytes).
+    assert all(r["counts_every_thread"] for r in real)
     for pp_rank, (sim, peaks) in memory.items():
-        assert min(peaks) >= 0.98 * sim, (pp_rank, sim, peaks)
-    assert all(within.values()), memory
+        assert peaks == [pytest.approx(sim, rel=0.02)] * len(peaks), (pp_rank, sim, peaks)

@@ -179,7 +179,7 @@ def real_rank(cfg: Config) -> dict:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from mesh.private_api import flight_recorder_dump, profiled_cpu_allocations
+    from mesh.private_api import cpu_allocator_counts_every_thread, flight_recorder_dump, profiled_cpu_allocations
     from planning.sim_accounting import Collectives, recorded_collectives
     from training.build import build_meshes, build_step
 
@@ -190,7 +190,10 @@ def real_rank(cfg: Config) -> dict:
     # only allocations: record_shapes (the memory timeline's categories) holds references that fail the build
     profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     profiler = profiler if cfg.profile.memory_snapshot else contextlib.nullcontext()
-    with profiler:
+    # gloo's worker threads free some collectives' buffers (the last reference to a finished Work), threads the
+    # profiler does not follow: without this the allocator's total never subtracts them (mesh/private_api.py)
+    every_thread = cpu_allocator_counts_every_thread() if cfg.profile.memory_snapshot else contextlib.nullcontext()
+    with every_thread as counts_every_thread, profiler:
         torch.manual_seed(cfg.training.seed)
         step = build_step(cfg, plan, meshes, device, SimulatedLoader(plan))
         names = group_dims(meshes)
@@ -205,7 +208,10 @@ def real_rank(cfg: Config) -> dict:
         allocations = profiled_cpu_allocations(profiler)
         _, first, total = allocations[0]
         before = total - first  # the allocator's blocks of an earlier profile in this process, still alive
-        memory = {"peak_bytes": max(total for t, _, total in allocations if t >= steps_from) - before}
+        memory = {
+            "peak_bytes": max(total for t, _, total in allocations if t >= steps_from) - before,
+            "counts_every_thread": counts_every_thread,
+        }
     entries = [e for e in flight_recorder_dump()["entries"] if e["record_id"] > last]
     collectives = recorded_collectives(entries, names)
     for row in point_to_point.table():
