@@ -318,9 +318,9 @@ def test_4d_pipeline_fsdp_tp_ep_matches_one_process(moe_one_process, tmp_path):
     assert [r["expert_load"] for r in run] == [r["expert_load"] for r in moe_one_process]
 
 
-# 8 ranks each compiling every block part: 129-154 CPU-seconds on torch 2.13, 196 on 2.15, 285 on 2.11 (the last two
-# under load ~35), so 1-2.4 minutes of 2 idle cores: the compat legs' one 8-rank compiled mix (tests/test_parity_dp.py
-# says why the dense mixes are not there too).
+# 8 ranks each compiling every block part: 129-154 CPU-seconds on torch 2.13; 181 on 2.11 and 126 on 2.15 with a warm
+# kernel cache and the ISA check skipped (tests/conftest.py; 285 and 196 cold with it). One of the compat legs' two
+# 8-rank compiled mixes: tests/test_parity_dp.py says which dense one joins it and why the other does not.
 @pytest.mark.slow
 @pytest.mark.compat
 @pytest.mark.compiled
