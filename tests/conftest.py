@@ -2,6 +2,11 @@ import os
 
 # One intra-op thread per process: ranks share two cores, and more threads were measured 3-6x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's CPU backend checks, once per process, that each vector ISA /proc/cpuinfo reports builds and loads: six
+# `python -c "import torch ..."` children per rank, 11-12 CPU-seconds on torch 2.11's wheel, the same on every rank
+# and every run. "1" trusts cpuinfo instead; the same ISA is picked (avx512_vnni here on 2.11, 2.13 and 2.15), and
+# one that would not build fails the compile loudly rather than changing a result.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
