@@ -109,7 +109,7 @@ RING_MIX = {
         {"parallel.dp_shard": 2},
         {"parallel.dp_replicate": 2, "parallel.dp_shard": 2},
         # 8 ranks: HSDP over TP with SP, each block's weights 2-D (dp_shard x tp) and replicated over dp_replicate
-        {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.tp": 2},
+        pytest.param({"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.tp": 2}, marks=pytest.mark.compat),
         # 8 ranks: pipeline x ring context parallelism x TP with SP (the ring's attention runs uncompiled inside
         # each compiled block: mesh/context_parallel.py)
         pytest.param(RING_MIX, marks=pytest.mark.compat),
@@ -119,9 +119,8 @@ RING_MIX = {
 # A compilation per rank: 1-2 minutes on 2 ranks. Each rank traces and lowers every graph itself (AOTAutograd's
 # cache is off: mesh/private_api.py). The ring mix cost 158 CPU-seconds on torch 2.11 and 106 on 2.15 (kernel cache
 # warm, the ISA check skipped: tests/conftest.py), 109 on 2.13 cold; hsdp2x2xtp2 123 on 2.13, 139 on 2.15 and 272
-# on 2.11 (with the ISA check). The compat legs run the ring mix (their only compiled CP) beside
-# tests/test_expert_parallel.py's 4D MoE mix: ~340 CPU-seconds together on 2.11, about 2.8 minutes of 2 idle cores.
-# hsdp2x2xtp2 would add over a minute more there, past the legs' budget: slow-only, with the 2- and 4-rank layouts.
+# on 2.11 (with the ISA check). The compat legs run both 8-rank mixes (their only compiled CP and HSDP) beside
+# tests/test_expert_parallel.py's 4D MoE mix; the 2- and 4-rank layouts, which those mixes contain, stay slow-only.
 @pytest.mark.slow
 @pytest.mark.compiled
 def test_compiled_blocks_match_one_process(layout, one_process_10_steps, tmp_path):
