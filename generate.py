@@ -35,7 +35,7 @@ import torch
 from data.chat import chat_prompt
 from models.llama import KVCache, Transformer
 from runtime.config import ConfigError
-from runtime.options import float_option, int_option, path_option, text_option
+from runtime.options import count_option, float_option, int_option, path_option, text_option
 
 
 def is_export(path: Path) -> bool:
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--step", type=int_option(ge=0), default=None, help="which step-N of a checkpoint folder (default: newest)"
     )
     parser.add_argument("--prompt", required=True, type=text_option())
-    parser.add_argument("--max-new-tokens", type=int_option(ge=1, le=2**31 - 1), default=200)
+    parser.add_argument("--max-new-tokens", type=count_option(), default=200)
     parser.add_argument("--temperature", type=float_option(ge=0), default=0.8, help="0: greedy")
     parser.add_argument(
         "--top-k", type=int_option(ge=0), default=50, help="sample among the k most likely tokens (0: all)"

@@ -57,7 +57,7 @@ from models.presets import PRESETS
 from planning.gpus import PLANNER_GPUS
 from planning.layout import Layout, degrees
 from runtime.config import parse_float, parse_int
-from runtime.options import float_option, int_option, text_option
+from runtime.options import count_option, float_option, text_option
 
 _V = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, max_seq_len=8192)
 MODELS: dict[str, ModelArgs] = {
@@ -437,10 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="h100", choices=list(PLANNER_GPUS))
     p.add_argument(
         "--gpus",
-        type=int_option(ge=1, le=2**31 - 1),
+        type=count_option(),
         help="GPUs to search over (with --layout: checked against the layout)",
     )
-    p.add_argument("--seq-len", type=int_option(ge=1, le=2**31 - 1), default=8192)
+    p.add_argument("--seq-len", type=count_option(), default=8192)
     p.add_argument(
         "--global-batch-tokens",
         type=float_option(ge=1),
@@ -454,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
         "dp_replicate x dp_shard; the planner chooses schedule, v, mb and ac unless given",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per layout")
-    p.add_argument("--top", type=int_option(ge=1, le=2**31 - 1), default=10, help="search: how many layouts to print")
+    p.add_argument("--top", type=count_option(), default=10, help="search: how many layouts to print")
     p.add_argument("--validate", action="store_true", help="the time model beside Megatron-LM's Table 1")
     p.add_argument("--markdown", action="store_true", help="with --validate: the table of docs/combining.md")
     return p

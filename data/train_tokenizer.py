@@ -18,7 +18,7 @@ from pathlib import Path
 from data.prepare import Progress, Utf8, documents, source_files
 from data.tokenizers import import_tokenizers
 from runtime.config import ConfigError
-from runtime.options import int_option, path_option, text_option
+from runtime.options import count_option, path_option, text_option
 
 EOS = "<|endoftext|>"
 
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--source", required=True, type=path_option(), help="a text/JSONL/Parquet file, a folder of them, or 'default'"
     )
-    parser.add_argument("--vocab-size", type=int_option(ge=257, le=2**31 - 1), default=4096)
+    parser.add_argument("--vocab-size", type=count_option(ge=257), default=4096)
     parser.add_argument("--out", required=True, type=path_option(), help="folder for tokenizer.json")
     parser.add_argument(
         "--text-field",

@@ -30,7 +30,7 @@ import statistics
 import tempfile
 import time
 
-from runtime.options import MAX_LOCAL_RANKS, int_option
+from runtime.options import MAX_LOCAL_RANKS, count_option, int_option
 
 SHAPE = {
     "model.dim": 512,
@@ -150,10 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--world", type=int_option(ge=1, le=MAX_LOCAL_RANKS), default=1, help="ranks (fsdp over all of them)"
     )
-    parser.add_argument(
-        "--steps", type=int_option(ge=1, le=2**31 - 1), default=7, help="steps per run (the last step always saves)"
-    )
-    parser.add_argument("--interval", type=int_option(ge=1, le=2**31 - 1), default=2, help="save every N steps")
+    parser.add_argument("--steps", type=count_option(), default=7, help="steps per run (the last step always saves)")
+    parser.add_argument("--interval", type=count_option(), default=2, help="save every N steps")
     parser.add_argument("--gpu", action="store_true", help="train on cuda (one GPU per rank)")
     return parser
 

@@ -22,7 +22,7 @@ import torch
 from measure.saved_bytes import SavedBytes, storage_ptr
 from models import llama
 from models.llama import ModelArgs
-from runtime.options import int_option
+from runtime.options import count_option
 
 ARGS = ModelArgs(dim=256, n_layers=1, n_heads=16, n_kv_heads=4, vocab_size=2048, ffn_dim=768, max_seq_len=512)
 BATCH, SEQ = 8, 512
@@ -42,7 +42,7 @@ def run(attention, x, cos, sin, grouped: bool, saved: SavedBytes | None = None):
 def build_parser() -> argparse.ArgumentParser:
     """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
     parser = argparse.ArgumentParser(prog="python -m measure.attention_gqa", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int_option(ge=1, le=2**31 - 1), default=10)
+    parser.add_argument("--rounds", type=count_option(), default=10)
     return parser
 
 

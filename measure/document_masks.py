@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.options import int_option, path_option
+from runtime.options import count_option, path_option
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a transformers chat model folder (default: SmolLM2, converted)",
     )
     parser.add_argument(
-        "--seq-len", type=int_option(ge=2, le=2**31 - 1), default=256, help="the windows conversations are packed for"
+        "--seq-len", type=count_option(ge=2), default=256, help="the windows conversations are packed for"
     )
     return parser
 

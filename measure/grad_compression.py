@@ -31,7 +31,7 @@ import math
 import tempfile
 
 from measure.grad_traffic import GradientTraffic
-from runtime.options import int_option, list_option
+from runtime.options import count_option, list_option
 
 # 1-bit Adam's exact warm-up, as a share of the run: the paper warms up for 15-25% of its runs; the second
 # variant freezes the variance at half that, while the loss still falls fast.
@@ -218,7 +218,7 @@ def link_table(n: int = 64) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
     parser = argparse.ArgumentParser(prog="python -m measure.grad_compression", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int_option(ge=1, le=2**31 - 1), default=300)
+    parser.add_argument("--steps", type=count_option(), default=300)
     parser.add_argument("--links", action="store_true", help="print the bandwidth arithmetic only")
     parser.add_argument(
         "--variants",

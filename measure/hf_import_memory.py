@@ -30,7 +30,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from runtime.options import int_option
+from runtime.options import count_option
 
 WORLD = 4
 
@@ -99,8 +99,8 @@ def rank_import(folder: str, vocab: int, dim: int, sliced: bool) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
     parser = argparse.ArgumentParser(prog="python -m measure.hf_import_memory", description=__doc__.split("\n")[0])
-    parser.add_argument("--vocab", type=int_option(ge=1, le=2**31 - 1), default=131072)
-    parser.add_argument("--dim", type=int_option(ge=1, le=2**31 - 1), default=512)
+    parser.add_argument("--vocab", type=count_option(), default=131072)
+    parser.add_argument("--dim", type=count_option(), default=512)
     return parser
 
 

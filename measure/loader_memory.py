@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runtime.options import int_option, path_option
+from runtime.options import count_option, path_option
 
 BATCHES, GLOBAL_BATCH, SEQ_LEN = 200, 8, 512
 
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m measure.loader_memory", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--tokens",
-        type=int_option(ge=1, le=2**31 - 1),
+        type=count_option(),
         default=20_000_000,
         help="N: the small file; the large one is 10N",
     )

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from runtime.options import int_option, list_option
+from runtime.options import count_option, list_option
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -108,14 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tokens",
-        type=int_option(ge=1, le=2**31 - 1),
+        type=count_option(),
         default=4096,
         help="routed rows (tokens x top-k) on this device",
     )
-    parser.add_argument("--experts", type=int_option(ge=1, le=2**31 - 1), default=8)
-    parser.add_argument("--dim", type=int_option(ge=1, le=2**31 - 1), default=256)
-    parser.add_argument("--hidden", type=int_option(ge=1, le=2**31 - 1), default=512)
-    parser.add_argument("--rounds", type=int_option(ge=1, le=2**31 - 1), default=5)
+    parser.add_argument("--experts", type=count_option(), default=8)
+    parser.add_argument("--dim", type=count_option(), default=256)
+    parser.add_argument("--hidden", type=count_option(), default=512)
+    parser.add_argument("--rounds", type=count_option(), default=5)
     parser.add_argument("--json", action="store_true")
     return parser
 

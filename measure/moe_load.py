@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from runtime.options import float_option, int_option, list_option, path_option
+from runtime.options import count_option, float_option, list_option, path_option
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "debug_moe.toml"
@@ -187,7 +187,7 @@ def load_svg(records: dict[str, list[dict]], labels: dict[str, str], title: str,
 def build_parser() -> argparse.ArgumentParser:
     """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
     parser = argparse.ArgumentParser(prog="python -m measure.moe_load", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int_option(ge=1, le=2**31 - 1), default=40)
+    parser.add_argument("--steps", type=count_option(), default=40)
     parser.add_argument("--aux-coef", type=float_option(ge=0), default=AUX_COEF)
     parser.add_argument(
         "--bias-rate",

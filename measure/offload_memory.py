@@ -30,7 +30,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from runtime.options import int_option
+from runtime.options import count_option
 
 MODEL = {  # 0.89B parameters: 13.25 GiB of fp32 training state on one rank
     "model.dim": 2048,
@@ -128,12 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m measure.offload_memory", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--steps",
-        type=int_option(ge=2, le=2**31 - 1),
+        type=count_option(ge=2),
         default=3,
         help=">= 2: Adam's moments exist from the second step",
     )
-    parser.add_argument("--seq-len", type=int_option(ge=1, le=2**31 - 1), default=1024)
-    parser.add_argument("--batch", type=int_option(ge=1, le=2**31 - 1), default=2, help="sequences per rank")
+    parser.add_argument("--seq-len", type=count_option(), default=1024)
+    parser.add_argument("--batch", type=count_option(), default=2, help="sequences per rank")
     parser.add_argument("--formula", action="store_true", help="print the formula only")
     return parser
 

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from mesh.pipeline import SCHEDULES
-from runtime.options import MAX_LOCAL_RANKS, int_option, path_option
+from runtime.options import MAX_LOCAL_RANKS, count_option, int_option, path_option
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"model.dim": 256, "model.n_layers": 8, "model.n_heads": 8, "model.n_kv_heads": 4, "training.seq_len": 256}
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The options, each with a checked type (runtime/options.py; tests/test_input_walk.py walks them)."""
     parser = argparse.ArgumentParser(prog="python -m measure.pipeline_bubble", description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int_option(ge=1, le=MAX_LOCAL_RANKS), default=2)
-    parser.add_argument("--microbatches", type=int_option(ge=1, le=2**31 - 1), default=4)
+    parser.add_argument("--microbatches", type=count_option(), default=4)
     parser.add_argument(
         "--out",
         type=path_option(required=False),

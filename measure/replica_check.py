@@ -17,7 +17,7 @@ import argparse
 import statistics
 import tempfile
 
-from runtime.options import int_option
+from runtime.options import count_option
 
 LAYOUT = {"parallel.dp_replicate": 2, "parallel.dp_shard": 1, "parallel.tp": 2}
 WARMUP = 2
@@ -63,13 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--steps", type=int_option(gt=WARMUP, le=2**31 - 1), default=12)
-    parser.add_argument(
-        "--dim", type=int_option(ge=0, le=2**31 - 1), default=0, help="model.dim (0: the debug config's)"
-    )
-    parser.add_argument(
-        "--layers", type=int_option(ge=0, le=2**31 - 1), default=0, help="model.n_layers (0: the debug config's)"
-    )
+    parser.add_argument("--steps", type=count_option(gt=WARMUP), default=12)
+    parser.add_argument("--dim", type=count_option(ge=0), default=0, help="model.dim (0: the debug config's)")
+    parser.add_argument("--layers", type=count_option(ge=0), default=0, help="model.n_layers (0: the debug config's)")
     return parser
 
 

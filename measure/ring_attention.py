@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime.options import MAX_LOCAL_RANKS, int_option, list_option
+from runtime.options import MAX_LOCAL_RANKS, count_option, int_option, list_option
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 1, 8, 2, 64
@@ -175,13 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--lengths",
-        type=list_option(item=int_option(ge=1, le=2**31 - 1)),
+        type=list_option(item=count_option()),
         default="512,1024,2048,4096",
         help="local tokens per rank (s_cp = s/cp), comma-separated",
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
-    parser.add_argument("--repeats", type=int_option(ge=1, le=2**31 - 1), default=3)
+    parser.add_argument("--repeats", type=count_option(), default=3)
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     return parser
 

@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 
 from launch.spawn import RankFailure, run_on_ranks
-from runtime.options import float_option, int_option, list_option, override_option
+from runtime.options import count_option, float_option, list_option, override_option
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.toml")
@@ -405,18 +405,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--rounds",
-        type=int_option(ge=1, le=2**31 - 1),
+        type=count_option(),
         default=2,
         help="interleaved rounds (each runs every layout once)",
     )
-    parser.add_argument("--steps", type=int_option(ge=1, le=2**31 - 1), default=8, help="steps per run")
-    parser.add_argument("--warmup", type=int_option(ge=0, le=2**31 - 1), default=2, help="steps left out of the median")
+    parser.add_argument("--steps", type=count_option(), default=8, help="steps per run")
+    parser.add_argument("--warmup", type=count_option(ge=0), default=2, help="steps left out of the median")
     parser.add_argument("--compile", action="store_true", help="also run each layout with training.compile=true")
     parser.add_argument("--moe", action="store_true", help="also run moe-one and moe-tp2")
     parser.add_argument(
         "--peak-tflops", type=float_option(ge=0), default=0.0, help="peak TFLOP/s of one device: prints MFU"
     )
-    parser.add_argument("--seq-len", type=int_option(ge=1, le=2**31 - 1), default=SHAPE["training.seq_len"])
+    parser.add_argument("--seq-len", type=count_option(), default=SHAPE["training.seq_len"])
     parser.add_argument(
         "--set", type=override_option(), action="append", default=[], help="extra override for every run, key=value"
     )

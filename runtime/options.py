@@ -55,6 +55,12 @@ def int_option(**bounds):
     return _checked("an integer", parse_int, bounds)
 
 
+def count_option(**bounds):
+    """A count (steps, rounds, sizes, ranks): an int within ``bounds`` (``ge``/``gt``, 1 or more unless they say
+    otherwise) and at most 2**31 - 1, the largest that torch and the config's int32 fields take."""
+    return int_option(**({"ge": 1} if not {"ge", "gt"} & bounds.keys() else {}), le=2**31 - 1, **bounds)
+
+
 def float_option(**bounds):
     """A finite fp32 number in ASCII (-0 is 0) within ``bounds``."""
     return _checked("a number", parse_float, bounds)
