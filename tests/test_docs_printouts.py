@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from launch.local_runs import ROOT
-from tests.test_docs import MODE, Quoted, mismatches, quoted_lines
+from tests.test_docs import MODE, Quoted, mismatches, own_block_errors, quoted_lines
 
 DOCS = ROOT / "docs"
 CHAPTERS = sorted(DOCS.glob("*.md"))
@@ -140,6 +140,12 @@ def printed(path: Path) -> list[Quoted]:
 
 def all_printed() -> list[Quoted]:
     return [q for p in CHAPTERS for q in printed(p)]
+
+
+def test_every_bound_holds_on_its_printout():
+    # As for the benches' blocks (tests/test_docs.py): a printout's bounds hold on the chapter's own figures.
+    errors = own_block_errors(all_printed())
+    assert not errors, "\n".join(errors)
 
 
 def sandbox(where: Path) -> Path:
